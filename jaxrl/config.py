@@ -1,0 +1,345 @@
+"""Frozen run configuration: dataclasses, config-file loading, `--set a.b=v` overrides, validation.
+
+A config file is a Python file under `configs/` defining `get_config() -> Config`. Every user mistake
+(unknown field, wrong type, out-of-range value, missing file) raises `ConfigError` with one line that
+names the field or file and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import types
+import typing
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message is one line naming the field."""
+
+
+def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: got {value!r}, expected {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama/Qwen-style decoder. `vocab_size=0` means: take it from the tokenizer."""
+
+    vocab_size: int = 0
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    mlp_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    max_seq_len: int = 64
+    dtype: str = "float32"
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
+            v = getattr(self, name)
+            _check(v > 0, f"{prefix}.{name}", "a positive integer", v)
+        _check(self.vocab_size >= 0, f"{prefix}.vocab_size", "0 (from tokenizer) or a positive integer", self.vocab_size)
+        _check(self.n_heads % self.n_kv_heads == 0, f"{prefix}.n_kv_heads",
+               f"a divisor of n_heads={self.n_heads}", self.n_kv_heads)
+        _check(self.head_dim % 2 == 0, f"{prefix}.head_dim", "an even integer (RoPE rotates pairs)", self.head_dim)
+        _check(self.rope_theta > 0, f"{prefix}.rope_theta", "a positive number", self.rope_theta)
+        _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "'float32' or 'bfloat16'", self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The prompt source. `task` is an embedded TFDS task; its builder caches under `data_dir`."""
+
+    task: str = "arithmetic"
+    digits: int = 2
+    operations: str = "+"
+    num_train: int = 20000
+    num_test: int = 500
+    max_prompt_len: int = 16
+    skip_long_prompts: bool = False
+    data_dir: str = ""  # "" -> $JAXRL_DATA_DIR or ~/.cache/jaxrl/tfds
+    seed: int = 0
+
+    def validate(self, prefix: str = "data") -> None:
+        _check(self.task in ("arithmetic", "countdown"), f"{prefix}.task", "'arithmetic' or 'countdown'", self.task)
+        _check(1 <= self.digits <= 6, f"{prefix}.digits", "an integer in [1, 6]", self.digits)
+        _check(len(self.operations) > 0 and set(self.operations) <= set("+-*"), f"{prefix}.operations",
+               "a non-empty string over '+-*'", self.operations)
+        _check(self.num_train > 0, f"{prefix}.num_train", "a positive integer", self.num_train)
+        _check(self.num_test > 0, f"{prefix}.num_test", "a positive integer", self.num_test)
+        _check(self.max_prompt_len > 0, f"{prefix}.max_prompt_len", "a positive integer", self.max_prompt_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 8
+    prompts_per_step: int = 16
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    def validate(self, prefix: str = "rollout") -> None:
+        _check(self.group_size > 0, f"{prefix}.group_size", "a positive integer", self.group_size)
+        _check(self.prompts_per_step > 0, f"{prefix}.prompts_per_step", "a positive integer", self.prompts_per_step)
+        _check(self.max_new_tokens > 0, f"{prefix}.max_new_tokens", "a positive integer", self.max_new_tokens)
+        _check(self.temperature > 0, f"{prefix}.temperature", "a positive number", self.temperature)
+        _check(self.top_k >= 0, f"{prefix}.top_k", "0 (off) or a positive integer", self.top_k)
+        _check(0 < self.top_p <= 1, f"{prefix}.top_p", "a number in (0, 1]", self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Hyperparameters of the loss preset named by `preset` (see jaxrl.losses.presets)."""
+
+    preset: str = "grpo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_beta: float = 0.0
+    adv_eps: float = 1e-6
+    reward_weights: tuple = (1.0, 0.1)  # one per reward function: (correctness, format)
+
+    def validate(self, prefix: str = "loss") -> None:
+        _check(self.eps_low >= 0, f"{prefix}.eps_low", "a non-negative number", self.eps_low)
+        _check(self.eps_high >= 0, f"{prefix}.eps_high", "a non-negative number", self.eps_high)
+        _check(self.kl_beta >= 0, f"{prefix}.kl_beta", "a non-negative number", self.kl_beta)
+        _check(self.adv_eps > 0, f"{prefix}.adv_eps", "a positive number", self.adv_eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 3e-4
+    warmup_steps: int = 5
+    decay_steps: int = 0  # 0 -> train.steps
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.99
+    grad_clip: float = 1.0
+
+    def validate(self, prefix: str = "optim") -> None:
+        _check(self.learning_rate > 0, f"{prefix}.learning_rate", "a positive number", self.learning_rate)
+        _check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "a non-negative integer", self.warmup_steps)
+        _check(self.decay_steps >= 0, f"{prefix}.decay_steps", "a non-negative integer", self.decay_steps)
+        _check(0 <= self.end_lr_ratio <= 1, f"{prefix}.end_lr_ratio", "a number in [0, 1]", self.end_lr_ratio)
+        _check(self.weight_decay >= 0, f"{prefix}.weight_decay", "a non-negative number", self.weight_decay)
+        _check(0 <= self.b1 < 1, f"{prefix}.b1", "a number in [0, 1)", self.b1)
+        _check(0 <= self.b2 < 1, f"{prefix}.b2", "a number in [0, 1)", self.b2)
+        _check(self.grad_clip > 0, f"{prefix}.grad_clip", "a positive number", self.grad_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start that makes the base policy; cached on disk under `cache_dir`."""
+
+    steps: int = 300
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    cache_dir: str = ""  # "" -> $JAXRL_CACHE_DIR or ~/.cache/jaxrl/warmstart
+
+    def validate(self, prefix: str = "warmstart") -> None:
+        _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer (0 = random init)", self.steps)
+        _check(self.batch_size > 0, f"{prefix}.batch_size", "a positive integer", self.batch_size)
+        _check(self.learning_rate > 0, f"{prefix}.learning_rate", "a positive number", self.learning_rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    ppo_epochs: int = 1
+    microbatches: int = 1
+    eval_every: int = 20
+    eval_prompts: int = 200
+    log_every: int = 1
+    progress: bool = True
+
+    def validate(self, prefix: str = "train") -> None:
+        _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)
+        _check(self.ppo_epochs > 0, f"{prefix}.ppo_epochs", "a positive integer", self.ppo_epochs)
+        _check(self.microbatches > 0, f"{prefix}.microbatches", "a positive integer", self.microbatches)
+        _check(self.eval_every >= 0, f"{prefix}.eval_every", "a non-negative integer (0 = only at the end)", self.eval_every)
+        _check(self.eval_prompts > 0, f"{prefix}.eval_prompts", "a positive integer", self.eval_prompts)
+        _check(self.log_every > 0, f"{prefix}.log_every", "a positive integer", self.log_every)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10
+    keep: int = 3
+    async_save: bool = True
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        _check(self.every >= 0, f"{prefix}.every", "a non-negative integer (0 = only at the end)", self.every)
+        _check(self.keep > 0, f"{prefix}.keep", "a positive integer", self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    preset: str = "single"
+
+    def validate(self, prefix: str = "mesh") -> None:
+        _check(self.preset in ("single", "data"), f"{prefix}.preset", "'single' or 'data'", self.preset)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+        b = self.rollout.prompts_per_step * self.rollout.group_size
+        _check(b % self.train.microbatches == 0, "train.microbatches",
+               f"a divisor of the rollout batch prompts_per_step*group_size={b}", self.train.microbatches)
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides and loading
+
+
+def _type_of(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _parse_value(field: str, text: str, typ) -> Any:
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{field}: got {text!r}, expected a boolean (true/false)")
+    if typ is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{field}: got {text!r}, expected an integer") from None
+    if typ is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{field}: got {text!r}, expected a number") from None
+    if typ is str:
+        return text
+    if typ is tuple or origin is tuple:
+        parts = [p for p in text.strip("()[] ").split(",") if p.strip()]
+        try:
+            return tuple(float(p) for p in parts)
+        except ValueError:
+            raise ConfigError(f"{field}: got {text!r}, expected comma-separated numbers") from None
+    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(typ):
+        if text.strip().lower() in ("none", "null", ""):
+            return None
+        inner = [a for a in typing.get_args(typ) if a is not type(None)][0]
+        return _parse_value(field, text, inner)
+    raise ConfigError(f"{field}: cannot be set from the command line")
+
+
+def _check_type(field: str, value: Any, typ) -> Any:
+    """Accept ints for floats; reject everything else of the wrong type."""
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool):
+        raise ConfigError(f"{field}: got {value!r}, expected a boolean")
+    if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ConfigError(f"{field}: got {value!r}, expected an integer")
+    if typ is float and not isinstance(value, float):
+        raise ConfigError(f"{field}: got {value!r}, expected a number")
+    if typ is str and not isinstance(value, str):
+        raise ConfigError(f"{field}: got {value!r}, expected a string")
+    if typ is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise ConfigError(f"{field}: got {value!r}, expected a tuple")
+        return tuple(value)
+    return value
+
+
+def check_types(cfg: Any, prefix: str = "") -> None:
+    """Walk a (nested) config and reject values of the wrong type, naming the field."""
+    for f in dataclasses.fields(cfg):
+        name = f"{prefix}{f.name}"
+        value = getattr(cfg, f.name)
+        typ = _type_of(type(cfg), f.name)
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, typ):
+                raise ConfigError(f"{name}: got {type(value).__name__}, expected {typ.__name__}")
+            check_types(value, name + ".")
+        else:
+            fixed = _check_type(name, value, typ)
+            if fixed is not value:
+                object.__setattr__(cfg, f.name, fixed)
+
+
+def override(cfg: Any, path: str, value: Any, _prefix: str = "") -> Any:
+    """Return a copy of `cfg` with dotted `path` set to `value` (a string is parsed to the field's type)."""
+    head, _, rest = path.partition(".")
+    full = _prefix + path
+    here = _prefix + head
+    names = [f.name for f in dataclasses.fields(cfg)]
+    if head not in names:
+        raise ConfigError(f"{full}: unknown field {head!r}; allowed: {', '.join(names)}")
+    typ = _type_of(type(cfg), head)
+    if rest:
+        if not dataclasses.is_dataclass(typ):
+            raise ConfigError(f"{full}: {here!r} has no sub-fields")
+        return dataclasses.replace(cfg, **{head: override(getattr(cfg, head), rest, value, here + ".")})
+    if dataclasses.is_dataclass(typ):
+        raise ConfigError(f"{full}: is a section; set one of its fields, e.g. {full}.{dataclasses.fields(typ)[0].name}")
+    if isinstance(value, str):
+        value = _parse_value(full, value, typ)
+    return dataclasses.replace(cfg, **{head: _check_type(full, value, typ)})
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected the form a.b=value")
+        key, value = item.split("=", 1)
+        cfg = override(cfg, key.strip(), value.strip())
+    return cfg
+
+
+def load_config(path: str | pathlib.Path, overrides: Optional[list[str]] = None) -> Config:
+    """Load `get_config()` from a config file, apply `--set` overrides, check types and ranges."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    spec = importlib.util.spec_from_file_location(f"jaxrl_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a broken config file is a user mistake, not a crash
+        raise ConfigError(f"config file {str(path)!r} failed to load: {type(e).__name__}: {e}") from e
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {str(path)!r} defines no get_config()")
+    try:
+        cfg = module.get_config()
+    except TypeError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from e
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"config file {str(path)!r}: get_config() returned {type(cfg).__name__}, expected Config")
+    cfg = apply_overrides(cfg, overrides or [])
+    check_types(cfg)
+    return cfg.validate()
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
