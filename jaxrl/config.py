@@ -60,7 +60,7 @@ class DataConfig:
     task: str = "arithmetic"
     digits: int = 2
     operations: str = "+"
-    num_train: int = 20000
+    num_train: int = 8000
     num_test: int = 500
     max_prompt_len: int = 16
     skip_long_prompts: bool = False
