@@ -1,0 +1,138 @@
+"""Aggregation: how per-token losses become one scalar (the normaliser is the algorithm).
+
+A weights function is `(completion_mask_BxT, max_new_tokens) -> weights_BxT` and is computed ONCE
+on the whole update batch. The loss is then
+
+    loss = sum_{i,t} weights_it * loss_it                       (`weighted_sum`)
+
+and, with microbatches, the sum over microbatches of `weighted_sum` on each slice. Because the
+weights already hold every batch-level normaliser, that sum is exactly the full-batch loss and its
+gradient exactly the full-batch gradient.
+
+"B" in the normalisers below counts LIVE rows (at least one completion token): a row whose mask
+is all 0 (e.g. filtered out by dynamic sampling in a fixed-shape batch) then acts as if removed,
+and seq_mean_token_mean weights sum to 1 like token_mean's. Empty rows get weight 0 and all
+divisions are guarded, so an all-empty batch gives weights 0 (never NaN).
+
+Stats reduction lives here too, as the same two-phase pattern: per-microbatch partial sums that
+merge exactly (`stat_partials`, `merge_stat_partials`), then `finalize_stats`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+WeightsFn = Callable[[jax.Array, int], jax.Array]
+
+# Stats whose min and max are also reported (the rest get only a masked mean).
+EXTREMA = ("ratio",)
+
+
+def _lengths_B(mask_BxT: jax.Array) -> jax.Array:
+    return jnp.sum((mask_BxT > 0).astype(jnp.float32), axis=1)
+
+
+def _live_rows(mask_BxT: jax.Array) -> jax.Array:
+    return jnp.maximum(jnp.sum((_lengths_B(mask_BxT) > 0).astype(jnp.float32)), 1.0)
+
+
+def _mask01(mask_BxT: jax.Array) -> jax.Array:
+    return (mask_BxT > 0).astype(jnp.float32)
+
+
+def seq_mean_token_mean(completion_mask_BxT: jax.Array, max_new_tokens: int = 0) -> jax.Array:
+    """GRPO: mean over sequences of the per-sequence token mean; w_it = m_it / (|y_i| * B)."""
+    del max_new_tokens
+    m_BxT = _mask01(completion_mask_BxT)
+    len_Bx1 = jnp.maximum(_lengths_B(m_BxT), 1.0)[:, None]
+    return m_BxT / (len_Bx1 * _live_rows(m_BxT))
+
+
+def token_mean(completion_mask_BxT: jax.Array, max_new_tokens: int = 0) -> jax.Array:
+    """DAPO / BNPO: every token of the batch weighs the same; w_it = m_it / sum_{j,s} m_js."""
+    del max_new_tokens
+    m_BxT = _mask01(completion_mask_BxT)
+    return m_BxT / jnp.maximum(jnp.sum(m_BxT), 1.0)
+
+
+def seq_mean_token_sum_norm(completion_mask_BxT: jax.Array, max_new_tokens: int) -> jax.Array:
+    """Dr.GRPO: a constant per-token normaliser; w_it = m_it / (B * L_max), L_max = max_new_tokens.
+
+    L_max is the generation limit, not the padded width T, so padding columns change nothing.
+    """
+    if not max_new_tokens or max_new_tokens <= 0:
+        raise ValueError(f"seq_mean_token_sum_norm needs max_new_tokens > 0, got {max_new_tokens!r}")
+    m_BxT = _mask01(completion_mask_BxT)
+    return m_BxT / (_live_rows(m_BxT) * float(max_new_tokens))
+
+
+def weighted_sum(weights_BxT: jax.Array, loss_BxT: jax.Array) -> jax.Array:
+    """The reduction step: sum_{i,t} w_it * l_it. Zero-weight entries contribute exactly 0."""
+    return jnp.sum(jnp.where(weights_BxT != 0, weights_BxT * loss_BxT, 0.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stats: masked means (and min/max for EXTREMA) that are exact under microbatching.
+
+
+def _stat_name(key: str) -> str:
+    for suffix in ("_BxT", "_B"):
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key
+
+
+def stat_partials(stats: Mapping[str, jax.Array], mask_BxT: jax.Array) -> dict:
+    """Per-microbatch partials {name: {"sum", "count"[, "min", "max"]}} from per-token (BxT) or
+    per-sequence (B) stats. Per-sequence stats count live rows only. A pytree: carry it in a scan."""
+    live_BxT = mask_BxT > 0
+    live_B = jnp.any(live_BxT, axis=1)
+    out = {}
+    for key, x in stats.items():
+        live = live_BxT if x.ndim == 2 else live_B
+        x = jax.lax.stop_gradient(x).astype(jnp.float32)
+        part = {"sum": jnp.sum(jnp.where(live, x, 0.0)), "count": jnp.sum(live.astype(jnp.float32))}
+        name = _stat_name(key)
+        if name in EXTREMA:
+            part["min"] = jnp.min(jnp.where(live, x, jnp.inf))
+            part["max"] = jnp.max(jnp.where(live, x, -jnp.inf))
+        out[name] = part
+    return out
+
+
+def merge_stat_partials(a: dict, b: dict) -> dict:
+    """Combine two partials (from two microbatches) exactly: sums add, min/max take min/max."""
+    merged = {}
+    for name in a:
+        pa, pb = a[name], b[name]
+        part = {"sum": pa["sum"] + pb["sum"], "count": pa["count"] + pb["count"]}
+        if "min" in pa:
+            part["min"] = jnp.minimum(pa["min"], pb["min"])
+            part["max"] = jnp.maximum(pa["max"], pb["max"])
+        merged[name] = part
+    return merged
+
+
+def finalize_stats(partials: dict) -> dict:
+    """Scalars: `name` = masked mean, `name_min` / `name_max` for EXTREMA. 0 when nothing was live
+    (a metric of an empty batch is reported as 0, not NaN, so NaN checks stay meaningful)."""
+    out = {}
+    for name, part in partials.items():
+        some = part["count"] > 0
+        out[name] = jnp.where(some, part["sum"] / jnp.maximum(part["count"], 1.0), 0.0)
+        if "min" in part:
+            out[name + "_min"] = jnp.where(some, part["min"], 0.0)
+            out[name + "_max"] = jnp.where(some, part["max"], 0.0)
+    return out
+
+
+def reduce_stats(stats: Mapping[str, jax.Array], mask_BxT: jax.Array) -> dict:
+    """Masked means (and min/max of the ratio) of loss stats; the same metrics for every preset.
+
+    Keys drop the shape suffix: ratio_BxT -> "ratio", "ratio_min", "ratio_max";
+    clipped_low_BxT -> "clipped_low" (fraction of live tokens); kl_BxT -> "kl".
+    """
+    return finalize_stats(stat_partials(stats, mask_BxT))

@@ -1,0 +1,182 @@
+"""Decoder building blocks: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+Shape letters: B batch, T query tokens in this call, S key slots (the cache length, or T when there
+is no cache), D model width, H query heads, K kv heads, R query heads per kv head (H = K*R),
+Hd head dim, F mlp width, L layers (stacked parameters carry a leading `layers` axis).
+
+Every layer takes small typed arguments, never the whole config. Parameters are float32 and carry
+logical axis names; activations run in `dtype`, with softmax and norms accumulated in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import flax.linen as nn
+from flax import struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# (k_LxBxSxKxHd, v_LxBxSxKxHd): the whole stacked cache travels through every block so each layer
+# updates its slice of the one buffer in place instead of the model restacking L copies per step.
+KV = Tuple[jax.Array, jax.Array]
+
+# Finite, so a fully masked query row (a left-padding slot) gets a uniform softmax instead of NaN;
+# such rows are padding whose outputs nobody reads, but NaN would poison gradients.
+_MASKED = -1e30
+
+
+# Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
+_TRUNC_STD = 0.87962566103423978
+
+
+class ScaledParam(nn.LogicallyPartitioned):
+    """A logically partitioned parameter that also records its init rule: `std=None` means ones,
+    otherwise a [-2, 2]-truncated normal with that std. `init_params` reads the rule to draw every
+    parameter from ONE random call: one compiled generator per parameter dominates CPU compile time."""
+
+    std: Optional[float] = struct.field(default=None, pytree_node=False)
+
+
+def init_value(key, shape, std: Optional[float], dtype=jnp.float32) -> jax.Array:
+    if std is None:
+        return jnp.ones(shape, dtype)
+    return jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) * (std / _TRUNC_STD)
+
+
+def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str],
+                  std: Optional[float]) -> jax.Array:
+    """A float32 parameter named by logical `axes`; std=None -> ones, else truncated normal * std."""
+    init = lambda key, shape, dtype: ScaledParam(init_value(key, shape, std, dtype), tuple(axes), std=std)
+    return module.param(name, init, tuple(shape), jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        scale_D = logical_param(self, "scale", (self.dim,), ("embed",), None)
+        x = x_BxTxD.astype(jnp.float32)
+        x = x * lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        return (x * scale_D).astype(self.dtype)
+
+
+def apply_rope(x_BxTxNxHd: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE (the Llama/Qwen HF convention, so converted checkpoints line up)."""
+    hd = x_BxTxNxHd.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    angle_BxTx1xHd2 = (positions_BxT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+    sin, cos = jnp.sin(angle_BxTx1xHd2), jnp.cos(angle_BxTx1xHd2)
+    x1, x2 = jnp.split(x_BxTxNxHd.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxHd.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; the one code path for full forward, prefill and decode.
+
+    Queries occupy key slots `index .. index+T-1`. Without a cache the keys are this call's own
+    tokens (S = T, index = 0); with a cache, this call's K/V are first written at slot `index` of
+    layer `layer`, then the queries attend over all S cache slots. Either way a key is visible iff
+    its slot is not after the query's slot (causal) and `key_valid_BxS` marks it real (not padding).
+    `layer` is traced: blocks run under `nn.scan`.
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_model: int
+    rope_theta: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BxTxD, positions_BxT, key_valid_BxS, index, kv: Optional[KV], layer):
+        D, H, K, Hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        B, T, _ = x_BxTxD.shape
+        # std = fan_in^-1/2 keeps activations O(1) at init.
+        w_q_DxHxHd = logical_param(self, "q", (D, H, Hd), ("embed", "heads", "head_dim"), D**-0.5)
+        w_k_DxKxHd = logical_param(self, "k", (D, K, Hd), ("embed", "kv_heads", "head_dim"), D**-0.5)
+        w_v_DxKxHd = logical_param(self, "v", (D, K, Hd), ("embed", "kv_heads", "head_dim"), D**-0.5)
+        w_o_HxHdxD = logical_param(self, "o", (H, Hd, D), ("heads", "head_dim", "embed"), (H * Hd) ** -0.5)
+        cast = lambda w: w.astype(self.dtype)
+
+        q_BxTxHxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_q_DxHxHd))
+        k_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_k_DxKxHd))
+        v_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_v_DxKxHd))
+        q_BxTxHxHd = apply_rope(q_BxTxHxHd, positions_BxT, self.rope_theta) * jnp.asarray(Hd**-0.5, self.dtype)
+        k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta)
+
+        if kv is None:
+            k_BxSxKxHd, v_BxSxKxHd = k_BxTxKxHd, v_BxTxKxHd
+        else:
+            k_all, v_all = kv
+            start = (layer, 0, index, 0, 0)
+            k_all = lax.dynamic_update_slice(k_all, k_BxTxKxHd[None].astype(k_all.dtype), start)
+            v_all = lax.dynamic_update_slice(v_all, v_BxTxKxHd[None].astype(v_all.dtype), start)
+            kv = (k_all, v_all)
+            k_BxSxKxHd = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(self.dtype)
+            v_BxSxKxHd = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(self.dtype)
+        S = k_BxSxKxHd.shape[1]
+
+        # Group query heads by the kv head they share: head h reads kv head h // R.
+        q_BxTxKxRxHd = q_BxTxHxHd.reshape(B, T, K, H // K, Hd)
+        s_BxKxRxTxS = jnp.einsum("btkrd,bskd->bkrts", q_BxTxKxRxHd, k_BxSxKxHd, preferred_element_type=jnp.float32)
+        q_slot_T = index + jnp.arange(T)
+        causal_TxS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
+        allowed_BxTxS = causal_TxS[None] & key_valid_BxS.astype(bool)[:, None, :]
+        s_BxKxRxTxS = jnp.where(allowed_BxTxS[:, None, None], s_BxKxRxTxS, _MASKED)
+        p_BxKxRxTxS = jax.nn.softmax(s_BxKxRxTxS, axis=-1).astype(self.dtype)
+        o_BxTxKxRxHd = jnp.einsum("bkrts,bskd->btkrd", p_BxKxRxTxS, v_BxSxKxHd)
+        o_BxTxHxHd = o_BxTxKxRxHd.reshape(B, T, H, Hd)
+        return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    d_model: int
+    mlp_dim: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BxTxD):
+        D, F = self.d_model, self.mlp_dim
+        w_gate_DxF = logical_param(self, "gate", (D, F), ("embed", "mlp"), D**-0.5)
+        w_up_DxF = logical_param(self, "up", (D, F), ("embed", "mlp"), D**-0.5)
+        w_down_FxD = logical_param(self, "down", (F, D), ("mlp", "embed"), F**-0.5)
+        gate_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, w_gate_DxF.astype(self.dtype))
+        up_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, w_up_DxF.astype(self.dtype))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w_down_FxD.astype(self.dtype))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Written as a scan body: the carry is (x_BxTxD, kv, layer) so one compiled block serves all L
+    layers and each layer writes its own slice of the stacked cache.
+    """
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, carry, positions_BxT, key_valid_BxS, index):
+        x_BxTxD, kv, layer = carry
+        h_BxTxD = RMSNorm(self.d_model, self.eps, self.dtype, name="attn_norm")(x_BxTxD)
+        attn = Attention(self.n_heads, self.n_kv_heads, self.head_dim, self.d_model, self.rope_theta, self.dtype,
+                         name="attn")
+        a_BxTxD, kv = attn(h_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer)
+        x_BxTxD = x_BxTxD + a_BxTxD
+        h_BxTxD = RMSNorm(self.d_model, self.eps, self.dtype, name="mlp_norm")(x_BxTxD)
+        x_BxTxD = x_BxTxD + MLP(self.d_model, self.mlp_dim, self.dtype, name="mlp")(h_BxTxD)
+        return (x_BxTxD, kv, layer + 1), None

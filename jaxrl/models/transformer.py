@@ -1,0 +1,192 @@
+"""Llama/Qwen-style decoder and its pure functional API.
+
+    params = init_params(cfg, rng)                       # plain pytree of float32 arrays
+    logits_BxSxV = forward(params, cfg, tokens_BxS, mask_BxS)
+    logp_BxT, entropy_BxT = token_logprobs(params, cfg, prompt_BxP, prompt_mask_BxP,
+                                           tokens_BxT, completion_mask_BxT, temperature)
+    cache = init_cache(cfg, batch, max_len)
+    last_logits_BxV, cache = prefill(params, cfg, tokens_BxP, mask_BxP, cache)
+    logits_BxV, cache = decode_step(params, cfg, token_B, cache, index)
+
+Sequences are LEFT-padded: `mask` is 1 on real tokens, a token's position id is the number of real
+tokens before it, and padded keys are invisible, so a padded row's real-token logits equal those of
+the unpadded row. Logits are float32 whatever `cfg.dtype` is. Every function takes `cfg` static.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl.config import ModelConfig
+from jaxrl.models.layers import KV, Block, RMSNorm, ScaledParam, init_value, logical_param
+
+LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab")
+
+
+class Transformer(nn.Module):
+    """tokens -> logits. With `kv` given, this call's keys/values are written into the cache at slot
+    `index` and attention reads the whole cache; without it, attention reads this call's tokens."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv: Optional[KV] = None,
+                 num_logits: Optional[int] = None):
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        V, D = cfg.vocab_size, cfg.d_model
+        # std D^-1/2 keeps tied-head logits O(1) at init (the normed hidden has entries O(1)).
+        embed_VxD = logical_param(self, "embedding", (V, D), ("vocab", "embed"), D**-0.5)
+        x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(dtype)
+        # Scanned layers: compile time and init cost do not grow with L; params get a leading
+        # `layers` axis.
+        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})(
+            D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype,
+            name="blocks")
+        index = jnp.asarray(index, jnp.int32)
+        (x_BxTxD, kv, _), _ = blocks((x_BxTxD, kv, jnp.zeros((), jnp.int32)), positions_BxT, key_valid_BxS, index)
+        if num_logits is not None:  # skip the (large-V) head on positions nobody reads
+            x_BxTxD = x_BxTxD[:, -num_logits:]
+        x_BxTxD = RMSNorm(D, cfg.norm_eps, dtype, name="final_norm")(x_BxTxD)
+        if cfg.tie_embeddings:
+            head_DxV = embed_VxD.T
+        else:
+            head_DxV = logical_param(self, "lm_head", (D, V), ("embed", "vocab"), D**-0.5)
+        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
+        return logits_BxTxV, kv
+
+
+def _apply(params, cfg, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv=None, num_logits=None):
+    return Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT, key_valid_BxS, index, kv, num_logits)
+
+
+def positions_from_mask(mask_BxS: jax.Array) -> jax.Array:
+    """Position id = number of real tokens before this one (left padding gets 0; it is masked anyway)."""
+    return jnp.maximum(jnp.cumsum(mask_BxS.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _boxed_init(cfg: ModelConfig, rng: jax.Array):
+    tokens_1x1 = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(cfg).init(rng, tokens_1x1, tokens_1x1, jnp.ones((1, 1), bool))["params"]
+
+
+def _abstract_boxed(cfg: ModelConfig):
+    return jax.eval_shape(functools.partial(_boxed_init, cfg), jax.random.PRNGKey(0))
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def init_params(cfg: ModelConfig, rng: jax.Array):
+    """A plain nested dict of float32 arrays.
+
+    Draws all noise in ONE truncated-normal call and scales each parameter by its recorded std
+    (same distributions as `Transformer(cfg).init`, different values): on CPU, compiling one
+    generator per parameter costs ~1-2 s each and made init the slowest thing in the test suite.
+    """
+    is_box = lambda x: isinstance(x, ScaledParam)
+    boxes, treedef = jax.tree.flatten(_abstract_boxed(cfg), is_leaf=is_box)
+    sizes = [math.prod(b.value.shape) for b in boxes]
+    noise = init_value(rng, (sum(sizes),), 1.0)
+    leaves, offset = [], 0
+    for box, size in zip(boxes, sizes):
+        shape = box.value.shape
+        leaves.append(jnp.ones(shape, jnp.float32) if box.std is None
+                      else box.std * noise[offset:offset + size].reshape(shape))
+        offset += size
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def param_logical_axes(cfg: ModelConfig):
+    """The pytree matching `init_params` whose leaves are PartitionSpecs of logical axis names."""
+    return nn.get_partition_spec(_abstract_boxed(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Full-sequence scoring
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def forward(params, cfg: ModelConfig, tokens_BxS: jax.Array, mask_BxS: jax.Array) -> jax.Array:
+    """Causal logits_BxSxV (float32) over a left-padded batch; padded keys are invisible."""
+    logits_BxSxV, _ = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS.astype(bool))
+    return logits_BxSxV
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def token_logprobs(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT,
+                   temperature):
+    """Log-prob and entropy of softmax(logits / temperature) at each completion position.
+
+    One forward over concat(prompt, completion). Completion tokens are all treated as real keys:
+    tokens after EOS only influence positions after themselves, which the caller masks with
+    `completion_mask_BxT` (accepted for signature symmetry, not used here). Requires P >= 1.
+    """
+    del completion_mask_BxT
+    T = tokens_BxT.shape[1]
+    tokens_BxS = jnp.concatenate([prompt_BxP, tokens_BxT], axis=1).astype(jnp.int32)
+    mask_BxS = jnp.concatenate([prompt_mask_BxP.astype(bool), jnp.ones(tokens_BxT.shape, bool)], axis=1)
+    # The logits predicting completion token t sit at slot P-1+t: the last T+1 slots minus the final one.
+    logits_BxTxV, _ = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, num_logits=T + 1)
+    logits_BxTxV = logits_BxTxV[:, :-1] / temperature
+    logp_all_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+    logp_BxT = jnp.take_along_axis(logp_all_BxTxV, tokens_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy_BxT = -jnp.sum(jnp.exp(logp_all_BxTxV) * logp_all_BxTxV, axis=-1)
+    return logp_BxT, entropy_BxT
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+class Cache(NamedTuple):
+    """Preallocated per-layer keys/values. Slots are shared by all rows: prompt slot p is slot p for
+    every (left-padded) row, and decode step t writes slot P+t for every row."""
+
+    k_LxBxSxKxHd: jax.Array
+    v_LxBxSxKxHd: jax.Array
+    valid_BxS: jax.Array  # bool: slot holds a real (non-padding) token
+    pos_B: jax.Array  # int32: position id the row's next token gets
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return Cache(
+        k_LxBxSxKxHd=jnp.zeros(shape, jnp.dtype(cfg.dtype)),
+        v_LxBxSxKxHd=jnp.zeros(shape, jnp.dtype(cfg.dtype)),
+        valid_BxS=jnp.zeros((batch, max_len), bool),
+        pos_B=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def prefill(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache):
+    """Fill slots 0..P-1 of an empty cache with a left-padded prompt; return the last slot's logits
+    (the next-token distribution: with left padding the last slot is every row's last real token)."""
+    mask_BxP = mask_BxP.astype(bool)
+    valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, mask_BxP, (0, 0))
+    logits_Bx1xV, (k, v) = _apply(params, cfg, tokens_BxP.astype(jnp.int32), positions_from_mask(mask_BxP), valid_BxS,
+                                  0, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd), num_logits=1)
+    pos_B = jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32)
+    return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, pos_B)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def decode_step(params, cfg: ModelConfig, token_B, cache: Cache, index):
+    """Append one token per row at cache slot `index` (a traced scalar) and return its logits_BxV."""
+    B = token_B.shape[0]
+    valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, 1), bool), (0, index))
+    logits_Bx1xV, (k, v) = _apply(params, cfg, token_B[:, None].astype(jnp.int32), cache.pos_B[:, None], valid_BxS,
+                                  index, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd))
+    return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, cache.pos_B + 1)

@@ -1,0 +1,145 @@
+"""Group rollouts with a shared-prefill KV cache.
+
+Each prompt is prefilled once (all but its last token); its cache is then repeated to the G rows of
+its group, so the rows for prompt i are i*G .. i*G+G-1. Decoding runs in a `lax.while_loop` over a cache preallocated to
+P + max_new_tokens slots and stops as soon as every row has emitted EOS.
+
+Recorded log-probs are under softmax(logits / temperature) WITHOUT top-k/top-p truncation (also for
+greedy). That is the distribution `token_logprobs` recomputes for the old/current policy, so the
+importance ratio is exactly 1 before the first update; truncation only shapes which tokens are drawn.
+No tokenizer dependency: tokens in, tokens out.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl.config import ModelConfig
+from jaxrl.models.transformer import Cache, decode_step, init_cache, prefill
+
+
+class SampleOutput(NamedTuple):
+    tokens_BxT: jax.Array  # int32; pad_id after EOS
+    completion_mask_BxT: jax.Array  # float32; 1 on real completion tokens including EOS, 0 after
+    logp_BxT: jax.Array  # float32; log-prob under softmax(logits/temperature), 0 where masked
+    finished_B: jax.Array  # bool; the row emitted EOS
+    length_B: jax.Array  # int32; number of real completion tokens (EOS included)
+    num_steps: jax.Array  # int32 scalar; decode steps run = columns generated (< T on early exit)
+
+
+class _Loop(NamedTuple):
+    step: jax.Array  # columns emitted so far
+    cache: Cache
+    last_N: jax.Array  # the next decode input: the last prompt token, then the last drawn token
+    tokens_NxT: jax.Array
+    logp_NxT: jax.Array
+    mask_NxT: jax.Array
+    done_N: jax.Array
+    rng: jax.Array
+
+
+def truncate_logits(logits_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Set logits outside the top-k, then outside the top-p nucleus of what is left, to -inf.
+
+    Ties at the k-th value are all kept. The nucleus is the smallest prefix (by descending prob) whose
+    mass reaches top_p: a token is kept iff the mass strictly before it is < top_p.
+    """
+    if top_k > 0 and top_k < logits_NxV.shape[-1]:
+        kth_Nx1 = lax.top_k(logits_NxV, top_k)[0][:, -1:]
+        logits_NxV = jnp.where(logits_NxV < kth_Nx1, -jnp.inf, logits_NxV)
+    if top_p < 1.0:
+        sorted_NxV = -jnp.sort(-logits_NxV, axis=-1)
+        probs_NxV = jax.nn.softmax(sorted_NxV, axis=-1)
+        mass_before_NxV = jnp.cumsum(probs_NxV, axis=-1) - probs_NxV
+        keep_NxV = mass_before_NxV < top_p  # the top token always survives since 0 < top_p
+        thresh_Nx1 = jnp.min(jnp.where(keep_NxV, sorted_NxV, jnp.inf), axis=-1, keepdims=True)
+        logits_NxV = jnp.where(logits_NxV < thresh_Nx1, -jnp.inf, logits_NxV)
+    return logits_NxV
+
+
+def choose_tokens(rng, logits_NxV, temperature, top_k: int, top_p: float, greedy: bool) -> jax.Array:
+    if greedy:
+        return jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
+    scaled_NxV = truncate_logits(logits_NxV / temperature, top_k, top_p)
+    return jax.random.categorical(rng, scaled_NxV, axis=-1).astype(jnp.int32)
+
+
+def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_id) -> _Loop:
+    """Draw column `step` for every row; rows already done write pad with mask 0."""
+    rng, key = jax.random.split(s.rng)
+    logits_NxV = logits_NxV.astype(jnp.float32)
+    tok_N = choose_tokens(key, logits_NxV, temperature, top_k, top_p, greedy)
+    logp_all_NxV = jax.nn.log_softmax(logits_NxV / temperature, axis=-1)
+    logp_N = jnp.take_along_axis(logp_all_NxV, tok_N[:, None], axis=-1)[:, 0]
+    live_N = ~s.done_N
+    tok_N = jnp.where(live_N, tok_N, pad_id)
+    logp_N = jnp.where(live_N, logp_N, 0.0)
+    col = lambda buf, x: lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), (0, s.step))
+    return s._replace(
+        step=s.step + 1,
+        last_N=tok_N,
+        tokens_NxT=col(s.tokens_NxT, tok_N),
+        logp_NxT=col(s.logp_NxT, logp_N),
+        mask_NxT=col(s.mask_NxT, live_N),
+        done_N=s.done_N | (live_N & (tok_N == eos_id)),
+        rng=rng,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "group_size", "max_new_tokens", "top_k", "top_p", "eos_id",
+                                             "pad_id", "greedy"))
+def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_size: int, max_new_tokens: int,
+           temperature, top_k: int = 0, top_p: float = 1.0, eos_id: int, pad_id: int, greedy: bool = False
+           ) -> SampleOutput:
+    """G completions per left-padded prompt; output rows i*G .. i*G+G-1 belong to prompt i.
+
+    `temperature` is traced (changing it does not recompile); top_k (0 = off) and top_p (1.0 = off)
+    are static because they change the graph.
+    """
+    B, P = prompt_BxP.shape
+    G, T = group_size, max_new_tokens
+    N = B * G
+
+    # Shared prefill: each prompt is encoded once, then its cache is copied to its G rows. The last
+    # prompt token is left out and fed as the loop's first decode input, so every column is drawn
+    # by the one in-loop sampler (compiled once) and no decode step is wasted. Left padding makes
+    # that last slot a real token in every row.
+    cache = init_cache(cfg, B, P + T)
+    if P > 1:
+        _, cache = prefill(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
+    rep = lambda x, axis: jnp.repeat(x, G, axis=axis, total_repeat_length=x.shape[axis] * G)
+    cache = Cache(rep(cache.k_LxBxSxKxHd, 1), rep(cache.v_LxBxSxKxHd, 1), rep(cache.valid_BxS, 0), rep(cache.pos_B, 0))
+
+    state = _Loop(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        last_N=rep(prompt_BxP[:, -1].astype(jnp.int32), 0),
+        tokens_NxT=jnp.full((N, T), pad_id, jnp.int32),
+        logp_NxT=jnp.zeros((N, T), jnp.float32),
+        mask_NxT=jnp.zeros((N, T), jnp.float32),
+        done_N=jnp.zeros((N,), bool),
+        rng=rng,
+    )
+
+    def cond(s: _Loop):
+        return (s.step < T) & ~jnp.all(s.done_N)
+
+    def body(s: _Loop):
+        # Slot P-1+step holds the token fed now: the last prompt token, then each drawn token.
+        logits_NxV, cache = decode_step(params, cfg, s.last_N, s.cache, P - 1 + s.step)
+        return _emit(s._replace(cache=cache), logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_id)
+
+    state = lax.while_loop(cond, body, state)
+    return SampleOutput(
+        tokens_BxT=state.tokens_NxT,
+        completion_mask_BxT=state.mask_NxT,
+        logp_BxT=state.logp_NxT,
+        finished_B=state.done_N,
+        length_B=jnp.sum(state.mask_NxT, axis=-1).astype(jnp.int32),
+        num_steps=state.step,
+    )

@@ -1,0 +1,184 @@
+"""`jaxrl train`: rollout -> rewards -> advantages -> update -> log -> checkpoint.
+
+The host loop only moves data, scores completions, logs and checkpoints; everything numeric runs in
+jitted pure functions. A run resumes from its newest checkpoint and continues exactly as an
+uninterrupted run would (same state, RNG and data position); SIGTERM saves and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxrl.config import Config, to_dict
+from jaxrl.data.rewards import score
+from jaxrl.data.stream import StreamState, from_arrays
+from jaxrl.data.tasks import load_task
+from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.losses import make_loss
+from jaxrl.rollout.sampler import sample
+from jaxrl.sharding import batch_sharding, check_batch_divides, make_mesh, replicated
+from jaxrl.train import checkpoint as ckpt
+from jaxrl.train.batching import decode_completions, next_prompts
+from jaxrl.train.evaluate import eval_records, make_evaluator
+from jaxrl.train.metrics import MetricsLog, plot
+from jaxrl.train.state import TrainState, init_state, make_optimizer
+from jaxrl.train.steps import make_logp_fn, make_update_step
+from jaxrl.train.warmstart import load_or_train_base
+
+
+class _StopFlag:
+    """Set by SIGTERM; the loop saves a checkpoint at the end of the current step and returns."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame):
+        self.requested = True
+
+
+def _build(cfg: Config, progress: bool):
+    tokenizer = CharTokenizer()
+    model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    task = load_task(cfg.data)
+    base_params, base_path = load_or_train_base(cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet,
+                                                progress=progress)
+    return tokenizer, model_cfg, task, base_params, base_path
+
+
+def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
+    """Run (or resume) the job in `workdir`; returns the metric rows written."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    tc, rc = cfg.train, cfg.rollout
+    G, B = rc.group_size, rc.prompts_per_step * rc.group_size
+    mesh, preset = make_mesh(cfg.mesh)
+    check_batch_divides(mesh, preset, B, "rollout.prompts_per_step*rollout.group_size")
+
+    tokenizer, model_cfg, task, base_params, base_path = _build(cfg, tc.progress)
+    loss = make_loss(cfg.loss)
+    optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
+    rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
+    base_params = jax.device_put(base_params, rep)
+    # The reference is a copy: the policy's buffers are donated to each update, the reference's never.
+    state = init_state(base_params, optimizer, jax.random.key(tc.seed),
+                       ref_params=jax.tree.map(jnp.copy, base_params))
+    state = jax.device_put(state, rep)
+
+    manager = ckpt.make_manager(workdir, cfg.checkpoint)
+    restored = ckpt.restore_latest(manager, ckpt.abstract_like(state))
+    stream = StreamState(0, 0)
+    start = 0
+    if restored is not None:
+        start, state, host = restored
+        stream = from_arrays(host["stream"])
+    log = MetricsLog(workdir, resume_step=start if restored is not None else None)
+
+    logp_fn = make_logp_fn(model_cfg, rc.temperature)
+    update_step = jax.jit(
+        make_update_step(logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs, microbatches=tc.microbatches,
+                         max_new_tokens=rc.max_new_tokens, use_ref=True),
+        in_shardings=(rep, rows_sharding), out_shardings=(rep, rep), donate_argnums=0)
+    rollout = jax.jit(functools.partial(
+        sample, cfg=model_cfg, group_size=G, max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
+        top_k=rc.top_k, top_p=rc.top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
+    advantages = jax.jit(functools.partial(loss.advantages, group_size=G))
+    evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier)
+    weights = np.asarray(cfg.loss.reward_weights, np.float32)
+
+    stop = _StopFlag()
+    previous = signal.signal(signal.SIGTERM, stop)
+    bar = tqdm(total=tc.steps, initial=start, desc="GRPO", disable=not tc.progress, dynamic_ncols=True)
+    last_eval = {}
+    try:
+        if start == 0 and tc.steps >= 0:
+            last_eval = evaluate(state.params)
+            log.write({"step": 0, **last_eval})
+            plot(log.rows, workdir / "progress.png", title=str(workdir.name))
+        pending = None  # (row, device metrics) of the step dispatched last: pulled after the next dispatch
+        for step in range(start + 1, tc.steps + 1):
+            t0 = time.perf_counter()
+            records, prompt_BxP, pmask_BxP, stream, n_skipped = next_prompts(
+                task.train, stream, rc.prompts_per_step, tokenizer, cfg.data, cfg.data.seed)
+            rng, k_sample = jax.random.split(state.rng)
+            state = state._replace(rng=rng)
+            out = rollout(state.params, prompt_BxP=prompt_BxP, prompt_mask_BxP=pmask_BxP, rng=k_sample)
+            tokens_BxT = np.asarray(out.tokens_BxT)
+            t_rollout = time.perf_counter() - t0
+            mask_BxT = np.asarray(out.completion_mask_BxT)
+            finished_B = np.asarray(out.finished_B)
+            texts = decode_completions(tokenizer, tokens_BxT)
+            rewards_BxK, n_failed = score(task.verifier, texts, list(finished_B), [r for r in records for _ in range(G)])
+            batch = {
+                "prompt_tokens_BxP": np.repeat(prompt_BxP, G, 0), "prompt_mask_BxP": np.repeat(pmask_BxP, G, 0),
+                "tokens_BxT": tokens_BxT, "completion_mask_BxT": mask_BxT,
+                "rollout_logp_BxT": np.asarray(out.logp_BxT), "rewards_BxK": rewards_BxK,
+                "truncated_B": (~finished_B).astype(np.float32),
+            }
+            batch["advantages_B"] = advantages(jnp.asarray(rewards_BxK))
+            state, metrics = update_step(state, batch)
+            if pending is not None:
+                _emit(log, bar, *pending)
+            n_tokens = float(mask_BxT.sum())
+            r_B = rewards_BxK @ weights[: rewards_BxK.shape[1]]
+            row = {"step": step, "reward/mean": float(r_B.mean()), "reward/std": float(r_B.std()),
+                   "reward/correctness": float(rewards_BxK[:, 0].mean()),
+                   "reward/format": float(rewards_BxK[:, 1].mean()) if rewards_BxK.shape[1] > 1 else None,
+                   "reward/failed": int(n_failed), "data/skipped_prompts": int(n_skipped),
+                   "response_len/mean": float(mask_BxT.sum(1).mean()), "response/truncated": float((~finished_B).mean()),
+                   "rollout/tokens_per_s": n_tokens / max(t_rollout, 1e-9), "rollout/seconds": t_rollout,
+                   "rollout/decode_steps": int(out.num_steps)}
+            pending = (row, metrics, t0)
+            if tc.eval_every and step % tc.eval_every == 0 or step == tc.steps:
+                last_eval = evaluate(state.params)
+                row.update(last_eval)
+            stopping = stop.requested  # read once: a signal landing later in this step is seen next step
+            save_now = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tc.steps or stopping
+            if save_now or "eval/accuracy" in row:
+                _emit(log, bar, *pending)  # the row must be on disk before the checkpoint that covers it
+                pending = None
+            if "eval/accuracy" in row:
+                plot(log.rows, workdir / "progress.png", title=str(workdir.name))
+            if save_now:
+                ckpt.save(manager, step, state, {"stream": stream._asdict()}, force=True)
+            if stopping:
+                print(f"jaxrl: SIGTERM received; saved step {step} to {workdir / 'checkpoints'}", file=sys.stderr)
+                break
+        if pending is not None:
+            _emit(log, bar, *pending)
+    finally:
+        manager.wait_until_finished()
+        manager.close()
+        log.close()
+        bar.close()
+        signal.signal(signal.SIGTERM, previous)
+    summary = {"workdir": str(workdir), "base_policy": str(base_path), "steps": tc.steps,
+               "final_eval": last_eval}
+    if tc.progress:
+        print(json.dumps(summary))
+    return log.rows
+
+
+def _emit(log: MetricsLog, bar, row: dict, metrics, t0: float) -> None:
+    """Pull the device metrics of a dispatched step, write its row and update the progress bar."""
+    row = dict(row)
+    row.update({k: float(v) for k, v in jax.device_get(metrics).items()})
+    row["clip_frac"] = row.get("clipped_low", 0.0) + row.get("clipped_high", 0.0)
+    row["step_seconds"] = time.perf_counter() - t0
+    log.write(row)
+    bar.update(row["step"] - bar.n)
+    post = {"reward": f"{row['reward/mean']:.3f}", "tok/s": f"{row['rollout/tokens_per_s']:.0f}"}
+    if row.get("eval/accuracy") is not None:
+        post["acc"] = f"{row['eval/accuracy']:.3f}"
+    bar.set_postfix(post)

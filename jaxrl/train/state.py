@@ -1,0 +1,46 @@
+"""Training state as one explicit pytree, and the optimizer that updates it."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl.config import OptimConfig
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: number of updates applied
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # carried key: every random draw of the run is split from it
+    ref_params: Optional[Any] = None  # frozen reference policy, only when the loss uses KL
+
+
+def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warm-up to `learning_rate`, then cosine decay to `end_lr_ratio * learning_rate`."""
+    decay = max(cfg.decay_steps or total_steps, cfg.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if cfg.warmup_steps else cfg.learning_rate,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=decay,
+        end_value=cfg.learning_rate * cfg.end_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with gradient-norm clipping; the schedule counts optimizer updates, not RL steps."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
+                    weight_decay=cfg.weight_decay),
+    )
+
+
+def init_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array,
+               ref_params: Optional[Any] = None) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                      rng=rng, ref_params=ref_params)

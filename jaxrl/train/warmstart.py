@@ -1,0 +1,105 @@
+"""The base policy: a short supervised warm start on the task, cached on disk.
+
+Post-training needs a policy that already answers in the right format and sometimes correctly. A few
+hundred steps of next-token training on reference answers make one; it is kept deliberately short so
+RL has room to improve. The result is cached under a key of everything that determines it, so
+`make train` builds it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from jaxrl.config import Config, ModelConfig
+from jaxrl.data.stream import StreamState
+from jaxrl.models.transformer import init_params, token_logprobs
+from jaxrl.train.batching import completion_targets, next_prompts
+
+
+def cache_root(cfg: Config) -> pathlib.Path:
+    root = cfg.warmstart.cache_dir or os.environ.get("JAXRL_CACHE_DIR") or "~/.cache/jaxrl/warmstart"
+    return pathlib.Path(root).expanduser()
+
+
+def cache_key(cfg: Config, model_cfg: ModelConfig, vocab: str) -> str:
+    what = {
+        "model": dataclasses.asdict(model_cfg),
+        "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "data_dir"},
+        "warmstart": {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k != "cache_dir"},
+        "answer_width": cfg.rollout.max_new_tokens,
+        "seed": cfg.train.seed,
+        "vocab": vocab,
+        "version": 1,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_sft_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
+    def loss_fn(params, batch):
+        logp_BxT, _ = token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
+                                     batch["tokens_BxT"], batch["completion_mask_BxT"], 1.0)
+        mask_BxT = batch["completion_mask_BxT"]
+        return -jnp.sum(logp_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
+
+    @jax.jit
+    def sft_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return sft_step
+
+
+def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, progress: bool = True):
+    """Supervised next-token training on the reference answers of the train split."""
+    ws = cfg.warmstart
+    rng = jax.random.key(cfg.train.seed)
+    params = init_params(model_cfg, jax.random.fold_in(rng, 1))
+    optimizer = optax.adam(optax.warmup_cosine_decay_schedule(0.0, ws.learning_rate, min(20, ws.steps),
+                                                              max(ws.steps, 21), ws.learning_rate * 0.1))
+    opt_state = optimizer.init(params)
+    sft_step = make_sft_step(model_cfg, optimizer)
+    stream = StreamState(0, 0)
+    bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
+    for _ in bar:
+        records, prompt_BxP, pmask_BxP, stream, _ = next_prompts(train_source, stream, ws.batch_size, tokenizer,
+                                                                 cfg.data, cfg.data.seed + 7919)
+        tok_BxT, mask_BxT = completion_targets(tokenizer, [r["answer"] for r in records],
+                                               cfg.rollout.max_new_tokens, [r["id"] for r in records])
+        batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": tok_BxT,
+                 "completion_mask_BxT": mask_BxT}
+        params, opt_state, loss = sft_step(params, opt_state, batch)
+        bar.set_postfix(loss=f"{float(loss):.3f}")
+    return params
+
+
+def load_or_train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, vocab: str,
+                       progress: bool = True):
+    """The cached base policy for this config, trained first if missing. Returns (params, path)."""
+    path = cache_root(cfg) / cache_key(cfg, model_cfg, vocab)
+    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    ckptr = ocp.StandardCheckpointer()
+    if (path / "params").exists():
+        return ckptr.restore((path / "params").absolute(), abstract), path
+    params = train_base(cfg, model_cfg, tokenizer, train_source, progress)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ckptr.save((tmp / "params").absolute(), params)
+    ckptr.wait_until_finished()
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg.warmstart)))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)  # atomic: a killed warm start never leaves a half-written cache entry
+    return jax.tree.map(np.asarray, params), path

@@ -1,0 +1,41 @@
+"""Shared fixtures: a tiny run configuration and an isolated data/warm-start cache per session."""
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "grpo_arithmetic.py"
+
+# Small enough that a run of a dozen steps takes seconds on 2 cores.
+TINY = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+    "model.mlp_dim=64", "data.num_train=600", "data.num_test=60", "rollout.prompts_per_step=4",
+    "rollout.group_size=4", "warmstart.steps=10", "warmstart.batch_size=16", "train.eval_prompts=20",
+    "train.eval_every=4", "train.progress=false",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_env(tmp_path_factory):
+    """Environment for subprocess runs: data and warm-start caches shared across this session's tests."""
+    root = tmp_path_factory.mktemp("jaxrl_cache")
+    env = dict(os.environ)
+    env["JAXRL_DATA_DIR"] = str(root / "tfds")
+    env["JAXRL_CACHE_DIR"] = str(root / "warmstart")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+@pytest.fixture()
+def in_process_cache(cache_env, monkeypatch):
+    monkeypatch.setenv("JAXRL_DATA_DIR", cache_env["JAXRL_DATA_DIR"])
+    monkeypatch.setenv("JAXRL_CACHE_DIR", cache_env["JAXRL_CACHE_DIR"])
+    return cache_env
+
+
+def jaxrl_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxrl.cli", *args]

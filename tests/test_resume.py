@@ -1,0 +1,74 @@
+"""Checkpoints: a run killed with SIGKILL and restarted ends exactly like an uninterrupted run;
+SIGTERM saves and exits cleanly."""
+
+import json
+import pathlib
+import signal
+import subprocess
+import time
+
+from conftest import DEFAULT_CONFIG, TINY, jaxrl_cmd
+
+STEPS = 12
+ARGS = [str(DEFAULT_CONFIG), *sum((["--set", t] for t in TINY), []), "--set", f"train.steps={STEPS}",
+        "--set", "checkpoint.every=3"]
+DETERMINISTIC = ("reward/mean", "reward/correctness", "loss", "kl", "entropy", "clip_frac", "response_len/mean",
+                 "eval/accuracy", "grad_norm")
+
+
+def _rows(workdir: pathlib.Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _finished_checkpoints(workdir: pathlib.Path) -> list[int]:
+    d = workdir / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def _wait_for(pred, proc, timeout=300):
+    t0 = time.time()
+    while not pred():
+        assert proc.poll() is None, "the run ended before the event the test waits for"
+        assert time.time() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path, cache_env):
+    straight = tmp_path / "straight"
+    subprocess.run(jaxrl_cmd("train", *ARGS, "--workdir", str(straight)), env=cache_env, check=True, timeout=600)
+    reference = _rows(straight)
+    assert sorted(reference) == list(range(STEPS + 1))
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(jaxrl_cmd("train", *ARGS, "--workdir", str(killed)), env=cache_env)
+    try:
+        _wait_for(lambda: any(s >= 6 for s in _finished_checkpoints(killed)), proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert max(_finished_checkpoints(killed)) < STEPS, "the kill came too late to test resumption"
+    subprocess.run(jaxrl_cmd("train", *ARGS, "--workdir", str(killed)), env=cache_env, check=True, timeout=600)
+    resumed = _rows(killed)
+    assert sorted(resumed) == list(range(STEPS + 1))
+    for step in (STEPS, STEPS - 1):
+        for key in DETERMINISTIC:
+            if key in reference[step]:
+                assert resumed[step][key] == reference[step][key], (step, key)
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path, cache_env):
+    workdir = tmp_path / "term"
+    args = [a.replace(f"train.steps={STEPS}", "train.steps=400") for a in ARGS]
+    args = [a.replace("checkpoint.every=3", "checkpoint.every=1000") for a in args]
+    proc = subprocess.Popen(jaxrl_cmd("train", *args, "--workdir", str(workdir)), env=cache_env)
+    try:
+        _wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(_rows(workdir)) >= 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    saved = _finished_checkpoints(workdir)
+    assert saved, ("SIGTERM did not leave a checkpoint", sorted(p.name for p in workdir.rglob("*")))
+    assert saved[-1] == max(_rows(workdir)), "the checkpoint must cover every logged step"
+    assert saved[-1] < 400

@@ -1,0 +1,169 @@
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.config import ModelConfig
+from jaxrl.models import transformer as tf
+from jaxrl.rollout.sampler import sample
+
+CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
+NEVER = CFG.vocab_size  # an eos id the model can never emit
+PAD = 0
+P, T = 5, 6
+
+
+@functools.lru_cache(maxsize=None)
+def _params(cfg=CFG):
+    return tf.init_params(cfg, jax.random.PRNGKey(0))
+
+
+def _prompts(lengths=(2, 5, 4), seed=1, vocab=CFG.vocab_size):
+    toks = np.random.default_rng(seed).integers(1, vocab, (len(lengths), P), dtype=np.int32)
+    mask = np.zeros((len(lengths), P), np.int32)
+    for i, n in enumerate(lengths):
+        mask[i, P - n:] = 1
+    return jnp.asarray(np.where(mask, toks, PAD)), jnp.asarray(mask)
+
+
+def _greedy(eos_id, group_size=1, **kw):
+    prompt, pmask = _prompts()
+    return sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(0), group_size=group_size, max_new_tokens=T,
+                  temperature=1.0, eos_id=eos_id, pad_id=PAD, greedy=True, **kw)
+
+
+def _check_oracle(out, eos_id):
+    """Python-loop oracle: every generated token is the argmax of a full no-cache forward over
+    prompt + the tokens generated so far. The sequence is right-filled with pad to a fixed width
+    so `forward` compiles once; causality makes slots after the query irrelevant."""
+    prompt, pmask = map(np.asarray, _prompts())
+    B = prompt.shape[0]
+    tokens, mask = np.asarray(out.tokens_BxT), np.asarray(out.completion_mask_BxT)
+    for t in range(T):  # numpy inputs: eager jnp slicing would compile a kernel per step
+        gen = np.where(np.arange(T) < t, tokens, PAD)
+        gen_mask = np.broadcast_to(np.arange(T) < t, (B, T)).astype(np.int32)
+        seq, seq_mask = np.concatenate([prompt, gen], 1), np.concatenate([pmask, gen_mask], 1)
+        want = np.argmax(np.asarray(tf.forward(_params(), CFG, seq, seq_mask))[:, P - 1 + t], -1)
+        live = mask[:, t] == 1
+        np.testing.assert_array_equal(tokens[live, t], want[live], err_msg=f"step {t}")
+    _check_eos_layout(out, eos_id, PAD)
+
+
+def _check_eos_layout(out, eos_id, pad_id):
+    tokens, mask = np.asarray(out.tokens_BxT), np.asarray(out.completion_mask_BxT)
+    logp, length, finished = np.asarray(out.logp_BxT), np.asarray(out.length_B), np.asarray(out.finished_B)
+    n_cols = tokens.shape[1]
+    for r in range(tokens.shape[0]):
+        hits = np.flatnonzero(tokens[r] == eos_id)
+        n = hits[0] + 1 if len(hits) else n_cols
+        assert finished[r] == (len(hits) > 0)
+        assert length[r] == n
+        np.testing.assert_array_equal(mask[r], (np.arange(n_cols) < n).astype(np.float32))
+        assert np.all(tokens[r, n:] == pad_id) and np.all(logp[r, n:] == 0.0)
+        assert np.all(logp[r, :n] < 0.0)
+    assert out.tokens_BxT.dtype == jnp.int32 and out.completion_mask_BxT.dtype == jnp.float32
+    assert out.length_B.dtype == jnp.int32 and out.finished_B.dtype == jnp.bool_
+
+
+def test_greedy_matches_full_recompute_every_step():
+    out = _greedy(NEVER)
+    assert out.tokens_BxT.shape == (3, T) and int(out.num_steps) == T
+    assert not np.any(np.asarray(out.finished_B))
+    _check_oracle(out, NEVER)
+    # Now call EOS a token some row first emits at a step t >= 1: that row must stop after t+1 tokens.
+    toks = np.asarray(out.tokens_BxT)
+    r, t = next((r, t) for t in range(1, T) for r in range(3) if toks[r, t] not in toks[r, :t])
+    out_eos = _greedy(int(toks[r, t]))
+    assert bool(out_eos.finished_B[r]) and int(out_eos.length_B[r]) == t + 1
+    _check_oracle(out_eos, int(toks[r, t]))
+
+
+def test_group_rows_share_prefill_and_are_ordered():
+    g1, g3 = _greedy(NEVER), _greedy(NEVER, group_size=3)
+    assert g3.tokens_BxT.shape == (9, T)
+    # Rows i*3 .. i*3+2 belong to prompt i: greedy makes them identical to the G=1 row i.
+    np.testing.assert_array_equal(g3.tokens_BxT, np.repeat(np.asarray(g1.tokens_BxT), 3, axis=0))
+    np.testing.assert_allclose(g3.logp_BxT, np.repeat(np.asarray(g1.logp_BxT), 3, axis=0), atol=1e-6)
+    assert len({tuple(r) for r in np.asarray(g1.tokens_BxT)}) == 3  # the prompts really differ
+
+
+def test_top_k_1_equals_greedy():
+    prompt, pmask = _prompts()
+    out = sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(3), group_size=1, max_new_tokens=T,
+                 temperature=1.0, top_k=1, eos_id=NEVER, pad_id=PAD)
+    greedy = _greedy(NEVER)
+    np.testing.assert_array_equal(out.tokens_BxT, greedy.tokens_BxT)
+    np.testing.assert_allclose(out.logp_BxT, greedy.logp_BxT, atol=1e-6)  # logp ignores truncation
+
+
+def _truncated_probs(logits_V, temperature, top_k, top_p):
+    """Reference top-k then top-p distribution (numpy, independent of the sampler's code)."""
+    z = np.asarray(logits_V, np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, bool)
+    keep[order[: top_k or len(p)]] = True
+    q = np.where(keep, p, 0.0)
+    q /= q.sum()
+    before = np.cumsum(q[order]) - q[order]
+    keep[order[before >= top_p]] = False
+    q = np.where(keep, q, 0.0)
+    return q / q.sum(), before, order
+
+
+def test_sampled_logp_equals_token_logprobs_and_respects_top_k_top_p():
+    temperature, top_k, top_p, G = 0.8, 10, 0.9, 3
+    prompt, pmask = _prompts()
+    out = sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(7), group_size=G, max_new_tokens=T,
+                 temperature=temperature, top_k=top_k, top_p=top_p, eos_id=NEVER, pad_id=PAD)
+    prompt_g, pmask_g = jnp.repeat(prompt, G, 0), jnp.repeat(pmask, G, 0)
+    logp, _ = tf.token_logprobs(_params(), CFG, prompt_g, pmask_g, out.tokens_BxT, out.completion_mask_BxT,
+                                temperature)
+    mask = np.asarray(out.completion_mask_BxT) > 0
+    np.testing.assert_allclose(np.asarray(out.logp_BxT)[mask], np.asarray(logp)[mask], atol=1e-5, rtol=0)
+    # Rows of a group draw independently.
+    assert all(len({tuple(r) for r in np.asarray(out.tokens_BxT[i * G:(i + 1) * G])}) > 1 for i in range(3))
+    # Every drawn token lies in the top-k / top-p set of its step's (full-recompute) distribution.
+    logits = np.asarray(tf.forward(_params(), CFG, jnp.concatenate([prompt_g, out.tokens_BxT], 1),
+                                   jnp.concatenate([pmask_g, jnp.ones_like(out.tokens_BxT)], 1)))[:, P - 1:-1]
+    tokens = np.asarray(out.tokens_BxT)
+    for r in range(logits.shape[0]):
+        for t in range(T):
+            _, before, order = _truncated_probs(logits[r, t], temperature, top_k, top_p)
+            rank = int(np.flatnonzero(order == tokens[r, t])[0])
+            assert rank < top_k and before[rank] < top_p + 1e-4, (r, t, rank, before[rank])
+
+
+def test_first_token_frequencies_match_truncated_distribution():
+    temperature, top_k, top_p, n = 2.0, 8, 0.7, 4000
+    prompt, pmask = _prompts(lengths=(4,))
+    logits = np.asarray(tf.forward(_params(), CFG, prompt, pmask))[0, -1]
+    want, _, _ = _truncated_probs(logits, temperature, top_k, top_p)
+    # Both truncations must bind, or the check could not catch one of them being ignored.
+    assert 3 <= (want > 0).sum() < min((_truncated_probs(logits, temperature, top_k, 1.0)[0] > 0).sum(),
+                                       (_truncated_probs(logits, temperature, 0, top_p)[0] > 0).sum())
+    out = sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(11), group_size=n, max_new_tokens=1,
+                 temperature=temperature, top_k=top_k, top_p=top_p, eos_id=NEVER, pad_id=PAD)
+    got = np.bincount(np.asarray(out.tokens_BxT)[:, 0], minlength=CFG.vocab_size) / n
+    assert np.all(got[want == 0] == 0)  # only allowed tokens are ever drawn
+    np.testing.assert_allclose(got, want, atol=0.03)  # ~4 sigma at n=4000
+
+
+def test_eos_stops_rows_and_loop_exits_early():
+    cfg = dataclasses.replace(CFG, vocab_size=3)  # EOS (id 2) is drawn ~1/3 of the time
+    eos, pad, max_new = 2, 1, 40
+    prompt, pmask = _prompts(lengths=(3, 5), vocab=3)
+    out = sample(_params(cfg), cfg, prompt, pmask, jax.random.PRNGKey(5), group_size=8, max_new_tokens=max_new,
+                 temperature=1.0, eos_id=eos, pad_id=pad)
+    _check_eos_layout(out, eos, pad)
+    assert np.all(np.asarray(out.finished_B))
+    lengths = np.asarray(out.length_B)
+    assert len(set(lengths.tolist())) > 1  # rows stopped at different steps
+    assert int(out.num_steps) == lengths.max() < max_new  # exited as soon as the last row finished
+    logp, _ = tf.token_logprobs(_params(cfg), cfg, jnp.repeat(prompt, 8, 0), jnp.repeat(pmask, 8, 0),
+                                out.tokens_BxT, out.completion_mask_BxT, 1.0)
+    mask = np.asarray(out.completion_mask_BxT) > 0
+    np.testing.assert_allclose(np.asarray(out.logp_BxT)[mask], np.asarray(logp)[mask], atol=1e-5, rtol=0)
