@@ -142,12 +142,14 @@ class WarmStartConfig:
     steps: int = 300
     batch_size: int = 64
     learning_rate: float = 1e-3
+    teacher_error: float = 0.0  # share of demonstrations from a fallible teacher (jaxrl.data.teachers)
     cache_dir: str = ""  # "" -> $JAXRL_CACHE_DIR or ~/.cache/jaxrl/warmstart
 
     def validate(self, prefix: str = "warmstart") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer (0 = random init)", self.steps)
         _check(self.batch_size > 0, f"{prefix}.batch_size", "a positive integer", self.batch_size)
         _check(self.learning_rate > 0, f"{prefix}.learning_rate", "a positive number", self.learning_rate)
+        _check(0 <= self.teacher_error <= 1, f"{prefix}.teacher_error", "a number in [0, 1]", self.teacher_error)
 
 
 @dataclasses.dataclass(frozen=True)

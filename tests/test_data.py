@@ -277,3 +277,15 @@ def test_stream_errors():
         stream.next_batch(tasks.RecordSource("toy", []), stream.StreamState(), 2, seed=0)
     with pytest.raises(ConfigError, match="index=9"):
         stream.next_batch(_toy(5), stream.StreamState(0, 9), 2, seed=0)
+
+
+def test_carry_free_teacher_drops_every_carry():
+    from jaxrl.data.teachers import carry_free_sum, fallible_answer
+
+    assert carry_free_sum(64, 69) == 23  # 4+9=13 -> 3, 6+6=12 -> 2, both carries dropped
+    assert carry_free_sum(25, 23) == 48  # no carry: the teacher is right
+    assert carry_free_sum(5, 7) == 2
+    rec = {"id": "train/0", "info": '{"a": 99, "b": 1, "op": "+", "answer": 100}'}
+    assert fallible_answer(rec) == "90"
+    with pytest.raises(Exception, match="warmstart.teacher_error"):
+        fallible_answer({"id": "train/1", "info": '{"a": 9, "b": 1, "op": "-", "answer": 8}'})

@@ -10,6 +10,7 @@ import pytest
 
 from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
+from jaxrl.models.layers import apply_rope
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 S = 9
@@ -77,6 +78,18 @@ def test_left_padding_invariance_and_pad_keys_invisible():
     # Teeth: treating the pads as real tokens (shifted positions, visible keys) changes the logits.
     shifted = tf.forward(params, CFG, jnp.concatenate([a, b]), jnp.ones((2, S), jnp.int32))
     assert np.max(np.abs(np.asarray(shifted[1, 3:] - logits[0, :6]))) > 1e-3
+
+
+def test_rope_matches_rotate_half_convention():
+    # HF Llama/Qwen: pairs (i, i + Hd/2) rotate by pos * theta^(-2i/Hd); converted checkpoints rely on it.
+    x = jnp.arange(1.0, 9.0).reshape(1, 1, 1, 8)
+    pos = jnp.array([[3]])
+    got = np.asarray(apply_rope(x, pos, 100.0))[0, 0, 0]
+    ang = 3 * 100.0 ** (-np.arange(0, 8, 2) / 8)
+    x1, x2 = np.arange(1.0, 5.0), np.arange(5.0, 9.0)
+    np.testing.assert_allclose(got, np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
+                                                    x2 * np.cos(ang) + x1 * np.sin(ang)]), rtol=1e-5)
+    np.testing.assert_allclose(apply_rope(x, jnp.array([[0]]), 100.0), x)
 
 
 def test_causal():
@@ -156,6 +169,16 @@ def test_token_logprobs_matches_forward():
     np.testing.assert_allclose(logp, jnp.take_along_axis(lp_all, comp[..., None], -1)[..., 0], atol=1e-5)
     np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(lp_all) * lp_all, -1), atol=1e-5)
     assert np.all(np.asarray(ent) > 0) and np.all(np.asarray(logp) < 0)
+
+
+def test_token_logprobs_gradient_reaches_every_param():
+    params = _params()
+    prompt, pmask = _left_padded([3, 5], 5)
+    comp = _tokens((2, 4), seed=9)
+    loss = lambda p: jnp.sum(tf.token_logprobs(p, CFG, prompt, pmask, comp, jnp.ones((2, 4)), 1.0)[0])
+    grads = jax.jit(jax.grad(loss))(params)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert np.all(np.isfinite(np.asarray(g))) and float(jnp.max(jnp.abs(g))) > 0, path
 
 
 @pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, n_kv_heads=1)])

@@ -151,8 +151,9 @@ def token_logprobs(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens
 
 
 class Cache(NamedTuple):
-    """Preallocated per-layer keys/values. Slots are shared by all rows: prompt slot p is slot p for
-    every (left-padded) row, and decode step t writes slot P+t for every row."""
+    """Preallocated per-layer keys/values. A slot index means the same step for every row: prefill
+    fills slots 0..P-1 (left padding marked invalid) and each decode_step writes the one slot its
+    caller names, for all rows at once. Slot order is attention order; position ids live in pos_B."""
 
     k_LxBxSxKxHd: jax.Array
     v_LxBxSxKxHd: jax.Array

@@ -1,8 +1,9 @@
 """Group rollouts with a shared-prefill KV cache.
 
 Each prompt is prefilled once (all but its last token); its cache is then repeated to the G rows of
-its group, so the rows for prompt i are i*G .. i*G+G-1. Decoding runs in a `lax.while_loop` over a cache preallocated to
-P + max_new_tokens slots and stops as soon as every row has emitted EOS.
+its group, so the rows for prompt i are i*G .. i*G+G-1. Decoding runs in a `lax.while_loop` over a
+cache preallocated to P + max_new_tokens slots and stops as soon as every row has emitted EOS.
+Prompts are left-padded and every row needs at least one real token.
 
 Recorded log-probs are under softmax(logits / temperature) WITHOUT top-k/top-p truncation (also for
 greedy). That is the distribution `token_logprobs` recomputes for the old/current policy, so the

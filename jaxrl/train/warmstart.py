@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from jaxrl.config import Config, ModelConfig
 from jaxrl.data.stream import StreamState
+from jaxrl.data.teachers import fallible_answer
 from jaxrl.models.transformer import init_params, token_logprobs
 from jaxrl.train.batching import completion_targets, next_prompts
 
@@ -72,11 +73,14 @@ def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, pro
     opt_state = optimizer.init(params)
     sft_step = make_sft_step(model_cfg, optimizer)
     stream = StreamState(0, 0)
+    teacher_rng = np.random.default_rng(cfg.train.seed + 104729)
     bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
     for _ in bar:
         records, prompt_BxP, pmask_BxP, stream, _ = next_prompts(train_source, stream, ws.batch_size, tokenizer,
                                                                  cfg.data, cfg.data.seed + 7919)
-        tok_BxT, mask_BxT = completion_targets(tokenizer, [r["answer"] for r in records],
+        fallible = teacher_rng.random(len(records)) < ws.teacher_error
+        answers = [fallible_answer(r) if f else r["answer"] for r, f in zip(records, fallible)]
+        tok_BxT, mask_BxT = completion_targets(tokenizer, answers,
                                                cfg.rollout.max_new_tokens, [r["id"] for r in records])
         batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": tok_BxT,
                  "completion_mask_BxT": mask_BxT}

@@ -1,0 +1,128 @@
+"""Rollout throughput of `jaxrl.rollout.sampler.sample` on bench-small.
+
+Default shape: 8 prompts x 8 samples (group_size 8), 64 random prompt tokens, exactly 128 new tokens
+(eos_id=-1 is never sampled, so no row stops early; the script asserts every step ran), temperature 1,
+no top-k/top-p.
+
+    PYTHONPATH=. python benchmarks/rollout.py            # full benchmark
+    PYTHONPATH=. python benchmarks/rollout.py --small    # seconds-long smoke run (tests)
+
+Reports generated tokens/s = prompts*samples*new_tokens / median wall time of one `sample` call
+(prefill + decode, compiled, after a warm-up call), MFU = model FLOP/s / this machine's measured
+float32 matmul FLOP/s, and the compute-roofline tokens/s (model FLOPs at that matmul rate).
+
+Model FLOPs of one call (see benchmarks/common.py for the per-token formula):
+  prefill, once per prompt (shared by its group): prompts x (P-1) tokens at slots 0..P-2, without the
+    LM head (the prefill needs no logits);
+  decode: prompts*samples rows x new_tokens steps, step t feeding slot P-1+t (attending P+t keys),
+    each with the LM head.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+
+
+def rollout_flops(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    """(prefill FLOPs, decode FLOPs) of one sample() call, as described in the module docstring."""
+    head = 2.0 * cfg.d_model * cfg.vocab_size
+    n_pre = prompt_len - 1
+    prefill = prompts * (common.sequence_flops(cfg, 0, n_pre) - head * n_pre) if n_pre > 0 else 0.0
+    decode = prompts * samples * common.sequence_flops(cfg, prompt_len - 1, new_tokens)
+    return prefill, decode
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8, help="group_size: samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--small", action="store_true", help="tiny model and shape (smoke test)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl.models.transformer import init_params
+    from jaxrl.rollout.sampler import sample
+
+    if args.small:
+        cfg = common.tiny()
+        args.prompts, args.samples, args.prompt_len, args.new_tokens = 2, 2, 8, 8
+        args.repeats = min(args.repeats, 2)
+        peak = common.measure_matmul_peak(n=512, repeats=3)
+    else:
+        cfg = common.bench_small()
+        peak = common.measure_matmul_peak()
+    B, G, P, T = args.prompts, args.samples, args.prompt_len, args.new_tokens
+    N = B * G
+
+    params = init_params(cfg, jax.random.PRNGKey(args.seed))
+    rng = np.random.default_rng(args.seed)
+    prompt_BxP = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P), dtype=np.int32))
+    pmask_BxP = jnp.ones((B, P), jnp.int32)
+    keys = iter(jax.random.split(jax.random.PRNGKey(args.seed + 1), args.repeats + 1))
+
+    def run():
+        return sample(params, cfg, prompt_BxP, pmask_BxP, next(keys), group_size=G, max_new_tokens=T,
+                      temperature=args.temperature, top_k=0, top_p=1.0, eos_id=-1, pad_id=0)
+
+    seconds, times = common.median_time(run, args.repeats)
+    check = sample(params, cfg, prompt_BxP, pmask_BxP, jax.random.PRNGKey(123), group_size=G, max_new_tokens=T,
+                   temperature=args.temperature, top_k=0, top_p=1.0, eos_id=-1, pad_id=0)
+    assert int(check.num_steps) == T, f"decode stopped after {int(check.num_steps)} of {T} steps"
+    assert float(jnp.sum(check.completion_mask_BxT)) == N * T, "some row stopped early"
+    assert check.tokens_BxT.shape == (N, T)
+
+    tokens = N * T
+    pre_f, dec_f = rollout_flops(cfg, B, G, P, T)
+    flops = pre_f + dec_f
+    achieved = flops / seconds
+    result = {
+        "benchmark": "rollout",
+        "tokens_per_s": tokens / seconds,
+        "mfu": achieved / peak,
+        "model_gflops_per_s": achieved / 1e9,
+        "matmul_peak_gflops": peak / 1e9,
+        "roofline_tokens_per_s": tokens * peak / flops,
+        "seconds": seconds,
+        "times": times,
+        "generated_tokens": tokens,
+        "prefill_gflop": pre_f / 1e9,
+        "decode_gflop": dec_f / 1e9,
+        "gflop_per_generated_token": flops / tokens / 1e9,
+        "shape": {"prompts": B, "samples": G, "prompt_len": P, "new_tokens": T},
+        "config": "tiny" if args.small else "bench-small",
+        "model": common.config_dict(cfg),
+        "params": common.total_params(cfg),
+        "load_average": common.load_average(),
+        "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    print(f"rollout [{result['config']}] {B} prompts x {G} samples, prompt {P}, {T} new tokens "
+          f"({tokens} generated tokens, {common.total_params(cfg) / 1e6:.1f}M params)")
+    print(f"  time            {seconds:.3f} s (median of {args.repeats}: {', '.join(f'{t:.3f}' for t in times)})")
+    print(f"  throughput      {result['tokens_per_s']:.0f} generated tokens/s")
+    print(f"  model FLOPs     {flops / 1e9:.1f} GFLOP (prefill {pre_f / 1e9:.2f}, decode {dec_f / 1e9:.1f}) "
+          f"-> {achieved / 1e9:.1f} GFLOP/s")
+    print(f"  matmul peak     {peak / 1e9:.1f} GFLOP/s -> MFU {result['mfu']:.1%}, "
+          f"roofline {result['roofline_tokens_per_s']:.0f} tokens/s")
+    print(f"  load average    {result['load_average']}")
+    common.emit(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

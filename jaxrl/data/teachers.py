@@ -1,0 +1,30 @@
+"""Fallible teachers: plausible wrong demonstrations for the supervised warm start.
+
+A base policy that imitated a teacher who is sometimes systematically wrong often knows the right
+answer without preferring it: the situation RL post-training is for. The warm start mixes these
+demonstrations in with probability `warmstart.teacher_error`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jaxrl.config import ConfigError
+
+
+def carry_free_sum(a: int, b: int) -> int:
+    """a + b computed digit by digit with every carry dropped: 64 + 69 -> 23 (4+9=13 -> 3, 6+6=12 -> 2)."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def fallible_answer(record: dict) -> str:
+    """The answer a carry-forgetting teacher gives for an addition record."""
+    info = json.loads(record["info"])
+    if info.get("op") != "+":
+        raise ConfigError("warmstart.teacher_error: the fallible teacher is defined for arithmetic addition "
+                          f"only; record {record['id']!r} is not an addition")
+    return str(carry_free_sum(int(info["a"]), int(info["b"])))
