@@ -72,7 +72,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
     steps = [r["step"] for r in rows if r.get("reward/mean") is not None]
     ax.plot(steps, [r["reward/mean"] for r in rows if r.get("reward/mean") is not None],
             color="tab:blue", alpha=0.6, label="train reward (mean)")
-    if any(r.get("reward/correctness") is not None for r in rows):
+    if any(r.get("reward/correctness") not in (None, r.get("reward/mean")) for r in rows):
         ax.plot(steps, [r.get("reward/correctness") for r in rows if r.get("reward/mean") is not None],
                 color="tab:green", alpha=0.6, label="train correctness")
     ev = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
