@@ -117,7 +117,7 @@ class LossConfig:
 class OptimConfig:
     learning_rate: float = 3e-4
     warmup_steps: int = 5
-    decay_steps: int = 0  # 0 -> train.steps
+    decay_steps: int = 0  # 0 -> train.steps * train.ppo_epochs (optimizer updates)
     end_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     b1: float = 0.9

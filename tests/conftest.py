@@ -27,6 +27,9 @@ def cache_env(tmp_path_factory):
     env["JAXRL_CACHE_DIR"] = str(root / "warmstart")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_FLAGS", None)
+    # Subprocess runs compile the same functions; a shared persistent cache compiles them once.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
 
 

@@ -71,7 +71,7 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     base_params = jax.device_put(base_params, rep)
-    # The reference is a copy: the policy's buffers are donated to each update, the reference's never.
+    # The reference is a copy: donating a state whose two fields share buffers is an error.
     state = init_state(base_params, optimizer, jax.random.key(tc.seed),
                        ref_params=jax.tree.map(jnp.copy, base_params))
     state = jax.device_put(state, rep)

@@ -62,10 +62,15 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
             mb["old_logp_BxT"] = lax.stop_gradient(logp_BxT)
         loss_BxT, stats = loss.token_loss(logp_BxT, mb)
         mask_BxT = mb["completion_mask_BxT"]
-        sums = {k: jnp.sum(v * mask_BxT) for k, v in stats.items() if v.shape == mask_BxT.shape}
-        sums["entropy"] = jnp.sum(entropy_BxT * mask_BxT)
+        live_BxT = mask_BxT > 0
+
+        def masked_sum(v_BxT):  # select, not multiply: garbage at padding must not turn into NaN
+            return jnp.sum(jnp.where(live_BxT, v_BxT, 0.0))
+
+        sums = {k: masked_sum(v) for k, v in stats.items() if v.shape == mask_BxT.shape}
+        sums["entropy"] = masked_sum(entropy_BxT)
         if "ref_logp_BxT" in mb:  # drift from the reference, reported whether or not the loss uses it
-            sums["kl"] = jnp.sum(kl_k3(lax.stop_gradient(logp_BxT), mb["ref_logp_BxT"]) * mask_BxT)
+            sums["kl"] = masked_sum(kl_k3(lax.stop_gradient(logp_BxT), mb["ref_logp_BxT"]))
         return jnp.sum(mb["weights_BxT"] * loss_BxT), sums
 
     grad_one = jax.value_and_grad(microbatch_loss, has_aux=True)
@@ -107,7 +112,7 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
         def epoch(carry, _):
             params, opt_state = carry
             value, grads, sums = grad_fn(params, batch)
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, sums)
 

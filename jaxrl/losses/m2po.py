@@ -1,0 +1,99 @@
+"""M2PO second-moment trust masking: a BATCH-level token mask, computed once before microbatching.
+
+M2PO (Second-Moment Trust Policy Optimization, "Prosperity before Collapse: How Far Can Off-Policy
+RL Reach with Stale Data on LLMs?") drops the tokens with the largest (log rho)^2 until the second
+moment over the kept tokens, M2 = mean (log rho)^2, is <= tau (e.g. 0.04). Which tokens go depends
+on every token of the batch, so it cannot be decided inside one microbatch. Three pieces:
+
+    m2po_keep_mask(log_ratio_BxT, mask_BxT, tau) -> keep_BxT      the exact batch-level rule
+    m2po_prepare(tau, ...) -> prepare(batch) -> batch             run ONCE on the whole update batch,
+                                                                  before splitting: adds keep_BxT
+    apply_keep_mask(token_loss, key) -> token_loss                per microbatch: drops those tokens
+
+so the microbatched loss and gradient equal the full-batch ones exactly. `prepare` uses only data
+already in the batch (no forward pass): by default log rho = old_logp - rollout_logp, the staleness
+of the data with respect to the policy at the START of the update. That is the paper's
+log(pi_theta / pi_behaviour) exactly for the first (or only) optimizer step on the batch; for later
+PPO epochs the mask stays frozen at its start-of-update value (an approximation; recomputing it
+per epoch would need a full-batch forward pass each epoch). The training step must have
+`old_logp_BxT` in the batch before calling `prepare` (recorded old log-probs).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.losses.ratios import token_log_ratio
+
+
+def m2po_keep_mask(log_ratio_BxT: jax.Array, mask_BxT: jax.Array, tau: float) -> jax.Array:
+    """keep_BxT (float 0/1): 0 on the live tokens M2PO drops, 1 everywhere else (masked tokens too).
+
+    Rule (exact and deterministic): sort the live tokens' q = (log rho)^2 ascending; the kept set is
+    the largest prefix j* of that order whose mean sum_{i<=j} q_(i) / j is <= tau (prefix means of an
+    ascending sort never decrease, so this is "drop the largest until the mean is <= tau", and the
+    fewest tokens are dropped). Ties: every token whose q equals the smallest dropped value is
+    dropped too (threshold rule q < q_(j*+1)), so the result depends only on the VALUES, never on
+    token order: permuting rows or splitting the batch differently cannot change it, and the kept
+    mean only gets smaller. If no token is over tau, nothing is dropped; if even the smallest q
+    exceeds tau, every live token is dropped (M2 of the empty set is taken as 0). All-masked: all 1.
+    `tau` may be a traced scalar (e.g. a schedule kept in the train state: no recompile).
+    """
+    if isinstance(tau, (int, float)) and not tau >= 0:
+        raise ValueError(f"m2po: tau={tau!r}; expected a non-negative number")
+    live_BxT = mask_BxT > 0
+    q_BxT = jnp.square(jnp.where(live_BxT, log_ratio_BxT, 0.0).astype(jnp.float32))
+    q_sorted = jnp.sort(jnp.where(live_BxT, q_BxT, jnp.inf).reshape(-1))  # live first, ascending
+    n_live = jnp.sum(live_BxT)
+    j = jnp.arange(1, q_sorted.shape[0] + 1)
+    prefix = jnp.cumsum(jnp.where(j <= n_live, q_sorted, 0.0))
+    ok = (j <= n_live) & (prefix <= tau * j.astype(jnp.float32))
+    # Count the leading run of ok (robust even if float rounding broke monotonicity by an ulp).
+    j_star = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+    threshold = jnp.where(j_star < n_live, q_sorted[jnp.minimum(j_star, q_sorted.shape[0] - 1)], jnp.inf)
+    dropped_BxT = live_BxT & (q_BxT >= threshold)
+    return (~dropped_BxT).astype(jnp.float32)
+
+
+def m2po_prepare(tau: float = 0.04, logp_key: str = "old_logp_BxT", behaviour_key: str = "rollout_logp_BxT",
+                 out_key: str = "m2po_keep_BxT") -> Callable[[dict], dict]:
+    """prepare(batch) -> batch with batch[out_key] = m2po_keep_mask(logp - behaviour, mask, tau).
+
+    Call it on the WHOLE update batch, before `split_microbatches`; the result is a B-leading BxT
+    array, so it splits with the rest. Keys are parameters so a caller with the current policy's
+    full-batch log-probs can point `logp_key` at them.
+    """
+    if not tau >= 0:
+        raise ValueError(f"m2po: tau={tau!r}; expected a non-negative number")
+
+    def prepare(batch: dict) -> dict:
+        mask_BxT = batch["completion_mask_BxT"]
+        log_ratio_BxT = token_log_ratio(batch[logp_key], batch[behaviour_key], mask_BxT)
+        return dict(batch, **{out_key: m2po_keep_mask(jax.lax.stop_gradient(log_ratio_BxT), mask_BxT, tau)})
+
+    return prepare
+
+
+def apply_keep_mask(token_loss: Callable, key: str = "m2po_keep_BxT", stat: str = "m2po_masked_BxT") -> Callable:
+    """Wrap `token_loss(logp_BxT, batch) -> (loss_BxT, stats)` so tokens with batch[key] == 0 are dropped.
+
+    A dropped token gets loss exactly 0 and NO gradient by any path: its logp enters the inner loss
+    as stop_gradient(logp) (same value), so even a sequence-level ratio (GSPO / PNPO / GMPO) that
+    mixes it into other tokens' values passes it no gradient; the loss there is then zeroed (the KL
+    and entropy terms of that token too). The inner stats are unchanged (computed on every live
+    token), plus `stat` (1.0 on dropped live tokens) so the metrics report the dropped fraction.
+    Works for any batch-level token mask, not only M2PO's.
+    """
+
+    def wrapped(logp_BxT: jax.Array, batch: dict):
+        keep_BxT = batch[key] > 0
+        logp_in = jnp.where(keep_BxT, logp_BxT, jax.lax.stop_gradient(logp_BxT))
+        loss_BxT, stats = token_loss(logp_in, batch)
+        live_BxT = batch["completion_mask_BxT"] > 0
+        stats = dict(stats, **{stat: (live_BxT & ~keep_BxT).astype(jnp.float32)})
+        return jnp.where(keep_BxT, loss_BxT, 0.0), stats
+
+    return wrapped

@@ -1,0 +1,148 @@
+"""Multi-reward advantage estimators: rewards_BxK -> adv_B, normalising each reward function first.
+
+GRPO sums the K rewards and then normalises, so distinct reward combinations with the same sum get
+the same advantage. These estimators normalise each reward column within its group first
+(z_ik), then combine. They are whole estimators `(rewards_BxK, group_size) -> adv_B` (the same
+contract as `advantages.estimator(...)`'s result), because the combine step comes AFTER the group
+normalisation, the reverse of `estimator(reward_combine, normaliser)`.
+
+Rows of one group are adjacent; `group_size` is a static int. The final batch normalisation is over
+every row of the call: run the estimator on the whole update batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.config import ConfigError
+from jaxrl.losses.advantages import Estimator, _batch_whiten_NxG, _by_group
+
+
+def _weights_K(weights: Optional[Sequence[float]], k: int) -> jax.Array:
+    if weights is None:
+        return jnp.ones((k,), jnp.float32)
+    weights = tuple(float(w) for w in weights)
+    if len(weights) != k:
+        raise ConfigError(f"loss.reward_weights: got {weights!r} ({len(weights)} weights), "
+                          f"expected one weight per reward function (rewards_BxK has K={k})")
+    return jnp.asarray(weights, jnp.float32)
+
+
+def group_z_scores(rewards_BxK: jax.Array, group_size: int, eps: float = 1e-6) -> jax.Array:
+    """z_BxK: z_ik = (r_ik - mean_G r_k) / (std_G r_k + eps), per reward function k within each group.
+
+    Population std (ddof=0), eps added to the std. A reward column that is constant within a group
+    gets exactly 0 there (no float residue, no NaN).
+    """
+    if rewards_BxK.ndim != 2:
+        raise ValueError(f"expected rewards_BxK of rank 2, got shape {rewards_BxK.shape}")
+    if not eps > 0:
+        raise ValueError(f"eps: got {eps!r}, expected a positive number")
+    b, k = rewards_BxK.shape
+    _by_group(jnp.zeros((b,)), group_size)  # validates group_size against B
+    r_NxGxK = rewards_BxK.astype(jnp.float32).reshape(b // group_size, group_size, k)
+    mean_Nx1xK = jnp.mean(r_NxGxK, axis=1, keepdims=True)
+    std_Nx1xK = jnp.std(r_NxGxK, axis=1, keepdims=True)
+    z_NxGxK = (r_NxGxK - mean_Nx1xK) / (std_Nx1xK + eps)
+    constant_Nx1xK = jnp.max(r_NxGxK, axis=1, keepdims=True) == jnp.min(r_NxGxK, axis=1, keepdims=True)
+    return jnp.where(constant_Nx1xK, 0.0, z_NxGxK).reshape(b, k)
+
+
+def gdpo(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6) -> Estimator:
+    """GDPO (group reward-decoupled normalisation):
+
+        z_ik = (r_ik - mean_G r_k) / (std_G r_k + eps)        (`group_z_scores`)
+        a_i  = sum_k w_k z_ik
+        A_i  = (a_i - mean_B a) / (std_B a + batch_eps)       population std over all B rows
+
+    `weights=None` gives every reward function weight 1; a count mismatch raises ConfigError.
+    mean_B a is 0 in exact arithmetic (each z column sums to 0 within a group); a group whose a_i are
+    all exactly 0 (e.g. every reward constant in the group) stays exactly 0.
+    """
+    if not batch_eps > 0:
+        raise ValueError(f"batch_eps: got {batch_eps!r}, expected a positive number")
+
+    def advantages(rewards_BxK: jax.Array, group_size: int) -> jax.Array:
+        z_BxK = group_z_scores(rewards_BxK, group_size, eps)
+        a_NxG = (z_BxK @ _weights_K(weights, z_BxK.shape[1])).reshape(-1, group_size)
+        return jax.lax.stop_gradient(_batch_whiten_NxG(a_NxG, batch_eps).reshape(-1))
+
+    return advantages
+
+
+def _check_gd2po(batch_eps: float, conflict_threshold: float, consensus_power: float) -> None:
+    if not conflict_threshold >= 0:
+        raise ValueError(f"conflict_threshold: got {conflict_threshold!r}, expected a number >= 0")
+    if not consensus_power >= 0:
+        raise ValueError(f"consensus_power: got {consensus_power!r}, expected a number >= 0")
+    if not batch_eps > 0:
+        raise ValueError(f"batch_eps: got {batch_eps!r}, expected a positive number")
+
+
+def gd2po_parts(rewards_BxK: jax.Array, group_size: int, *, weights: Optional[Sequence[float]] = None,
+                eps: float = 1e-6, batch_eps: float = 1e-6, conflict_threshold: float = 0.5,
+                consensus_power: float = 1.0) -> dict:
+    """GD2PO, OUR READING (PAPERS.md gives no formula): GDPO + conflict masking + query reweighting.
+
+    With z_ik and a_i = sum_k w_k z_ik as in `gdpo`, and A_i^GDPO its batch normalisation:
+
+      conflict_i  = sum_k |w_k| [sign(w_k z_ik) == -sign(a_i) != 0] / sum_k |w_k|
+                    the weighted share of reward functions pushing AGAINST the combined advantage
+                    (a z_ik of 0 neither agrees nor disagrees; a_i == 0 gives conflict 0).
+      keep_i      = conflict_i <= conflict_threshold      (masked when the share EXCEEDS it)
+      consensus_g = 1 - mean_{i in g} conflict_i          in [0, 1]; 1 when no rollout conflicts
+      A_i         = keep_i * consensus_g ** consensus_power * A_i^GDPO
+
+    Masking and reweighting come after the batch normalisation (they do not change its statistics);
+    consensus uses every rollout of the group, masked or not. consensus_power = 0 disables the
+    reweighting, conflict_threshold >= 1 disables the masking. No renormalisation after reweighting:
+    the overall advantage scale shrinks by the consensus factor.
+
+    Returns {"adv_B", "keep_B" (float 0/1), "conflict_B", "consensus_B" (the row's group consensus)}.
+    A masked rollout gets A = 0; to remove it from the loss entirely (KL, normaliser counts) the
+    preset should also do completion_mask_BxT *= keep_B[:, None], like the MC-GRPO pivot.
+    """
+    _check_gd2po(batch_eps, conflict_threshold, consensus_power)
+    z_BxK = group_z_scores(rewards_BxK, group_size, eps)
+    w_K = _weights_K(weights, z_BxK.shape[1])
+    a_B = z_BxK @ w_K
+    adv_B = _batch_whiten_NxG(a_B.reshape(-1, group_size), batch_eps).reshape(-1)
+    against_BxK = jnp.sign(z_BxK * w_K[None, :]) == -jnp.sign(a_B)[:, None]
+    against_BxK = against_BxK & (jnp.sign(a_B)[:, None] != 0)
+    abs_w_K = jnp.abs(w_K)
+    conflict_B = (against_BxK.astype(jnp.float32) @ abs_w_K) / jnp.maximum(jnp.sum(abs_w_K), 1e-12)
+    keep_B = (conflict_B <= conflict_threshold).astype(jnp.float32)
+    consensus_N = 1.0 - jnp.mean(conflict_B.reshape(-1, group_size), axis=1)
+    consensus_B = jnp.repeat(consensus_N, group_size)
+    scale_B = consensus_B ** consensus_power if consensus_power != 0 else jnp.ones_like(consensus_B)
+    out = {"adv_B": jnp.where(keep_B > 0, scale_B * adv_B, 0.0), "keep_B": keep_B, "conflict_B": conflict_B,
+           "consensus_B": consensus_B}
+    return jax.tree.map(jax.lax.stop_gradient, out)
+
+
+def gd2po(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6,
+          conflict_threshold: float = 0.5, consensus_power: float = 1.0) -> Estimator:
+    """GD2PO advantages, OUR READING (formula in `gd2po_parts`): (rewards_BxK, group_size) -> adv_B."""
+    kw = dict(weights=weights, eps=eps, batch_eps=batch_eps, conflict_threshold=conflict_threshold,
+              consensus_power=consensus_power)
+    _check_gd2po(batch_eps, conflict_threshold, consensus_power)  # bad values fail at build time
+
+    def advantages(rewards_BxK: jax.Array, group_size: int) -> jax.Array:
+        return gd2po_parts(rewards_BxK, group_size, **kw)["adv_B"]
+
+    return advantages
+
+
+def gd2po_keep(weights: Optional[Sequence[float]] = None, eps: float = 1e-6,
+               conflict_threshold: float = 0.5) -> Callable[[jax.Array, int], jax.Array]:
+    """(rewards_BxK, group_size) -> keep_B (float 0/1): the GD2PO conflict mask (see `gd2po_parts`)."""
+    _check_gd2po(1e-6, conflict_threshold, 0.0)
+
+    def keep(rewards_BxK: jax.Array, group_size: int) -> jax.Array:
+        return gd2po_parts(rewards_BxK, group_size, weights=weights, eps=eps,
+                           conflict_threshold=conflict_threshold)["keep_B"]
+
+    return keep

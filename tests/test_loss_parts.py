@@ -1,0 +1,460 @@
+"""Loss-algebra parts beyond GRPO: hand-worked numbers (arithmetic in the comments) and gradient checks.
+
+Advantage estimators (advantages.py, multi_reward.py), ratio levels (ratios.py), objectives
+(objectives.py) and the batch-level M2PO mask (m2po.py). Shapes are kept few and tiny: eager
+kernels are cached per (op, shape), so reusing shapes keeps this file fast on a busy CPU.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.config import ConfigError
+from jaxrl.losses import advantages as adv_lib
+from jaxrl.losses import m2po
+from jaxrl.losses import multi_reward
+from jaxrl.losses import objectives as obj
+from jaxrl.losses import ratios
+from jaxrl.losses.objectives import ppo_clip
+from jaxrl.losses.presets import policy_token_loss
+
+ATOL = 1e-5
+LOG = math.log
+
+
+def _close(a, b, atol=ATOL):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=0)
+
+
+# ============================================================================= advantages
+
+
+def _adv(estimator, rewards, group_size):
+    """Run an estimator (or normaliser) jitted, as the advantage step does: one compile is cheaper
+    than the per-op eager compiles, and it checks the part traces with a static group_size."""
+    return jax.jit(estimator, static_argnums=1)(rewards, group_size)
+
+
+def test_group_mean_batch_std_by_hand():
+    # r = [1,0 | 1,1], G = 2. Group means 0.5, 1 -> centred [0.5, -0.5, 0, 0].
+    # Batch std of the RAW rewards [1,0,1,1]: mean 0.75, var (0.0625+0.5625+0.0625+0.0625)/4 = 0.1875,
+    # std 0.4330127 -> A = [0.5, -0.5] / 0.4330127 = [1.1547005, -1.1547005]; constant group exactly 0.
+    adv = _adv(adv_lib.group_mean_batch_std(1e-6), jnp.array([1.0, 0.0, 1.0, 1.0]), 2)
+    _close(adv, [1.1547005, -1.1547005, 0.0, 0.0])
+    assert np.all(np.asarray(adv)[2:] == 0.0)
+    # GRPO's per-group std would give [1, -1]: make sure the batch std is used.
+    assert abs(float(adv[0]) - 1.0) > 0.1
+    # A constant batch: every group constant, std 0 -> exactly 0, never NaN.
+    assert np.all(np.asarray(_adv(adv_lib.group_mean_batch_std(), jnp.full((4,), 0.3), 2)) == 0.0)
+
+
+def test_rloo_by_hand():
+    # group [1,0,0,0]: A_0 = 1 - mean(0,0,0) = 1 ; A_1 = 0 - mean(1,0,0) = -1/3 (= 4/3 * (r - 0.25))
+    # group [0.3]*4 (float mean != 0.3): exactly 0.
+    adv = _adv(adv_lib.rloo, jnp.array([1.0, 0.0, 0.0, 0.0] + [0.3] * 4), 4)
+    _close(adv, [1.0, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0])
+    assert np.all(np.asarray(adv)[4:] == 0.0)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        adv_lib.rloo(jnp.array([1.0, 0.0]), 1)
+
+
+def test_reinforce_pp_baseline_by_hand():
+    # r = [1,0 | 1,1 | 0,1], G = 2: centred [0.5,-0.5, 0,0, -0.5,0.5]; batch mean 0,
+    # batch std = sqrt(4 * 0.25 / 6) = sqrt(1/6) = 0.4082483 -> 0.5 / 0.4082483 = 1.2247449.
+    adv = _adv(adv_lib.group_mean_batch_whiten(1e-6), jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), 2)
+    _close(adv, [1.2247449, -1.2247449, 0, 0, -1.2247449, 1.2247449])
+    assert np.all(np.asarray(adv)[2:4] == 0.0)  # constant group: exact zeros, no whitening residue
+    # Whitening subtracts the batch mean: a batch of centred values [2,-2] whitens to [1,-1].
+    _close(_adv(adv_lib.group_mean_batch_whiten(), jnp.array([4.0, 0.0]), 2), [1.0, -1.0])
+
+
+MC_R = [1.0, 0.0, 0.0,  0.0, 1.0, 1.0,  3.0, 1.0, 2.0,  0.7, 0.7, 0.7]  # noqa: E241  G+1 = 3
+
+
+def test_mc_grpo_median_baseline_and_pivot():
+    r = jnp.array(MC_R)
+    # medians: [1,0,0] -> 0 ; [0,1,1] -> 1 ; [3,1,2] -> 2 ; constant 0.7 -> 0.7
+    # A = r - median = [1,0,0 | -1,0,0 | 1,-1,0 | 0,0,0]
+    adv = _adv(adv_lib.group_median(), r, 3)
+    _close(adv, [1, 0, 0, -1, 0, 0, 1, -1, 0, 0, 0, 0])
+    # Pivot = row at position 1 of a STABLE ascending sort:
+    #   [1,0,0]: order (1,2,0) -> row 2 (the 2nd of the rows tied at the median 0)
+    #   [0,1,1]: order (0,1,2) -> row 1 (the 1st of the rows tied at 1)
+    #   [3,1,2]: order (1,2,0) -> row 2 ; constant: order (0,1,2) -> row 1
+    pivot = np.asarray(_adv(adv_lib.median_pivot, r, 3))
+    np.testing.assert_array_equal(pivot, [0, 0, 1, 0, 1, 0, 0, 0, 1, 0, 1, 0])
+    assert np.all(np.asarray(adv)[pivot == 1] == 0.0)  # the pivot's advantage is exactly 0
+    np.testing.assert_array_equal(pivot.reshape(-1, 3).sum(1), 1)  # exactly one pivot per group
+    # Group of 5 with a 3-way tie at the median: [2,2,2,0,5] sorted rows (3,0,1,2,4) -> position 2
+    # is row 1; rule: #{r < 2} = 1, so it is tied row number 2 - 1 + 1 = 2 in row order (rows 0,1,2).
+    np.testing.assert_array_equal(_adv(adv_lib.median_pivot, jnp.array([2.0, 2, 2, 0, 5]), 5), [0, 1, 0, 0, 0])
+    # Composes with reward_combine like any normaliser.
+    est = adv_lib.estimator(adv_lib.reward_sum(), adv_lib.median_pivot)
+    np.testing.assert_array_equal(_adv(est, r[:, None], 3), pivot)
+    with pytest.raises(ValueError, match="must be odd"):
+        adv_lib.group_median()(jnp.zeros((4,)), 2)
+    with pytest.raises(ValueError, match="must be odd"):
+        adv_lib.median_pivot(jnp.zeros((4,)), 4)
+
+
+def test_mc_grpo_mad_scaling():
+    # [3,1,2]: median 2, |dev| [1,1,0] -> sorted [0,1,1], MAD = 1 -> A = [1,-1,0] / 1.001
+    # [1,0,0]: |dev| [1,0,0], MAD = 0 -> A_0 = 1 / 1e-3 = 1000 (the binary-reward hazard documented)
+    # constant group: 0 / 1e-3 = 0 exactly.
+    adv = _adv(adv_lib.group_median(mad_scale=True), jnp.array(MC_R), 3)
+    _close(adv[6:9], [1 / 1.001, -1 / 1.001, 0.0])
+    _close(adv[:3], [1000.0, 0.0, 0.0], atol=1e-2)
+    assert np.all(np.asarray(adv)[9:] == 0.0)
+
+
+def test_gdpo_by_hand_and_differs_from_summing():
+    # K = 2, G = 2, weights (1,1). Group 0: (1,0),(0,0) ; group 1: (1,1),(0,0).
+    # z: group 0 k0 = [1,-1] (mean .5, std .5), k1 constant -> [0,0]  => a = [1,-1]
+    #    group 1 k0 = [1,-1], k1 = [1,-1]                             => a = [2,-2]
+    # batch: mean 0, std sqrt((1+1+4+4)/4) = 1.5811388 -> A = [.6324555, -.6324555, 1.2649111, -1.2649111]
+    rewards = jnp.array([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    adv = _adv(multi_reward.gdpo((1.0, 1.0)), rewards, 2)
+    _close(adv, [0.6324555, -0.6324555, 1.2649111, -1.2649111])
+    # Plain GRPO sums first: [1,0] and [2,0] both normalise to [1,-1]; the two groups look identical.
+    grpo = _adv(adv_lib.estimator(adv_lib.reward_sum(), adv_lib.group_mean_std()), rewards, 2)
+    _close(grpo[:2], grpo[2:])
+    assert float(adv[2]) > float(adv[0]) + 0.5
+    # A constant reward column inside a group and fully constant groups: exact 0, no NaN.
+    z = _adv(multi_reward.group_z_scores, jnp.array([[1.1, 1.0], [1.1, 0.0], [0.3, 0.3], [0.3, 0.3]]), 2)
+    np.testing.assert_array_equal(np.asarray(z)[:, 0], 0.0)
+    assert np.all(np.asarray(_adv(multi_reward.gdpo(), jnp.full((4, 2), 0.3), 2)) == 0.0)
+    with pytest.raises(ConfigError, match="loss.reward_weights"):
+        multi_reward.gdpo((1.0, 2.0, 3.0))(rewards, 2)
+
+
+GD2PO_R = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+
+
+def test_gd2po_our_reading_by_hand():
+    # weights (1, 0.5), G = 3.
+    # Group 0: k0 = [1,0,0] -> z0 = [1.4142136, -.7071068, -.7071068] (std sqrt(2/9) = .4714045)
+    #          k1 = [0,1,1] -> z1 = -z0 ;  a = z0 + .5 z1 = .5 z0 = [.7071068, -.3535534, -.3535534]
+    #   row 0: a > 0, k1 contributes .5 * (-1.414) < 0 (against) -> conflict = .5 / 1.5 = 1/3
+    #   rows 1,2: a < 0, k1 contributes + (against) -> 1/3 ; consensus = 1 - 1/3 = 2/3
+    # Group 1: k0 = k1 = [1,0,0] -> a = 1.5 z0 = [2.1213203, -1.0606602, -1.0606602]; conflict 0, consensus 1
+    # Batch: mean 0, var (.5 + 2*.125 + 4.5 + 2*1.125) / 6 = 1.25, std 1.1180340
+    #   GDPO A = [.6324555, -.3162278, -.3162278, 1.8973666, -.9486833, -.9486833]
+    # threshold .5 (1/3 <= .5: kept), power 1: group 0 scaled by 2/3 -> [.4216370, -.2108185, -.2108185]
+    gdpo_adv = [0.6324555, -0.3162278, -0.3162278, 1.8973666, -0.9486833, -0.9486833]
+    _close(_adv(multi_reward.gdpo((1.0, 0.5)), GD2PO_R, 3), gdpo_adv)
+    parts_fn = functools.partial(multi_reward.gd2po_parts, weights=(1.0, 0.5), conflict_threshold=0.5)
+    parts = _adv(parts_fn, GD2PO_R, 3)
+    _close(parts["conflict_B"], [1 / 3] * 3 + [0] * 3)
+    _close(parts["consensus_B"], [2 / 3] * 3 + [1] * 3)
+    _close(parts["adv_B"], [0.4216370, -0.2108185, -0.2108185] + gdpo_adv[3:])
+    np.testing.assert_array_equal(parts["keep_B"], 1.0)
+    # threshold .25 < 1/3: group 0's rollouts are masked (A exactly 0, keep 0).
+    adv = _adv(multi_reward.gd2po(weights=(1.0, 0.5), conflict_threshold=0.25), GD2PO_R, 3)
+    keep = _adv(multi_reward.gd2po_keep(weights=(1.0, 0.5), conflict_threshold=0.25), GD2PO_R, 3)
+    _close(adv, [0, 0, 0] + gdpo_adv[3:])
+    np.testing.assert_array_equal(keep, [0, 0, 0, 1, 1, 1])
+    # power 0 disables the reweighting; threshold >= 1 disables the masking: GD2PO == GDPO.
+    _close(_adv(multi_reward.gd2po(weights=(1.0, 0.5), conflict_threshold=1.0, consensus_power=0.0), GD2PO_R, 3),
+           gdpo_adv)
+    with pytest.raises(ValueError, match="conflict_threshold"):
+        multi_reward.gd2po(conflict_threshold=-1.0)
+
+
+# ============================================================================= ratio levels
+
+# One row, T = 4, last column padding with a garbage log-prob (exp would overflow).
+R_LOGP = jnp.array([[0.3, -0.1, 0.4, 1e4], [5.0, 5.0, 5.0, 5.0]])
+R_OLD = jnp.zeros((2, 4))
+R_MASK = jnp.array([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # row 1 fully masked
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jac_row0(fn, mask=R_MASK):
+    """d out[0, t] / d logp[0, j] as a TxT matrix (t = row, j = column)."""
+    return jax.jacobian(lambda lp: fn(lp, R_OLD, mask)[0])(R_LOGP)[:, 0, :]
+
+
+def test_sequence_log_ratio_gspo():
+    # log s_0 = (0.3 - 0.1 + 0.4) / 3 = 0.2 on the three live tokens; padding 0; masked row all 0.
+    lr = ratios.sequence_log_ratio(R_LOGP, R_OLD, R_MASK)
+    _close(lr, [[0.2, 0.2, 0.2, 0.0], [0, 0, 0, 0]])
+    # d log s / d logp_j = m_j / |y| = 1/3 for every live j, 0 for the padding column.
+    _close(_jac_row0(ratios.sequence_log_ratio), [[1 / 3] * 3 + [0]] * 3 + [[0] * 4])
+    g = jax.jit(jax.grad(lambda lp: jnp.sum(ratios.sequence_log_ratio(lp, R_OLD, R_MASK))))(R_LOGP)
+    assert np.all(np.isfinite(np.asarray(g))) and np.all(np.asarray(g)[1] == 0.0)
+
+
+def test_sequence_token_log_ratio_gspo_token():
+    # Same VALUE as GSPO, exactly; gradient is per token (identity on live tokens).
+    lr = ratios.sequence_token_log_ratio(R_LOGP, R_OLD, R_MASK)
+    np.testing.assert_array_equal(lr, ratios.sequence_log_ratio(R_LOGP, R_OLD, R_MASK))
+    _close(_jac_row0(ratios.sequence_token_log_ratio), np.diag([1.0, 1.0, 1.0, 0.0]))
+
+
+def test_prefix_log_ratio_pnpo():
+    # log rho = [0.3, -0.1, 0.4]: prefix means 0.3, 0.2/2 = 0.1, 0.6/3 = 0.2 ; padding 0.
+    _close(ratios.prefix_log_ratio(R_LOGP, R_OLD, R_MASK), [[0.3, 0.1, 0.2, 0.0], [0, 0, 0, 0]])
+    # d log w_t / d logp_j = 1/n_t for j <= t (causal).
+    _close(_jac_row0(ratios.prefix_log_ratio), [[1, 0, 0, 0], [.5, .5, 0, 0], [1 / 3, 1 / 3, 1 / 3, 0], [0] * 4])
+    # t counts live tokens only: mask [1,0,1,0] -> t0: 0.3 ; t2: (0.3 + 0.4) / 2 = 0.35 (not / 3).
+    gap = jnp.array([[1.0, 0.0, 1.0, 0.0], [0.0] * 4])
+    _close(ratios.prefix_log_ratio(R_LOGP, R_OLD, gap), [[0.3, 0.0, 0.35, 0.0], [0, 0, 0, 0]])
+
+
+# ============================================================================= objectives
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _value_grad(objective, log_ratio_BxT, adv_BxT, mask_BxT):
+    """(loss_BxT, d sum(loss) / d log_ratio_BxT, stats). Jitted: one compile per objective and shape
+    is much cheaper on CPU than the dozens of per-op eager compiles of a fresh objective."""
+    def total(x):
+        loss, stats = objective(x, adv_BxT, mask_BxT)
+        return jnp.sum(loss), (loss, stats)
+
+    (_, (loss, stats)), g = jax.value_and_grad(total, has_aux=True)(log_ratio_BxT)
+    return loss, g, stats
+
+
+def _obj_grad(objective, log_ratios, advs):
+    """One token per row: (loss_B, d sum(loss) / d log_ratio_B, stats)."""
+    lr = np.array(log_ratios, np.float32)[:, None]
+    adv = np.array(advs, np.float32)[:, None]
+    loss, g, stats = _value_grad(objective, lr, adv, np.ones_like(lr))
+    return np.asarray(loss[:, 0]), np.asarray(g[:, 0]), {k: np.asarray(v[:, 0]) for k, v in stats.items()}
+
+
+def test_dual_clip_by_hand():
+    # eps 0.2, c = 3. d loss / d log_ratio = -A rho where unclipped.
+    #   rho 4,  A -1: PPO loss -min(-4, -1.2*... ) = 4 > c*|A| = 3 -> capped: loss 3, grad 0, dual
+    #   rho 2,  A -1: PPO loss 2 < 3 -> unchanged: loss 2, grad -A rho = 2
+    #   rho 4,  A +1: PPO high clip: loss -1.2, grad 0 (dual never applies to A > 0)
+    #   rho .5, A -1: PPO low clip: loss 0.8, grad 0
+    #   rho e^100, A -1: huge stale ratio: loss 3, grad 0, finite
+    #   rho 3 (= c), A -2: tie -> unclipped branch: loss 6, grad 6
+    loss, g, st = _obj_grad(obj.dual_clip(0.2, 0.2, c=3.0), [LOG(4), LOG(2), LOG(4), LOG(.5), 100.0, LOG(3)],
+                            [-1, -1, 1, -1, -1, -2])
+    _close(loss, [3, 2, -1.2, 0.8, 3, 6], atol=1e-4)
+    _close(g, [0, 2, 0, 0, 0, 6], atol=1e-4)
+    np.testing.assert_array_equal(st["clipped_dual_BxT"], [1, 0, 0, 0, 1, 0])
+    np.testing.assert_array_equal(st["clipped_high_BxT"], [0, 0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(st["clipped_low_BxT"], [0, 0, 0, 1, 0, 0])
+    with pytest.raises(ValueError, match="c="):
+        obj.dual_clip(c=1.0)
+
+
+def test_cispo_by_hand_and_paper_gradient():
+    # cap 1.2: rho 1.5, A 1 -> w = 1.2: loss = -1.2 * 1 * ln 1.5 = -0.4865581, grad -1.2 (NOT zero)
+    #          rho .5, A -2 -> w = .5: loss = -.5 * -2 * ln .5 = -0.6931472, grad = -.5 * -2 = 1
+    loss, g, st = _obj_grad(obj.cispo(cap=1.2), [LOG(1.5), LOG(0.5)], [1.0, -2.0])
+    _close(loss, [-0.4865581, -0.6931472])
+    _close(g, [-1.2, 1.0])
+    np.testing.assert_array_equal(st["clipped_high_BxT"], [1, 0])
+    # floor .8: rho .5 -> w = .8, grad 1.6, clipped_low
+    _, g, st = _obj_grad(obj.cispo(cap=1.2, floor=0.8), [LOG(1.5), LOG(0.5)], [1.0, -2.0])
+    _close(g, [-1.2, 1.6])
+    np.testing.assert_array_equal(st["clipped_low_BxT"], [0, 1])
+    # Through token_log_ratio, the gradient wrt logp equals the paper's -sg(w) A logp form.
+    logp, old = jnp.array([[-1.0, -2.0]]), jnp.array([[-1.0 - LOG(1.5), -2.0 - LOG(0.5)]])
+    adv, mask = jnp.array([[1.0, -2.0]]), jnp.ones((1, 2))
+    cispo = obj.cispo(1.2)
+
+    @jax.jit
+    def ours_and_paper(logp):
+        ours = jax.grad(lambda lp: jnp.sum(cispo(ratios.token_log_ratio(lp, old, mask), adv, mask)[0]))(logp)
+        w = jnp.minimum(jnp.exp(logp - old), 1.2)
+        return ours, jax.grad(lambda lp: jnp.sum(-jax.lax.stop_gradient(w) * adv * lp))(logp)
+
+    ours, paper = ours_and_paper(logp)
+    _close(ours, paper)
+
+
+def test_sapo_gradient_at_one_is_ppo_and_by_hand():
+    # rho = 1: sigma(0) = 1/2 -> loss = -(4/tau)(1/2) A: A = 2, tau_pos 1 -> -4 ; A = -2, tau_neg 1.05
+    # -> 4/1.05 = 3.8095238. Gradient -4 sigma(1-sigma) rho A = -A: -2 and +2 (PPO's -A rho at rho 1).
+    # rho = 2, A = 1, tau 1: sigma(1) = .7310586: loss -4 * .7310586 = -2.9242343,
+    #   grad = -4 * .7310586 * .2689414 * 2 * 1 = -1.5728955 (PPO unclipped would be -2)
+    # log rho = 100 (would overflow): loss -4 (sigma = 1), grad 0, finite.
+    loss, g, st = _obj_grad(obj.sapo(1.0, 1.05), [0.0, 0.0, LOG(2), 100.0], [2.0, -2.0, 1.0, 1.0])
+    _close(loss, [-4.0, 3.8095238, -2.9242343, -4.0])
+    _close(g, [-2.0, 2.0, -1.5728955, 0.0])
+    assert np.all(np.isfinite(g))
+    _close(st["gate_BxT"][:3], [1.0, 1.0, 4 * 0.7310586 * 0.2689414])
+    _, g_ppo, _ = _obj_grad(ppo_clip(0.2), [0.0, 0.0], [2.0, -2.0])
+    _close(g[:2], g_ppo)
+
+
+def test_strict_double_side_by_hand():
+    # eps 0.2, loss -rho A inside [0.8, 1.2] (inclusive), dropped (0, grad 0) outside for ANY sign of A.
+    #   1.1,+1: -1.1 / -1.1 ; 1.5,+1: 0/0 ; 1.5,-1: 0/0 (PPO: 1.5 / 1.5) ; 0.5,+1: 0/0 (PPO: -.5/-.5)
+    #   0.8,-1 on the bound: 0.8 / 0.8 ; e^100, -1: 0 / 0 finite
+    lrs, advs = [LOG(1.1), LOG(1.5), LOG(1.5), LOG(0.5), LOG(0.8) + 1e-7, 100.0], [1, 1, -1, 1, -1, -1]
+    loss, g, st = _obj_grad(obj.strict_double_side(0.2), lrs, advs)
+    _close(loss, [-1.1, 0, 0, 0, 0.8, 0])
+    _close(g, [-1.1, 0, 0, 0, 0.8, 0])
+    np.testing.assert_array_equal(st["clipped_high_BxT"], [0, 1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(st["clipped_low_BxT"], [0, 0, 0, 1, 0, 0])
+    _, g_ppo, _ = _obj_grad(ppo_clip(0.2), lrs[:4], advs[:4])
+    _close(g_ppo, [-1.1, 0, 1.5, -0.5])  # the two tokens PPO keeps and SAO drops
+
+
+def _row_grad(objective, lr_row, adv, mask_row):
+    """One row, the same advantage on every token: (loss_T, d sum(loss) / d log_ratio_T, stats)."""
+    lr = np.array([lr_row], np.float32)
+    loss, g, stats = _value_grad(objective, lr, np.full_like(lr, adv), np.array([mask_row], np.float32))
+    return np.asarray(loss[0]), np.asarray(g[0]), {k: np.asarray(v[0]) for k, v in stats.items()}
+
+
+def test_mu_grpo_negative_veto_by_hand():
+    # eps 0.3, delta 0.5, row log rho [0.1, 0.6, 0.0, 0.1, 9.0 (masked)].
+    # A = -1: first |log rho| > .5 is t = 1 -> t = 1..3 vetoed (0, no grad);
+    #         t = 0: rho = e^.1 = 1.1051709, loss -rho A = 1.1051709, grad 1.1051709.
+    # The masked garbage at t = 4 never triggers anything.
+    f = obj.mu_grpo(0.3, 0.3, 0.5)
+    row, mask = [0.1, 0.6, 0.0, 0.1, 9.0], [1, 1, 1, 1, 0]
+    loss, g, st = _row_grad(f, row, -1.0, mask)
+    _close(loss, [1.1051709, 0, 0, 0, 0])
+    _close(g, [1.1051709, 0, 0, 0, 0])
+    np.testing.assert_array_equal(st["vetoed_BxT"], [0, 1, 1, 1, 0])
+    # A = +1: no veto; plain relaxed PPO: t = 1 rho e^.6 = 1.8221188 > 1.3 -> clipped: -1.3, grad 0;
+    # others -rho: e^.1 = 1.1051709, e^0 = 1.
+    loss, g, st = _row_grad(f, row, 1.0, mask)
+    _close(loss, [-1.1051709, -1.3, -1.0, -1.1051709, 0])
+    _close(g, [-1.1051709, 0, -1.0, -1.1051709, 0])
+    assert st["vetoed_BxT"].sum() == 0 and st["clipped_high_BxT"][1] == 1
+
+
+def test_gmpo_by_hand():
+    # eps 0.4, row log rho [0.2, 0.6, -0.6, 9 (masked)], |y| = 3; loss -A s on each live token.
+    # A = +1: clip above at 0.4 -> [0.2, 0.4, -0.6], mean 0, s = 1: loss -1 per token.
+    #   d sum_t l_t / d lr_j = 3 * (-A s / 3) = -1 for unclipped j (t0, t2), 0 for the clipped t1.
+    f = obj.gmpo(0.4)
+    row, mask = [0.2, 0.6, -0.6, 9.0], [1, 1, 1, 0]
+    loss, g, st = _row_grad(f, row, 1.0, mask)
+    _close(loss, [-1, -1, -1, 0])
+    _close(g, [-1, 0, -1, 0])
+    np.testing.assert_array_equal(st["clipped_high_BxT"], [0, 1, 0, 0])
+    # A = -1: clip below at -0.4 -> [0.2, 0.6, -0.4], mean 0.1333333, s = e^0.1333333 = 1.1426308
+    #   loss +1.1426308 per token; grad = -A s = 1.1426308 for t0, t1; 0 for the clipped t2.
+    loss, g, st = _row_grad(f, row, -1.0, mask)
+    _close(loss, [1.1426308, 1.1426308, 1.1426308, 0])
+    _close(g, [1.1426308, 1.1426308, 0, 0])
+    _close(st["seq_ratio_BxT"], [1.1426308] * 3 + [0])
+    np.testing.assert_array_equal(st["clipped_low_BxT"], [0, 0, 1, 0])
+
+
+# Every objective on one shared batch: masked tokens (with garbage log-ratios) and a fully masked row
+# give loss 0 and gradient 0, and nothing is NaN.
+ALL_OBJECTIVES = {
+    "dual_clip": obj.dual_clip(), "cispo": obj.cispo(1.28), "sapo": obj.sapo(),
+    "strict_double_side": obj.strict_double_side(), "mu_grpo": obj.mu_grpo(0.3, 0.3, 0.5), "gmpo": obj.gmpo(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_OBJECTIVES))
+def test_objectives_masked_tokens_and_empty_rows(name):
+    lr = np.array([[0.1, -0.05, 1e4], [-1e4, 1e4, 50.0], [0.02, 0.3, -0.2]], np.float32)
+    adv = np.array([[1.0] * 3, [-1.0] * 3, [-0.5] * 3], np.float32)
+    mask = np.array([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]], np.float32)
+    loss, g, stats = _value_grad(ALL_OBJECTIVES[name], lr, adv, mask)
+    dead = np.asarray(mask) == 0
+    assert np.all(np.isfinite(np.asarray(loss))) and np.all(np.isfinite(np.asarray(g)))
+    np.testing.assert_array_equal(np.asarray(loss)[dead], 0.0)
+    np.testing.assert_array_equal(np.asarray(g)[dead], 0.0)
+    assert np.max(np.abs(np.asarray(g))) > 0
+    for key, v in stats.items():
+        assert key.endswith("_BxT") and np.all(np.asarray(v)[dead] == 0.0), key
+
+
+# ============================================================================= M2PO
+
+
+_keep_mask = jax.jit(m2po.m2po_keep_mask)  # tau traced: one compile per shape
+
+
+def test_m2po_keep_mask_by_hand():
+    # live log rho [0.1, -0.2, 0.5 | 0.3, 0.0] (7.0 is masked): q = [.01, .04, .25, .09, 0]
+    # ascending [0, .01, .04, .09, .25], prefix means [0, .005, .0167, .035, .078]
+    #   tau .04: largest prefix with mean <= .04 is 4 -> drop q >= .25: the 0.5 token
+    #   tau .02: prefix 3 -> drop q >= .09: the 0.5 and 0.3 tokens
+    lr = jnp.array([[0.1, -0.2, 0.5], [0.3, 0.0, 7.0]])
+    mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    np.testing.assert_array_equal(_keep_mask(lr, mask, 0.04), [[1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(_keep_mask(lr, mask, 0.02), [[1, 1, 0], [0, 1, 1]])
+    # Ties: q = [.01, .09, .09], tau .06: prefix means .01, .05, .0633 -> prefix 2, threshold .09
+    # -> BOTH tied tokens go (kept mean .01), whichever order they come in.
+    tie = jnp.array([[0.1, 0.3, -0.3]])
+    np.testing.assert_array_equal(_keep_mask(tie, jnp.ones((1, 3)), 0.06), [[1, 0, 0]])
+    np.testing.assert_array_equal(_keep_mask(tie[:, ::-1], jnp.ones((1, 3)), 0.06), [[0, 0, 1]])
+    # Nothing over tau: keep all ; every q > tau: drop every live token ; all masked: keep all.
+    np.testing.assert_array_equal(_keep_mask(lr, mask, 1.0), 1.0)
+    np.testing.assert_array_equal(_keep_mask(lr + 1.0, mask, 0.001), 1.0 - mask)
+    np.testing.assert_array_equal(_keep_mask(lr, jnp.zeros_like(mask), 0.0), 1.0)
+
+
+def test_m2po_prepare_and_exact_under_microbatching():
+    # 4 rows x 3 tokens: the stalest tokens sit in rows 0 and 3, so a per-microbatch mask (rows 0-1
+    # vs rows 2-3) would differ from the batch mask; the prepared full-batch mask does not.
+    rng = np.random.default_rng(0)
+    mask = np.ones((4, 3), np.float32)
+    mask[2, 2] = 0.0
+    logp = (-1.0 - rng.random((4, 3))).astype(np.float32)
+    # current vs old log-ratio = -offset: all inside PPO's [0.8, 1.2], so only the mask can zero a gradient
+    old = logp + np.array([[0.05, 0.05, 0.1], [0.02, 0.0, -0.1], [0.1, 0.05, 50.0], [0.15, 0.0, 0.03]], np.float32)
+    batch = {"completion_mask_BxT": mask, "old_logp_BxT": old,
+             "advantages_B": np.array([1.0, -1.0, 0.5, -0.5], np.float32)}
+    # Staleness log(old / rollout) lives in the data: the rollout log-probs are shifted by known amounts
+    # (the masked (2,2) entry holds garbage).
+    stale = np.array([[0.05, 0.6, 0.1], [0.02, 0.0, 0.1], [0.1, 0.05, 0.0], [0.45, 0.0, 0.03]], np.float32)
+    batch["rollout_logp_BxT"] = old - stale
+    # q = stale^2 over 11 live tokens: [.0025,.36,.01,.0004,0,.01,.01,.0025,.2025,0,.0009], sum .5988
+    # ascending: 0,0,.0004,.0009,.0025,.0025,.01,.01,.01,.2025,.36 ; prefix of 9: .0363/9 = .0040 <= .04,
+    # prefix of 10: .2388/10 = .0239 <= .04, all 11: .5988/11 = .0544 > .04 -> drop q >= .36: token (0,1).
+    prepared = jax.jit(m2po.m2po_prepare(0.04))(batch)
+    want_keep = np.ones((4, 3))
+    want_keep[0, 1] = 0.0
+    np.testing.assert_array_equal(prepared["m2po_keep_BxT"], want_keep)
+    # tau .015: prefix 10 mean .0239 > .015 -> drop q >= .2025 too: token (3,0).
+    np.testing.assert_array_equal(jax.jit(m2po.m2po_prepare(0.015))(batch)["m2po_keep_BxT"][3], [0, 1, 1])
+
+    token_loss = m2po.apply_keep_mask(policy_token_loss(ratios.token_log_ratio, ppo_clip(0.2)))
+    weights = mask / mask.sum()
+
+    @jax.jit
+    def value_grad(lp, b):
+        return jax.value_and_grad(lambda x: jnp.sum(b["w"] * token_loss(x, b)[0]))(lp)
+
+    full = dict(prepared, w=weights)
+    v_full, g_full = value_grad(jnp.asarray(logp), full)
+    halves = [value_grad(jnp.asarray(logp[i:i + 2]), {k: np.asarray(v)[i:i + 2] for k, v in full.items()})
+              for i in (0, 2)]
+    _close(v_full, halves[0][0] + halves[1][0], atol=1e-6)
+    _close(g_full, np.concatenate([halves[0][1], halves[1][1]]), atol=1e-6)
+    # The dropped token: gradient exactly 0 (unmasked it would be -A rho w = -e^-0.05 / 11); the
+    # others keep -A rho w, e.g. token (0,0): -1 * e^-0.05 / 11 = -0.0864821.
+    assert float(g_full[0, 1]) == 0.0
+    _close(g_full[0, 0], -math.exp(-0.05) / 11, atol=1e-6)
+    _, stats = jax.jit(token_loss)(jnp.asarray(logp), prepared)
+    np.testing.assert_array_equal(stats["m2po_masked_BxT"], 1.0 - want_keep)
+    # A per-microbatch mask of the SAME data differs: rows 2-3 alone have q = [.01,.0025,.2025,0,.0009],
+    # mean .2159/5 = .0432 > .04, so they would drop token (3,0). Hence: prepare on the whole batch.
+    half = {k: np.asarray(v)[2:] for k, v in batch.items()}
+    np.testing.assert_array_equal(jax.jit(m2po.m2po_prepare(0.04))(half)["m2po_keep_BxT"][1], [0, 1, 1])
+
+
+def test_apply_keep_mask_blocks_gradient_through_sequence_ratio():
+    # GSPO mixes every token into the row's ratio; a dropped token must still get no gradient.
+    # Row log rho [0.1, -0.1, 0.3], A = 1, ppo eps 1 (no clipping), keep [1, 1, 0]:
+    #   s = e^{0.1} = 1.1051709; loss on kept tokens -s each, on the dropped one 0.
+    #   grad: d(-2 s)/d logp_j = -2 s / 3 = -0.7368 for j = 0, 1 ; 0 for j = 2.
+    logp = jnp.array([[0.1, -0.1, 0.3]])
+    batch = {"completion_mask_BxT": jnp.ones((1, 3)), "old_logp_BxT": jnp.zeros((1, 3)),
+             "advantages_B": jnp.array([1.0]), "keep": jnp.array([[1.0, 1.0, 0.0]])}
+    tl = m2po.apply_keep_mask(policy_token_loss(ratios.sequence_log_ratio, ppo_clip(1.0)), key="keep")
+    loss, g, _ = _value_grad(lambda lp, _a, _m: tl(lp, batch), logp, None, None)
+    _close(loss, [[-1.1051709, -1.1051709, 0.0]])
+    _close(g, [[-2 * 1.1051709 / 3, -2 * 1.1051709 / 3, 0.0]])
