@@ -95,22 +95,65 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, f"{prefix}.top_p", "a number in (0, 1]", self.top_p)
 
 
+def parse_loss_options(text: str, field: str = "loss.options") -> dict:
+    """`"tau=0.04, is_level=sequence, mask_truncated=true"` -> {"tau": 0.04, "is_level": "sequence", ...}.
+
+    Values: numbers, true/false, none, or a bare word (kept as a string). Syntax only; which names a
+    preset accepts is checked by `jaxrl.losses.make_loss`.
+    """
+    out = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        name, sep, raw = (x.strip() for x in item.partition("="))
+        if not sep or not name.isidentifier() or not raw:
+            raise ConfigError(f"{field}: got {text!r}, expected comma-separated name=value pairs (e.g. 'tau=0.04')")
+        if name in out:
+            raise ConfigError(f"{field}: {name!r} is given twice in {text!r}")
+        low = raw.lower()
+        if low in ("true", "false"):
+            value: Any = low == "true"
+        elif low in ("none", "null"):
+            value = None
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out[name] = value
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Hyperparameters of the loss preset named by `preset` (see jaxrl.losses.presets)."""
+    """The loss preset (see `jaxrl variants` / jaxrl.losses.presets) and its hyperparameters.
+
+    eps_low / eps_high / adv_eps: None means the preset's paper default (e.g. DAPO's 0.28, GSPO's
+    4e-4); a value is an error for a preset without that parameter. `options`: comma-separated
+    name=value pairs for the preset's other parameters and the options every preset takes, e.g.
+    "tau=0.02" (m2po), "tis_cap=2, is_level=sequence", "entropy_coef=0.001" (see `jaxrl variants`).
+    """
 
     preset: str = "grpo"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
+    eps_low: Optional[float] = None
+    eps_high: Optional[float] = None
     kl_beta: float = 0.0
-    adv_eps: float = 1e-6
+    adv_eps: Optional[float] = None
     reward_weights: tuple = (1.0, 0.1)  # one per reward function: (correctness, format)
+    options: str = ""
 
     def validate(self, prefix: str = "loss") -> None:
-        _check(self.eps_low >= 0, f"{prefix}.eps_low", "a non-negative number", self.eps_low)
-        _check(self.eps_high >= 0, f"{prefix}.eps_high", "a non-negative number", self.eps_high)
+        _check(self.eps_low is None or self.eps_low >= 0, f"{prefix}.eps_low", "None or a non-negative number", self.eps_low)
+        _check(self.eps_high is None or self.eps_high >= 0, f"{prefix}.eps_high", "None or a non-negative number",
+               self.eps_high)
         _check(self.kl_beta >= 0, f"{prefix}.kl_beta", "a non-negative number", self.kl_beta)
-        _check(self.adv_eps > 0, f"{prefix}.adv_eps", "a positive number", self.adv_eps)
+        _check(self.adv_eps is None or self.adv_eps > 0, f"{prefix}.adv_eps", "None or a positive number", self.adv_eps)
+        _check(len(self.reward_weights) > 0, f"{prefix}.reward_weights", "one weight per reward function",
+               self.reward_weights)
+        parse_loss_options(self.options, f"{prefix}.options")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +299,11 @@ def _parse_value(field: str, text: str, typ) -> Any:
 
 
 def _check_type(field: str, value: Any, typ) -> Any:
-    """Accept ints for floats; reject everything else of the wrong type."""
+    """Accept ints for floats; reject everything else of the wrong type (None only for Optional)."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType) and type(None) in typing.get_args(typ):
+        if value is None:
+            return None
+        typ = [a for a in typing.get_args(typ) if a is not type(None)][0]
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is bool and not isinstance(value, bool):

@@ -242,7 +242,9 @@ def _dapo_like(**kw):
                                                 [losses.kl_penalty(kw.get("kl_beta", 0.0))]))
 
 
-LOSSES = {**losses.PRESETS, "dapo_like": _dapo_like}
+# The GRPO-family presets this file grew with, plus a composition outside the registry. The contract
+# over EVERY registered preset (with prepare, odd MC-GRPO groups, ...) is tests/test_presets.py.
+LOSSES = {"grpo": losses.PRESETS["grpo"], "dr_grpo": losses.PRESETS["dr_grpo"], "dapo_like": _dapo_like}
 
 
 def _contract_inputs():

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 
 WeightsFn = Callable[[jax.Array, int], jax.Array]
 
-# Stats whose min and max are also reported (the rest get only a masked mean).
-EXTREMA = ("ratio",)
+# Stats whose min and max are also reported (the rest get only a masked mean): the staleness ratio
+# (current / old) and the rollout-mismatch importance ratio and weight (old / rollout, corrections.py).
+EXTREMA = ("ratio", "is_ratio", "is_weight")
 
 
 def _lengths_B(mask_BxT: jax.Array) -> jax.Array:
@@ -67,6 +68,35 @@ def seq_mean_token_sum_norm(completion_mask_BxT: jax.Array, max_new_tokens: int)
         raise ValueError(f"seq_mean_token_sum_norm needs max_new_tokens > 0, got {max_new_tokens!r}")
     m_BxT = _mask01(completion_mask_BxT)
     return m_BxT / (_live_rows(m_BxT) * float(max_new_tokens))
+
+
+def seq_mean_token_sum(completion_mask_BxT: jax.Array, max_new_tokens: int = 0) -> jax.Array:
+    """Sequence-level sum (REINFORCE / RLOO: the loss of a row is its summed token losses, i.e. the
+    sequence log-prob times A), mean over rows; w_it = m_it / B. No length normaliser at all."""
+    del max_new_tokens
+    m_BxT = _mask01(completion_mask_BxT)
+    return m_BxT / _live_rows(m_BxT)
+
+
+def constant_norm(k: float | None = None) -> WeightsFn:
+    """AsyncWebRL: GRPO's per-sequence 1/|y_i| replaced by a constant 1/k; w_it = m_it / (B * k).
+
+    1/|y_i| down-weights the negative gradient of failures, which are systematically longer than
+    successes; a constant normaliser removes that coupling. `k=None` takes k = max_new_tokens (the
+    generation limit; with it the weights equal Dr.GRPO's `seq_mean_token_sum_norm`).
+    """
+    if k is not None and not k > 0:
+        raise ValueError(f"constant_norm: k={k!r}; expected a positive number or None (= max_new_tokens)")
+
+    def weights(completion_mask_BxT: jax.Array, max_new_tokens: int = 0) -> jax.Array:
+        kk = k if k is not None else max_new_tokens
+        if not kk or kk <= 0:
+            raise ValueError(f"constant_norm(k=None) needs max_new_tokens > 0, got {max_new_tokens!r}")
+        m_BxT = _mask01(completion_mask_BxT)
+        return m_BxT / (_live_rows(m_BxT) * float(kk))
+
+    weights.part = f"constant_norm(k={'max_new_tokens' if k is None else k})"
+    return weights
 
 
 def weighted_sum(weights_BxT: jax.Array, loss_BxT: jax.Array) -> jax.Array:

@@ -1,130 +1,130 @@
-"""Loss presets: named compositions of the parts in this package.
+"""Loss presets: the registry of named compositions, and `make_loss` from a config.
 
-A `Loss` is three functions the training step calls:
+The contract (`Loss`, `compose`) lives in `compose.py`; the presets themselves, each a short
+composition of parts whose docstring names its paper and writes its formula, in `presets_grpo.py`
+(advantage / normaliser / row-selection family) and `presets_ratio.py` (ratio level / objective /
+trust-region family). `PRESETS[name]` is a `Preset`: callable like the factory
+(`PRESETS["dapo"](eps_high=0.3)`), plus the paper, the composition (`.parts`) and what
+`rollout.group_size` means for it.
 
-    advantages(rewards_BxK, group_size) -> adv_B                (group_size static)
-    weights(completion_mask_BxT, max_new_tokens) -> weights_BxT (on the WHOLE update batch)
-    token_loss(logp_BxT, batch) -> (loss_BxT, stats)            (per microbatch)
-
-and the update minimises sum over microbatches of `weighted_sum(weights_BxT, loss_BxT)`.
-
-`batch` keys read by token_loss: completion_mask_BxT, old_logp_BxT, advantages_B (or
-advantages_BxT), ref_logp_BxT (only when a KL term is active), entropy_BxT (only for an entropy
-bonus). `loss_BxT` is exactly 0 on masked tokens. `stats` holds per-token arrays (0 on masked
-tokens) for `reduce_stats` / `stat_partials`: ratio_BxT, clipped_low_BxT, clipped_high_BxT and,
-when kl_beta > 0, kl_BxT.
-
-Hyperparameters are static Python numbers closed over at build time; a change recompiles.
+Config: `jaxrl.config.LossConfig` carries the fields most presets share (eps_low, eps_high, kl_beta,
+adv_eps, reward_weights; a None means "the preset's paper default") and `options`, a string of
+`name=value` pairs for everything else (a preset's own parameters such as `tau` or `delta`, and the
+`compose.EXTRAS` every preset accepts such as `tis_cap` or `entropy_coef`). `make_loss` checks every
+name against the preset and raises `ConfigError` naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable
 
-import jax
-import jax.numpy as jnp
-
-from jaxrl.config import ConfigError
-from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import aggregation, objectives, ratios, regularizers
-
-
-class Loss(NamedTuple):
-    name: str
-    advantages: Callable  # (rewards_BxK, group_size: int) -> adv_B
-    weights: Callable  # (completion_mask_BxT, max_new_tokens: int) -> weights_BxT
-    token_loss: Callable  # (logp_BxT, batch: dict) -> (loss_BxT, stats)
+from jaxrl.config import ConfigError, parse_loss_options
+from jaxrl.losses.compose import EXTRAS, Loss, compose, named, policy_token_loss, with_regularizers  # noqa: F401
+from jaxrl.losses.presets_grpo import (async_const_norm, bnpo, dapo, dr_grpo, gd2po, gdpo, grpo, mc_grpo,
+                                       reinforce_pp, rloo)
+from jaxrl.losses.presets_ratio import cispo, gmpo, gspo, gspo_token, m2po, mu_grpo, pnpo, sao, sapo
 
 
-def _advantages_BxT(batch: dict, shape: tuple) -> jax.Array:
-    if "advantages_BxT" in batch:
-        return jax.lax.stop_gradient(batch["advantages_BxT"])
-    return jnp.broadcast_to(jax.lax.stop_gradient(batch["advantages_B"])[:, None], shape)
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A registered preset: `factory(**kwargs) -> Loss`, its paper, and its group-size rule."""
+
+    factory: Callable[..., Loss]
+    paper: str
+    group: str = "G >= 2"  # what rollout.group_size is for this preset (shown by `jaxrl variants`)
+    min_group_size: int = 2
+    odd_group_size: bool = False
+
+    def __call__(self, **kwargs) -> Loss:
+        return self.factory(**kwargs)
+
+    @property
+    def parts(self) -> tuple:
+        return self.factory().parts
+
+    def check_group_size(self, group_size: int, name: str = "") -> None:
+        ok = group_size >= self.min_group_size and (not self.odd_group_size or group_size % 2 == 1)
+        if not ok:
+            raise ConfigError(f"rollout.group_size: got {group_size}, expected {self.group} for loss.preset={name!r}")
 
 
-def policy_token_loss(ratio: ratios.RatioFn, objective: objectives.Objective,
-                      regularizer_parts: Sequence[regularizers.Regularizer] = ()) -> Callable:
-    """Compose ratio level -> objective (+ regularisers) into `token_loss(logp_BxT, batch)`."""
-    regularizer_parts = tuple(regularizer_parts)
-
-    def token_loss(logp_BxT: jax.Array, batch: dict):
-        mask_BxT = batch["completion_mask_BxT"]
-        log_ratio_BxT = ratio(logp_BxT, batch["old_logp_BxT"], mask_BxT)
-        loss_BxT, stats = objective(log_ratio_BxT, _advantages_BxT(batch, logp_BxT.shape), mask_BxT)
-        stats = dict(stats)
-        for part in regularizer_parts:
-            extra_BxT, part_stats = part(logp_BxT, batch)
-            loss_BxT = loss_BxT + extra_BxT
-            stats.update(part_stats)
-        # Every part already masks; this final select is the contract guarantee for callers.
-        return jnp.where(mask_BxT > 0, loss_BxT, 0.0), stats
-
-    return token_loss
-
-
-def grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
-         adv_eps: float = 1e-6, reward_weights: Optional[Sequence[float]] = None,
-         kl_estimator: regularizers.KLEstimator = regularizers.kl_k3) -> Loss:
-    """GRPO, Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
-    Language Models" (arXiv:2402.03300).
-
-        r_i   = sum_k w_k r_ik                                           (reward_sum)
-        A_i   = (r_i - mean_G r) / (std_G r + adv_eps),  population std  (group_mean_std)
-        rho_t = exp(logp_theta(y_t) - logp_old(y_t))                     (token_log_ratio)
-        J     = 1/B sum_i 1/|y_i| sum_t [ min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
-                                          - kl_beta * KL_t ]             (ppo_clip, kl_penalty,
-                                                                          seq_mean_token_mean)
-    KL_t defaults to the k3 estimator exp(ref - logp) - (ref - logp) - 1 the paper uses. The
-    paper's clip is symmetric (eps_high = eps_low, the default); B counts live rows.
-    """
-    return Loss(
-        name="grpo",
-        advantages=adv_lib.estimator(adv_lib.reward_sum(reward_weights), adv_lib.group_mean_std(adv_eps)),
-        weights=aggregation.seq_mean_token_mean,
-        token_loss=policy_token_loss(ratios.token_log_ratio, objectives.ppo_clip(eps_low, eps_high),
-                                     [regularizers.kl_penalty(kl_beta, kl_estimator)]),
-    )
-
-
-def dr_grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
-            reward_weights: Optional[Sequence[float]] = None,
-            kl_estimator: regularizers.KLEstimator = regularizers.kl_k3) -> Loss:
-    """Dr.GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
-    (arXiv:2503.20783): GRPO with its two biases removed.
-
-        A_i = r_i - mean_G r                     (no std: no per-question difficulty weighting)
-        J   = 1/(B * L_max) sum_i sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
-                                                 (no 1/|y_i|: no length bias; L_max = max_new_tokens)
-    minus kl_beta * KL_t inside the sum as in GRPO (the paper trains with kl_beta = 0).
-    """
-    return Loss(
-        name="dr_grpo",
-        advantages=adv_lib.estimator(adv_lib.reward_sum(reward_weights), adv_lib.group_mean),
-        weights=aggregation.seq_mean_token_sum_norm,
-        token_loss=policy_token_loss(ratios.token_log_ratio, objectives.ppo_clip(eps_low, eps_high),
-                                     [regularizers.kl_penalty(kl_beta, kl_estimator)]),
-    )
-
-
-PRESETS: dict[str, Callable[..., Loss]] = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
+PRESETS: dict[str, Preset] = {
+    "grpo": Preset(grpo, "Shao et al. 2024, DeepSeekMath (GRPO), arXiv:2402.03300"),
+    "dr_grpo": Preset(dr_grpo, "Liu et al. 2025, Understanding R1-Zero-Like Training (Dr.GRPO), arXiv:2503.20783"),
+    "bnpo": Preset(bnpo, "token-mean normaliser as PAPERS.md defines BNPO"),
+    "dapo": Preset(dapo, "Yu et al. 2025, DAPO, arXiv:2503.14476"),
+    "gspo": Preset(gspo, "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071"),
+    "gspo_token": Preset(gspo_token, "Zheng et al. 2025, GSPO-token, arXiv:2507.18071"),
+    "gmpo": Preset(gmpo, "Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673"),
+    "cispo": Preset(cispo, "MiniMax 2025, MiniMax-M1 (CISPO), arXiv:2506.13585"),
+    "sapo": Preset(sapo, "Qwen 2025, Soft Adaptive Policy Optimization"),
+    "mc_grpo": Preset(mc_grpo, "Median-Centered GRPO (MC-GRPO), papers.txt", group="an odd G+1 >= 3 (G + 1 pivot)",
+                      min_group_size=3, odd_group_size=True),
+    "gdpo": Preset(gdpo, "Group reward-Decoupled Normalization PO (GDPO), papers.txt"),
+    "gd2po": Preset(gd2po, "Group-Dynamic reward-Decoupled PO (GD2PO), papers.txt; our reading"),
+    "m2po": Preset(m2po, "Second-Moment Trust PO (M2PO), Prosperity before Collapse, papers.txt"),
+    "mu_grpo": Preset(mu_grpo, "Mu-GRPO, How off-policy can GRPO be?, papers.txt; our reading"),
+    "sao": Preset(sao, "Single-rollout Asynchronous Optimization (SAO), papers.txt; batch baseline",
+                  group="G >= 1 (single rollout: 1)", min_group_size=1),
+    "pnpo": Preset(pnpo, "Prefix-Normalized Policy Optimization (PNPO), papers.txt"),
+    "rloo": Preset(rloo, "Ahmadian et al. 2024, Back to Basics (RLOO), arXiv:2402.14740"),
+    "reinforce_pp": Preset(reinforce_pp, "Hu et al. 2025, REINFORCE++ (baseline), arXiv:2501.03262"),
+    "async_const_norm": Preset(async_const_norm, "AsyncWebRL constant 1/k normaliser, papers.txt"),
 }
+
+# LossConfig fields passed to the factory when set (None = the preset's default).
+_FIELDS = ("eps_low", "eps_high", "adv_eps")
+
+
+def _preset(name: str) -> Preset:
+    if name not in PRESETS:
+        allowed = ", ".join(repr(n) for n in sorted(PRESETS))
+        raise ConfigError(f"loss.preset: got {name!r}, expected one of {allowed}")
+    return PRESETS[name]
+
+
+def preset_parameters(name: str) -> tuple:
+    """The option names preset `name` accepts: its own keyword parameters, then `EXTRAS`."""
+    params = inspect.signature(_preset(name).factory).parameters
+    own = tuple(p for p, v in params.items() if v.kind is not inspect.Parameter.VAR_KEYWORD)
+    return own + tuple(e for e in EXTRAS if e not in own)
+
+
+def check_rollout(name: str, group_size: int) -> None:
+    """ConfigError naming rollout.group_size when the preset cannot use it (MC-GRPO needs an odd G+1)."""
+    _preset(name).check_group_size(group_size, name)
 
 
 def make_loss(loss_cfg) -> Loss:
     """Build the preset named by `loss_cfg.preset` (a `jaxrl.config.LossConfig`).
 
-    Each LossConfig field that names a parameter of the preset's factory is passed to it; fields a
-    preset has no use for (e.g. adv_eps for dr_grpo) are ignored.
+    eps_low / eps_high / adv_eps are passed when not None, and must then be parameters of the preset;
+    kl_beta and reward_weights always (every preset takes them); `options` adds any other parameter
+    of the preset or any `EXTRAS` name. Every mistake is a ConfigError naming the field.
     """
-    if loss_cfg.preset not in PRESETS:
-        allowed = ", ".join(repr(n) for n in sorted(PRESETS))
-        raise ConfigError(f"loss.preset: got {loss_cfg.preset!r}, expected one of {allowed}")
-    factory = PRESETS[loss_cfg.preset]
-    params = inspect.signature(factory).parameters
-    kwargs = {f.name: getattr(loss_cfg, f.name) for f in dataclasses.fields(loss_cfg)
-              if f.name != "preset" and f.name in params}
-    return factory(**kwargs)
+    name = loss_cfg.preset
+    preset = _preset(name)
+    allowed = preset_parameters(name)
+    kwargs = {"kl_beta": loss_cfg.kl_beta, "reward_weights": loss_cfg.reward_weights}
+    for field in _FIELDS:
+        value = getattr(loss_cfg, field)
+        if value is None:
+            continue
+        if field not in allowed:
+            raise ConfigError(f"loss.{field}: got {value!r}, but preset {name!r} has no {field} (set "
+                              f"loss.{field}=none); its parameters: {', '.join(allowed)}")
+        kwargs[field] = value
+    for key, value in parse_loss_options(loss_cfg.options).items():
+        if key in kwargs or key in _FIELDS:
+            raise ConfigError(f"loss.options: {key!r} is a LossConfig field; set it as loss.{key}")
+        if key not in allowed:
+            raise ConfigError(f"loss.options: preset {name!r} has no parameter {key!r}; allowed: {', '.join(allowed)}")
+        kwargs[key] = value
+    try:
+        return preset.factory(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"loss (preset {name!r}): {e}") from e

@@ -25,7 +25,7 @@ from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
-from jaxrl.losses import make_loss
+from jaxrl.losses import check_rollout, make_loss
 from jaxrl.rollout.sampler import sample
 from jaxrl.sharding import batch_sharding, check_batch_divides, make_mesh, replicated
 from jaxrl.train import checkpoint as ckpt
@@ -66,8 +66,11 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     mesh, preset = make_mesh(cfg.mesh)
     check_batch_divides(mesh, preset, B, "rollout.prompts_per_step*rollout.group_size")
 
-    tokenizer, model_cfg, task, base_params, base_path = _build(cfg, tc.progress)
+    # The loss first: a bad preset / option / group size is a one-line error before any work is done.
+    # rollout.group_size is taken as given (MC-GRPO's config samples G+1; its prepare drops the pivot).
     loss = make_loss(cfg.loss)
+    check_rollout(cfg.loss.preset, G)
+    tokenizer, model_cfg, task, base_params, base_path = _build(cfg, tc.progress)
     optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     base_params = jax.device_put(base_params, rep)
@@ -88,7 +91,7 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     logp_fn = make_logp_fn(model_cfg, rc.temperature)
     update_step = jax.jit(
         make_update_step(logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs, microbatches=tc.microbatches,
-                         max_new_tokens=rc.max_new_tokens, use_ref=True),
+                         max_new_tokens=rc.max_new_tokens, use_ref=True, group_size=G),
         in_shardings=(rep, rows_sharding), out_shardings=(rep, rep), donate_argnums=0)
     rollout = jax.jit(functools.partial(
         sample, cfg=model_cfg, group_size=G, max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
@@ -99,7 +102,7 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
 
     stop = _StopFlag()
     previous = signal.signal(signal.SIGTERM, stop)
-    bar = tqdm(total=tc.steps, initial=start, desc="GRPO", disable=not tc.progress, dynamic_ncols=True)
+    bar = tqdm(total=tc.steps, initial=start, desc=cfg.loss.preset, disable=not tc.progress, dynamic_ncols=True)
     last_eval = {}
     try:
         if start == 0 and tc.steps >= 0:

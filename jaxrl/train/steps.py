@@ -1,8 +1,10 @@
 """The jitted steps of the pipeline: policy log-probs, gradients over microbatches, the update.
 
-`update_step(state, batch) -> (state, metrics)` is pure. Aggregation weights come from the whole
-batch before it is split, so the `lax.scan` over microbatches sums to exactly the full-batch loss
-and gradient.
+`update_step(state, batch) -> (state, metrics)` is pure. In order, on the whole batch: record the
+old log-probs (several PPO epochs, or a Loss with `needs_old_logp`) and the reference log-probs, run
+`loss.prepare` (batch-level parts: row / token masks, reward shaping), compute the aggregation
+weights; only then split into microbatches. So the `lax.scan` over microbatches sums to exactly the
+full-batch loss and gradient, whatever the preset.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.losses import Loss
+from jaxrl.losses.aggregation import EXTREMA
 from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.train.state import TrainState
@@ -48,11 +51,35 @@ def microbatched_logp(logp_fn: LogpFn, params, batch: dict, n: int):
     return merge_microbatches(out)
 
 
-def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_recorded: bool):
+def _stat_name(key: str) -> str:
+    return key.removesuffix("_BxT")
+
+
+def _merge_sums(a: dict, b: dict) -> dict:
+    """Accumulate stat sums across microbatches: sums add; `<key>/min` and `<key>/max` take min / max."""
+    out = {}
+    for k in a:
+        op = jnp.minimum if k.endswith("/min") else jnp.maximum if k.endswith("/max") else jnp.add
+        out[k] = op(a[k], b[k])
+    return out
+
+
+def _init_sums(shapes: dict) -> dict:
+    fill = lambda k: jnp.inf if k.endswith("/min") else -jnp.inf if k.endswith("/max") else 0.0  # noqa: E731
+    return {k: jnp.full(s.shape, fill(k), s.dtype) for k, s in shapes.items()}
+
+
+def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_recorded: bool,
+                 detailed_stats: bool = False):
     """(params, batch with weights_BxT) -> (loss, grads, stat_sums). Exact full-batch gradient.
 
     When the batch carries no recorded old log-probs (one PPO epoch on fresh samples), the old
     policy IS the current one, so old = stop_gradient(current): the ratio is 1 with the PPO gradient.
+
+    stat_sums: masked sums over live tokens of every per-token stat of the loss, plus "entropy" and
+    (with ref_logp_BxT) "kl". With `detailed_stats`, also "<stat>_BxT/min" and "/max" for the stats in
+    `aggregation.EXTREMA` (min / max over live tokens, merged exactly across microbatches) and
+    "mismatch_abs_logp" = sum |rollout_logp - old_logp| (when the batch has rollout_logp_BxT).
     """
 
     def microbatch_loss(params, mb):
@@ -71,6 +98,15 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
         sums["entropy"] = masked_sum(entropy_BxT)
         if "ref_logp_BxT" in mb:  # drift from the reference, reported whether or not the loss uses it
             sums["kl"] = masked_sum(kl_k3(lax.stop_gradient(logp_BxT), mb["ref_logp_BxT"]))
+        if detailed_stats:
+            for k, v in stats.items():
+                if v.shape == mask_BxT.shape and _stat_name(k) in EXTREMA:
+                    v = lax.stop_gradient(v).astype(jnp.float32)
+                    sums[k + "/min"] = jnp.min(jnp.where(live_BxT, v, jnp.inf))
+                    sums[k + "/max"] = jnp.max(jnp.where(live_BxT, v, -jnp.inf))
+            if "rollout_logp_BxT" in mb:  # sampler vs trainer (old) policy on the sampled tokens
+                gap_BxT = jnp.abs(mb["rollout_logp_BxT"] - lax.stop_gradient(mb["old_logp_BxT"]))
+                sums["mismatch_abs_logp"] = jnp.sum(jnp.where(live_BxT, gap_BxT, 0.0))
         return jnp.sum(mb["weights_BxT"] * loss_BxT), sums
 
     grad_one = jax.value_and_grad(microbatch_loss, has_aux=True)
@@ -79,14 +115,12 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
         def accumulate(carry, mb):
             (value, sums), grads = grad_one(params, mb)
             g_acc, v_acc, s_acc = carry
-            return (jax.tree.map(jnp.add, g_acc, grads), v_acc + value,
-                    jax.tree.map(jnp.add, s_acc, sums)), None
+            return (jax.tree.map(jnp.add, g_acc, grads), v_acc + value, _merge_sums(s_acc, sums)), None
 
         mbs = split_microbatches(batch, microbatches)
         first = jax.tree.map(lambda x: x[0], mbs)
         sums_shape = jax.eval_shape(lambda p, mb: microbatch_loss(p, mb)[1], params, first)
-        init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
-                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
+        init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), _init_sums(sums_shape))
         (grads, value, sums), _ = lax.scan(accumulate, init, mbs)
         return value, grads, sums
 
@@ -94,20 +128,38 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
 
 
 def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTransformation, *,
-                     ppo_epochs: int, microbatches: int, max_new_tokens: int, use_ref: bool):
-    """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation."""
-    grad_fn = make_grad_fn(logp_fn, loss, microbatches=microbatches, old_logp_recorded=ppo_epochs > 1)
+                     ppo_epochs: int, microbatches: int, max_new_tokens: int, use_ref: bool,
+                     group_size: int | None = None):
+    """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
+
+    `group_size` (static) is passed to `loss.prepare`; presets whose prepare reads groups (MC-GRPO,
+    GD2PO, DAPO's dynamic-sampling mask, reward shaping) need it. Old log-probs (and the old policy's
+    entropies, `old_entropy_BxT`) are recorded for the whole batch before anything else when
+    ppo_epochs > 1 or `loss.needs_old_logp`.
+
+    metrics: loss, grad_norm, entropy, kl (with a reference), every per-token loss stat as a masked
+    token mean (clipped_low / clipped_high, m2po_masked, mis_masked, vetoed, is_weight, ...), their
+    `_min` / `_max` for ratio / is_ratio / is_weight, mismatch_abs_logp (mean |rollout - old logp|,
+    when the batch has rollout_logp_BxT) and rows_dropped (share of live rows `prepare` removed). Means
+    are over the live tokens of the PREPARED mask, averaged over epochs; min / max are over all epochs.
+    """
+    record_old = ppo_epochs > 1 or bool(getattr(loss, "needs_old_logp", False))
+    grad_fn = make_grad_fn(logp_fn, loss, microbatches=microbatches, old_logp_recorded=record_old,
+                           detailed_stats=True)
 
     def update_step(state: TrainState, batch: dict):
         batch = dict(batch)
-        mask_BxT = batch["completion_mask_BxT"]
-        batch["weights_BxT"] = loss.weights(mask_BxT, max_new_tokens)
-        if ppo_epochs > 1:  # old log-probs recorded once, before the first epoch
-            batch["old_logp_BxT"] = lax.stop_gradient(
-                microbatched_logp(logp_fn, state.params, batch, microbatches)[0])
+        live_before_B = jnp.any(batch["completion_mask_BxT"] > 0, axis=1)
+        if record_old:  # old log-probs recorded once, before the first epoch
+            old_logp_BxT, old_entropy_BxT = microbatched_logp(logp_fn, state.params, batch, microbatches)
+            batch["old_logp_BxT"] = lax.stop_gradient(old_logp_BxT)
+            batch["old_entropy_BxT"] = lax.stop_gradient(old_entropy_BxT)
         if use_ref:
             batch["ref_logp_BxT"] = lax.stop_gradient(
                 microbatched_logp(logp_fn, state.ref_params, batch, microbatches)[0])
+        batch = loss.prepare(batch, group_size, max_new_tokens)
+        mask_BxT = batch["completion_mask_BxT"]
+        batch["weights_BxT"] = loss.weights(mask_BxT, max_new_tokens)
 
         def epoch(carry, _):
             params, opt_state = carry
@@ -118,10 +170,18 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
 
         (params, opt_state), (values, grad_norms, sums) = lax.scan(
             epoch, (state.params, state.opt_state), None, length=ppo_epochs)
-        n_tokens = jnp.maximum(jnp.sum(mask_BxT), 1.0)
+        n_tokens = jnp.maximum(jnp.sum((mask_BxT > 0).astype(jnp.float32)), 1.0)
         metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0]}
-        for k, v in sums.items():  # masked token means, averaged over epochs
-            metrics[k.removesuffix("_BxT")] = jnp.mean(v) / n_tokens
+        for k, v in sums.items():
+            if k.endswith("/min") or k.endswith("/max"):  # over epochs; 0 when nothing was live
+                low = k.endswith("/min")
+                x = jnp.min(v) if low else jnp.max(v)
+                metrics[_stat_name(k[:-4]) + ("_min" if low else "_max")] = jnp.where(jnp.isfinite(x), x, 0.0)
+            else:  # masked token means, averaged over epochs
+                metrics[_stat_name(k)] = jnp.mean(v) / n_tokens
+        live_after_B = jnp.any(mask_BxT > 0, axis=1)
+        metrics["rows_dropped"] = (jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32))
+                                   / jnp.maximum(jnp.sum(live_before_B.astype(jnp.float32)), 1.0))
         new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 

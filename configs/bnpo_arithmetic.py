@@ -1,0 +1,15 @@
+"""BNPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+GRPO advantages with the token-mean normaliser over the whole update batch.
+Preset: `jaxrl.losses.presets.PRESETS["bnpo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="bnpo", reward_weights=(1.0, 0.0)))

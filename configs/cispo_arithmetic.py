@@ -1,0 +1,15 @@
+"""CISPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Clipped, detached IS weight (cap 1.28) on every token's log-prob gradient; token-mean.
+Preset: `jaxrl.losses.presets.PRESETS["cispo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="cispo", reward_weights=(1.0, 0.0)))

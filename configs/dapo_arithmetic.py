@@ -1,0 +1,16 @@
+"""DAPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Clip-higher (0.2 / 0.28), token-mean, overlong shaping (L_c = 0.2 * max_new_tokens = 1 token
+here), constant groups dropped from the loss.
+Preset: `jaxrl.losses.presets.PRESETS["dapo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="dapo", reward_weights=(1.0, 0.0)))

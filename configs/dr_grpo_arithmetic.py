@@ -1,0 +1,15 @@
+"""Dr.GRPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Group-mean advantages without the std, constant 1/(B*L_max) normaliser.
+Preset: `jaxrl.losses.presets.PRESETS["dr_grpo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="dr_grpo", reward_weights=(1.0, 0.0)))

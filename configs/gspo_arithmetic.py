@@ -1,0 +1,15 @@
+"""GSPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Sequence-level ratio clipped at 1 - 3e-4 / 1 + 4e-4.
+Preset: `jaxrl.losses.presets.PRESETS["gspo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="gspo", reward_weights=(1.0, 0.0)))

@@ -1,0 +1,15 @@
+"""GSPO-token on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+GSPO's clipped sequence ratio with a per-token gradient.
+Preset: `jaxrl.losses.presets.PRESETS["gspo_token"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="gspo_token", reward_weights=(1.0, 0.0)))

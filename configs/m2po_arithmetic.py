@@ -1,0 +1,16 @@
+"""M2PO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+No clip; the tokens with the largest (log r)^2 (old vs rollout) are masked until the second
+moment is <= 0.04. On this synchronous loop the data is fresh, so little is masked.
+Preset: `jaxrl.losses.presets.PRESETS["m2po"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="m2po", reward_weights=(1.0, 0.0)))

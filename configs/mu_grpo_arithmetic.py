@@ -1,0 +1,15 @@
+"""Mu-GRPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Relaxed clipping (0.4) plus the negative-advantage veto (|log rho| > 0.5), our reading.
+Preset: `jaxrl.losses.presets.PRESETS["mu_grpo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="mu_grpo", reward_weights=(1.0, 0.0)))

@@ -1,0 +1,15 @@
+"""PNPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Prefix geometric-mean ratio with the PPO clip.
+Preset: `jaxrl.losses.presets.PRESETS["pnpo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="pnpo", reward_weights=(1.0, 0.0)))

@@ -1,0 +1,15 @@
+"""RLOO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Leave-one-out baseline, sequence-level sum (REINFORCE) aggregation.
+Preset: `jaxrl.losses.presets.PRESETS["rloo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="rloo", reward_weights=(1.0, 0.0)))

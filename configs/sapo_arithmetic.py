@@ -1,0 +1,15 @@
+"""SAPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Soft sigmoid gate instead of a hard clip (tau_pos 1.0, tau_neg 1.05).
+Preset: `jaxrl.losses.presets.PRESETS["sapo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="sapo", reward_weights=(1.0, 0.0)))

@@ -1,0 +1,210 @@
+"""Presets of the GRPO family that differ in the advantage estimator, the normaliser (aggregation) or
+batch-level row selection; all use the token ratio and the PPO clip.
+
+Every preset is a short `compose(...)` call; each takes `kl_beta` (beta * KL_t in the loss, k3 by
+default), `reward_weights` (one weight per reward function; None = all 1) and the options in
+`compose.EXTRAS` via **extras (TIS / MIS corrections, entropy bonus, KL in the reward, overlong
+shaping, truncation masking, top-entropy masking), all off unless the paper uses them.
+Formulas use the notation of `shared/PAPERS.md`: rho_t = pi_theta(y_t) / pi_old(y_t), m_t the mask,
+|y_i| = sum_t m_t, B the number of live rows of the update batch, L_max = max_new_tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from jaxrl.losses import advantages as adv_lib
+from jaxrl.losses import aggregation, multi_reward, objectives, ratios
+from jaxrl.losses import prepare as prep
+from jaxrl.losses.compose import Loss, compose, named
+
+
+def _sum(reward_weights):
+    return named("reward_sum" if reward_weights is None else f"reward_sum{tuple(reward_weights)}",
+                 adv_lib.reward_sum(reward_weights))
+
+
+def _std(adv_eps):
+    return named(f"group_mean_std(eps={adv_eps:g})", adv_lib.group_mean_std(adv_eps))
+
+
+def _clip(eps_low, eps_high):
+    eps_high = eps_low if eps_high is None else eps_high
+    return named(f"ppo_clip({eps_low:g}, {eps_high:g})", objectives.ppo_clip(eps_low, eps_high))
+
+
+def grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
+         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+    """GRPO, Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
+    Language Models" (arXiv:2402.03300).
+
+        r_i   = sum_k w_k r_ik                                           (reward_sum)
+        A_i   = (r_i - mean_G r) / (std_G r + adv_eps),  population std  (group_mean_std)
+        J     = 1/B sum_i 1/|y_i| sum_t [ min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
+                                          - kl_beta * KL_t ]             (ppo_clip, kl_penalty,
+                                                                          seq_mean_token_mean)
+    KL_t defaults to the k3 estimator exp(ref - logp) - (ref - logp) - 1 the paper uses. The
+    paper's clip is symmetric (eps_high = eps_low, the default); B counts live rows.
+    """
+    return compose("grpo", reward_combine=_sum(reward_weights), normaliser=_std(adv_eps), ratio=ratios.token_log_ratio,
+                   objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+
+
+def dr_grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
+            reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+    """Dr.GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
+    (arXiv:2503.20783): GRPO with its two biases removed.
+
+        A_i = r_i - mean_G r                     (no std: no per-question difficulty weighting)
+        J   = 1/(B * L_max) sum_i sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
+                                                 (no 1/|y_i|: no length bias; seq_mean_token_sum_norm)
+    minus kl_beta * KL_t inside the sum as in GRPO (the paper trains with kl_beta = 0).
+    """
+    return compose("dr_grpo", reward_combine=_sum(reward_weights), normaliser=adv_lib.group_mean,
+                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
+                   weights=aggregation.seq_mean_token_sum_norm, kl_beta=kl_beta, **extras)
+
+
+def bnpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
+         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+    """BNPO as `shared/PAPERS.md` defines it: GRPO with the batch-normalised token mean.
+
+        A_i = (r_i - mean_G r) / (std_G r + adv_eps)
+        J   = sum_{i,t} m_it min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i) / sum_{i,t} m_it
+    (token_mean over the WHOLE update batch, the "bnpo" loss type of common trainers). Not the
+    Beta-distribution advantage normalisation of Xiao et al. 2025 ("BNPO: Beta Normalization Policy
+    Optimization"), which PAPERS.md does not cover.
+    """
+    return compose("bnpo", reward_combine=_sum(reward_weights), normaliser=_std(adv_eps), ratio=ratios.token_log_ratio,
+                   objective=_clip(eps_low, eps_high), weights=aggregation.token_mean, kl_beta=kl_beta, **extras)
+
+
+def dapo(eps_low: float = 0.2, eps_high: float = 0.28, kl_beta: float = 0.0, adv_eps: float = 1e-6,
+         reward_weights: Optional[Sequence[float]] = None, overlong_buffer_frac: float = 0.2,
+         drop_constant_groups: bool = True, **extras) -> Loss:
+    """DAPO, Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
+    (arXiv:2503.14476).
+
+        r_i   = sum_k w_k r_ik + R_len(|y_i|)     overlong shaping, L_c = overlong_buffer_frac * L_max:
+                R_len = 0 if |y| <= L_max - L_c; ((L_max - L_c) - |y|) / L_c inside the buffer; -1 beyond
+        A_i   = (r_i - mean_G r) / (std_G r + adv_eps)
+        J     = sum_{i,t} m_it min(rho_t A_i, clip(rho_t, 1 - 0.2, 1 + 0.28) A_i) / sum_{i,t} m_it
+                (clip-higher, token-level mean over the whole batch, no KL)
+    Dynamic sampling, our reading for a fixed-shape batch (`drop_constant_groups`): groups whose
+    advantages are all 0 (equal rewards) are dropped from the loss and the token count; refilling the
+    batch with new samples is rollout control, outside the loss. `overlong_buffer_frac=0` turns the
+    shaping off; the paper's alternative, masking truncated samples, is the `mask_truncated` option.
+    Shaping runs in `prepare` (inside the update step): it needs the completion lengths.
+    """
+    reward_combine, normaliser = _sum(reward_weights), _std(adv_eps)
+    rows = (named("informative_groups", prep.informative_rows),) if drop_constant_groups else ()
+    return compose("dapo", reward_combine=reward_combine, normaliser=normaliser, ratio=ratios.token_log_ratio,
+                   objective=_clip(eps_low, eps_high), weights=aggregation.token_mean, kl_beta=kl_beta,
+                   overlong_buffer_frac=overlong_buffer_frac, row_filters=rows, **extras)
+
+
+def async_const_norm(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
+                     adv_eps: float = 1e-6, reward_weights: Optional[Sequence[float]] = None,
+                     k: Optional[float] = None, **extras) -> Loss:
+    """AsyncWebRL's constant normaliser (`shared/seeds/papers.txt`: asynchronous multi-step GRPO for
+    vision-language web agents on WebGym): GRPO with the per-trajectory 1/|y_i| replaced by 1/k.
+
+        A_i = (r_i - mean_G r) / (std_G r + adv_eps)
+        J   = 1/B sum_i 1/k sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
+    Because failures are longer than successes, 1/|y_i| down-weights the negative gradient on failed
+    tokens; a constant keeps it. The abstract gives no value of k: `k=None` uses k = L_max
+    (max_new_tokens). Differs from Dr.GRPO only by keeping GRPO's std normalisation.
+    """
+    return compose("async_const_norm", reward_combine=_sum(reward_weights), normaliser=_std(adv_eps),
+                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
+                   weights=aggregation.constant_norm(k), kl_beta=kl_beta, **extras)
+
+
+def rloo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
+         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+    """RLOO, Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+    Learning from Human Feedback in LLMs" (arXiv:2402.14740).
+
+        A_i = r_i - 1/(G-1) sum_{j != i} r_j           (leave-one-out baseline; needs G >= 2)
+        J   = 1/B sum_i sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
+    REINFORCE on the whole sequence: the row's loss is the SUM of its token terms (seq_mean_token_sum),
+    i.e. A_i * log pi(y_i) at rho = 1. The clip only matters with several PPO epochs (RLOO itself is
+    on-policy: with one epoch rho = 1 and it is exactly the REINFORCE-leave-one-out gradient).
+    """
+    return compose("rloo", reward_combine=_sum(reward_weights), normaliser=adv_lib.rloo, ratio=ratios.token_log_ratio,
+                   objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_sum, kl_beta=kl_beta,
+                   **extras)
+
+
+def reinforce_pp(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
+                 adv_eps: float = 1e-6, reward_weights: Optional[Sequence[float]] = None,
+                 kl_reward_beta: float = 0.0, **extras) -> Loss:
+    """REINFORCE++ with baseline, Hu et al. 2025, "REINFORCE++: A Simple and Efficient Approach for
+    Aligning Large Language Models" (arXiv:2501.03262).
+
+        r_i <- r_i - kl_reward_beta * sum_t KL_t        (KL in the reward, k1 by default; 0 = off)
+        A_i  = r_i - mean_G r, then whitened over the batch: (A - mean_B A) / (std_B A + adv_eps)
+        J    = sum_{i,t} m_it min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i) / sum_{i,t} m_it
+    (token_mean). The paper puts a token-level KL penalty in the reward; ours subtracts the whole
+    sequence's KL from the outcome reward (`prepare.kl_reward`), and whitens per sequence, not per
+    token (see `advantages.group_mean_batch_whiten`). With kl_reward_beta > 0 the advantages are
+    recomputed inside the update step, where ref_logp_BxT is known.
+    """
+    normaliser = named(f"group_mean_batch_whiten(eps={adv_eps:g})", adv_lib.group_mean_batch_whiten(adv_eps))
+    return compose("reinforce_pp", reward_combine=_sum(reward_weights), normaliser=normaliser,
+                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high), weights=aggregation.token_mean,
+                   kl_beta=kl_beta, kl_reward_beta=kl_reward_beta, **extras)
+
+
+def mc_grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
+            reward_weights: Optional[Sequence[float]] = None, mad_scale: bool = False, **extras) -> Loss:
+    """MC-GRPO, "Median-Centered Group Relative Policy Optimization" (`shared/seeds/papers.txt`;
+    code github.com/lotusroot-kim/MC-GRPO). Sample G+1 completions: rollout.group_size = G+1, ODD.
+
+        A_i = r_i - median_{G+1} r                      (optionally / (MAD + 1e-3): mad_scale)
+        J   = 1/G sum_{i != pivot} 1/|y_i| sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
+    The pivot (the median row; A = 0) is removed in `prepare`: its completion mask is zeroed, so it
+    gets no gradient (KL and entropy terms included) and does not count in B: G rows per group carry
+    gradient, the cost of plain G-rollout training.
+    """
+    normaliser = named(f"group_median(mad_scale={mad_scale})", adv_lib.group_median(mad_scale=mad_scale))
+    return compose("mc_grpo", reward_combine=_sum(reward_weights), normaliser=normaliser,
+                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
+                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta,
+                   row_filters=(named("mc_pivot", prep.mc_pivot_rows),), **extras)
+
+
+def gdpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
+         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+    """GDPO, "Group reward-Decoupled Normalization Policy Optimization" (`shared/seeds/papers.txt`):
+    normalise each reward function within the group first, then combine, then batch-normalise.
+
+        z_ik = (r_ik - mean_G r_k) / (std_G r_k + adv_eps);  a_i = sum_k w_k z_ik
+        A_i  = (a_i - mean_B a) / (std_B a + 1e-6)
+        J    = 1/B sum_i 1/|y_i| sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
+    Reward shaping options are not available (they add to a combined reward; GDPO combines z-scores).
+    """
+    est = named("gdpo" if reward_weights is None else f"gdpo{tuple(reward_weights)}",
+                multi_reward.gdpo(reward_weights, eps=adv_eps))
+    return compose("gdpo", estimator=est, ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
+                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+
+
+def gd2po(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
+          reward_weights: Optional[Sequence[float]] = None, conflict_threshold: float = 0.5,
+          consensus_power: float = 1.0, **extras) -> Loss:
+    """GD^2PO, "Group-Dynamic reward-Decoupled Policy Optimization" (`shared/seeds/papers.txt`; code
+    github.com/Qwen-Applications/GD2PO), OUR READING (formulas in `multi_reward.gd2po_parts`):
+
+        A_i^GDPO as in `gdpo`; conflict_i = weighted share of reward functions whose z_ik opposes A_i
+        keep_i = conflict_i <= conflict_threshold;  consensus_g = 1 - mean_{i in g} conflict_i
+        A_i  = keep_i * consensus_g ** consensus_power * A_i^GDPO
+        J    = 1/B' sum_{i kept} 1/|y_i| sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
+    Masked rollouts are removed in `prepare` (mask zeroed), so B' counts only kept rows.
+    """
+    kw = dict(weights=reward_weights, eps=adv_eps)
+    est = named(f"gd2po(threshold={conflict_threshold}, power={consensus_power})",
+                multi_reward.gd2po(conflict_threshold=conflict_threshold, consensus_power=consensus_power, **kw))
+    rows = (named(f"gd2po_conflict(>{conflict_threshold})", prep.gd2po_rows(conflict_threshold=conflict_threshold, **kw)),)
+    return compose("gd2po", estimator=est, ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
+                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, row_filters=rows, **extras)

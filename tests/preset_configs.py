@@ -1,0 +1,77 @@
+"""Shared by test_preset_configs_*.py: train a `configs/<preset>_arithmetic.py` for 2 steps in-process.
+
+Split over three test files (FILES) only to keep each under 90 s on 2 busy cores: a preset's update
+step is its own XLA program, and compiling it dominates. Cost control: one warm
+start (cached for the session by `in_process_cache`), conftest.TINY, 2 steps, 4 eval prompts, XLA's
+persistent compilation cache (the rollout and evaluation programs are the same for every preset of a
+group size, so they compile once) and `jax_disable_most_optimizations` (about half the compile time
+for programs that run twice).
+"""
+
+import math
+import pathlib
+
+import jax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache as cc
+
+from conftest import REPO, TINY
+from jaxrl.config import load_config
+from jaxrl.losses import PRESETS
+
+GROUP = {"mc_grpo": 3, "sao": 1}  # G+1 = 3 (odd) for MC-GRPO; a single rollout for SAO
+# test_preset_configs_<key>.py trains these; together they are every preset (checked there).
+FILES = {
+    "normalisers": ["grpo", "dr_grpo", "bnpo", "dapo", "async_const_norm", "rloo", "reinforce_pp"],
+    "batch_parts": ["mc_grpo", "gdpo", "gd2po", "m2po", "sao", "mu_grpo"],
+    "objectives": ["gspo", "gspo_token", "pnpo", "gmpo", "cispo", "sapo"],
+}
+
+
+def config_path(preset: str) -> pathlib.Path:
+    return REPO / "configs" / f"{preset}_arithmetic.py"
+
+
+def overrides(preset: str) -> list[str]:
+    tiny = [t for t in TINY if not t.startswith(("rollout.group_size=", "train.eval_"))]
+    return tiny + [f"rollout.group_size={GROUP.get(preset, 4)}", "rollout.prompts_per_step=4", "train.steps=2",
+                   "train.eval_every=0", "train.eval_prompts=4", "checkpoint.every=0"]
+
+
+@pytest.fixture(scope="module")
+def fast_compiles(tmp_path_factory):
+    """For this module only: a persistent XLA cache and low optimisation effort (restored after)."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_disable_most_optimizations")
+    before = {n: getattr(jax.config, n) if hasattr(jax.config, n) else jax.config.read(n) for n in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_disable_most_optimizations", True)
+    cc.reset_cache()  # make JAX re-read the cache settings
+    yield
+    for n, v in before.items():
+        jax.config.update(n, v)
+    cc.reset_cache()
+
+
+def check_config_trains_two_steps(preset: str, workdir: pathlib.Path) -> None:
+    from jaxrl.train.loop import train
+
+    path = config_path(preset)
+    shipped = load_config(path)  # the file as shipped validates, and is the preset it is named after
+    assert shipped.loss.preset == preset
+    PRESETS[preset].check_group_size(shipped.rollout.group_size, preset)
+    rows = train(load_config(path, overrides(preset)), workdir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        for key in ("loss", "grad_norm", "ratio", "ratio_min", "ratio_max", "entropy", "kl", "mismatch_abs_logp",
+                    "rows_dropped"):
+            assert math.isfinite(row[key]), (key, row[key])
+        # synchronous loop: the sampler's log-probs are the trainer's up to float error
+        assert row["mismatch_abs_logp"] < 0.05
+    if preset == "mc_grpo":  # one pivot per group of 3 leaves the loss
+        assert rows[1]["rows_dropped"] == pytest.approx(1 / 3)
+    for preset_, key in (("m2po", "m2po_masked"), ("mu_grpo", "vetoed"), ("sapo", "gate")):
+        if preset == preset_:
+            assert key in rows[1]
+    assert "eval/accuracy" in rows[-1]

@@ -1,0 +1,395 @@
+"""Hand-worked numbers for what each preset's composition adds, the new parts (aggregations, prepare
+parts, rollout corrections, objectives), config plumbing (LossConfig fields and options, group-size
+rules) and the update step's wiring of `prepare` (with a toy policy, so it compiles in seconds).
+
+The arithmetic is in the comments. `_run` (prepare and weights on the whole batch, then the
+microbatch sum, as steps.py does) is shared with the contract in test_presets.py.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl import losses
+from jaxrl.config import Config, ConfigError, LossConfig, apply_overrides
+from jaxrl.losses import aggregation, corrections, objectives, ratios
+from jaxrl.losses import advantages as adv_lib
+from jaxrl.losses import prepare as prep
+from jaxrl.losses.presets import PRESETS, make_loss, preset_parameters
+from jaxrl.train import steps as steps_lib
+from jaxrl.train.state import init_state
+from test_presets import _close, _run
+
+LOG = math.log
+
+
+# ============================================================================= hand-worked compositions
+
+# Two rows of one group, rewards [1, 0]; lengths 1 and 3 in T = 4; L_max = 4; logp = old (rho = 1).
+# At rho = 1 the gradient d J / d logp_it is -A_i * w_it (ratio levels differ, see PNPO), so the
+# numbers below check each preset's advantage estimator and normaliser together.
+TINY_MASK = np.array([[1, 0, 0, 0], [1, 1, 1, 0]], np.float32)
+S = 1 / 6
+TABLE = {
+    # preset: (row-0 token gradient, row-1 token gradients)
+    "grpo": (-0.5, [S, S, S]),  # A = +-1 (G=2: mean .5, std .5); w = 1/(|y| B): 1/2 and 1/6
+    "gmpo": (-0.5, [S, S, S]),  # loss -A s on every token, d s / d logp_j = s/|y|: same as GRPO
+    "sapo": (-0.5, [S, S, S]),  # gradient -4 sig(1-sig) rho A = -A at rho = 1
+    "gspo": (-0.5, [S, S, S]),  # d s / d logp_j = s/|y|, row value counted once: same as GRPO
+    "gspo_token": (-0.5, [S, S, S]),
+    "mu_grpo": (-0.5, [S, S, S]),  # |log rho| = 0: no veto
+    "gdpo": (-0.5, [S, S, S]),  # one reward column: z = [1,-1], batch-whitened [1,-1]
+    "gd2po": (-0.5, [S, S, S]),  # one column: no conflict, consensus 1
+    "dr_grpo": (-1 / 16, [1 / 16] * 3),  # A = +-.5; w = 1/(B L_max) = 1/8
+    "bnpo": (-0.25, [0.25] * 3),  # A = +-1; w = 1/(4 tokens)
+    "cispo": (-0.25, [0.25] * 3),  # weight sg(min(1, 1.28)) = 1; token mean
+    "m2po": (-0.25, [0.25] * 3),  # rollout = old: nothing masked; unclipped; token mean
+    "dapo": (-0.25, [0.25] * 3),  # lengths 1, 3 <= L_max - L_c = 3.2: no penalty; token mean
+    "reinforce_pp": (-0.25, [0.25] * 3),  # centred [.5,-.5] whitened -> [1,-1]; token mean
+    "rloo": (-0.5, [0.5] * 3),  # A = 1 - 0, 0 - 1; w = 1/B: the sequence log-prob, no 1/|y|
+    "async_const_norm": (-1 / 8, [1 / 8] * 3),  # A = +-1; w = 1/(B k), k = L_max = 4
+    "sao": (-0.125, [0.125] * 3),  # batch baseline: A = [.5, -.5]; token mean 1/4
+    # PNPO: loss_t = -w_t A with w_t the prefix geometric mean; d w_t / d logp_j = 1/n_t (j <= t), so
+    # row 1 (A = -1, weight 1/(3*2)): j=0: (1 + 1/2 + 1/3)/6 = 11/36, j=1: (1/2 + 1/3)/6 = 5/36, j=2: 1/18
+    "pnpo": (-0.5, [11 / 36, 5 / 36, 1 / 18]),
+}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _tiny_grad(loss, G, logp, batch):
+    return _run(loss, G, logp, batch, max_new_tokens=4)  # L_max = 4 in the hand-worked examples
+
+
+def _tiny(loss, G, batch, logp=None):
+    logp = np.zeros(batch["completion_mask_BxT"].shape, np.float32) - 1.0 if logp is None else logp
+    batch = dict(batch)
+    batch.setdefault("old_logp_BxT", logp)
+    batch.setdefault("rollout_logp_BxT", batch["old_logp_BxT"])
+    batch["advantages_B"] = loss.advantages(batch["rewards_BxK"], G)
+    return _tiny_grad(loss, G, logp, batch)
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_gradient_at_ratio_one_by_hand(name):
+    assert set(TABLE) == set(PRESETS) - {"mc_grpo"}  # MC-GRPO needs an odd group: its own test below
+    batch = {"completion_mask_BxT": TINY_MASK, "rewards_BxK": np.array([[1.0], [0.0]], np.float32),
+             "truncated_B": np.zeros(2, np.float32)}
+    _, grad, _, _ = _tiny(PRESETS[name](), 2, batch)
+    row0, row1 = TABLE[name]
+    _close(grad, [[row0, 0, 0, 0], row1 + [0]], atol=1e-6, rtol=1e-5)
+
+
+def test_dapo_clip_higher_token_mean_overlong_and_dynamic_sampling_by_hand():
+    # L_max = 4, overlong_buffer_frac .25 -> L_c = 1: |y| <= 3 no penalty, |y| = 4 -> -1.
+    # group 0: r [1, 0], |y| [2, 4] -> shaped [1, -1] -> A [1, -1]
+    # group 1: r [1, 1], |y| [4, 1] -> shaped [0, 1] -> A [-1, 1]  (constant before shaping!)
+    # group 2: r [0, 0], |y| [2, 3] -> shaped [0, 0] -> constant: dropped (and not counted)
+    # token_mean over the 2+4+4+1 = 11 kept tokens. log-ratios (logp - old):
+    #   row 0 (A=+1): rho [1.25, 1.3]: 1.25 < 1.28 unclipped (loss -1.25, grad -1.25/11);
+    #                 1.3 > 1.28 clipped (loss -1.28, grad 0)  [GRPO's 0.2 would clip 1.25 too]
+    #   row 1 (A=-1): rho [0.7, 1, 1, 1]: 0.7 < 0.8 clipped low (loss 0.8, grad 0); others loss 1, grad 1/11
+    #   row 2 (A=-1): rho 1 x4: loss 1, grad 1/11 ; row 3 (A=+1): rho 1: loss -1, grad -1/11 ; rows 4, 5: 0
+    # J = (-1.25 - 1.28 + 0.8 + 3 + 4 - 1) / 11 = 4.27 / 11
+    lengths = np.array([2, 4, 4, 1, 2, 3])
+    mask = (np.arange(4)[None, :] < lengths[:, None]).astype(np.float32)
+    old = np.full((6, 4), -1.0, np.float32)
+    logp = old.copy()
+    logp[0, :2] += [LOG(1.25), LOG(1.3)]
+    logp[1, 0] += LOG(0.7)
+    logp[4:, :] += 0.5  # dropped rows: any ratio, no gradient
+    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0], [1], [1], [0], [0]], np.float32),
+             "old_logp_BxT": old, "truncated_B": np.zeros(6, np.float32)}
+    value, grad, metrics, kept = _tiny(PRESETS["dapo"](overlong_buffer_frac=0.25), 2, batch, logp)
+    _close(value, 4.27 / 11, atol=1e-5)
+    want = np.zeros((6, 4))
+    want[0, 0] = -1.25 / 11
+    want[1, 1:] = 1 / 11
+    want[2] = 1 / 11
+    want[3, 0] = -1 / 11
+    _close(grad, want, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(kept).sum(1), [2, 4, 4, 1, 0, 0])
+    _close([metrics["clipped_high"], metrics["clipped_low"]], [1 / 11, 1 / 11])
+
+
+def test_mc_grpo_pivot_gets_no_gradient_and_is_not_counted():
+    # G+1 = 3, r = [1, 0, 0]: median 0, A = [1, 0, 0]; pivot = row 2 (stable sort (1, 2, 0), middle).
+    # Rows 0 and 1 remain: B = 2 (not 3). |y| = [2, 1, 2]. rho = 1; KL beta .1 with ref = logp - ln 2,
+    # so d k3 / d logp = 1 - 1/2 = 1/2 on every live token.
+    #   row 0: -A/(|y| B) + .1 * .5 /(|y| B) = -1/4 + .0125 = -.2375 per token
+    #   row 1: A = 0, KL only: .1 * .5 / (1 * 2) = .025 ; row 2 (pivot): 0, KL included.
+    mask = np.array([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]], np.float32)
+    logp = np.full((3, 4), -1.0, np.float32)
+    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0], [0.0]], np.float32),
+             "ref_logp_BxT": logp - LOG(2.0)}
+    _, grad, metrics, kept = _tiny(PRESETS["mc_grpo"](kl_beta=0.1), 3, batch)
+    _close(grad, [[-0.2375, -0.2375, 0, 0], [0.025, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(kept)[2], 0.0)
+
+
+def test_m2po_mask_through_prepare_by_hand():
+    # Staleness log(old / rollout) = 0.9 on token (0, 1), 0.1 on the 5 others: q = .81 and .01 x 5,
+    # mean .86/6 = .143 > .04 -> drop the .81 token; kept mean .01 <= .04. Unclipped, token mean over
+    # all 6 live tokens (dropped ones keep their count): grad -A/6 on kept tokens, 0 on the dropped one.
+    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], np.float32)
+    old = np.full((2, 4), -1.0, np.float32)
+    stale = np.full((2, 4), 0.1, np.float32)
+    stale[0, 1] = 0.9
+    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0]], np.float32), "old_logp_BxT": old,
+             "rollout_logp_BxT": old - stale}
+    loss = PRESETS["m2po"]()
+    assert loss.needs_old_logp
+    _, grad, metrics, _ = _tiny(loss, 2, batch)
+    _close(grad, [[-1 / 6, 0, -1 / 6, 0], [1 / 6, 1 / 6, 1 / 6, 0]])
+    _close(metrics["m2po_masked"], 1 / 6)
+
+
+def test_gd2po_masked_rows_leave_the_normaliser():
+    # test_loss_parts' GD2PO example (weights (1, .5), G = 3) at threshold .25: group 0 is masked.
+    # Rows 3-5 remain, B' = 3, |y| = 1: grad = -A_i / 3 with A = [1.8973666, -.9486833, -.9486833].
+    rewards = np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]], np.float32)
+    mask = np.zeros((6, 4), np.float32)
+    mask[:, 0] = 1.0
+    loss = PRESETS["gd2po"](reward_weights=(1.0, 0.5), conflict_threshold=0.25)
+    _, grad, _, kept = _tiny(loss, 3, {"completion_mask_BxT": mask, "rewards_BxK": rewards})
+    _close(np.asarray(grad)[:, 0], [0, 0, 0, -1.8973666 / 3, 0.9486833 / 3, 0.9486833 / 3], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(kept)[:, 0], [0, 0, 0, 1, 1, 1])
+
+
+def test_gspo_clips_the_sequence_ratio_as_one_number():
+    # eps 3e-4 / 4e-4. Row 0 (A = +1): log rho [.001, .001] -> s = e^.001 = 1.0010005 > 1.0004: clipped,
+    # grad 0 on both tokens. Row 1 (A = -1): log rho [.0002, 0] -> s = e^.0001 = 1.0001 in range:
+    # d/dlogp_j of (1/B)(-A s) = s / (|y| B) = 1.0001 / 4 = .250025 on both tokens.
+    mask = np.array([[1, 1, 0, 0], [1, 1, 0, 0]], np.float32)
+    old = np.full((2, 4), -1.0, np.float32)
+    logp = old + np.array([[1e-3, 1e-3, 0, 0], [2e-4, 0, 0, 0]], np.float32)
+    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0]], np.float32), "old_logp_BxT": old}
+    _, grad, metrics, _ = _tiny(PRESETS["gspo"](), 2, batch, logp)
+    _close(grad, [[0, 0, 0, 0], [0.250025, 0.250025, 0, 0]], atol=2e-6)
+    _close(metrics["clipped_high"], 0.5)  # 2 of 4 live tokens
+
+
+# ============================================================================= new parts, by hand
+
+RAGGED = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], jnp.float32)
+
+
+def test_seq_mean_token_sum_and_constant_norm_weights():
+    # 3 live rows: seq_mean_token_sum w = 1/3 per live token; constant_norm(5): 1/(3*5); k=None -> L_max 8.
+    _close(aggregation.seq_mean_token_sum(RAGGED, 4), RAGGED / 3)
+    _close(aggregation.constant_norm(5.0)(RAGGED, 4), RAGGED / 15)
+    _close(aggregation.constant_norm()(RAGGED, 8), aggregation.seq_mean_token_sum_norm(RAGGED, 8))
+    assert np.all(np.asarray(aggregation.seq_mean_token_sum(jnp.zeros((2, 3)), 3)) == 0)
+    with pytest.raises(ValueError, match="k="):
+        aggregation.constant_norm(0.0)
+
+
+def test_overlong_penalty_and_truncation_rows():
+    batch = {"completion_mask_BxT": (np.arange(5)[None, :] < np.array([3, 4, 5])[:, None]).astype(np.float32),
+             "truncated_B": np.array([0.0, 0.0, 1.0], np.float32)}
+    # L_max 5, L_c = 1: L_max - L_c = 4 -> [0, 0, -1] ; L_c = 2: 3 -> [0, (3-4)/2 = -.5, -1]
+    _close(prep.overlong_penalty(0.2)(batch, 5), [0, 0, -1])
+    _close(prep.overlong_penalty(0.4)(batch, 5), [0, -0.5, -1])
+    _close(prep.overlong_penalty(0.4, max_len=10)(batch, 5), [0, 0, 0])  # explicit L_max 10, L_c 4
+    _close(prep.not_truncated_rows(batch), [1, 1, 0])
+    with pytest.raises(ValueError, match="overlong_buffer_frac"):
+        prep.overlong_penalty(0.0)
+
+
+def test_kl_reward_and_shaped_advantages():
+    # one token each; rollout - ref = ln 2 and 0: k1 = [ln 2, 0]; beta .5 -> bonus [-.3465736, 0];
+    # rewards [1, 1] -> shaped [.6534264, 1] -> group_mean [-.1732868, .1732868].
+    batch = {"completion_mask_BxT": np.array([[1.0, 0.0], [1.0, 0.0]], np.float32),
+             "rollout_logp_BxT": np.array([[LOG(0.5), 9e3], [-1.0, -9e3]], np.float32),
+             "ref_logp_BxT": np.array([[LOG(0.25), -9e3], [-1.0, 9e3]], np.float32),
+             "rewards_BxK": np.ones((2, 1), np.float32)}
+    _close(prep.kl_reward(0.5)(batch, 2), [-0.5 * LOG(2), 0.0])
+    out = prep.shaped_advantages(adv_lib.reward_sum(), adv_lib.group_mean, [prep.kl_reward(0.5)])(batch, 2, 2)
+    _close(out["advantages_B"], [-0.1732868, 0.1732868])
+    _close(out["shaped_reward_B"], [1 - 0.5 * LOG(2), 1.0])
+
+
+def test_informative_rows_and_batch_mean():
+    batch = {"advantages_B": jnp.array([0.0, 0.0, 1.0, -1.0, 0.0, 0.5])}
+    _close(prep.informative_rows(batch, 2), [0, 0, 1, 1, 1, 1])
+    _close(adv_lib.batch_mean(jnp.array([1.0, 0.0, 0.0, 0.0])), [0.75, -0.25, -0.25, -0.25])
+    assert np.all(np.asarray(adv_lib.batch_mean(jnp.full((3,), 0.3))) == 0.0)
+
+
+def test_top_entropy_keep_by_hand():
+    # 5 live tokens H = [3, 1, 2 | 2, 0.5] (masked 9 ignored); frac .4 -> k = ceil(2) = 2 -> threshold
+    # = 2nd largest = 2 -> keep H >= 2: 3 and BOTH 2s (ties kept); frac .2 -> k = 1 -> keep only 3.
+    batch = {"completion_mask_BxT": np.array([[1, 1, 1], [1, 1, 0]], np.float32),
+             "old_entropy_BxT": np.array([[3.0, 1.0, 2.0], [2.0, 0.5, 9.0]], np.float32)}
+    _close(prep.top_entropy_keep(0.4)(batch)["entropy_keep_BxT"], [[1, 0, 1], [1, 0, 1]])
+    _close(prep.top_entropy_keep(0.2)(batch)["entropy_keep_BxT"], [[1, 0, 0], [0, 0, 1]])
+    _close(prep.top_entropy_keep(1.0)(batch)["entropy_keep_BxT"], 1.0)
+
+
+def _ppo_token_loss():
+    return losses.policy_token_loss(ratios.token_log_ratio, objectives.ppo_clip(10.0))  # no clipping
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_grad(token_loss, logp, batch):
+    (_, (loss, stats)), g = jax.value_and_grad(
+        lambda lp: (lambda o: (jnp.sum(o[0]), o))(token_loss(lp, batch)), has_aux=True)(logp)
+    return loss, g, stats
+
+
+def test_tis_and_mis_token_and_sequence_by_hand():
+    # logp = old (rho = 1), A = 1, so the inner loss is -1 per token with gradient -1.
+    # old / rollout per token: row 0 [3, 1], row 1 [.5, .5].
+    # TIS token, cap 2: weights [2, 1 | .5, .5] -> loss = -w, grad = -w.
+    # TIS sequence, cap 2: products row 0: 3 -> 2 ; row 1: .25 (under the cap).
+    # MIS token [0.6, 2.5]: drop 3 and both .5s ; MIS sequence [0.3, 2.5]: drop row 0 (3) and row 1 (.25).
+    old = np.full((2, 2), -1.0, np.float32)
+    batch = {"completion_mask_BxT": np.ones((2, 2), np.float32), "old_logp_BxT": old,
+             "rollout_logp_BxT": old - np.array([[LOG(3), 0], [LOG(0.5), LOG(0.5)]], np.float32),
+             "advantages_B": np.ones(2, np.float32)}
+    inner = _ppo_token_loss()
+    loss, g, st = _loss_grad(corrections.tis(inner, 2.0, "token"), old, batch)
+    _close(loss, [[-2, -1], [-0.5, -0.5]], atol=1e-5)
+    _close(g, [[-2, -1], [-0.5, -0.5]], atol=1e-5)
+    _close(st["is_truncated_BxT"], [[1, 0], [0, 0]])
+    _close(st["is_ratio_BxT"], [[3, 1], [0.5, 0.5]], atol=1e-5)
+    loss, g, st = _loss_grad(corrections.tis(inner, 2.0, "sequence"), old, batch)
+    _close(g, [[-2, -2], [-0.25, -0.25]], atol=1e-5)
+    _close(st["is_ratio_BxT"], [[3, 3], [0.25, 0.25]], atol=1e-5)
+    loss, g, st = _loss_grad(corrections.mis(inner, 0.6, 2.5, "token"), old, batch)
+    _close(g, [[0, -1], [0, 0]])
+    _close(st["mis_masked_BxT"], [[1, 0], [1, 1]])
+    loss, g, st = _loss_grad(corrections.mis(inner, 0.3, 2.5, "sequence"), old, batch)
+    _close(g, 0.0)
+    _close(st["mis_masked_BxT"], 1.0)
+    # A dropped token gets no gradient even through GSPO's sequence ratio.
+    gspo_inner = losses.policy_token_loss(ratios.sequence_log_ratio, objectives.ppo_clip(10.0))
+    _, g, _ = _loss_grad(corrections.mis(gspo_inner, 0.6, 2.5, "token"),
+                         old, dict(batch, rollout_logp_BxT=old - np.array([[0, 0], [0, LOG(0.5)]], np.float32)))
+    # row 1: token 1 dropped; token 0 kept: loss -s, d s / d logp_0 = s/2 = .5 -> grad -.5 ; token 1: 0
+    _close(g, [[-1, -1], [-0.5, 0]], atol=1e-5)
+
+
+def test_unclipped_objective():
+    loss, g, _ = _loss_grad(losses.policy_token_loss(ratios.token_log_ratio, objectives.unclipped()),
+                            jnp.array([[LOG(3.0), 0.0]]),
+                            {"completion_mask_BxT": np.array([[1.0, 0.0]], np.float32),
+                             "old_logp_BxT": np.array([[0.0, 1e4]], np.float32), "advantages_B": np.array([2.0])})
+    _close(loss, [[-6.0, 0.0]], atol=1e-5)  # -rho A = -3 * 2 ; masked 0
+    _close(g, [[-6.0, 0.0]], atol=1e-5)
+
+
+# ============================================================================= config plumbing
+
+
+def test_loss_config_defaults_are_the_papers_and_fields_are_checked():
+    assert "ppo_clip(0.2, 0.28)" in make_loss(LossConfig(preset="dapo")).parts
+    assert "ppo_clip(0.0003, 0.0004)" in make_loss(LossConfig(preset="gspo")).parts
+    assert "ppo_clip(0.1, 0.3)" in make_loss(LossConfig(preset="gspo", eps_low=0.1, eps_high=0.3)).parts
+    with pytest.raises(ConfigError, match=r"loss\.eps_high: got 0\.3, but preset 'sapo' has no eps_high"):
+        make_loss(LossConfig(preset="sapo", eps_high=0.3))
+    with pytest.raises(ConfigError, match=r"loss\.adv_eps.*'dr_grpo'"):
+        make_loss(LossConfig(preset="dr_grpo", adv_eps=1e-3))
+
+
+def test_loss_options():
+    assert "m2po_mask(tau=0.02)" in make_loss(LossConfig(preset="m2po", options="tau=0.02")).parts
+    parts = make_loss(LossConfig(preset="grpo", options="tis_cap=2, is_level=sequence, entropy_coef=1e-3")).parts
+    assert "tis(cap=2, sequence)" in parts and "entropy_bonus(0.001)" in parts
+    cfg = apply_overrides(Config(), ["loss.preset=mu_grpo", "loss.options=delta=0.3,mask_truncated=true"])
+    assert "drop rows: mask_truncated" in make_loss(cfg.loss).parts
+    for options, needle in [("tua=0.1", r"loss\.options: preset 'm2po' has no parameter 'tua'; allowed: tau, "),
+                            ("eps_low=0.1", r"loss\.options: 'eps_low' is a LossConfig field"),
+                            ("tis_cap=-1", r"loss \(preset 'm2po'\): tis_cap: got -1"),
+                            ("is_level=row", r"is_level: got 'row'")]:
+        with pytest.raises(ConfigError, match=needle):
+            make_loss(LossConfig(preset="m2po", options=options))
+    with pytest.raises(ConfigError, match=r"loss\.options: got 'tau'.*name=value"):
+        apply_overrides(Config(), ["loss.options=tau"]).validate()
+    with pytest.raises(ConfigError, match="kl_reward_beta.*combines the rewards first"):
+        make_loss(LossConfig(preset="gdpo", options="kl_reward_beta=0.1"))
+    assert preset_parameters("sapo")[:2] == ("tau_pos", "tau_neg")
+
+
+def test_group_size_rules():
+    losses.check_rollout("mc_grpo", 9)
+    losses.check_rollout("sao", 1)
+    with pytest.raises(ConfigError, match=r"rollout\.group_size: got 8, expected an odd G\+1 >= 3.*'mc_grpo'"):
+        losses.check_rollout("mc_grpo", 8)
+    with pytest.raises(ConfigError, match=r"rollout\.group_size: got 1, expected G >= 2 for loss\.preset='grpo'"):
+        losses.check_rollout("grpo", 1)
+
+
+# ============================================================================= update-step wiring
+
+V = 5
+
+
+def _toy_logp(params, batch):
+    """A row-independent toy policy: one logits vector; logp of each token, its entropy everywhere."""
+    logp_V = jax.nn.log_softmax(params["w"])
+    logp_BxT = logp_V[batch["tokens_BxT"]]
+    entropy = -jnp.sum(jnp.exp(logp_V) * logp_V)
+    return logp_BxT, jnp.full(logp_BxT.shape, entropy)
+
+
+def _toy_batch(B, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 5, B)
+    mask = (np.arange(4)[None, :] < lengths[:, None]).astype(np.float32)
+    tokens = rng.integers(0, V, (B, 4)).astype(np.int32)
+    return {"tokens_BxT": tokens, "completion_mask_BxT": mask,
+            "rewards_BxK": rng.integers(0, 3, (B, 1)).astype(np.float32),
+            "rollout_logp_BxT": np.where(mask > 0, -1.5 + 0.4 * rng.standard_normal((B, 4)), 0).astype(np.float32)}
+
+
+def _update(loss, G, batch, microbatches, ppo_epochs, lr=0.5):
+    opt = optax.sgd(lr)
+    step = steps_lib.make_update_step(_toy_logp, loss, opt, ppo_epochs=ppo_epochs, microbatches=microbatches,
+                                      max_new_tokens=4, use_ref=True, group_size=G)
+    params = {"w": jnp.asarray(np.linspace(-1, 1, V), jnp.float32)}
+    state = init_state(params, opt, jax.random.key(0), ref_params={"w": params["w"] * 0.5})
+    batch = dict(batch, advantages_B=loss.advantages(batch["rewards_BxK"], G))
+    return jax.jit(step)(state, batch), params
+
+
+def test_update_step_runs_prepare_and_reports_exact_metrics():
+    # MC-GRPO, G+1 = 3, two PPO epochs (ratios != 1 in epoch 2), microbatches 1 vs 3 (rows of a group
+    # split across microbatches): the pivot is dropped on the WHOLE batch before splitting, so the
+    # update and every metric, ratio min / max included, agree.
+    loss = PRESETS["mc_grpo"](kl_beta=0.1)
+    batch = _toy_batch(6)
+    (s1, m1), params = _update(loss, 3, batch, 1, 2)
+    (s3, m3), _ = _update(loss, 3, batch, 3, 2)
+    _close(s1.params["w"], s3.params["w"], atol=1e-6)
+    assert set(m1) == set(m3)
+    for k in m1:
+        _close(m1[k], m3[k], atol=1e-6, rtol=1e-5)
+    _close(m1["rows_dropped"], 2 / 6)  # one pivot in each of the 2 groups
+    assert float(m1["ratio_max"]) > 1.0 > float(m1["ratio_min"]) > 0
+    # epoch 1 is a plain gradient step on the prepared batch: check it against _run by hand.
+    (s_one, _), _ = _update(loss, 3, batch, 1, 1)
+    logp, _ = _toy_logp(params, batch)
+    hand = dict(batch, advantages_B=loss.advantages(batch["rewards_BxK"], 3), old_logp_BxT=logp,
+                ref_logp_BxT=_toy_logp({"w": params["w"] * 0.5}, batch)[0])
+    grad_w = jax.grad(lambda p: _run(loss, 3, _toy_logp(p, hand)[0], hand)[0])(params)["w"]
+    _close(s_one.params["w"], params["w"] - 0.5 * grad_w, atol=1e-6)
+
+
+def test_update_step_records_old_logp_for_m2po_and_reports_the_mismatch():
+    # One PPO epoch, but M2PO's prepare needs the whole batch's old log-probs: recorded up front.
+    loss = PRESETS["m2po"](tau=0.01)
+    batch = _toy_batch(8, seed=1)
+    (_, m), params = _update(loss, 2, batch, 2, 1)
+    logp, _ = _toy_logp(params, batch)
+    live = batch["completion_mask_BxT"] > 0
+    gap = np.abs(np.asarray(batch["rollout_logp_BxT"]) - np.asarray(logp))[live]
+    _close(m["mismatch_abs_logp"], gap.mean(), rtol=1e-5)
+    q = np.log(np.exp(np.asarray(logp)) / np.exp(batch["rollout_logp_BxT"]))[live] ** 2
+    assert q.mean() > 0.01 and 0 < float(m["m2po_masked"]) < 1  # the batch does need masking
+    _close(m["ratio_min"], 1.0, atol=1e-5)  # one epoch: current == recorded old
+    _close(m["ratio_max"], 1.0, atol=1e-5)
