@@ -19,7 +19,7 @@ def get_config() -> Config:
         data=DataConfig(task="arithmetic", digits=2, operations="+", num_train=8000, num_test=500,
                         max_prompt_len=8),
         rollout=RolloutConfig(group_size=8, prompts_per_step=16, max_new_tokens=5, temperature=1.0),
-        loss=LossConfig(preset="grpo", eps_low=0.2, eps_high=0.2, kl_beta=0.0, reward_weights=(1.0, 0.0)),
+        loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 0.0)),  # clip: the paper default 0.2
         optim=OptimConfig(learning_rate=1e-4, warmup_steps=5),
         warmstart=WarmStartConfig(steps=800, batch_size=64, learning_rate=1e-3, teacher_error=0.6),
         train=TrainConfig(steps=100, ppo_epochs=1, microbatches=1, eval_every=10, eval_prompts=500),
