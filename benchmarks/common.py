@@ -24,7 +24,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from jaxrl.config import ModelConfig
 
@@ -74,16 +74,23 @@ def sequence_flops(cfg: ModelConfig, first_slot: int, n_tokens: int) -> float:
     return 2.0 * matmul_params(cfg) * n_tokens + attention_flops(cfg, first_slot, n_tokens)
 
 
-def median_time(fn: Callable[[], object], repeats: int = 3) -> tuple[float, list[float]]:
-    """(median seconds, all timings) of `fn()` after one untimed warm-up call (compilation)."""
+def median_time(fn: Callable[[], object], repeats: int = 3,
+                cpu_times: Optional[list] = None) -> tuple[float, list[float]]:
+    """(median wall seconds, all wall timings) of `fn()` after one untimed warm-up call (compilation).
+
+    If `cpu_times` is a list, the process CPU seconds (all threads) of each timed call are appended
+    to it: on a shared machine, wall time measures the contention as much as the code.
+    """
     import jax
 
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
+        if cpu_times is not None:
+            cpu_times.append(time.process_time() - c0)
     return statistics.median(times), times
 
 

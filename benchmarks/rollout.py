@@ -79,7 +79,10 @@ def main(argv=None) -> dict:
         return sample(params, cfg, prompt_BxP, pmask_BxP, next(keys), group_size=G, max_new_tokens=T,
                       temperature=args.temperature, top_k=0, top_p=1.0, eos_id=-1, pad_id=0)
 
-    seconds, times = common.median_time(run, args.repeats)
+    cpu = []
+    seconds, times = common.median_time(run, args.repeats, cpu_times=cpu)
+    import statistics
+    cpu_seconds = statistics.median(cpu)
     check = sample(params, cfg, prompt_BxP, pmask_BxP, jax.random.PRNGKey(123), group_size=G, max_new_tokens=T,
                    temperature=args.temperature, top_k=0, top_p=1.0, eos_id=-1, pad_id=0)
     assert int(check.num_steps) == T, f"decode stopped after {int(check.num_steps)} of {T} steps"
@@ -98,6 +101,11 @@ def main(argv=None) -> dict:
         "matmul_peak_gflops": peak / 1e9,
         "roofline_tokens_per_s": tokens * peak / flops,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "cores_used": cpu_seconds / seconds,
+        # Contention-robust view for a shared machine: tokens per CPU-second times the core count
+        # (what the run would reach with every core to itself and perfect scaling; an estimate).
+        "tokens_per_cpu_s_x_cores": tokens / cpu_seconds * (os.cpu_count() or 1),
         "times": times,
         "generated_tokens": tokens,
         "prefill_gflop": pre_f / 1e9,
@@ -114,6 +122,8 @@ def main(argv=None) -> dict:
     print(f"rollout [{result['config']}] {B} prompts x {G} samples, prompt {P}, {T} new tokens "
           f"({tokens} generated tokens, {common.total_params(cfg) / 1e6:.1f}M params)")
     print(f"  time            {seconds:.3f} s (median of {args.repeats}: {', '.join(f'{t:.3f}' for t in times)})")
+    print(f"  cpu             {cpu_seconds:.3f} CPU-s per call ({result['cores_used']:.2f} cores busy); "
+          f"{result['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores")
     print(f"  throughput      {result['tokens_per_s']:.0f} generated tokens/s")
     print(f"  model FLOPs     {flops / 1e9:.1f} GFLOP (prefill {pre_f / 1e9:.2f}, decode {dec_f / 1e9:.1f}) "
           f"-> {achieved / 1e9:.1f} GFLOP/s")
