@@ -20,6 +20,9 @@ from jax import lax
 
 # (k_LxBxSxKxHd, v_LxBxSxKxHd): the whole stacked cache travels through every block so each layer
 # updates its slice of the one buffer in place instead of the model restacking L copies per step.
+# Or (k_BxKxSxHd, v_BxKxSxHd): ONE layer's own buffers, kv-head-major, for decode loops that unroll
+# the layers (`transformer.decode_step_layers`): attention then reads the cache where it lies, with
+# no per-layer slice or transpose copy (on CPU those copies cost as much as the decode matmuls).
 KV = Tuple[jax.Array, jax.Array]
 
 # Finite, so a fully masked query row (a left-padding slot) gets a uniform softmax instead of NaN;
@@ -110,6 +113,13 @@ class Attention(nn.Module):
         q_BxTxHxHd = apply_rope(q_BxTxHxHd, positions_BxT, self.rope_theta) * jnp.asarray(Hd**-0.5, self.dtype)
         k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta)
 
+        if kv is not None and kv[0].ndim == 4:  # LayerKV: this layer's own kv-head-major buffers
+            start = (0, 0, index, 0)
+            kv = tuple(lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), start)
+                       for buf, new in zip(kv, (k_BxTxKxHd, v_BxTxKxHd)))
+            o_BxTxHxHd = _attend_kv_head_major(q_BxTxHxHd, kv[0].astype(self.dtype), kv[1].astype(self.dtype),
+                                               key_valid_BxS, index, self.dtype)
+            return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
         if kv is None:
             k_BxSxKxHd, v_BxSxKxHd = k_BxTxKxHd, v_BxTxKxHd
         else:
@@ -133,6 +143,34 @@ class Attention(nn.Module):
         o_BxTxKxRxHd = jnp.einsum("bkrts,bskd->btkrd", p_BxKxRxTxS, v_BxSxKxHd)
         o_BxTxHxHd = o_BxTxKxRxHd.reshape(B, T, H, Hd)
         return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
+
+
+def _attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, index, dtype):
+    """Attention of queries at slots index.. over a kv-head-major cache; same math as the einsum
+    path in `Attention`, laid out for XLA:CPU decode: the scores are computed keys-major (S x TR per
+    (b, k), softmax over S) and both contractions are explicit `dot_general`s, so XLA neither
+    transposes the cache nor picks a strided GEMM. Measured ~1.5x faster than the einsum form at
+    B=64, S=192 (the cache is read twice per layer per step; nothing else in decode grows with S)."""
+    B, T, H, Hd = q_BxTxHxHd.shape
+    K, S = k_BxKxSxHd.shape[1], k_BxKxSxHd.shape[2]
+    R = H // K
+    q_BxKxQxHd = q_BxTxHxHd.reshape(B, T, K, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * R, Hd)
+    batch = ((0, 1), (0, 1))
+    s_BxKxSxQ = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+    q_slot_T = index + jnp.arange(T)
+    causal_SxT = jnp.arange(S)[:, None] <= q_slot_T[None, :]
+    allowed_BxSxT = causal_SxT[None] & key_valid_BxS.astype(bool)[:, :, None]
+    s_BxKxSxTxR = jnp.where(allowed_BxSxT[:, None, :, :, None], s_BxKxSxQ.reshape(B, K, S, T, R), _MASKED)
+    s_BxKxSxQ = s_BxKxSxTxR.reshape(B, K, S, T * R)
+    # Softmax over S, normalised after the value contraction (on the small output): the max and the
+    # sum reduce a transposed view, since XLA:CPU reduces a minor axis far faster than axis 2.
+    max_BxKxQ = jnp.max(s_BxKxSxQ.swapaxes(2, 3), axis=-1)
+    e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
+    sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1)
+    o_BxKxQxHd = lax.dot_general(e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch),
+                                 preferred_element_type=jnp.float32)
+    o_BxKxQxHd = (o_BxKxQxHd / sum_BxKxQ[..., None]).astype(dtype)
+    return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
 
 
 class MLP(nn.Module):

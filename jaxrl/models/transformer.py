@@ -8,6 +8,11 @@
     last_logits_BxV, cache = prefill(params, cfg, tokens_BxP, mask_BxP, cache)
     logits_BxV, cache = decode_step(params, cfg, token_B, cache, index)
 
+    # The same decode step for long loops (what the sampler runs): layers unrolled over per-layer
+    # params and per-layer cache buffers, so no step copies a weight slice or a cache slice.
+    lparams, lcache = layer_params(params, cfg), to_layer_cache(cache)
+    logits_BxV, lcache = decode_step_layers(lparams, cfg, token_B, lcache, index)
+
 Sequences are LEFT-padded: `mask` is 1 on real tokens, a token's position id is the number of real
 tokens before it, and padded keys are invisible, so a padded row's real-token logits equal those of
 the unpadded row. Logits are float32 whatever `cfg.dtype` is. Every function takes `cfg` static.
@@ -191,3 +196,56 @@ def decode_step(params, cfg: ModelConfig, token_B, cache: Cache, index):
     logits_Bx1xV, (k, v) = _apply(params, cfg, token_B[:, None].astype(jnp.int32), cache.pos_B[:, None], valid_BxS,
                                   index, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd))
     return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, cache.pos_B + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode loops: per-layer params and cache
+#
+# `decode_step` runs the scanned layers over the stacked cache: each step, every layer slices its
+# weights out of the stacked params and its keys/values out of the stacked cache (and XLA:CPU then
+# transposes them for the attention dots). Inside a long decode loop those copies cost as much as
+# the matmuls themselves. The functions below do the same math with the layers unrolled over
+# per-layer params (sliced once, outside the loop) and per-layer kv-head-major cache buffers that
+# attention reads in place and `dynamic_update_slice` writes in place.
+
+
+class LayerCache(NamedTuple):
+    """A `Cache` in decode-loop form: kv[l] = (k_BxKxSxHd, v_BxKxSxHd) of layer l."""
+
+    kv: tuple
+    valid_BxS: jax.Array
+    pos_B: jax.Array
+
+
+def layer_params(params, cfg: ModelConfig):
+    """`params` with the stacked `blocks` split into a tuple of per-layer trees (one copy; do it
+    outside the decode loop)."""
+    blocks = params["blocks"]
+    return dict(params, blocks=tuple(jax.tree.map(lambda p, i=i: p[i], blocks) for i in range(cfg.n_layers)))
+
+
+def to_layer_cache(cache: Cache) -> LayerCache:
+    """Split and transpose a stacked cache into per-layer buffers (one copy of the cache)."""
+    L = cache.k_LxBxSxKxHd.shape[0]
+    kv = tuple((cache.k_LxBxSxKxHd[l].swapaxes(1, 2), cache.v_LxBxSxKxHd[l].swapaxes(1, 2)) for l in range(L))
+    return LayerCache(kv, cache.valid_BxS, cache.pos_B)
+
+
+def decode_step_layers(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
+    """`decode_step` on per-layer params (`layer_params`) and a `LayerCache`: same logits."""
+    dtype = jnp.dtype(cfg.dtype)
+    D, B = cfg.d_model, token_B.shape[0]
+    index = jnp.asarray(index, jnp.int32)
+    valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, 1), bool), (0, index))
+    positions_Bx1 = cache.pos_B[:, None]
+    x_Bx1xD = jnp.take(lparams["embedding"], token_B[:, None].astype(jnp.int32), axis=0).astype(dtype)
+    block = Block(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype)
+    layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
+    kv_out = []
+    for p_l, kv_l in zip(lparams["blocks"], cache.kv):
+        (x_Bx1xD, kv_l, _), _ = block.apply({"params": p_l}, (x_Bx1xD, kv_l, layer), positions_Bx1, valid_BxS, index)
+        kv_out.append(kv_l)
+    x_Bx1xD = RMSNorm(D, cfg.norm_eps, dtype).apply({"params": lparams["final_norm"]}, x_Bx1xD)
+    head_DxV = lparams["embedding"].T if cfg.tie_embeddings else lparams["lm_head"]
+    logits_Bx1xV = jnp.einsum("btd,dv->btv", x_Bx1xD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
+    return logits_Bx1xV[:, 0], LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + 1)

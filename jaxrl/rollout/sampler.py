@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.transformer import Cache, decode_step, init_cache, prefill
+from jaxrl.models.transformer import LayerCache, decode_step_layers, init_cache, layer_params, prefill, to_layer_cache
 
 
 class SampleOutput(NamedTuple):
@@ -35,7 +35,7 @@ class SampleOutput(NamedTuple):
 
 class _Loop(NamedTuple):
     step: jax.Array  # columns emitted so far
-    cache: Cache
+    cache: LayerCache
     last_N: jax.Array  # the next decode input: the last prompt token, then the last drawn token
     tokens_NxT: jax.Array
     logp_NxT: jax.Array
@@ -63,11 +63,21 @@ def truncate_logits(logits_NxV: jax.Array, top_k: int, top_p: float) -> jax.Arra
     return logits_NxV
 
 
+def first_argmax(x_NxV: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, -1)` (the first maximal index) as two plain reductions: XLA:CPU lowers argmax
+    to a variadic (value, index) reduce that costs ~10x a max over the same (N, V)."""
+    max_Nx1 = jnp.max(x_NxV, axis=-1, keepdims=True)
+    iota_NxV = lax.broadcasted_iota(jnp.int32, x_NxV.shape, 1)
+    first_N = jnp.min(jnp.where(x_NxV == max_Nx1, iota_NxV, x_NxV.shape[-1]), axis=-1)
+    return jnp.minimum(first_N, x_NxV.shape[-1] - 1)  # an all-NaN row would match nowhere
+
+
 def choose_tokens(rng, logits_NxV, temperature, top_k: int, top_p: float, greedy: bool) -> jax.Array:
     if greedy:
-        return jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
+        return first_argmax(logits_NxV)
     scaled_NxV = truncate_logits(logits_NxV / temperature, top_k, top_p)
-    return jax.random.categorical(rng, scaled_NxV, axis=-1).astype(jnp.int32)
+    # Gumbel-max, as jax.random.categorical draws it, with the cheaper argmax.
+    return first_argmax(scaled_NxV + jax.random.gumbel(rng, scaled_NxV.shape, scaled_NxV.dtype))
 
 
 def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_id) -> _Loop:
@@ -113,13 +123,17 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
     cache = init_cache(cfg, B, P + T)
     if P > 1:
         _, cache = prefill(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
-    rep = lambda x, axis: jnp.repeat(x, G, axis=axis, total_repeat_length=x.shape[axis] * G)
-    cache = Cache(rep(cache.k_LxBxSxKxHd, 1), rep(cache.v_LxBxSxKxHd, 1), rep(cache.valid_BxS, 0), rep(cache.pos_B, 0))
+    # The loop runs on per-layer params and cache buffers (see transformer.decode_step_layers):
+    # both are split once here instead of sliced out of the stacked arrays at every step.
+    rep = lambda x: jnp.repeat(x, G, axis=0, total_repeat_length=x.shape[0] * G)
+    cache = to_layer_cache(cache)
+    cache = LayerCache(jax.tree.map(rep, cache.kv), rep(cache.valid_BxS), rep(cache.pos_B))
+    lparams = layer_params(params, cfg)
 
     state = _Loop(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
-        last_N=rep(prompt_BxP[:, -1].astype(jnp.int32), 0),
+        last_N=rep(prompt_BxP[:, -1].astype(jnp.int32)),
         tokens_NxT=jnp.full((N, T), pad_id, jnp.int32),
         logp_NxT=jnp.zeros((N, T), jnp.float32),
         mask_NxT=jnp.zeros((N, T), jnp.float32),
@@ -132,7 +146,7 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
 
     def body(s: _Loop):
         # Slot P-1+step holds the token fed now: the last prompt token, then each drawn token.
-        logits_NxV, cache = decode_step(params, cfg, s.last_N, s.cache, P - 1 + s.step)
+        logits_NxV, cache = decode_step_layers(lparams, cfg, s.last_N, s.cache, P - 1 + s.step)
         return _emit(s._replace(cache=cache), logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_id)
 
     state = lax.while_loop(cond, body, state)
