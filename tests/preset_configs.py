@@ -24,7 +24,7 @@ GROUP = {"mc_grpo": 3, "sao": 1}  # G+1 = 3 (odd) for MC-GRPO; a single rollout 
 FILES = {
     "normalisers": ["grpo", "dr_grpo", "bnpo", "dapo", "async_const_norm", "rloo", "reinforce_pp"],
     "batch_parts": ["mc_grpo", "gdpo", "gd2po", "m2po", "sao", "mu_grpo"],
-    "objectives": ["gspo", "gspo_token", "pnpo", "gmpo", "cispo", "sapo"],
+    "objectives": ["gspo", "gspo_token", "pnpo", "gmpo", "cispo", "sapo", "tbpo"],
 }
 
 

@@ -42,6 +42,7 @@ TABLE = {
     "sapo": (-0.5, [S, S, S]),  # gradient -4 sig(1-sig) rho A = -A at rho = 1
     "gspo": (-0.5, [S, S, S]),  # d s / d logp_j = s/|y|, row value counted once: same as GRPO
     "gspo_token": (-0.5, [S, S, S]),
+    "tbpo": (-0.5, [S, S, S]),  # GSPO's sequence ratio and band; the dual cap needs s > 3
     "mu_grpo": (-0.5, [S, S, S]),  # |log rho| = 0: no veto
     "gdpo": (-0.5, [S, S, S]),  # one reward column: z = [1,-1], batch-whitened [1,-1]
     "gd2po": (-0.5, [S, S, S]),  # one column: no conflict, consensus 1
@@ -171,6 +172,25 @@ def test_gspo_clips_the_sequence_ratio_as_one_number():
     _, grad, metrics, _ = _tiny(PRESETS["gspo"](), 2, batch, logp)
     _close(grad, [[0, 0, 0, 0], [0.250025, 0.250025, 0, 0]], atol=2e-6)
     _close(metrics["clipped_high"], 0.5)  # 2 of 4 live tokens
+
+
+def test_tbpo_caps_a_negative_sample_whose_sequence_ratio_exploded():
+    # Rewards [1, 0] -> A = [+1, -1]. Row 0: log rho [0, 0] -> s = 1, in the band: gradient
+    # -A s / (|y| B) = -1/4 per token, loss -1. Row 1 (A = -1): log rho [log 4, log 4] -> s = 4 > c = 3:
+    # TBPO's loss is the constant -c A = 3 (no gradient); GSPO's is -s A = 4 with gradient s/(|y| B) = 1.
+    mask = np.array([[1, 1, 0, 0], [1, 1, 0, 0]], np.float32)
+    old = np.full((2, 4), -1.0, np.float32)
+    logp = old + np.array([[0, 0, 0, 0], [LOG(4), LOG(4), 0, 0]], np.float32)
+    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0]], np.float32), "old_logp_BxT": old}
+    value, grad, metrics, _ = _tiny(PRESETS["tbpo"](), 2, batch, logp)
+    _close(value, (-1 + 3) / 2, atol=1e-5)  # A = +-1/(1 + 2e-6): adv_eps
+    _close(grad, [[-0.25, -0.25, 0, 0], [0, 0, 0, 0]], atol=1e-6)
+    _close(metrics["clipped_dual"], 0.5)  # 2 of 4 live tokens
+    value, grad, _, _ = _tiny(PRESETS["gspo"](), 2, batch, logp)
+    _close(value, (-1 + 4) / 2, atol=1e-5)
+    _close(grad, [[-0.25, -0.25, 0, 0], [1, 1, 0, 0]], atol=1e-5)
+    assert "dual_clip(0.1, 0.2, c=2)" in make_loss(LossConfig(preset="tbpo", eps_low=0.1, eps_high=0.2,
+                                                              options="c=2")).parts
 
 
 # ============================================================================= new parts, by hand

@@ -24,7 +24,7 @@ from jaxrl.config import ConfigError, parse_loss_options
 from jaxrl.losses.compose import EXTRAS, Loss, compose, named, policy_token_loss, with_regularizers  # noqa: F401
 from jaxrl.losses.presets_grpo import (async_const_norm, bnpo, dapo, dr_grpo, gd2po, gdpo, grpo, mc_grpo,
                                        reinforce_pp, rloo)
-from jaxrl.losses.presets_ratio import cispo, gmpo, gspo, gspo_token, m2po, mu_grpo, pnpo, sao, sapo
+from jaxrl.losses.presets_ratio import cispo, gmpo, gspo, gspo_token, m2po, mu_grpo, pnpo, sao, sapo, tbpo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +72,7 @@ PRESETS: dict[str, Preset] = {
     "rloo": Preset(rloo, "Ahmadian et al. 2024, Back to Basics (RLOO), arXiv:2402.14740"),
     "reinforce_pp": Preset(reinforce_pp, "Hu et al. 2025, REINFORCE++ (baseline), arXiv:2501.03262"),
     "async_const_norm": Preset(async_const_norm, "AsyncWebRL constant 1/k normaliser, papers.txt"),
+    "tbpo": Preset(tbpo, "Trust-Band PO (TBPO) from QaRL, papers.txt; our reading"),
 }
 
 # LossConfig fields passed to the factory when set (None = the preset's default).

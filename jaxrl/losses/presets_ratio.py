@@ -47,6 +47,25 @@ def gspo_token(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0
                    **extras)
 
 
+def tbpo(eps_low: float = 3e-4, eps_high: float = 4e-4, c: float = 3.0, kl_beta: float = 0.0, adv_eps: float = 1e-6,
+         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+    """TBPO, Trust-Band Policy Optimization from QaRL ("Rollout Alignment Quantization-Aware RL",
+    `shared/seeds/papers.txt`): "a sequence-level objective with dual clipping for negative samples".
+
+        s_i = exp(1/|y_i| sum_t log rho_t)                               (sequence_log_ratio, as GSPO)
+        l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)    and, if A_i < 0 and s_i > c,
+        l_i = -c A_i                                                      (dual clip: constant, no gradient)
+        J   = -1/B sum_i l_i
+    OUR READING: the abstract gives neither the ratio's normalisation nor the band, so the sequence
+    ratio and the band are GSPO's (3e-4 / 4e-4) and c = 3 is dual-clip PPO's usual cap. The cap keeps
+    a negative sample whose sequence ratio exploded (garbled tokens from a mismatched sampler) from
+    dominating the update. GRPO advantages.
+    """
+    obj = named(f"dual_clip({eps_low:g}, {eps_high:g}, c={c:g})", objectives.dual_clip(eps_low, eps_high, c))
+    return compose("tbpo", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.sequence_log_ratio, objective=obj,
+                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+
+
 def pnpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
          reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """PNPO, "Prefix-Normalized Policy Optimization" (`shared/seeds/papers.txt`):

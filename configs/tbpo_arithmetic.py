@@ -1,0 +1,15 @@
+"""TBPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+
+Sequence-level ratio in a 1 - 3e-4 / 1 + 4e-4 band, negative samples capped at 3|A| (dual clip).
+Preset: `jaxrl.losses.presets.PRESETS["tbpo"]` (`jaxrl variants` lists its parts and paper).
+"""
+
+import dataclasses
+import pathlib
+
+from jaxrl.config import Config, LossConfig, load_config
+
+
+def get_config() -> Config:
+    base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
+    return dataclasses.replace(base, loss=LossConfig(preset="tbpo", reward_weights=(1.0, 0.0)))
