@@ -64,3 +64,67 @@ def test_bench_small_shape():
         512, 8, 8, 2, 64, 1408, 8192)
     assert cfg.dtype == "float32" and not cfg.tie_embeddings
     cfg.validate()
+
+
+TINY_RUN = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+            "model.mlp_dim=64", "data.num_train=600", "data.num_test=60", "rollout.prompts_per_step=4",
+            "warmstart.steps=10", "warmstart.batch_size=16"]
+
+
+def test_variants_summary_by_hand():
+    from benchmarks import variants
+
+    rows = [{"step": 0, "eval/accuracy": 0.4}, {"step": 1, "reward/mean": 0.5, "response_len/mean": 3.0},
+            {"step": 2, "reward/mean": 1.0, "response_len/mean": 5.0, "clip_frac": 0.2, "eval/accuracy": 0.72},
+            {"step": 4, "eval/accuracy": 0.69}, {"step": 6, "eval/accuracy": 0.8}]
+    s = variants.summarise_run(rows, target=0.7)
+    assert s["final_accuracy"] == 0.8 and s["base_accuracy"] == 0.4
+    assert s["steps_to_target"] == 2  # the first evaluated step at or above 0.7, even if it dips after
+    assert s["response_len"] == 4.0 and s["final_reward"] == 0.75 and s["clip_frac"] == 0.1
+    assert variants.summarise_run(rows, target=0.9)["steps_to_target"] is None
+    assert variants.finished(rows, 6) and not variants.finished(rows, 5)
+
+
+def test_variants_tables_and_mc_grpo_gap_from_synthetic_runs(tmp_path):
+    import argparse
+
+    from benchmarks import variants
+
+    arms = [variants.Arm("grpo", "grpo"), variants.Arm("mc_grpo", "mc_grpo"), *variants.MC_STUDY]
+    final = {"grpo": [0.8, 0.9], "mc_grpo": [0.7, 0.7], "grpo G=2": [0.5, 0.6], "mc_grpo G=2 (draws 3)": [0.7, 0.8]}
+    runs = [{"label": label, "preset": label.split()[0], "seed": seed, "final_accuracy": acc, "base_accuracy": 0.4,
+             "curve": [(0, 0.4), (5, acc)], "steps_to_target": 5 if acc >= 0.7 else None, "response_len": 3.0,
+             "final_reward": acc, "clip_frac": 0.0}
+            for label, accs in final.items() for seed, acc in enumerate(accs)]
+    runs.append({"label": "grpo", "preset": "grpo", "seed": 2, "error": "boom"})
+    budget = variants.Budget(steps=5, eval_every=5, eval_prompts=10, target=0.7)
+    out = tmp_path / "variants"
+    summary = variants.write_outputs(arms, runs, budget, argparse.Namespace(seeds=2), out, 1.0, partial=False)
+    # grpo G=2 -> G=8: 55% -> 85%; MC-GRPO at G=2: 75%: (75 - 55) / (85 - 55) = 2/3 of the gap.
+    assert abs(summary["gap_closed_mc_grpo_g2"] - 2 / 3) < 1e-9 and summary["failed"] == 1
+    table = out.with_suffix(".md").read_text()
+    assert "| grpo | 85.0 ± 7.1 | +45.0 | 5 (2/2) |" in table  # std of [80, 90] with ddof 1 = 7.07
+    assert "| mc_grpo G=2 (draws 3) | 75.0 ± 7.1 | +35.0 | 5 (2/2) |" in table
+    assert "| grpo G=2 | 55.0 ± 7.1 | +15.0 | never (0/2) |" in table
+    assert "| grpo G=8 | 85.0" in table and "= 0.67" in table
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
+    args = [sys.executable, str(REPO / "benchmarks" / "variants.py"), "--presets", "grpo", "--seeds", "1",
+            "--no-mc-study", "--steps", "2", "--eval-every", "1", "--eval-prompts", "8",
+            "--root", str(tmp_path / "runs"), "--out", str(tmp_path / "out" / "variants")]
+    for s in TINY_RUN:
+        args += ["--set", s]
+    first = subprocess.run(args, cwd=REPO, env=cache_env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads(first.stdout.strip().splitlines()[-1])
+    assert summary["runs"] == 1 and summary["failed"] == 0 and 0.0 <= summary["accuracy_mean"]["grpo"] <= 1.0
+    table = (tmp_path / "out" / "variants.md").read_text()
+    assert "| grpo |" in table and "PARTIAL" not in table and "MC-GRPO" not in table
+    runs = json.loads((tmp_path / "out" / "variants.json").read_text())["runs"]
+    assert len(runs) == 1 and runs[0]["seed"] == 0 and len(runs[0]["curve"]) == 3  # steps 0, 1, 2
+    again = subprocess.run(args, cwd=REPO, env=cache_env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    runs = json.loads((tmp_path / "out" / "variants.json").read_text())["runs"]
+    assert runs[0]["reused"]  # a finished run is read back, not retrained
