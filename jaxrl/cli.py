@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -21,6 +22,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--workdir", default=None, help="run directory (default: runs/<config stem>/); resumes if it holds checkpoints")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
                    help="override a config field; may be repeated")
+    t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process run: process 0's address (env JAXRL_COORDINATOR)")
+    t.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="multi-process run: how many processes (env JAXRL_NUM_PROCESSES)")
+    t.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="multi-process run: this process, 0..N-1 (env JAXRL_PROCESS_ID)")
+    t.add_argument("--init-timeout", type=int, default=None, metavar="SECONDS",
+                   help="give up (nonzero exit) if not all processes joined by then (env JAXRL_INIT_TIMEOUT, "
+                        "default 300)")
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
     v.add_argument("--configs", default=None, help="directory searched for <preset>_arithmetic.py "
                    "(default: the repository's configs/)")
@@ -28,6 +38,43 @@ def _parser() -> argparse.ArgumentParser:
 
 
 REPO_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def distributed_args(args) -> dict | None:
+    """--coordinator / --num-processes / --process-id (or JAXRL_* env) -> init_distributed kwargs;
+    None for a single-process run. Inconsistent values are a UserError naming the flag."""
+    env = os.environ
+
+    def pick(flag: str, name: str, value, cast):
+        if value is not None:
+            return value
+        raw = env.get(name)
+        if raw in (None, ""):
+            return None
+        try:
+            return cast(raw)
+        except ValueError:
+            raise UserError(f"{name}={raw!r} ({flag}): expected an integer") from None
+
+    coordinator = pick("--coordinator", "JAXRL_COORDINATOR", args.coordinator, str)
+    n = pick("--num-processes", "JAXRL_NUM_PROCESSES", args.num_processes, int)
+    pid = pick("--process-id", "JAXRL_PROCESS_ID", args.process_id, int)
+    timeout = pick("--init-timeout", "JAXRL_INIT_TIMEOUT", args.init_timeout, int)
+    if coordinator is None and n is None and pid is None:
+        return None
+    if coordinator is None or n is None or pid is None:
+        raise UserError("--coordinator, --num-processes and --process-id go together (or JAXRL_COORDINATOR, "
+                        f"JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID); got coordinator={coordinator!r}, "
+                        f"num_processes={n}, process_id={pid}")
+    if ":" not in coordinator:
+        raise UserError(f"--coordinator {coordinator!r}: expected host:port")
+    if n < 1:
+        raise UserError(f"--num-processes {n}: expected a positive integer")
+    if not 0 <= pid < n:
+        raise UserError(f"--process-id {pid}: expected 0..{n - 1} for --num-processes {n}")
+    if timeout is not None and timeout < 1:
+        raise UserError(f"--init-timeout {timeout}: expected a positive number of seconds")
+    return {"coordinator": coordinator, "num_processes": n, "process_id": pid, "timeout_s": timeout or 300}
 
 
 def variants_table(configs_dir: str | pathlib.Path | None = None) -> str:
@@ -51,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             cfg = load_config(args.config, args.overrides)
             workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
+            dist = distributed_args(args)
+            if dist is not None:  # before anything touches devices
+                from jaxrl.sharding import init_distributed
+
+                init_distributed(**dist)
             from jaxrl.train.loop import train  # heavy imports only once the config is known good
 
             train(cfg, workdir)

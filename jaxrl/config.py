@@ -40,6 +40,21 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 64
     dtype: str = "float32"
+    # Mixture of experts (jaxrl.models.moe); n_experts=0 is the dense model, bit for bit.
+    n_experts: int = 0
+    moe_every: int = 1  # every moe_every-th layer is MoE (layers moe_every-1, 2*moe_every-1, ...)
+    experts_per_token: int = 2
+    expert_mlp_dim: int = 0  # 0 -> mlp_dim
+    n_shared_experts: int = 0
+    router: str = "softmax"  # softmax top-k renormalised (Qwen3-MoE) | sigmoid
+    moe_dispatch: str = "dropless"  # dropless | capacity | naive
+    capacity_factor: float = 1.25
+    moe_aux_coef: float = 0.01
+    moe_z_coef: float = 0.001
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers // self.moe_every if self.n_experts else 0
 
     def validate(self, prefix: str = "model") -> None:
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
@@ -51,6 +66,24 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, f"{prefix}.head_dim", "an even integer (RoPE rotates pairs)", self.head_dim)
         _check(self.rope_theta > 0, f"{prefix}.rope_theta", "a positive number", self.rope_theta)
         _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "'float32' or 'bfloat16'", self.dtype)
+        self._validate_moe(prefix)
+
+    def _validate_moe(self, prefix: str) -> None:
+        _check(self.n_experts >= 0, f"{prefix}.n_experts", "0 (dense) or a positive integer", self.n_experts)
+        _check(self.moe_every > 0 and self.n_layers % self.moe_every == 0, f"{prefix}.moe_every",
+               f"a positive divisor of n_layers={self.n_layers}", self.moe_every)
+        _check(self.experts_per_token > 0 and (self.n_experts == 0 or self.experts_per_token <= self.n_experts),
+               f"{prefix}.experts_per_token", f"an integer in [1, n_experts={self.n_experts}]", self.experts_per_token)
+        _check(self.expert_mlp_dim >= 0, f"{prefix}.expert_mlp_dim", "0 (= mlp_dim) or a positive integer",
+               self.expert_mlp_dim)
+        _check(self.n_shared_experts >= 0, f"{prefix}.n_shared_experts", "a non-negative integer",
+               self.n_shared_experts)
+        _check(self.router in ("softmax", "sigmoid"), f"{prefix}.router", "'softmax' or 'sigmoid'", self.router)
+        _check(self.moe_dispatch in ("dropless", "capacity", "naive"), f"{prefix}.moe_dispatch",
+               "'dropless', 'capacity' or 'naive'", self.moe_dispatch)
+        _check(self.capacity_factor > 0, f"{prefix}.capacity_factor", "a positive number", self.capacity_factor)
+        _check(self.moe_aux_coef >= 0, f"{prefix}.moe_aux_coef", "a non-negative number", self.moe_aux_coef)
+        _check(self.moe_z_coef >= 0, f"{prefix}.moe_z_coef", "a non-negative number", self.moe_z_coef)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +238,8 @@ class TrainConfig:
     eval_prompts: int = 200
     log_every: int = 1
     progress: bool = True
+    # MoE only: the update forward uses the experts the sampler chose for every token (R3 / ESRL).
+    routing_replay: bool = True
 
     def validate(self, prefix: str = "train") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)
@@ -228,10 +263,23 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+    """How devices are laid out (jaxrl.sharding.PRESETS). `single`: one device; `data`: batch over
+    all devices, params replicated; `fsdp`: batch and params' embed axis over all devices;
+    `fsdp_tensor`: (fsdp, tensor) with mlp/heads/vocab over `tensor`; `fsdp_expert`: (fsdp, expert)
+    with experts over `expert`. fsdp is the devices left over: devices / tensor (or / expert)."""
+
     preset: str = "single"
+    tensor: int = 1  # size of the tensor axis (fsdp_tensor only)
+    expert: int = 1  # size of the expert axis (fsdp_expert only)
 
     def validate(self, prefix: str = "mesh") -> None:
-        _check(self.preset in ("single", "data"), f"{prefix}.preset", "'single' or 'data'", self.preset)
+        presets = ("single", "data", "fsdp", "fsdp_tensor", "fsdp_expert")
+        _check(self.preset in presets, f"{prefix}.preset", " or ".join(map(repr, presets)), self.preset)
+        for name, owner in (("tensor", "fsdp_tensor"), ("expert", "fsdp_expert")):
+            v = getattr(self, name)
+            _check(v > 0, f"{prefix}.{name}", "a positive integer", v)
+            _check(v == 1 or self.preset == owner, f"{prefix}.{name}",
+                   f"1 unless mesh.preset={owner!r} (preset is {self.preset!r})", v)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,23 @@
-"""Mesh presets as small logical-axis rules tables, and the shardings that jitted steps use.
+"""Mesh presets as small logical-axis rules tables, the shardings jitted steps use, multi-host glue.
 
-Parameters carry logical axis names (`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`);
-batches carry `batch`. A preset is a mesh shape plus a table mapping logical names to mesh axes;
-a name missing from the table is replicated.
+Parameters carry logical axis names (`layers`, `embed`, `mlp`, `heads`, `kv_heads`, `head_dim`,
+`vocab`, `expert`); batch arrays carry `batch` on the axis their name marks `B` (`tokens_BxT`: axis
+0, `routing_LxBxTxk`: axis 1). A preset is a tuple of mesh axis names plus a table mapping logical
+names to mesh axes; a name missing from the table (or a model lacking a name the table has) is
+replicated, and so is a parameter dimension that does not divide over its mesh axis.
+
+    mesh, preset = make_mesh(cfg.mesh)                       # sizes checked against jax.devices()
+    param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract_params)
+    batch = {k: put_rows(named_sharding(mesh, preset, k), my_rows, n_rows) ...}  # each process: its rows
+
+Multi-host: `init_distributed` (before anything touches devices) joins the processes; from then on
+`jax.devices()` is the global device list, every jitted step is one SPMD program over all of them,
+and each process feeds and reads only the rows its own devices hold (`process_rows`, `local_rows`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -15,10 +25,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.config import ConfigError, MeshConfig
 
+Rule = tuple  # (logical name, mesh axis | tuple of mesh axes)
+
 
 class MeshPreset(NamedTuple):
     axis_names: tuple[str, ...]
-    rules: tuple[tuple[str, str | None], ...]  # logical name -> mesh axis
+    rules: tuple[Rule, ...]  # logical name -> mesh axis (or axes)
 
 
 PRESETS = {
@@ -26,40 +38,198 @@ PRESETS = {
     "single": MeshPreset(("data",), ()),
     # Pure data parallelism: parameters replicated, the batch split over every device.
     "data": MeshPreset(("data",), (("batch", "data"),)),
+    # ZeRO-3 style: the batch and every parameter's `embed` dimension split over all devices.
+    "fsdp": MeshPreset(("fsdp",), (("batch", "fsdp"), ("embed", "fsdp"))),
+    # fsdp x Megatron tensor parallelism: mlp / heads / vocab split over `tensor` (mesh.tensor).
+    "fsdp_tensor": MeshPreset(("fsdp", "tensor"), (
+        ("batch", "fsdp"), ("embed", "fsdp"),
+        ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"))),
+    # fsdp x expert parallelism: experts split over `expert` (mesh.expert), the batch over both axes.
+    "fsdp_expert": MeshPreset(("fsdp", "expert"), (
+        ("batch", ("fsdp", "expert")), ("embed", "fsdp"), ("expert", "expert"))),
 }
 
 
-def make_mesh(cfg: MeshConfig, devices: list | None = None) -> tuple[Mesh, MeshPreset]:
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
+    """The preset's mesh shape on `n_devices`; ConfigError naming the field if it does not fit."""
+    if cfg.preset == "single":
+        return (1,)
+    if cfg.preset in ("data", "fsdp"):
+        return (n_devices,)
+    field = "tensor" if cfg.preset == "fsdp_tensor" else "expert"
+    size = getattr(cfg, field)
+    if n_devices % size:
+        raise ConfigError(f"mesh.{field}={size} does not divide the {n_devices} devices "
+                          f"(mesh.preset={cfg.preset!r} needs devices = fsdp * {field})")
+    return (n_devices // size, size)
+
+
+def make_mesh(cfg: MeshConfig, devices: Optional[list] = None) -> tuple[Mesh, MeshPreset]:
     devices = list(devices if devices is not None else jax.devices())
     preset = PRESETS[cfg.preset]
-    n = 1 if cfg.preset == "single" else len(devices)
-    mesh = Mesh(np.asarray(devices[:n]).reshape((n,)), preset.axis_names,
+    shape = mesh_shape(cfg, len(devices))
+    if cfg.preset == "single" and jax.process_count() > 1:
+        raise ConfigError(f"mesh.preset='single' uses one device, but this run has {jax.process_count()} "
+                          "processes; choose 'data', 'fsdp', 'fsdp_tensor' or 'fsdp_expert'")
+    n = int(np.prod(shape))
+    mesh = Mesh(np.asarray(devices[:n]).reshape(shape), preset.axis_names,
                 axis_types=(jax.sharding.AxisType.Auto,) * len(preset.axis_names))
     return mesh, preset
 
 
-def _spec(logical: tuple, rules: dict) -> P:
-    return P(*(rules.get(name) if name is not None else None for name in logical))
+def _axis_size(mesh: Mesh, axis) -> int:
+    if axis is None:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
 
 
-def logical_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any) -> Any:
-    """A pytree of logical-axis tuples -> the matching pytree of NamedShardings."""
+def _is_axes(x) -> bool:
+    return isinstance(x, P) or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
+
+
+def spec_for(mesh: Mesh, preset: MeshPreset, logical: tuple, shape: Optional[tuple] = None) -> P:
+    """Logical axis names -> PartitionSpec; with `shape`, a dimension that does not divide over its
+    mesh axis (e.g. 1 kv head over tensor=2) is replicated instead."""
     rules = dict(preset.rules)
-    return jax.tree.map(lambda axes: NamedSharding(mesh, _spec(axes, rules)), logical_tree,
-                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
+    axes = [rules.get(name) if name is not None else None for name in logical]
+    if shape is not None:
+        axes = [a if a is not None and dim % _axis_size(mesh, a) == 0 else None for a, dim in zip(axes, shape)]
+    return P(*axes)
+
+
+def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_tree: Any = None) -> Any:
+    """A pytree of logical-axis specs (e.g. `param_logical_axes(cfg)`) -> NamedShardings. With the
+    matching abstract (or concrete) params, non-dividing dimensions are replicated."""
+    if abstract_tree is None:
+        return jax.tree.map(lambda ax: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax))), logical_tree,
+                            is_leaf=_is_axes)
+    return jax.tree.map(lambda ax, a: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax), a.shape)),
+                        logical_tree, abstract_tree, is_leaf=_is_axes)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def batch_sharding(mesh: Mesh, preset: MeshPreset) -> NamedSharding:
-    return NamedSharding(mesh, P(dict(preset.rules).get("batch")))
+def rows_axis(name: str) -> Optional[int]:
+    """Which axis of an array named with shape letters is the batch: `tokens_BxT` -> 0,
+    `routing_LxBxTxk` -> 1, `num_steps` -> None."""
+    letters = name.rsplit("_", 1)[-1].split("x") if "_" in name else []
+    return letters.index("B") if "B" in letters else None
+
+
+def batch_sharding(mesh: Mesh, preset: MeshPreset, axis: int = 0) -> NamedSharding:
+    """Rows split over the preset's batch axes (at position `axis`), everything else replicated."""
+    return NamedSharding(mesh, P(*([None] * axis), dict(preset.rules).get("batch")))
+
+
+def named_sharding(mesh: Mesh, preset: MeshPreset, name: str) -> NamedSharding:
+    axis = rows_axis(name)
+    return replicated(mesh) if axis is None else batch_sharding(mesh, preset, axis)
+
+
+def named_shardings(mesh: Mesh, preset: MeshPreset, tree: Any) -> Any:
+    """Shardings for a dict or NamedTuple of (abstract) arrays, chosen by each field's shape-letter
+    name; a None field (e.g. a dense model's routing) stays None."""
+    pick = lambda name, v: None if v is None else named_sharding(mesh, preset, name)  # noqa: E731
+    if hasattr(tree, "_fields"):
+        return type(tree)(*(pick(f, getattr(tree, f)) for f in tree._fields))
+    return {k: pick(k, v) for k, v in tree.items()}
+
+
+def batch_devices(mesh: Mesh, preset: MeshPreset) -> int:
+    return _axis_size(mesh, dict(preset.rules).get("batch"))
 
 
 def check_batch_divides(mesh: Mesh, preset: MeshPreset, batch_size: int, field: str) -> None:
     axis = dict(preset.rules).get("batch")
-    n = mesh.shape[axis] if axis else 1
+    n = _axis_size(mesh, axis)
     if batch_size % n:
         raise ConfigError(f"{field}: batch of {batch_size} rows does not divide over the {n} devices "
                           f"of mesh axis {axis!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Host <-> global arrays. In one process these are plain device_put / np.asarray.
+
+
+def process_rows(sharding: NamedSharding, n_rows: int, axis: int = 0) -> slice:
+    """The contiguous range of rows (along `axis`) that this process's devices hold."""
+    shape = [1] * max(len(sharding.spec), axis + 1)
+    shape[axis] = n_rows
+    starts, stops = [], []
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+        s = index[axis]
+        starts.append(s.start or 0)
+        stops.append(n_rows if s.stop is None else s.stop)
+    lo, hi = min(starts), max(stops)
+    covered = sum(b - a for a, b in sorted(set(zip(starts, stops))))
+    if covered != hi - lo:
+        raise ValueError(f"this process's devices hold non-contiguous rows of a {n_rows}-row batch")
+    return slice(lo, hi)
+
+
+def put_rows(sharding: NamedSharding, local: Any, n_rows: int, axis: int = 0) -> jax.Array:
+    """This process's rows (`process_rows`) of a global array -> the global jax.Array."""
+    local = np.asarray(local)
+    shape = local.shape[:axis] + (n_rows,) + local.shape[axis + 1:]
+    return jax.make_array_from_process_local_data(sharding, local, shape)
+
+
+def put_global(sharding: NamedSharding, value: Any) -> jax.Array:
+    """A host value every process holds in full -> a global array laid out by `sharding`."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def local_rows(x: jax.Array, axis: int = 0) -> np.ndarray:
+    """This process's rows of a global array sharded (only) along `axis`, as numpy."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards = {}
+    for s in x.addressable_shards:
+        shards.setdefault(s.index[axis].start or 0, s.data)
+    return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)], axis)
+
+
+def gather_rows(sharding: NamedSharding, local: np.ndarray, n_rows: int) -> np.ndarray:
+    """Every process's rows, concatenated in global order, on every process (one process: `local`)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(put_rows(sharding, local, n_rows), tiled=True))
+
+
+def all_processes_sum(x: float) -> float:
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+
+    return float(np.sum(multihost_utils.process_allgather(np.asarray([x], np.float64))))
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process if it is True on any (e.g. one of them got SIGTERM)."""
+    return all_processes_sum(float(bool(flag))) > 0
+
+
+def is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes
+
+
+def init_distributed(coordinator: str, num_processes: int, process_id: int, timeout_s: int = 120) -> None:
+    """Join `num_processes` processes through `coordinator` (host:port; process 0 serves it). Call
+    before anything touches devices. On CPU the cross-process collectives run over gloo. A peer that
+    never arrives makes every process exit nonzero after `timeout_s` seconds (XLA aborts)."""
+    import sys
+
+    print(f"jaxrl: process {process_id} of {num_processes} joining {coordinator} (timeout {timeout_s} s)",
+          file=sys.stderr, flush=True)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=int(timeout_s))

@@ -13,6 +13,10 @@
     lparams, lcache = layer_params(params, cfg), to_layer_cache(cache)
     logits_BxV, lcache = decode_step_layers(lparams, cfg, token_B, lcache, index)
 
+MoE (cfg.n_experts > 0, see models/moe.py): the scanned unit is a group of moe_every layers whose
+last is MoE; `token_logprobs` takes the rollout's routing to replay, and `token_logprobs_moe`,
+`prefill_routed` and `decode_step_layers_routed` also return the experts used / the MoE losses.
+
 Sequences are LEFT-padded: `mask` is 1 on real tokens, a token's position id is the number of real
 tokens before it, and padded keys are invisible, so a padded row's real-token logits equal those of
 the unpadded row. Logits are float32 whatever `cfg.dtype` is. Every function takes `cfg` static.
@@ -31,8 +35,24 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.layers import KV, Block, RMSNorm, ScaledParam, init_value, logical_param
+from jaxrl.models.moe import BlockGroup, MoEBlock, MoESpec
 
-LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab")
+LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert")
+
+
+class MoEOut(NamedTuple):
+    """What the MoE layers of one forward report; L here counts MoE layers only."""
+
+    aux_loss: jax.Array  # scalar, mean over MoE layers
+    z_loss: jax.Array  # scalar, mean over MoE layers
+    dropped_frac: jax.Array  # scalar, mean over MoE layers
+    experts_LxBxTxK: jax.Array  # int32: experts used (replayed ones when replaying)
+    topk_LxBxTxK: jax.Array  # int32: the router's own top-k
+
+
+def moe_spec(cfg: ModelConfig) -> MoESpec:
+    return MoESpec(cfg.n_experts, cfg.experts_per_token, cfg.expert_mlp_dim or cfg.mlp_dim, cfg.n_shared_experts,
+                   cfg.router, cfg.moe_dispatch, cfg.capacity_factor)
 
 
 class Transformer(nn.Module):
@@ -43,22 +63,22 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv: Optional[KV] = None,
-                 num_logits: Optional[int] = None):
+                 num_logits: Optional[int] = None, replay_LxBxTxK=None, moe_mask_BxT=None):
+        """-> (logits_BxTxV, kv, MoEOut or None). `moe_mask_BxT` (MoE only) marks the tokens the MoE
+        losses average over; default: the valid key slots this call's tokens occupy."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         V, D = cfg.vocab_size, cfg.d_model
         # std D^-1/2 keeps tied-head logits O(1) at init (the normed hidden has entries O(1)).
         embed_VxD = logical_param(self, "embedding", (V, D), ("vocab", "embed"), D**-0.5)
         x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(dtype)
-        # Scanned layers: compile time and init cost do not grow with L; params get a leading
-        # `layers` axis.
-        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(
-            D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype,
-            name="blocks")
         index = jnp.asarray(index, jnp.int32)
-        (x_BxTxD, kv, _), _ = blocks((x_BxTxD, kv, jnp.zeros((), jnp.int32)), positions_BxT, key_valid_BxS, index)
+        moe = None
+        if cfg.n_experts:
+            x_BxTxD, kv, moe = self._moe_blocks(x_BxTxD, kv, positions_BxT, key_valid_BxS, index, replay_LxBxTxK,
+                                                moe_mask_BxT, dtype)
+        else:
+            x_BxTxD, kv = self._dense_blocks(x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype)
         if num_logits is not None:  # skip the (large-V) head on positions nobody reads
             x_BxTxD = x_BxTxD[:, -num_logits:]
         x_BxTxD = RMSNorm(D, cfg.norm_eps, dtype, name="final_norm")(x_BxTxD)
@@ -67,11 +87,44 @@ class Transformer(nn.Module):
         else:
             head_DxV = logical_param(self, "lm_head", (D, V), ("embed", "vocab"), D**-0.5)
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
-        return logits_BxTxV, kv
+        return logits_BxTxV, kv, moe
+
+    def _dense_blocks(self, x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype):
+        cfg, D = self.cfg, self.cfg.d_model
+        # Scanned layers: compile time and init cost do not grow with L; params get a leading
+        # `layers` axis.
+        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})(
+            D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype,
+            name="blocks")
+        (x_BxTxD, kv, _), _ = blocks((x_BxTxD, kv, jnp.zeros((), jnp.int32)), positions_BxT, key_valid_BxS, index)
+        return x_BxTxD, kv
+
+    def _moe_blocks(self, x_BxTxD, kv, positions_BxT, key_valid_BxS, index, replay_LxBxTxK, moe_mask_BxT, dtype):
+        """Scan over n_layers/moe_every groups (moe_every-1 dense blocks, then an MoE block); the
+        replayed experts are scanned in, each group's MoE stats scanned out."""
+        cfg = self.cfg
+        T = x_BxTxD.shape[1]
+        if moe_mask_BxT is None:
+            moe_mask_BxT = lax.dynamic_slice_in_dim(key_valid_BxS, index, T, axis=1)
+        in_axes = (nn.broadcast if replay_LxBxTxK is None else 0,) + (nn.broadcast,) * 4
+        groups = nn.scan(BlockGroup, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=in_axes,
+                         length=cfg.n_layers // cfg.moe_every, metadata_params={nn.PARTITION_NAME: "layers"})(
+            cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps,
+            moe_spec(cfg), cfg.moe_every - 1, dtype, name="blocks")
+        (x_BxTxD, kv, _), st = groups((x_BxTxD, kv, jnp.zeros((), jnp.int32)), replay_LxBxTxK, positions_BxT,
+                                      key_valid_BxS, index, moe_mask_BxT)
+        moe = MoEOut(jnp.mean(st.aux_loss), jnp.mean(st.z_loss), jnp.mean(st.dropped_frac), st.experts_NxK,
+                     st.topk_NxK)
+        return x_BxTxD, kv, moe
 
 
-def _apply(params, cfg, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv=None, num_logits=None):
-    return Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT, key_valid_BxS, index, kv, num_logits)
+def _apply(params, cfg, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv=None, num_logits=None,
+           replay_LxBxTxK=None, moe_mask_BxT=None):
+    """-> (logits_BxTxV, kv, MoEOut or None)."""
+    return Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT, key_valid_BxS, index, kv, num_logits,
+                                  replay_LxBxTxK, moe_mask_BxT)
 
 
 def positions_from_mask(mask_BxS: jax.Array) -> jax.Array:
@@ -125,30 +178,46 @@ def param_logical_axes(cfg: ModelConfig):
 @functools.partial(jax.jit, static_argnames="cfg")
 def forward(params, cfg: ModelConfig, tokens_BxS: jax.Array, mask_BxS: jax.Array) -> jax.Array:
     """Causal logits_BxSxV (float32) over a left-padded batch; padded keys are invisible."""
-    logits_BxSxV, _ = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS.astype(bool))
+    logits_BxSxV, _, _ = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS.astype(bool))
     return logits_BxSxV
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def token_logprobs(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT,
-                   temperature):
+                   temperature, replay_BxSxLxK=None):
     """Log-prob and entropy of softmax(logits / temperature) at each completion position.
 
     One forward over concat(prompt, completion). Completion tokens are all treated as real keys:
     tokens after EOS only influence positions after themselves, which the caller masks with
-    `completion_mask_BxT` (accepted for signature symmetry, not used here). Requires P >= 1.
+    `completion_mask_BxT` (used here only as the MoE losses' token mask). Requires P >= 1.
+    `replay_BxSxLxK` (MoE; S = P + T): route every slot to these experts (the sampler's
+    `routing_BxSxLxK`) instead of the router's top-k.
     """
-    del completion_mask_BxT
+    logp_BxT, entropy_BxT, _ = token_logprobs_moe(params, cfg, prompt_BxP, prompt_mask_BxP, tokens_BxT,
+                                                  completion_mask_BxT, temperature, replay_BxSxLxK)
+    return logp_BxT, entropy_BxT
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def token_logprobs_moe(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT,
+                       temperature, replay_BxSxLxK=None):
+    """`token_logprobs` plus the forward's MoEOut (None for a dense model); routing is over S = P + T."""
     T = tokens_BxT.shape[1]
     tokens_BxS = jnp.concatenate([prompt_BxP, tokens_BxT], axis=1).astype(jnp.int32)
     mask_BxS = jnp.concatenate([prompt_mask_BxP.astype(bool), jnp.ones(tokens_BxT.shape, bool)], axis=1)
+    moe_kw = {}
+    if cfg.n_experts:
+        live_BxS = jnp.concatenate([prompt_mask_BxP.astype(bool), completion_mask_BxT > 0], axis=1)
+        replay = None if replay_BxSxLxK is None else jnp.transpose(replay_BxSxLxK, (2, 0, 1, 3))
+        moe_kw = dict(replay_LxBxTxK=replay, moe_mask_BxT=live_BxS)
     # The logits predicting completion token t sit at slot P-1+t: the last T+1 slots minus the final one.
-    logits_BxTxV, _ = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, num_logits=T + 1)
+    logits_BxTxV, _, moe = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, num_logits=T + 1,
+                                  **moe_kw)
     logits_BxTxV = logits_BxTxV[:, :-1] / temperature
     logp_all_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
     logp_BxT = jnp.take_along_axis(logp_all_BxTxV, tokens_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
     entropy_BxT = -jnp.sum(jnp.exp(logp_all_BxTxV) * logp_all_BxTxV, axis=-1)
-    return logp_BxT, entropy_BxT
+    return logp_BxT, entropy_BxT, moe
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,12 +249,19 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
 def prefill(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache):
     """Fill slots 0..P-1 of an empty cache with a left-padded prompt; return the last slot's logits
     (the next-token distribution: with left padding the last slot is every row's last real token)."""
+    logits_BxV, cache, _ = prefill_routed(params, cfg, tokens_BxP, mask_BxP, cache)
+    return logits_BxV, cache
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def prefill_routed(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache):
+    """`prefill` plus the experts every prompt slot used, experts_LxBxPxK (None for a dense model)."""
     mask_BxP = mask_BxP.astype(bool)
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, mask_BxP, (0, 0))
-    logits_Bx1xV, (k, v) = _apply(params, cfg, tokens_BxP.astype(jnp.int32), positions_from_mask(mask_BxP), valid_BxS,
-                                  0, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd), num_logits=1)
+    logits_Bx1xV, (k, v), moe = _apply(params, cfg, tokens_BxP.astype(jnp.int32), positions_from_mask(mask_BxP),
+                                       valid_BxS, 0, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd), num_logits=1)
     pos_B = jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32)
-    return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, pos_B)
+    return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, pos_B), None if moe is None else moe.experts_LxBxTxK
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -193,8 +269,8 @@ def decode_step(params, cfg: ModelConfig, token_B, cache: Cache, index):
     """Append one token per row at cache slot `index` (a traced scalar) and return its logits_BxV."""
     B = token_B.shape[0]
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, 1), bool), (0, index))
-    logits_Bx1xV, (k, v) = _apply(params, cfg, token_B[:, None].astype(jnp.int32), cache.pos_B[:, None], valid_BxS,
-                                  index, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd))
+    logits_Bx1xV, (k, v), _ = _apply(params, cfg, token_B[:, None].astype(jnp.int32), cache.pos_B[:, None],
+                                     valid_BxS, index, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd))
     return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, cache.pos_B + 1)
 
 
@@ -221,7 +297,8 @@ def layer_params(params, cfg: ModelConfig):
     """`params` with the stacked `blocks` split into a tuple of per-layer trees (one copy; do it
     outside the decode loop)."""
     blocks = params["blocks"]
-    return dict(params, blocks=tuple(jax.tree.map(lambda p, i=i: p[i], blocks) for i in range(cfg.n_layers)))
+    n = cfg.n_layers // cfg.moe_every if cfg.n_experts else cfg.n_layers  # MoE: per group of moe_every layers
+    return dict(params, blocks=tuple(jax.tree.map(lambda p, i=i: p[i], blocks) for i in range(n)))
 
 
 def to_layer_cache(cache: Cache) -> LayerCache:
@@ -233,6 +310,12 @@ def to_layer_cache(cache: Cache) -> LayerCache:
 
 def decode_step_layers(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
     """`decode_step` on per-layer params (`layer_params`) and a `LayerCache`: same logits."""
+    logits_BxV, cache, _ = decode_step_layers_routed(lparams, cfg, token_B, cache, index)
+    return logits_BxV, cache
+
+
+def decode_step_layers_routed(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
+    """`decode_step_layers` plus the experts this token used, experts_BxLxK (None for a dense model)."""
     dtype = jnp.dtype(cfg.dtype)
     D, B = cfg.d_model, token_B.shape[0]
     index = jnp.asarray(index, jnp.int32)
@@ -241,11 +324,27 @@ def decode_step_layers(lparams, cfg: ModelConfig, token_B, cache: LayerCache, in
     x_Bx1xD = jnp.take(lparams["embedding"], token_B[:, None].astype(jnp.int32), axis=0).astype(dtype)
     block = Block(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype)
     layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
-    kv_out = []
-    for p_l, kv_l in zip(lparams["blocks"], cache.kv):
+    kv_out, experts = [], []
+    if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer, as in the scanned forward
+        moe_block = MoEBlock(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps,
+                             moe_spec(cfg), dtype)
+        live_Bx1 = jnp.ones((B, 1), bool)
+        for g, p_g in enumerate(lparams["blocks"]):
+            for j in range(cfg.moe_every):
+                kv_l = cache.kv[g * cfg.moe_every + j]
+                if j < cfg.moe_every - 1:
+                    (x_Bx1xD, kv_l, _), _ = block.apply({"params": p_g[f"dense_{j}"]}, (x_Bx1xD, kv_l, layer),
+                                                        positions_Bx1, valid_BxS, index)
+                else:
+                    (x_Bx1xD, kv_l, _), st = moe_block.apply({"params": p_g["moe"]}, (x_Bx1xD, kv_l, layer), None,
+                                                             positions_Bx1, valid_BxS, index, live_Bx1)
+                    experts.append(st.experts_NxK[:, 0])
+                kv_out.append(kv_l)
+    for p_l, kv_l in zip(() if cfg.n_experts else lparams["blocks"], cache.kv):
         (x_Bx1xD, kv_l, _), _ = block.apply({"params": p_l}, (x_Bx1xD, kv_l, layer), positions_Bx1, valid_BxS, index)
         kv_out.append(kv_l)
     x_Bx1xD = RMSNorm(D, cfg.norm_eps, dtype).apply({"params": lparams["final_norm"]}, x_Bx1xD)
     head_DxV = lparams["embedding"].T if cfg.tie_embeddings else lparams["lm_head"]
     logits_Bx1xV = jnp.einsum("btd,dv->btv", x_Bx1xD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
-    return logits_Bx1xV[:, 0], LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + 1)
+    experts_BxLxK = jnp.stack(experts, axis=1) if experts else None
+    return logits_Bx1xV[:, 0], LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + 1), experts_BxLxK

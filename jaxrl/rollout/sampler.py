@@ -9,19 +9,24 @@ Recorded log-probs are under softmax(logits / temperature) WITHOUT top-k/top-p t
 greedy). That is the distribution `token_logprobs` recomputes for the old/current policy, so the
 importance ratio is exactly 1 before the first update; truncation only shapes which tokens are drawn.
 No tokenizer dependency: tokens in, tokens out.
+
+MoE models also return `routing_BxSxLxK`: the experts each of the L MoE layers used at every slot
+S = P + T of prompt + completion (slot P-1+t is the input that predicted completion token t; the last
+completion slot is never fed and stays 0). `token_logprobs(..., replay_BxSxLxK=routing)` replays it.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.transformer import LayerCache, decode_step_layers, init_cache, layer_params, prefill, to_layer_cache
+from jaxrl.models.transformer import (LayerCache, decode_step_layers_routed, init_cache, layer_params, prefill_routed,
+                                      to_layer_cache)
 
 
 class SampleOutput(NamedTuple):
@@ -31,6 +36,7 @@ class SampleOutput(NamedTuple):
     finished_B: jax.Array  # bool; the row emitted EOS
     length_B: jax.Array  # int32; number of real completion tokens (EOS included)
     num_steps: jax.Array  # int32 scalar; decode steps run = columns generated (< T on early exit)
+    routing_BxSxLxK: Optional[jax.Array] = None  # int32, MoE only: experts used per slot and MoE layer
 
 
 class _Loop(NamedTuple):
@@ -42,6 +48,7 @@ class _Loop(NamedTuple):
     mask_NxT: jax.Array
     done_N: jax.Array
     rng: jax.Array
+    routing_NxSxLxK: Optional[jax.Array]  # None for a dense model
 
 
 def truncate_logits(logits_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -121,8 +128,14 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
     # by the one in-loop sampler (compiled once) and no decode step is wasted. Left padding makes
     # that last slot a real token in every row.
     cache = init_cache(cfg, B, P + T)
+    routing_NxSxLxK = None
+    if cfg.n_experts:
+        routing_NxSxLxK = jnp.zeros((N, P + T, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
     if P > 1:
-        _, cache = prefill(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
+        _, cache, experts_LxBxPxK = prefill_routed(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
+        if cfg.n_experts:
+            experts_NxPxLxK = jnp.repeat(jnp.transpose(experts_LxBxPxK, (1, 2, 0, 3)), G, axis=0)
+            routing_NxSxLxK = lax.dynamic_update_slice(routing_NxSxLxK, experts_NxPxLxK, (0, 0, 0, 0))
     # The loop runs on per-layer params and cache buffers (see transformer.decode_step_layers):
     # both are split once here instead of sliced out of the stacked arrays at every step.
     rep = lambda x: jnp.repeat(x, G, axis=0, total_repeat_length=x.shape[0] * G)
@@ -139,6 +152,7 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
         mask_NxT=jnp.zeros((N, T), jnp.float32),
         done_N=jnp.zeros((N,), bool),
         rng=rng,
+        routing_NxSxLxK=routing_NxSxLxK,
     )
 
     def cond(s: _Loop):
@@ -146,7 +160,10 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
 
     def body(s: _Loop):
         # Slot P-1+step holds the token fed now: the last prompt token, then each drawn token.
-        logits_NxV, cache = decode_step_layers(lparams, cfg, s.last_N, s.cache, P - 1 + s.step)
+        logits_NxV, cache, experts_NxLxK = decode_step_layers_routed(lparams, cfg, s.last_N, s.cache, P - 1 + s.step)
+        if experts_NxLxK is not None:
+            s = s._replace(routing_NxSxLxK=lax.dynamic_update_slice(
+                s.routing_NxSxLxK, experts_NxLxK[:, None], (0, P - 1 + s.step, 0, 0)))
         return _emit(s._replace(cache=cache), logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_id)
 
     state = lax.while_loop(cond, body, state)
@@ -157,4 +174,5 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
         finished_B=state.done_N,
         length_B=jnp.sum(state.mask_NxT, axis=-1).astype(jnp.int32),
         num_steps=state.step,
+        routing_BxSxLxK=state.routing_NxSxLxK,
     )

@@ -24,8 +24,11 @@ def eval_records(cfg: Config, test_source) -> list[dict]:
     return [test_source[i] for i in range(n)]
 
 
-def make_evaluator(cfg: Config, model_cfg: ModelConfig, tokenizer, records: list[dict], verifier):
-    """Returns evaluate(params) -> {'eval/accuracy', 'eval/format', 'eval/response_len'}."""
+def make_evaluator(cfg: Config, model_cfg: ModelConfig, tokenizer, records: list[dict], verifier, out_sharding=None):
+    """Returns evaluate(params) -> {'eval/accuracy', 'eval/format', 'eval/response_len'}.
+
+    `out_sharding` (e.g. replicated over the mesh): where the completions land, so that every process
+    of a multi-process run can read them whatever the params' layout."""
     tok_BxP, mask_BxP, kept, _ = encode_prompts(tokenizer, [r["prompt"] for r in records], cfg.data.max_prompt_len,
                                                 skip_long=cfg.data.skip_long_prompts,
                                                 record_ids=[r["id"] for r in records], pad_to=prompt_width(cfg.data))
@@ -36,7 +39,8 @@ def make_evaluator(cfg: Config, model_cfg: ModelConfig, tokenizer, records: list
     mask_BxP = np.concatenate([mask_BxP, np.repeat(mask_BxP[:1], pad, 0)])
     greedy = jax.jit(functools.partial(
         sample, cfg=model_cfg, group_size=1, max_new_tokens=cfg.rollout.max_new_tokens, temperature=1.0,
-        top_k=0, top_p=1.0, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, greedy=True))
+        top_k=0, top_p=1.0, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, greedy=True),
+        **({} if out_sharding is None else {"out_shardings": out_sharding}))
     key = jax.random.key(0)  # unused by greedy decoding, but part of the signature
 
     def evaluate(params) -> dict:

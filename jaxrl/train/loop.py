@@ -27,12 +27,15 @@ from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.losses import check_rollout, make_loss
 from jaxrl.rollout.sampler import sample
-from jaxrl.sharding import batch_sharding, check_batch_divides, make_mesh, replicated
+from jaxrl.models.transformer import init_params, param_logical_axes
+from jaxrl.sharding import (any_process, all_processes_sum, batch_devices, batch_sharding, check_batch_divides,
+                            gather_rows, is_primary, local_rows, make_mesh, named_sharding, named_shardings,
+                            param_shardings, process_rows, put_global, put_rows, replicated)
 from jaxrl.train import checkpoint as ckpt
-from jaxrl.train.batching import decode_completions, next_prompts
+from jaxrl.train.batching import decode_completions, next_prompts, prompt_width
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.metrics import MetricsLog, plot
-from jaxrl.train.state import TrainState, init_state, make_optimizer
+from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.warmstart import load_or_train_base
 
@@ -47,20 +50,40 @@ class _StopFlag:
         self.requested = True
 
 
-def _build(cfg: Config, progress: bool):
+def _build(cfg: Config, progress: bool, mesh, preset):
+    """Tokenizer, model config, task, the base params laid out by the preset, their shardings."""
     tokenizer = CharTokenizer()
     model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    task = load_task(cfg.data)
+    if jax.process_count() > 1:  # process 0 builds the dataset cache (if missing) before the others read it
+        from jax.experimental import multihost_utils
+
+        task = load_task(cfg.data) if is_primary() else None
+        multihost_utils.sync_global_devices("jaxrl: dataset ready")
+        task = task or load_task(cfg.data)
+    else:
+        task = load_task(cfg.data)
+    # eval_shape -> shardings: the cached base policy is restored straight into its sharded layout.
+    abstract_params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract_params)
     base_params, base_path = load_or_train_base(cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet,
-                                                progress=progress)
-    return tokenizer, model_cfg, task, base_params, base_path
+                                                progress=progress, shardings=param_sh)
+    base_params = jax.tree.map(_placed, base_params, param_sh)
+    return tokenizer, model_cfg, task, base_params, base_path, param_sh
+
+
+def _placed(x, sharding):
+    """A host (or differently placed) array -> a global array laid out by `sharding`."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return put_global(sharding, np.asarray(x))
 
 
 def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     """Run (or resume) the job in `workdir`; returns the metric rows written."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    if is_primary():  # with several processes, only process 0 writes files other than checkpoints
+        (workdir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     tc, rc = cfg.train, cfg.rollout
     G, B = rc.group_size, rc.prompts_per_step * rc.group_size
     mesh, preset = make_mesh(cfg.mesh)
@@ -70,14 +93,19 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     # rollout.group_size is taken as given (MC-GRPO's config samples G+1; its prepare drops the pivot).
     loss = make_loss(cfg.loss)
     check_rollout(cfg.loss.preset, G)
-    tokenizer, model_cfg, task, base_params, base_path = _build(cfg, tc.progress)
+    tokenizer, model_cfg, task, base_params, base_path, param_sh = _build(cfg, tc.progress, mesh, preset)
     optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
-    base_params = jax.device_put(base_params, rep)
+
+    # The state laid out by the preset: eval_shape -> shardings -> jit(init, out_shardings).
+    def make_state(params, ref_params):
+        return init_state(params, optimizer, jax.random.key(tc.seed), ref_params=ref_params)
+
+    state_sh = state_shardings(optimizer, jax.eval_shape(make_state, base_params, base_params), param_sh, rep)
     # The reference is a copy: donating a state whose two fields share buffers is an error.
-    state = init_state(base_params, optimizer, jax.random.key(tc.seed),
-                       ref_params=jax.tree.map(jnp.copy, base_params))
-    state = jax.device_put(state, rep)
+    state = jax.jit(make_state, in_shardings=(param_sh, param_sh), out_shardings=state_sh)(
+        base_params, jax.tree.map(jnp.copy, base_params))
+    del base_params
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
     restored = ckpt.restore_latest(manager, ckpt.abstract_like(state))
@@ -86,29 +114,42 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     if restored is not None:
         start, state, host = restored
         stream = from_arrays(host["stream"])
-    log = MetricsLog(workdir, resume_step=start if restored is not None else None)
+    log = MetricsLog(workdir, resume_step=start if restored is not None else None, write=is_primary())
 
-    logp_fn = make_logp_fn(model_cfg, rc.temperature)
-    update_step = jax.jit(
-        make_update_step(logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs, microbatches=tc.microbatches,
-                         max_new_tokens=rc.max_new_tokens, use_ref=True, group_size=G),
-        in_shardings=(rep, rows_sharding), out_shardings=(rep, rep), donate_argnums=0)
-    rollout = jax.jit(functools.partial(
-        sample, cfg=model_cfg, group_size=G, max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
-        top_k=rc.top_k, top_p=rc.top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
+    logp_fn = make_logp_fn(model_cfg, rc.temperature, routing_replay=tc.routing_replay)
+    update_fn = make_update_step(logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs, microbatches=tc.microbatches,
+                                 max_new_tokens=rc.max_new_tokens, use_ref=True, group_size=G)
+    update_step = None  # jitted at the first batch, with the batch's shardings (chosen by field name)
+
+    def rollout_fn(params, prompt_BxP, prompt_mask_BxP, rng):
+        return sample(params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, group_size=G,
+                      max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p,
+                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+
+    # The rollout runs on the state's (sharded) params; prompts are split over the batch axes when
+    # they divide (else replicated), completion rows always are.
+    n_prompts = rc.prompts_per_step
+    prompt_sh = rows_sharding if n_prompts % batch_devices(mesh, preset) == 0 else rep
+    prompts_spec = jax.ShapeDtypeStruct((n_prompts, prompt_width(cfg.data)), jnp.int32)
+    rollout = jax.jit(rollout_fn, in_shardings=(param_sh, prompt_sh, prompt_sh, rep), out_shardings=named_shardings(
+        mesh, preset, jax.eval_shape(rollout_fn, state.params, prompts_spec, prompts_spec, state.rng)))
+    prompt_rows, rows = process_rows(prompt_sh, n_prompts), process_rows(rows_sharding, B)  # this process's
     advantages = jax.jit(functools.partial(loss.advantages, group_size=G))
-    evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier)
+    evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier,
+                              out_sharding=rep)
     weights = np.asarray(cfg.loss.reward_weights, np.float32)
 
     stop = _StopFlag()
     previous = signal.signal(signal.SIGTERM, stop)
-    bar = tqdm(total=tc.steps, initial=start, desc=cfg.loss.preset, disable=not tc.progress, dynamic_ncols=True)
+    bar = tqdm(total=tc.steps, initial=start, desc=cfg.loss.preset, disable=not tc.progress or not is_primary(),
+               dynamic_ncols=True)
     last_eval = {}
     try:
         if start == 0 and tc.steps >= 0:
             last_eval = evaluate(state.params)
             log.write({"step": 0, **last_eval})
-            plot(log.rows, workdir / "progress.png", title=str(workdir.name))
+            if is_primary():
+                plot(log.rows, workdir / "progress.png", title=str(workdir.name))
         pending = None  # (row, device metrics) of the step dispatched last: pulled after the next dispatch
         for step in range(start + 1, tc.steps + 1):
             t0 = time.perf_counter()
@@ -116,20 +157,35 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
                 task.train, stream, rc.prompts_per_step, tokenizer, cfg.data, cfg.data.seed)
             rng, k_sample = jax.random.split(state.rng)
             state = state._replace(rng=rng)
-            out = rollout(state.params, prompt_BxP=prompt_BxP, prompt_mask_BxP=pmask_BxP, rng=k_sample)
-            tokens_BxT = np.asarray(out.tokens_BxT)
+            # Every process walks the same stream; each feeds the devices only its own prompt rows
+            # and scores only its own completion rows (`rows`); host metrics see all rows.
+            out = rollout(state.params, put_rows(prompt_sh, prompt_BxP[prompt_rows], n_prompts),
+                          put_rows(prompt_sh, pmask_BxP[prompt_rows], n_prompts), k_sample)
+            my_tokens_BxT = local_rows(out.tokens_BxT)
             t_rollout = time.perf_counter() - t0
-            mask_BxT = np.asarray(out.completion_mask_BxT)
-            finished_B = np.asarray(out.finished_B)
-            texts = decode_completions(tokenizer, tokens_BxT)
-            rewards_BxK, n_failed = score(task.verifier, texts, list(finished_B), [r for r in records for _ in range(G)])
-            batch = {
-                "prompt_tokens_BxP": np.repeat(prompt_BxP, G, 0), "prompt_mask_BxP": np.repeat(pmask_BxP, G, 0),
-                "tokens_BxT": tokens_BxT, "completion_mask_BxT": mask_BxT,
-                "rollout_logp_BxT": np.asarray(out.logp_BxT), "rewards_BxK": rewards_BxK,
-                "truncated_B": (~finished_B).astype(np.float32),
+            my_mask_BxT = local_rows(out.completion_mask_BxT)
+            my_finished_B = local_rows(out.finished_B)
+            texts = decode_completions(tokenizer, my_tokens_BxT)
+            my_rewards_BxK, n_failed = score(task.verifier, texts, list(my_finished_B),
+                                             [r for r in records for _ in range(G)][rows])
+            rewards_BxK = gather_rows(rows_sharding, my_rewards_BxK, B)
+            mask_BxT = gather_rows(rows_sharding, my_mask_BxT, B)
+            finished_B = gather_rows(rows_sharding, my_finished_B, B)
+            n_failed = all_processes_sum(n_failed)
+            my_batch = {
+                "prompt_tokens_BxP": np.repeat(prompt_BxP, G, 0)[rows],
+                "prompt_mask_BxP": np.repeat(pmask_BxP, G, 0)[rows],
+                "tokens_BxT": my_tokens_BxT, "completion_mask_BxT": my_mask_BxT,
+                "rollout_logp_BxT": local_rows(out.logp_BxT), "rewards_BxK": my_rewards_BxK,
+                "truncated_B": (~my_finished_B).astype(np.float32),
+                "advantages_B": np.asarray(advantages(jnp.asarray(rewards_BxK)))[rows],
             }
-            batch["advantages_B"] = advantages(jnp.asarray(rewards_BxK))
+            batch = {k: put_rows(named_sharding(mesh, preset, k), v, B) for k, v in my_batch.items()}
+            if out.routing_BxSxLxK is not None:  # MoE: replayed in the update, and the mismatch metric
+                batch["routing_BxSxLxK"] = out.routing_BxSxLxK  # already laid out by its name
+            if update_step is None:
+                update_step = jax.jit(update_fn, in_shardings=(state_sh, {k: v.sharding for k, v in batch.items()}),
+                                      out_shardings=(state_sh, rep), donate_argnums=0)
             state, metrics = update_step(state, batch)
             if pending is not None:
                 _emit(log, bar, *pending)
@@ -146,12 +202,13 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             if tc.eval_every and step % tc.eval_every == 0 or step == tc.steps:
                 last_eval = evaluate(state.params)
                 row.update(last_eval)
-            stopping = stop.requested  # read once: a signal landing later in this step is seen next step
+            # Read once: a signal landing later in this step is seen next step. All processes agree.
+            stopping = any_process(stop.requested)
             save_now = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tc.steps or stopping
             if save_now or "eval/accuracy" in row:
                 _emit(log, bar, *pending)  # the row must be on disk before the checkpoint that covers it
                 pending = None
-            if "eval/accuracy" in row:
+            if "eval/accuracy" in row and is_primary():
                 plot(log.rows, workdir / "progress.png", title=str(workdir.name))
             if save_now:
                 ckpt.save(manager, step, state, {"stream": stream._asdict()}, force=True)
@@ -168,7 +225,7 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
         signal.signal(signal.SIGTERM, previous)
     summary = {"workdir": str(workdir), "base_policy": str(base_path), "steps": tc.steps,
                "final_eval": last_eval}
-    if tc.progress:
+    if tc.progress and is_primary():
         print(json.dumps(summary))
     return log.rows
 

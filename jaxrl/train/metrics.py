@@ -20,11 +20,16 @@ def _plain(v: Any) -> Any:
 
 class MetricsLog:
     """Appends one JSON object per step; on resume it first drops the steps after the checkpoint,
-    so the file reads exactly as an uninterrupted run's."""
+    so the file reads exactly as an uninterrupted run's. With `write=False` (every process but the
+    first of a multi-process run) it only keeps this session's rows in memory: no file, no events."""
 
-    def __init__(self, workdir: pathlib.Path, resume_step: int | None):
+    def __init__(self, workdir: pathlib.Path, resume_step: int | None, write: bool = True):
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self.rows: list[dict] = []
+        self._write = write
+        self._tb = None
+        if not write:
+            return
         if self.path.exists():
             for line in self.path.read_text().splitlines():
                 try:
@@ -34,7 +39,6 @@ class MetricsLog:
                 if resume_step is not None and row.get("step", 0) <= resume_step:
                     self.rows.append(row)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-        self._tb = None
         try:
             from tensorboardX import SummaryWriter
 
@@ -45,6 +49,8 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         row = {k: _plain(v) for k, v in row.items()}
         self.rows.append(row)
+        if not self._write:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:

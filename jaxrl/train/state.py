@@ -44,3 +44,14 @@ def init_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Ar
                ref_params: Optional[Any] = None) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                       rng=rng, ref_params=ref_params)
+
+
+def state_shardings(optimizer: optax.GradientTransformation, abstract_state: TrainState, param_shardings: Any,
+                    replicated: Any) -> TrainState:
+    """Shardings of the whole state: params and reference params (and the optimizer's per-parameter
+    moments, via `optax.tree_map_params`) laid out like the params, scalars (step, RNG, counts)
+    replicated. `abstract_state` comes from `jax.eval_shape(init_state, ...)`."""
+    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_state.opt_state, param_shardings,
+                                   transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt_sh, rng=replicated,
+                      ref_params=None if abstract_state.ref_params is None else param_shardings)

@@ -5,6 +5,12 @@ old log-probs (several PPO epochs, or a Loss with `needs_old_logp`) and the refe
 `loss.prepare` (batch-level parts: row / token masks, reward shaping), compute the aggregation
 weights; only then split into microbatches. So the `lax.scan` over microbatches sums to exactly the
 full-batch loss and gradient, whatever the preset.
+
+MoE models: the logp function also returns the router losses (added to the loss with the model's
+coefficients, reported as `moe/aux_loss`, `moe/z_loss`, `moe/dropped_frac`) and, when the batch
+carries the rollout's `routing_BxSxLxK`, replays it (`routing_replay`) and reports
+`moe/routing_mismatch`: the share of live completion tokens for which, in some MoE layer, this
+forward's router top-k set differs from the rollout's at the slot that predicts the token.
 """
 
 from __future__ import annotations
@@ -20,20 +26,41 @@ from jaxrl.config import ModelConfig
 from jaxrl.losses import Loss
 from jaxrl.losses.aggregation import EXTREMA
 from jaxrl.losses.regularizers import kl_k3
-from jaxrl.models.transformer import token_logprobs
+from jaxrl.models.moe import routing_mismatch
+from jaxrl.models.transformer import token_logprobs, token_logprobs_moe
 from jaxrl.train.state import TrainState
 
-LogpFn = Callable[[Any, dict], tuple[jax.Array, jax.Array]]
+# (params, batch) -> (logp_BxT, entropy_BxT) or, for MoE, (logp_BxT, entropy_BxT, extras dict).
+LogpFn = Callable[[Any, dict], tuple]
+MOE_SCALARS = ("moe/aux_loss", "moe/z_loss", "moe/dropped_frac")  # per-microbatch scalars, averaged
 
 
-def make_logp_fn(model_cfg: ModelConfig, temperature: float) -> LogpFn:
-    """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature."""
+def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: bool = False) -> LogpFn:
+    """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature.
 
-    def logp_fn(params, batch):
-        return token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                              batch["tokens_BxT"], batch["completion_mask_BxT"], temperature)
+    MoE: a third output, {"penalty": aux_coef * aux + z_coef * z, MOE_SCALARS..., and with a recorded
+    routing "moe/routing_mismatch_BxT"}; with `routing_replay` the batch's routing is replayed."""
 
-    return logp_fn
+    if not model_cfg.n_experts:
+        def logp_fn(params, batch):
+            return token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
+                                  batch["tokens_BxT"], batch["completion_mask_BxT"], temperature)
+
+        return logp_fn
+
+    def moe_logp_fn(params, batch):
+        routing = batch.get("routing_BxSxLxK")
+        logp_BxT, entropy_BxT, moe = token_logprobs_moe(
+            params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"],
+            batch["completion_mask_BxT"], temperature, routing if routing_replay else None)
+        extras = {"penalty": model_cfg.moe_aux_coef * moe.aux_loss + model_cfg.moe_z_coef * moe.z_loss,
+                  "moe/aux_loss": moe.aux_loss, "moe/z_loss": moe.z_loss, "moe/dropped_frac": moe.dropped_frac}
+        if routing is not None:
+            P, T = batch["prompt_tokens_BxP"].shape[1], batch["tokens_BxT"].shape[1]
+            extras["moe/routing_mismatch_BxT"] = routing_mismatch(routing, moe.topk_LxBxTxK, P - 1, T)
+        return logp_BxT, entropy_BxT, extras
+
+    return moe_logp_fn
 
 
 def split_microbatches(batch: dict, n: int) -> dict:
@@ -47,7 +74,7 @@ def merge_microbatches(x):
 
 def microbatched_logp(logp_fn: LogpFn, params, batch: dict, n: int):
     """Log-probs of the whole batch computed n rows-chunks at a time (bounded activation memory)."""
-    _, out = lax.scan(lambda c, mb: (c, logp_fn(params, mb)), None, split_microbatches(batch, n))
+    _, out = lax.scan(lambda c, mb: (c, tuple(logp_fn(params, mb)[:2])), None, split_microbatches(batch, n))
     return merge_microbatches(out)
 
 
@@ -83,7 +110,9 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
     """
 
     def microbatch_loss(params, mb):
-        logp_BxT, entropy_BxT = logp_fn(params, mb)
+        out = logp_fn(params, mb)
+        logp_BxT, entropy_BxT = out[0], out[1]
+        extras = out[2] if len(out) > 2 else {}
         mb = dict(mb, entropy_BxT=entropy_BxT)
         if not old_logp_recorded:
             mb["old_logp_BxT"] = lax.stop_gradient(logp_BxT)
@@ -107,7 +136,13 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
             if "rollout_logp_BxT" in mb:  # sampler vs trainer (old) policy on the sampled tokens
                 gap_BxT = jnp.abs(mb["rollout_logp_BxT"] - lax.stop_gradient(mb["old_logp_BxT"]))
                 sums["mismatch_abs_logp"] = jnp.sum(jnp.where(live_BxT, gap_BxT, 0.0))
-        return jnp.sum(mb["weights_BxT"] * loss_BxT), sums
+        value = jnp.sum(mb["weights_BxT"] * loss_BxT)
+        if extras:  # MoE router losses: the mean over microbatches joins the loss
+            value = value + extras["penalty"] / microbatches
+            sums.update({k: lax.stop_gradient(extras[k]) for k in MOE_SCALARS})
+            if "moe/routing_mismatch_BxT" in extras:
+                sums["moe/routing_mismatch"] = masked_sum(extras["moe/routing_mismatch_BxT"])
+        return value, sums
 
     grad_one = jax.value_and_grad(microbatch_loss, has_aux=True)
 
@@ -140,7 +175,8 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
     metrics: loss, grad_norm, entropy, kl (with a reference), every per-token loss stat as a masked
     token mean (clipped_low / clipped_high, m2po_masked, mis_masked, vetoed, is_weight, ...), their
     `_min` / `_max` for ratio / is_ratio / is_weight, mismatch_abs_logp (mean |rollout - old logp|,
-    when the batch has rollout_logp_BxT) and rows_dropped (share of live rows `prepare` removed). Means
+    when the batch has rollout_logp_BxT), rows_dropped (share of live rows `prepare` removed) and for
+    MoE moe/aux_loss, moe/z_loss, moe/dropped_frac (and moe/routing_mismatch with a recorded routing). Means
     are over the live tokens of the PREPARED mask, averaged over epochs; min / max are over all epochs.
     """
     record_old = ppo_epochs > 1 or bool(getattr(loss, "needs_old_logp", False))
@@ -177,6 +213,8 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
                 low = k.endswith("/min")
                 x = jnp.min(v) if low else jnp.max(v)
                 metrics[_stat_name(k[:-4]) + ("_min" if low else "_max")] = jnp.where(jnp.isfinite(x), x, 0.0)
+            elif k in MOE_SCALARS:  # per-microbatch scalars: mean over microbatches and epochs
+                metrics[k] = jnp.mean(v) / microbatches
             else:  # masked token means, averaged over epochs
                 metrics[_stat_name(k)] = jnp.mean(v) / n_tokens
         live_after_B = jnp.any(mask_BxT > 0, axis=1)

@@ -29,14 +29,22 @@ from jaxrl.models.transformer import init_params, token_logprobs
 from jaxrl.train.batching import completion_targets, next_prompts
 
 
+# The ModelConfig fields that existed before MoE: dense cache keys are computed from these only.
+_DENSE_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
+                       "rope_theta", "norm_eps", "tie_embeddings", "max_seq_len", "dtype")
+
+
 def cache_root(cfg: Config) -> pathlib.Path:
     root = cfg.warmstart.cache_dir or os.environ.get("JAXRL_CACHE_DIR") or "~/.cache/jaxrl/warmstart"
     return pathlib.Path(root).expanduser()
 
 
 def cache_key(cfg: Config, model_cfg: ModelConfig, vocab: str) -> str:
+    model = dataclasses.asdict(model_cfg)
+    if not model_cfg.n_experts:  # a dense model's key must not change when MoE fields are added
+        model = {k: v for k, v in model.items() if k in _DENSE_MODEL_FIELDS}
     what = {
-        "model": dataclasses.asdict(model_cfg),
+        "model": model,
         "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "data_dir"},
         "warmstart": {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k != "cache_dir"},
         "answer_width": cfg.rollout.max_new_tokens,
@@ -90,14 +98,28 @@ def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, pro
 
 
 def load_or_train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, vocab: str,
-                       progress: bool = True):
-    """The cached base policy for this config, trained first if missing. Returns (params, path)."""
+                       progress: bool = True, shardings=None):
+    """The cached base policy for this config, trained first if missing. Returns (params, path).
+
+    With `shardings` (a pytree of NamedShardings), a cached policy is restored straight into that
+    layout. With several processes, each restores its share collectively; a missing cache entry is
+    trained by every process alike (deterministic) and not written, so no two processes race on it.
+    """
     path = cache_root(cfg) / cache_key(cfg, model_cfg, vocab)
     abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    if shardings is not None:
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     ckptr = ocp.StandardCheckpointer()
-    if (path / "params").exists():
+    cached = (path / "params").exists()
+    if jax.process_count() > 1:  # one decision for all: the restore is collective
+        from jax.experimental import multihost_utils
+
+        cached = bool(multihost_utils.broadcast_one_to_all(np.int32(cached)))
+    if cached:
         return ckptr.restore((path / "params").absolute(), abstract), path
     params = train_base(cfg, model_cfg, tokenizer, train_source, progress)
+    if jax.process_count() > 1:
+        return jax.tree.map(np.asarray, params), path
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -1,0 +1,26 @@
+"""benchmarks/moe.py runs end to end at a tiny shape and prints one JSON line last."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_moe_benchmark_small_prints_json_last():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe.py"), "--small"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) >= 4, proc.stdout  # one line per path and a summary, then the JSON
+    result = json.loads(lines[-1])
+    assert result["benchmark"] == "moe" and result["config"] == "tiny"
+    assert set(result["paths"]) == {"dropless", "dropless_ragged", "capacity", "naive"}
+    for path in result["paths"].values():
+        assert path["tokens_per_s"] > 0 and path["seconds"] > 0 and path["dropped_frac"] == 0.0
+    assert result["speedup_dropless_vs_naive"] > 0
+    assert result["shape"]["tokens"] == 256 and result["shape"]["experts"] == 4
