@@ -13,6 +13,9 @@ Qwen3-MoE convention); `sigmoid` takes the top-k of sigmoid(logits) and renormal
             every token before any second choice, then token order; one-hot dispatch/combine einsums.
             Slots over capacity are dropped (their share of the output is 0) and counted.
   naive     every expert on every token, weighted by the gates: the oracle for tests and benchmarks.
+Expert parallelism: `dispatch_expert_parallel` is dropless dispatch with the experts split over a
+mesh axis and all_to_all exchanges; the MoE layer uses it for `dropless` when traced under a context
+mesh (`jax.set_mesh`, as the train loop's update step is) whose `MoESpec.expert_axis` axis is > 1.
 Routing replay: given `replay_NxK`, those experts are used instead of the router's top-k; the gates
 are still the current router's scores at those experts (renormalised), so the router gets gradients.
 """
@@ -46,6 +49,10 @@ class MoESpec:
     dispatch: str = "dropless"
     capacity_factor: float = 1.25
     grouped_matmul: str = "auto"  # dropless only: ragged | blocked | auto (blocked on CPU, else ragged)
+    # dropless only: the mesh axis experts are split over. When the layer is traced under a mesh
+    # (`jax.set_mesh`) whose axis of this name has size > 1 and the tokens divide over it, dispatch is
+    # `dispatch_expert_parallel` (all_to_all); None, or no such mesh axis, keeps one-device dropless.
+    expert_axis: Optional[str] = "expert"
 
 
 class MoEStats(NamedTuple):
@@ -190,6 +197,20 @@ def dispatch_capacity(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK
     return out_NxD, dropped / jnp.maximum(n_live, 1.0)
 
 
+def expert_mesh(axis: Optional[str], n_experts: int, n_tokens: int):
+    """The context mesh (`jax.set_mesh`) if its `axis` has size P > 1 and both the experts and the
+    tokens divide over P (else None: one-device dropless dispatch, e.g. a decode step's few tokens)."""
+    if axis is None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in mesh.axis_names:
+        return None
+    n_dev = mesh.shape[axis]
+    if n_dev <= 1 or n_experts % n_dev or n_tokens % n_dev:
+        return None
+    return mesh
+
+
 class MoE(nn.Module):
     """x_BxTxD -> (y_BxTxD, MoEStats): routed SwiGLU experts plus optional always-on shared experts.
 
@@ -221,7 +242,14 @@ class MoE(nn.Module):
             gmm = s.grouped_matmul
             if gmm == "auto":
                 gmm = "blocked" if jax.default_backend() == "cpu" else "ragged"
-            y_NxD = dispatch_dropless(x_NxD, *ws, experts_NxK, gates_NxK, gmm)
+            mesh = expert_mesh(s.expert_axis, E, B * T)
+            if mesh is not None:
+                # Tokens over every mesh axis when they divide (the batch is split that way already).
+                token_axes = mesh.axis_names if (B * T) % mesh.size == 0 else (s.expert_axis,)
+                y_NxD = dispatch_expert_parallel(x_NxD, *ws, experts_NxK, gates_NxK, mesh, s.expert_axis, gmm,
+                                                 token_axes)
+            else:
+                y_NxD = dispatch_dropless(x_NxD, *ws, experts_NxK, gates_NxK, gmm)
         elif s.dispatch == "capacity":
             y_NxD, dropped = dispatch_capacity(x_NxD, *ws, experts_NxK, gates_NxK, mask_N, s.capacity_factor)
         elif s.dispatch == "naive":
@@ -300,14 +328,17 @@ def routing_mismatch(recorded_BxSxLxK, own_LxBxSxK, first_slot: int, n: int) -> 
 
 
 def dispatch_expert_parallel(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK, mesh,
-                             axis: str = "expert", grouped_matmul: str = "ragged"):
+                             axis: str = "expert", grouped_matmul: str = "ragged", token_axes=None):
     """Dropless dispatch with experts sharded over mesh axis `axis` (P devices, E/P experts each) and
     tokens split over the same devices. Per device: sort its token-slots by destination device, one
     `all_to_all` sends them (in fixed buffers of S_local rows per destination, so nothing is ever
     dropped), the device runs its local experts (dropless, grouped), a second `all_to_all` returns the
     outputs, and the gates combine them. Same outputs as `dispatch_dropless` on one device.
 
-    N must divide by P. The buffers cost P x the local slots in memory: dropless at any imbalance."""
+    N must divide by P. The buffers cost P x the local slots in memory: dropless at any imbalance.
+    `token_axes` (default `(axis,)`): the mesh axes the tokens are split over; with more axes than
+    `axis` (e.g. ("fsdp", "expert")), each group of devices along `axis` exchanges only its own
+    tokens, instead of every such group repeating the whole batch. N must divide over all of them."""
     from jax.sharding import PartitionSpec as PS
 
     E, K = w_gate_ExDxF.shape[0], experts_NxK.shape[1]
@@ -335,6 +366,6 @@ def dispatch_expert_parallel(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, expe
         y_SxD = back_PxSxD[dest_S, row_S]
         return jnp.einsum("nkd,nk->nd", y_SxD.reshape(n, K, -1), gates_nxK.astype(x_nxD.dtype))
 
-    rows, experts = PS(axis), PS(axis)
+    rows, experts = PS(tuple(token_axes) if token_axes else axis), PS(axis)
     return jax.shard_map(local, mesh=mesh, in_specs=(rows, experts, experts, experts, rows, rows),
                          out_specs=rows)(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK)

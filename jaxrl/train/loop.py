@@ -186,7 +186,8 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             if update_step is None:
                 update_step = jax.jit(update_fn, in_shardings=(state_sh, {k: v.sharding for k, v in batch.items()}),
                                       out_shardings=(state_sh, rep), donate_argnums=0)
-            state, metrics = update_step(state, batch)
+            with jax.set_mesh(mesh):  # MoE dropless dispatch goes expert-parallel on a mesh `expert` axis > 1
+                state, metrics = update_step(state, batch)
             if pending is not None:
                 _emit(log, bar, *pending)
             n_tokens = float(mask_BxT.sum())
