@@ -191,6 +191,16 @@ class MLP(nn.Module):
         return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w_down_FxD.astype(self.dtype))
 
 
+def attention_residual(block: nn.Module, x_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer):
+    """x + attn(norm(x)) with the submodules `attn_norm` and `attn` created in `block`'s scope: the
+    shared first half of every decoder block (call it from a compact `__call__`)."""
+    h_BxTxD = RMSNorm(block.d_model, block.eps, block.dtype, name="attn_norm")(x_BxTxD)
+    attn = Attention(block.n_heads, block.n_kv_heads, block.head_dim, block.d_model, block.rope_theta, block.dtype,
+                     name="attn")
+    a_BxTxD, kv = attn(h_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer)
+    return x_BxTxD + a_BxTxD, kv
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
 
@@ -210,11 +220,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, carry, positions_BxT, key_valid_BxS, index):
         x_BxTxD, kv, layer = carry
-        h_BxTxD = RMSNorm(self.d_model, self.eps, self.dtype, name="attn_norm")(x_BxTxD)
-        attn = Attention(self.n_heads, self.n_kv_heads, self.head_dim, self.d_model, self.rope_theta, self.dtype,
-                         name="attn")
-        a_BxTxD, kv = attn(h_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer)
-        x_BxTxD = x_BxTxD + a_BxTxD
+        x_BxTxD, kv = attention_residual(self, x_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer)
         h_BxTxD = RMSNorm(self.d_model, self.eps, self.dtype, name="mlp_norm")(x_BxTxD)
         x_BxTxD = x_BxTxD + MLP(self.d_model, self.mlp_dim, self.dtype, name="mlp")(h_BxTxD)
         return (x_BxTxD, kv, layer + 1), None

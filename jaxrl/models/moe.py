@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl.models.layers import MLP, Attention, Block, RMSNorm, logical_param
+from jaxrl.models.layers import MLP, Block, RMSNorm, attention_residual, logical_param
 
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity", "naive")
@@ -280,11 +280,7 @@ class MoEBlock(nn.Module):
     def __call__(self, carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT):
         x_BxTxD, kv, layer = carry
         B, T, _ = x_BxTxD.shape
-        h_BxTxD = RMSNorm(self.d_model, self.eps, self.dtype, name="attn_norm")(x_BxTxD)
-        attn = Attention(self.n_heads, self.n_kv_heads, self.head_dim, self.d_model, self.rope_theta, self.dtype,
-                         name="attn")
-        a_BxTxD, kv = attn(h_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer)
-        x_BxTxD = x_BxTxD + a_BxTxD
+        x_BxTxD, kv = attention_residual(self, x_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer)
         h_BxTxD = RMSNorm(self.d_model, self.eps, self.dtype, name="mlp_norm")(x_BxTxD)
         y_BxTxD, st = MoE(self.d_model, self.spec, self.dtype, name="moe")(h_BxTxD, mask_BxT, replay_BxTxK)
         K = self.spec.experts_per_token
