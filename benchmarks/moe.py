@@ -10,7 +10,9 @@ no shared experts; capacity dispatch at capacity_factor 1.25.
 
 One timed call = `jax.value_and_grad` of sum(y * r) + aux + z-loss of one `MoE` layer with respect to
 its parameters and its input (a training step's worth of layer work), compiled, after a warm-up.
-Tokens/s = tokens / median wall time. Expert FLOPs (routed work only, 2 FLOPs per multiply-add,
+Timing runs in rounds, each timing every path once (so a load change on a shared machine hits all
+paths alike); tokens/s = tokens / median wall time, and each speedup is the median over rounds of
+that round's naive time / the path's time. Expert FLOPs (routed work only, 2 FLOPs per multiply-add,
 backward = 2x forward) are reported per path as useful work: 3 * 2 * N*K * 3*D*F; the naive path
 computes every expert on every token (E/K times that), the capacity path E*C slots plus its
 one-hot dispatch/combine einsums. The last line printed is one JSON object.
@@ -32,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -143,7 +146,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--mlp", type=int, default=512, help="expert mlp width")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (each times every path once)")
     ap.add_argument("--small", action="store_true", help="tiny shape (smoke test)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-ep", action="store_true", help="skip the expert-parallel run on 8 fake devices")
@@ -182,28 +185,42 @@ def main(argv=None) -> dict:
 
     expert_flops = 3 * 2.0 * N * K * 3 * D * F  # routed work, forward + backward
     C = capacity(N, K, E, args.capacity_factor)
-    results, outputs = {}, {}
+    results, outputs, steps = {}, {}, {}
+    for path in PATHS:  # compile and check every path before timing any
+        steps[path] = make_step(specs[path])
+        (value, dropped), grads = jax.block_until_ready(steps[path](params, x_1xNxD))
+        outputs[path] = (float(value), grads, float(dropped))
+    # Interleaved rounds (every path once per round): load on a shared machine drifts over minutes, so
+    # each round's naive/dropless ratio compares like with like; the speedup is the median ratio.
+    times = {path: [] for path in PATHS}
+    cpu = {path: [] for path in PATHS}
+    for _ in range(args.repeats):
+        for path in PATHS:
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(steps[path](params, x_1xNxD))
+            times[path].append(time.perf_counter() - t0)
+            cpu[path].append(time.process_time() - c0)
     for path in PATHS:
-        step = make_step(specs[path])
-        cpu = []
-        seconds, times = common.median_time(lambda: step(params, x_1xNxD), args.repeats, cpu_times=cpu)
-        (value, dropped), grads = step(params, x_1xNxD)
-        outputs[path] = (float(value), grads)
-        results[path] = {"tokens_per_s": N / seconds, "seconds": seconds, "times": times,
-                         "cpu_seconds": statistics.median(cpu), "expert_gflops_per_s": expert_flops / seconds / 1e9,
-                         "dropped_frac": float(dropped)}
+        seconds, dropped = statistics.median(times[path]), outputs[path][2]
+        results[path] = {"tokens_per_s": N / seconds, "seconds": seconds, "times": times[path],
+                         "cpu_seconds": statistics.median(cpu[path]),
+                         "expert_gflops_per_s": expert_flops / seconds / 1e9, "dropped_frac": dropped}
         print(f"{path:15s} {N / seconds:10.0f} tokens/s  {seconds * 1e3:9.1f} ms/step  "
-              f"dropped {float(dropped):.3f}", flush=True)
+              f"dropped {dropped:.3f}", flush=True)
+
+    def speedup_over_naive(path):
+        return statistics.median(n / t for n, t in zip(times["naive"], times[path]))
+
     # Same numbers from every path when nothing is dropped: a benchmark of a wrong kernel is worthless.
-    ref_value, ref_grads = outputs["naive"]
+    ref_value, ref_grads, _ = outputs["naive"]
     for path in ("dropless", "dropless_ragged") + (("capacity",) if results["capacity"]["dropped_frac"] == 0 else ()):
-        value, grads = outputs[path]
+        value, grads, _ = outputs[path]
         assert abs(value - ref_value) <= 1e-3 * max(1.0, abs(ref_value)), (path, value, ref_value)
         err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
         assert err < 1e-2, (path, err)
-    speedup = results["naive"]["seconds"] / results["dropless"]["seconds"]
+    speedup = speedup_over_naive("dropless")
     print(f"dropless vs naive: {speedup:.2f}x   capacity vs naive: "
-          f"{results['naive']['seconds'] / results['capacity']['seconds']:.2f}x   (capacity C={C} per expert)")
+          f"{speedup_over_naive('capacity'):.2f}x   (capacity C={C} per expert; median of per-round ratios)")
     ep = {} if args.no_ep else run_ep_subprocess(args)
     if ep:
         assert ep["ep8_outputs_match"], ("expert-parallel dispatch disagrees with dropless",
@@ -215,8 +232,8 @@ def main(argv=None) -> dict:
         "seconds": results["dropless"]["seconds"],
         "paths": results,
         "speedup_dropless_vs_naive": speedup,
-        "speedup_capacity_vs_naive": results["naive"]["seconds"] / results["capacity"]["seconds"],
-        "speedup_dropless_ragged_vs_naive": results["naive"]["seconds"] / results["dropless_ragged"]["seconds"],
+        "speedup_capacity_vs_naive": speedup_over_naive("capacity"),
+        "speedup_dropless_ragged_vs_naive": speedup_over_naive("dropless_ragged"),
         "grouped_matmul": "blocked" if jax.default_backend() == "cpu" else "ragged",
         "capacity_per_expert": C,
         "shape": {"experts": E, "top_k": K, "d_model": D, "expert_mlp": F, "tokens": N,

@@ -8,7 +8,7 @@ Router: `softmax` takes the top-k of softmax(logits) and renormalises the k gate
 Qwen3-MoE convention); `sigmoid` takes the top-k of sigmoid(logits) and renormalises likewise
 (DeepSeek-V3 style gates, without its bias-based balancing). Dispatch:
   dropless  sort the token-slots by expert and run grouped matmuls (`lax.ragged_dot`, or on CPU
-            expert groups padded to blocks, see `dispatch_dropless`); nothing is dropped.
+            expert groups padded to blocks, see `grouped_mlp`); nothing is dropped.
   capacity  each expert takes at most C = ceil(capacity_factor * N * K / E) slots, first choices of
             every token before any second choice, then token order; one-hot dispatch/combine einsums.
             Slots over capacity are dropped (their share of the output is 0) and counted.
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl.models import grouped_mlp
 from jaxrl.models.layers import MLP, Block, RMSNorm, attention_residual, logical_param
 
 ROUTERS = ("softmax", "sigmoid")
@@ -114,59 +115,37 @@ def dispatch_naive(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, g
     return out_NxD
 
 
-BLOCK = 128  # the most rows per block of the blocked grouped matmul
-
-
-def _blocked_layout(sizes_E, n_slots: int, block: int):
-    """Pad every expert group of the sorted slots to a multiple of `block` rows. -> (row_M: the sorted
-    slot each padded row holds, n_slots for a pad row; expert_J: the expert of each block). Static
-    M = J * block with J = ceil(n_slots / block) + E, enough for any group sizes."""
-    E = sizes_E.shape[0]
-    J = -(-n_slots // block) + E
-    padded_E = (sizes_E + block - 1) // block * block
-    pad_end_E = jnp.cumsum(padded_E)
-    pad_start_E, start_E = pad_end_E - padded_E, jnp.cumsum(sizes_E) - sizes_E
-    slot_S = jnp.arange(n_slots)
-    expert_S = jnp.searchsorted(jnp.cumsum(sizes_E), slot_S, side="right")  # sorted slots: groups are contiguous
-    row_of_slot_S = pad_start_E[expert_S] + slot_S - start_E[expert_S]
-    row_M = jnp.full((J * block,), n_slots, jnp.int32).at[row_of_slot_S].set(slot_S.astype(jnp.int32))
-    expert_J = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(J) * block, side="right"), E - 1)
-    return row_M, row_of_slot_S, expert_J
-
-
-def _blocked_matmul(x_MxD, w_ExDxF, expert_J, block: int):
-    J = expert_J.shape[0]
-    w_JxDxF = jnp.take(w_ExDxF, expert_J, axis=0)
-    return jnp.einsum("jbd,jdf->jbf", x_MxD.reshape(J, block, -1), w_JxDxF).reshape(J * block, -1)
+BLOCK = 128  # the most rows per block of the blocked (CPU) grouped expert MLP
 
 
 def dispatch_dropless(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK,
                       grouped_matmul: str = "ragged"):
-    """Sort the N*K token-slots by expert, grouped matmuls over contiguous expert groups, unsort.
+    """Sort the N*K token-slots by expert, run each expert on its contiguous group, combine by gates.
 
     grouped_matmul `ragged`: `lax.ragged_dot` (a real grouped GEMM on GPU/TPU; XLA:CPU computes every
-    group densely, E times the work). `blocked`: each group padded to BLOCK-row blocks, one batched
-    matmul over blocks with per-block expert weights (at most E*BLOCK extra rows): the fast CPU form."""
+    group densely, E times the work). `blocked`: the groups padded to blocks of at most BLOCK rows and
+    a loop over the blocks in use (`grouped_mlp.blocked_swiglu`): the fast CPU form. Tokens are
+    gathered straight into their padded rows and the outputs read straight back per slot."""
     N, K = experts_NxK.shape
     E = w_gate_ExDxF.shape[0]
+    S = N * K
     expert_S = experts_NxK.reshape(-1)
-    order_S = jnp.argsort(expert_S, stable=True)  # slot s of the sorted list is flat slot order_S[s]
+    order_S = jnp.argsort(expert_S, stable=True)  # sorted slot s is flat slot order_S[s] = (n, k) = divmod(., K)
     sizes_E = jnp.bincount(expert_S, length=E).astype(jnp.int32)
-    x_SxD = jnp.take(x_NxD, order_S // K, axis=0)
     if grouped_matmul == "blocked":
         # Blocks no larger than an even share of the slots: few slots (decode) waste little padding.
-        S = N * K
         block = min(BLOCK, max(8, -(-S // E)))
-        row_M, row_of_slot_S, expert_J = _blocked_layout(sizes_E, S, block)
-        x_MxD = jnp.take(jnp.concatenate([x_SxD, jnp.zeros_like(x_SxD[:1])]), row_M, axis=0)
-        h_MxF = (jax.nn.silu(_blocked_matmul(x_MxD, w_gate_ExDxF, expert_J, block))
-                 * _blocked_matmul(x_MxD, w_up_ExDxF, expert_J, block))
-        y_sorted_SxD = jnp.take(_blocked_matmul(h_MxF, w_down_ExFxD, expert_J, block), row_of_slot_S, axis=0)
+        row_M, row_of_slot_S, expert_J, n_used = grouped_mlp.block_layout(sizes_E, S, block)
+        flat_M = jnp.where(row_M < S, order_S[jnp.minimum(row_M, S - 1)], S)  # S: a pad row
+        row_of_flat_S = jnp.zeros((S,), jnp.int32).at[order_S].set(row_of_slot_S)
+        # Both row maps are invertible, so both gathers differentiate as gathers (no scatter-add).
+        x_MxD = grouped_mlp.gather_rows(x_NxD, jnp.where(row_M < S, flat_M // K, N), row_of_flat_S.reshape(N, K))
+        y_MxD = grouped_mlp.blocked_swiglu(x_MxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, expert_J, n_used, block)
+        y_SxD = grouped_mlp.gather_rows(y_MxD, row_of_flat_S, flat_M[:, None])
     else:
-        h_SxF = (jax.nn.silu(lax.ragged_dot(x_SxD, w_gate_ExDxF, sizes_E))
-                 * lax.ragged_dot(x_SxD, w_up_ExDxF, sizes_E))
-        y_sorted_SxD = lax.ragged_dot(h_SxF, w_down_ExFxD, sizes_E)
-    y_SxD = jnp.take(y_sorted_SxD, jnp.argsort(order_S), axis=0)  # a gather: cheaper to differentiate than a scatter
+        x_SxD = jnp.take(x_NxD, order_S // K, axis=0)
+        y_sorted_SxD = grouped_mlp.ragged_swiglu(x_SxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, sizes_E)
+        y_SxD = jnp.take(y_sorted_SxD, jnp.argsort(order_S), axis=0)  # a gather: cheaper to differentiate than a scatter
     return jnp.einsum("nkd,nk->nd", y_SxD.reshape(N, K, -1), gates_NxK.astype(x_NxD.dtype))
 
 
