@@ -111,6 +111,43 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative rollouts (jaxrl.rollout.speculative): same sampled distribution, fewer policy steps.
+
+    drafter: early_exit (the policy's first `draft_layers` blocks), int8 (the policy with int8
+    weights), or reuse (the previous completion of the same prompt, verified as a point mass; rows
+    without one use the self-drafter `fallback`, or plain decoding when it is "none").
+    """
+
+    enabled: bool = False
+    drafter: str = "early_exit"  # early_exit | int8 | reuse
+    draft_layers: int = 1  # early_exit: blocks the drafter runs
+    max_draft: int = 4  # most tokens drafted per verification (the verify forward's static width - 1)
+    adaptive: bool = True  # pick the draft length from the measured acceptance (else always max_draft)
+    draft_cost: float = 0.5  # a draft step's cost relative to a verify step (for the adaptive choice)
+    initial_acceptance: float = 0.7  # the acceptance estimate before any is measured
+    max_active_rows: int = 1024  # speculate only while at most this many rows are still decoding
+    reuse_width: int = 8  # reuse: drafted tokens verified per forward
+    reuse_rule: str = "exact"  # reuse: exact (point-mass rejection) | spec_rl (APPROXIMATE: min(1, p/q_old))
+    fallback: str = "none"  # reuse: self-drafter for rows without a live reused draft (none | early_exit | int8)
+
+    def validate(self, prefix: str = "rollout.speculative") -> None:
+        _check(self.drafter in ("early_exit", "int8", "reuse"), f"{prefix}.drafter",
+               "'early_exit', 'int8' or 'reuse'", self.drafter)
+        _check(self.draft_layers > 0, f"{prefix}.draft_layers", "a positive integer", self.draft_layers)
+        _check(self.max_draft > 0, f"{prefix}.max_draft", "a positive integer", self.max_draft)
+        _check(self.draft_cost > 0, f"{prefix}.draft_cost", "a positive number", self.draft_cost)
+        _check(0 < self.initial_acceptance < 1, f"{prefix}.initial_acceptance", "a number in (0, 1)",
+               self.initial_acceptance)
+        _check(self.max_active_rows > 0, f"{prefix}.max_active_rows", "a positive integer", self.max_active_rows)
+        _check(self.reuse_width > 0, f"{prefix}.reuse_width", "a positive integer", self.reuse_width)
+        _check(self.reuse_rule in ("exact", "spec_rl"), f"{prefix}.reuse_rule", "'exact' or 'spec_rl'",
+               self.reuse_rule)
+        _check(self.fallback in ("none", "early_exit", "int8"), f"{prefix}.fallback",
+               "'none', 'early_exit' or 'int8'", self.fallback)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     group_size: int = 8
     prompts_per_step: int = 16
@@ -118,6 +155,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def validate(self, prefix: str = "rollout") -> None:
         _check(self.group_size > 0, f"{prefix}.group_size", "a positive integer", self.group_size)
@@ -126,6 +164,7 @@ class RolloutConfig:
         _check(self.temperature > 0, f"{prefix}.temperature", "a positive number", self.temperature)
         _check(self.top_k >= 0, f"{prefix}.top_k", "0 (off) or a positive integer", self.top_k)
         _check(0 < self.top_p <= 1, f"{prefix}.top_p", "a number in (0, 1]", self.top_p)
+        self.speculative.validate(f"{prefix}.speculative")
 
 
 def parse_loss_options(text: str, field: str = "loss.options") -> dict:

@@ -316,35 +316,47 @@ def decode_step_layers(lparams, cfg: ModelConfig, token_B, cache: LayerCache, in
 
 def decode_step_layers_routed(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
     """`decode_step_layers` plus the experts this token used, experts_BxLxK (None for a dense model)."""
+    logits_Bx1xV, cache, experts_Bx1xLxK = decode_layers(lparams, cfg, token_B[:, None], cache, index)
+    return logits_Bx1xV[:, 0], cache, None if experts_Bx1xLxK is None else experts_Bx1xLxK[:, 0]
+
+
+def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, index, n_layers: Optional[int] = None):
+    """Append T tokens per row at cache slots index..index+T-1 (positions pos_B, pos_B+1, ..) and
+    return (logits_BxTxV, cache, experts_BxTxLxK or None). Each token sees the valid cache slots and
+    the tokens before it in this call: the verify forward of speculative decoding, and (T = 1) the
+    sampler's decode step. `n_layers` < cfg.n_layers runs only the first n_layers blocks, then the
+    policy's own final norm and head (an early-exit self-drafter); it reads and writes the first
+    n_layers layers of the same cache. Only the layers run are returned in the cache."""
     dtype = jnp.dtype(cfg.dtype)
-    D, B = cfg.d_model, token_B.shape[0]
+    D, (B, T) = cfg.d_model, tokens_BxT.shape
+    n_layers = cfg.n_layers if n_layers is None else n_layers
     index = jnp.asarray(index, jnp.int32)
-    valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, 1), bool), (0, index))
-    positions_Bx1 = cache.pos_B[:, None]
-    x_Bx1xD = jnp.take(lparams["embedding"], token_B[:, None].astype(jnp.int32), axis=0).astype(dtype)
+    valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, T), bool), (0, index))
+    positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
+    x_BxTxD = jnp.take(lparams["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(dtype)
     block = Block(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype)
     layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
-    kv_out, experts = [], []
+    kv_out, experts = list(cache.kv), []
     if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer, as in the scanned forward
         moe_block = MoEBlock(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps,
                              moe_spec(cfg), dtype)
-        live_Bx1 = jnp.ones((B, 1), bool)
-        for g, p_g in enumerate(lparams["blocks"]):
-            for j in range(cfg.moe_every):
-                kv_l = cache.kv[g * cfg.moe_every + j]
-                if j < cfg.moe_every - 1:
-                    (x_Bx1xD, kv_l, _), _ = block.apply({"params": p_g[f"dense_{j}"]}, (x_Bx1xD, kv_l, layer),
-                                                        positions_Bx1, valid_BxS, index)
-                else:
-                    (x_Bx1xD, kv_l, _), st = moe_block.apply({"params": p_g["moe"]}, (x_Bx1xD, kv_l, layer), None,
-                                                             positions_Bx1, valid_BxS, index, live_Bx1)
-                    experts.append(st.experts_NxK[:, 0])
-                kv_out.append(kv_l)
-    for p_l, kv_l in zip(() if cfg.n_experts else lparams["blocks"], cache.kv):
-        (x_Bx1xD, kv_l, _), _ = block.apply({"params": p_l}, (x_Bx1xD, kv_l, layer), positions_Bx1, valid_BxS, index)
-        kv_out.append(kv_l)
-    x_Bx1xD = RMSNorm(D, cfg.norm_eps, dtype).apply({"params": lparams["final_norm"]}, x_Bx1xD)
+        live_BxT = jnp.ones((B, T), bool)
+        for l in range(n_layers):
+            g, j = divmod(l, cfg.moe_every)
+            p_g = lparams["blocks"][g]
+            if j < cfg.moe_every - 1:
+                (x_BxTxD, kv_out[l], _), _ = block.apply({"params": p_g[f"dense_{j}"]}, (x_BxTxD, kv_out[l], layer),
+                                                         positions_BxT, valid_BxS, index)
+            else:
+                (x_BxTxD, kv_out[l], _), st = moe_block.apply({"params": p_g["moe"]}, (x_BxTxD, kv_out[l], layer),
+                                                              None, positions_BxT, valid_BxS, index, live_BxT)
+                experts.append(st.experts_NxK)
+    else:
+        for l in range(n_layers):
+            (x_BxTxD, kv_out[l], _), _ = block.apply({"params": lparams["blocks"][l]}, (x_BxTxD, kv_out[l], layer),
+                                                     positions_BxT, valid_BxS, index)
+    x_BxTxD = RMSNorm(D, cfg.norm_eps, dtype).apply({"params": lparams["final_norm"]}, x_BxTxD)
     head_DxV = lparams["embedding"].T if cfg.tie_embeddings else lparams["lm_head"]
-    logits_Bx1xV = jnp.einsum("btd,dv->btv", x_Bx1xD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
-    experts_BxLxK = jnp.stack(experts, axis=1) if experts else None
-    return logits_Bx1xV[:, 0], LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + 1), experts_BxLxK
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
+    experts_BxTxLxK = jnp.stack(experts, axis=2) if experts else None
+    return logits_BxTxV, LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + T), experts_BxTxLxK

@@ -109,6 +109,35 @@ def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_i
     )
 
 
+def prefill_groups(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, cache_len: int,
+                   routing_len: int):
+    """Shared prefill: each prompt is encoded once, then its cache is copied to its G rows (rows
+    i*G .. i*G+G-1). The last prompt token is left out and returned as every row's first decode
+    input, so every column is drawn by the one in-loop sampler and no decode step is wasted; left
+    padding makes that last slot a real token in every row.
+
+    -> (LayerCache of cache_len slots, per-layer params, routing_NxSxLxK (MoE, S = routing_len;
+    else None), last_N)."""
+    B, P = prompt_BxP.shape
+    G = group_size
+    N = B * G
+    cache = init_cache(cfg, B, cache_len)
+    routing_NxSxLxK = None
+    if cfg.n_experts:
+        routing_NxSxLxK = jnp.zeros((N, routing_len, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
+    if P > 1:
+        _, cache, experts_LxBxPxK = prefill_routed(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
+        if cfg.n_experts:
+            experts_NxPxLxK = jnp.repeat(jnp.transpose(experts_LxBxPxK, (1, 2, 0, 3)), G, axis=0)
+            routing_NxSxLxK = lax.dynamic_update_slice(routing_NxSxLxK, experts_NxPxLxK, (0, 0, 0, 0))
+    # The loop runs on per-layer params and cache buffers (see transformer.decode_step_layers):
+    # both are split once here instead of sliced out of the stacked arrays at every step.
+    rep = lambda x: jnp.repeat(x, G, axis=0, total_repeat_length=x.shape[0] * G)
+    cache = to_layer_cache(cache)
+    cache = LayerCache(jax.tree.map(rep, cache.kv), rep(cache.valid_BxS), rep(cache.pos_B))
+    return cache, layer_params(params, cfg), routing_NxSxLxK, rep(prompt_BxP[:, -1].astype(jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "group_size", "max_new_tokens", "top_k", "top_p", "eos_id",
                                              "pad_id", "greedy"))
 def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_size: int, max_new_tokens: int,
@@ -123,30 +152,12 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
     G, T = group_size, max_new_tokens
     N = B * G
 
-    # Shared prefill: each prompt is encoded once, then its cache is copied to its G rows. The last
-    # prompt token is left out and fed as the loop's first decode input, so every column is drawn
-    # by the one in-loop sampler (compiled once) and no decode step is wasted. Left padding makes
-    # that last slot a real token in every row.
-    cache = init_cache(cfg, B, P + T)
-    routing_NxSxLxK = None
-    if cfg.n_experts:
-        routing_NxSxLxK = jnp.zeros((N, P + T, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
-    if P > 1:
-        _, cache, experts_LxBxPxK = prefill_routed(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
-        if cfg.n_experts:
-            experts_NxPxLxK = jnp.repeat(jnp.transpose(experts_LxBxPxK, (1, 2, 0, 3)), G, axis=0)
-            routing_NxSxLxK = lax.dynamic_update_slice(routing_NxSxLxK, experts_NxPxLxK, (0, 0, 0, 0))
-    # The loop runs on per-layer params and cache buffers (see transformer.decode_step_layers):
-    # both are split once here instead of sliced out of the stacked arrays at every step.
-    rep = lambda x: jnp.repeat(x, G, axis=0, total_repeat_length=x.shape[0] * G)
-    cache = to_layer_cache(cache)
-    cache = LayerCache(jax.tree.map(rep, cache.kv), rep(cache.valid_BxS), rep(cache.pos_B))
-    lparams = layer_params(params, cfg)
+    cache, lparams, routing_NxSxLxK, last_N = prefill_groups(params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T, P + T)
 
     state = _Loop(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
-        last_N=rep(prompt_BxP[:, -1].astype(jnp.int32)),
+        last_N=last_N,
         tokens_NxT=jnp.full((N, T), pad_id, jnp.int32),
         logp_NxT=jnp.zeros((N, T), jnp.float32),
         mask_NxT=jnp.zeros((N, T), jnp.float32),

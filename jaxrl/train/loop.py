@@ -26,7 +26,9 @@ from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.losses import check_rollout, make_loss
+from jaxrl.rollout.reuse import DraftStore, spec_metrics
 from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.speculative import sample_speculative
 from jaxrl.models.transformer import init_params, param_logical_axes
 from jaxrl.sharding import (any_process, all_processes_sum, batch_devices, batch_sharding, check_batch_divides,
                             gather_rows, is_primary, local_rows, make_mesh, named_sharding, named_shardings,
@@ -121,18 +123,41 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
                                  max_new_tokens=rc.max_new_tokens, use_ref=True, group_size=G)
     update_step = None  # jitted at the first batch, with the batch's shardings (chosen by field name)
 
-    def rollout_fn(params, prompt_BxP, prompt_mask_BxP, rng):
-        return sample(params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, group_size=G,
-                      max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_k=rc.top_k, top_p=rc.top_p,
-                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    spec = rc.speculative
+    sample_kw = dict(group_size=G, max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_k=rc.top_k,
+                     top_p=rc.top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+
+    def rollout_fn(params, prompt_BxP, prompt_mask_BxP, rng, spec_in):
+        """spec_in (speculative only): the acceptance prior and the reuse drafts; -> (SampleOutput, SpecStats)."""
+        if not spec.enabled:
+            return sample(params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, **sample_kw), None
+        return sample_speculative(params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, spec=spec, **sample_kw,
+                                  **spec_in)
 
     # The rollout runs on the state's (sharded) params; prompts are split over the batch axes when
     # they divide (else replicated), completion rows always are.
     n_prompts = rc.prompts_per_step
     prompt_sh = rows_sharding if n_prompts % batch_devices(mesh, preset) == 0 else rep
     prompts_spec = jax.ShapeDtypeStruct((n_prompts, prompt_width(cfg.data)), jnp.int32)
-    rollout = jax.jit(rollout_fn, in_shardings=(param_sh, prompt_sh, prompt_sh, rep), out_shardings=named_shardings(
-        mesh, preset, jax.eval_shape(rollout_fn, state.params, prompts_spec, prompts_spec, state.rng)))
+    # Host state: the acceptance estimate carried between rollouts (checkpointed with the stream).
+    spec_prior = float(host.get("spec_prior", spec.initial_acceptance)) if restored else spec.initial_acceptance
+    drafts = DraftStore() if spec.enabled and spec.drafter == "reuse" else None
+
+    def spec_inputs(prompt_BxP, pmask_BxP):
+        if not spec.enabled:
+            return {}
+        out = {"acceptance_prior": np.float32(spec_prior)}
+        if drafts is not None:
+            d, n, lp = drafts.lookup(prompt_BxP, pmask_BxP, G, rc.max_new_tokens, tokenizer.pad_id)
+            out.update(draft_NxT=d, draft_len_N=n, draft_logp_NxT=lp)
+        return out
+
+    spec_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                 spec_inputs(np.zeros((n_prompts, 1), np.int32), np.zeros((n_prompts, 1), bool)))
+    spec_sh = {k: rows_sharding if k.startswith("draft") else rep for k in spec_abstract}
+    out_abstract, _ = jax.eval_shape(rollout_fn, state.params, prompts_spec, prompts_spec, state.rng, spec_abstract)
+    rollout = jax.jit(rollout_fn, in_shardings=(param_sh, prompt_sh, prompt_sh, rep, spec_sh),
+                      out_shardings=(named_shardings(mesh, preset, out_abstract), rep if spec.enabled else None))
     prompt_rows, rows = process_rows(prompt_sh, n_prompts), process_rows(rows_sharding, B)  # this process's
     advantages = jax.jit(functools.partial(loss.advantages, group_size=G))
     evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier,
@@ -159,8 +184,10 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             state = state._replace(rng=rng)
             # Every process walks the same stream; each feeds the devices only its own prompt rows
             # and scores only its own completion rows (`rows`); host metrics see all rows.
-            out = rollout(state.params, put_rows(prompt_sh, prompt_BxP[prompt_rows], n_prompts),
-                          put_rows(prompt_sh, pmask_BxP[prompt_rows], n_prompts), k_sample)
+            spec_in = {k: put_rows(spec_sh[k], v[rows], B) if k.startswith("draft") else v
+                       for k, v in spec_inputs(prompt_BxP, pmask_BxP).items()}
+            out, spec_stats = rollout(state.params, put_rows(prompt_sh, prompt_BxP[prompt_rows], n_prompts),
+                                      put_rows(prompt_sh, pmask_BxP[prompt_rows], n_prompts), k_sample, spec_in)
             my_tokens_BxT = local_rows(out.tokens_BxT)
             t_rollout = time.perf_counter() - t0
             my_mask_BxT = local_rows(out.completion_mask_BxT)
@@ -199,6 +226,14 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
                    "response_len/mean": float(mask_BxT.sum(1).mean()), "response/truncated": float((~finished_B).mean()),
                    "rollout/tokens_per_s": n_tokens / max(t_rollout, 1e-9), "rollout/seconds": t_rollout,
                    "rollout/decode_steps": int(out.num_steps)}
+            if spec_stats is not None:
+                row.update(spec_metrics(spec_stats))
+                spec_prior = float(spec_stats.acceptance)
+                if drafts is not None:  # each process stores (and later drafts) only its own rows
+                    tok = np.full((B, rc.max_new_tokens), tokenizer.pad_id, np.int32)
+                    n, lp = np.zeros((B,), np.int32), np.zeros((B, rc.max_new_tokens), np.float32)
+                    tok[rows], n[rows], lp[rows] = my_tokens_BxT, my_mask_BxT.sum(1), local_rows(out.logp_BxT)
+                    drafts.update(prompt_BxP, pmask_BxP, tok, n, lp, G)
             pending = (row, metrics, t0)
             if tc.eval_every and step % tc.eval_every == 0 or step == tc.steps:
                 last_eval = evaluate(state.params)
@@ -212,7 +247,7 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             if "eval/accuracy" in row and is_primary():
                 plot(log.rows, workdir / "progress.png", title=str(workdir.name))
             if save_now:
-                ckpt.save(manager, step, state, {"stream": stream._asdict()}, force=True)
+                ckpt.save(manager, step, state, {"stream": stream._asdict(), "spec_prior": spec_prior}, force=True)
             if stopping:
                 print(f"jaxrl: SIGTERM received; saved step {step} to {workdir / 'checkpoints'}", file=sys.stderr)
                 break

@@ -1,0 +1,46 @@
+"""Self-drafters for speculative rollouts: cheaper views of the policy that never go stale.
+
+  early_exit  the first `draft_layers` blocks of the policy, then its own final norm and head; it
+              reads the policy's KV cache for those layers (no cache of its own).
+  int8        the whole policy with every matrix weight-only quantised to int8 (symmetric, one scale
+              per output column), rebuilt from the current params at each rollout.
+(The third drafter, trajectory reuse, needs no model: see `speculative.py`.)
+
+A drafter is (draft params, number of layers run); both go through `transformer.decode_layers`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DRAFTERS = ("early_exit", "int8", "reuse")
+
+
+def quantize_int8(tree):
+    """Every leaf with >= 2 dims (except MoE routers: a flipped expert choice costs more than it
+    saves) -> (int8 values, float32 scale per last-axis column): w ~= q * scale."""
+    def one(path, w):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if w.ndim < 2 or "router" in name:
+            return w
+        scale = jnp.max(jnp.abs(w), axis=tuple(range(w.ndim - 1)), keepdims=True) / 127.0
+        scale = jnp.where(scale > 0, scale, 1.0)
+        return (jnp.round(w / scale).astype(jnp.int8), scale.astype(jnp.float32))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def dequantize(qtree):
+    """The float32 view of `quantize_int8`'s output (what the int8 drafter computes with)."""
+    is_q = lambda x: isinstance(x, tuple) and len(x) == 2 and getattr(x[0], "dtype", None) == jnp.int8
+    return jax.tree.map(lambda x: x[0].astype(jnp.float32) * x[1] if is_q(x) else x, qtree, is_leaf=is_q)
+
+
+def draft_view(lparams, drafter: str, draft_layers: int, n_layers: int):
+    """-> (params the drafter runs, how many layers it runs) for a self-drafter."""
+    if drafter == "early_exit":
+        return lparams, draft_layers
+    if drafter == "int8":
+        return dequantize(quantize_int8(lparams)), n_layers
+    raise ValueError(f"rollout.speculative.drafter {drafter!r} is not a self-drafter (expected early_exit or int8)")

@@ -1,0 +1,275 @@
+"""Speculative rollouts: greedy equality, the exact sampled distribution (chi-square against brute-force
+enumeration), recorded log-probs, and that a wrong acceptance rule is caught."""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
+from jaxrl.models import transformer as tf
+from jaxrl.rollout import acceptance
+from jaxrl.rollout.drafters import dequantize, quantize_int8
+from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.speculative import choose_draft_length, sample_speculative
+
+CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
+MOE = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=32)
+PAD, EOS = 0, 7
+P, T = 5, 6
+DRAFTERS = ("early_exit", "int8", "reuse")
+
+
+@functools.lru_cache(maxsize=None)
+def _params(cfg=CFG, scale=1.0):
+    params = tf.init_params(cfg, jax.random.PRNGKey(0))
+    # A larger embedding (tied head) makes the next-token distributions peaked, like a trained policy.
+    return dict(params, embedding=params["embedding"] * scale)
+
+
+def _prompts(lengths=(2, 5, 4), seed=1):
+    toks = np.random.default_rng(seed).integers(1, CFG.vocab_size, (len(lengths), P), dtype=np.int32)
+    mask = np.zeros((len(lengths), P), np.int32)
+    for i, n in enumerate(lengths):
+        mask[i, P - n:] = 1
+    return jnp.asarray(np.where(mask, toks, PAD)), jnp.asarray(mask)
+
+
+def _spec(drafter, **kw):
+    return SpeculativeConfig(enabled=True, drafter=drafter, max_active_rows=1 << 20, **kw)
+
+
+def _run(params, cfg, spec, rng, draft=None, **kw):
+    prompt, pmask = _prompts()
+    extra = {} if draft is None else dict(draft_NxT=draft[0], draft_len_N=draft[1])
+    args = dict(group_size=2, max_new_tokens=T, temperature=1.0, eos_id=EOS, pad_id=PAD)
+    args.update(kw)
+    return sample_speculative(params, cfg, prompt, pmask, rng, spec=spec, **args, **extra)
+
+
+def _plain(params, cfg, rng, **kw):
+    prompt, pmask = _prompts()
+    args = dict(group_size=2, max_new_tokens=T, temperature=1.0, eos_id=EOS, pad_id=PAD)
+    args.update(kw)
+    return sample(params, cfg, prompt, pmask, rng, **args)
+
+
+@pytest.mark.parametrize("cfg,drafter", [(CFG, "early_exit"), (CFG, "int8"), (CFG, "reuse"), (MOE, "reuse")],
+                         ids=["early_exit", "int8", "reuse", "moe-reuse"])
+def test_greedy_equals_plain_greedy(cfg, drafter):
+    """Temperature 0: every drafter gives exactly the plain greedy tokens, masks, lengths and (MoE)
+    routing; log-probs agree to float32 noise. Reuse is tried with the right completion as the draft
+    and with a corrupted one (a wrong token in the middle)."""
+    params = _params(cfg, 3.0)
+    ref = _plain(params, cfg, jax.random.PRNGKey(0), greedy=True)
+    drafts = [None]
+    if drafter == "reuse":
+        bad = np.asarray(ref.tokens_BxT).copy()
+        bad[:, 1] = (bad[:, 1] + 1) % cfg.vocab_size
+        drafts = [(ref.tokens_BxT, ref.length_B), (jnp.asarray(bad), ref.length_B)]
+    for draft in drafts:
+        out, stats = _run(params, cfg, _spec(drafter, max_draft=3, adaptive=False, reuse_width=3),
+                          jax.random.PRNGKey(0), draft, greedy=True)
+        np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
+        np.testing.assert_array_equal(out.completion_mask_BxT, ref.completion_mask_BxT)
+        np.testing.assert_array_equal(out.length_B, ref.length_B)
+        np.testing.assert_array_equal(out.finished_B, ref.finished_B)
+        np.testing.assert_allclose(out.logp_BxT, ref.logp_BxT, atol=1e-5)
+        if cfg.n_experts:
+            # Left-padding slots attend to nothing real: their (unused) routing depends on the cache length.
+            pmask = np.repeat(np.asarray(_prompts()[1], bool), 2, axis=0)
+            live = np.concatenate([pmask[:, :P - 1], np.asarray(ref.completion_mask_BxT, bool)], 1)
+            np.testing.assert_array_equal(np.asarray(out.routing_BxSxLxK)[:, :P - 1 + T][live],
+                                          np.asarray(ref.routing_BxSxLxK)[:, :P - 1 + T][live])
+        assert int(stats.drafted) > 0 and int(stats.self_steps) + int(stats.reuse_steps) > 0
+    if drafter == "reuse":  # the right draft is accepted whole: one verify step per row's completion
+        out, stats = _run(params, cfg, _spec(drafter, reuse_width=T), jax.random.PRNGKey(0),
+                          (ref.tokens_BxT, ref.length_B), greedy=True)
+        assert int(stats.rejections) == 0 and int(out.num_steps) == 1
+
+
+@pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
+def test_recorded_logprobs_equal_trainer_recomputation(cfg):
+    """Sampled at temperature 0.7: the log-probs the speculative sampler records equal
+    `token_logprobs` over the same tokens (MoE: replaying the recorded routing)."""
+    params = _params(cfg, 2.0)
+    prompt, pmask = _prompts()
+    for drafter in ("early_exit",) if cfg.n_experts else ("early_exit", "int8"):
+        out, stats = _run(params, cfg, _spec(drafter, max_draft=3), jax.random.PRNGKey(3), temperature=0.7)
+        rows = lambda x: jnp.repeat(x, 2, axis=0)
+        logp, _ = tf.token_logprobs(params, cfg, rows(prompt), rows(pmask), out.tokens_BxT, out.completion_mask_BxT,
+                                    0.7, replay_BxSxLxK=out.routing_BxSxLxK)
+        mask = np.asarray(out.completion_mask_BxT) > 0
+        assert mask.sum() > 6
+        np.testing.assert_allclose(np.asarray(out.logp_BxT)[mask], np.asarray(logp)[mask], atol=2e-5)
+        assert np.all(np.asarray(out.logp_BxT)[~mask] == 0)
+
+
+# --- the sampled distribution, against enumeration --------------------------------------------
+
+SMALL = ModelConfig(vocab_size=5, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=32)
+S_EOS, S_T, S_P = 1, 3, 3
+N_SAMPLES = 12000
+
+
+def _small_prompt():
+    return jnp.asarray([[2, 4, 3]], jnp.int32), jnp.ones((1, S_P), jnp.int32)
+
+
+def _exact_distribution(params, temperature, top_k):
+    """{completion tuple (up to and including EOS): probability} by brute force: the probability of
+    every length-T token string under the plain sampler's per-step distribution, cut at EOS."""
+    prompt, _ = _small_prompt()
+    V = SMALL.vocab_size
+    strings = np.array(list(itertools.product(range(V), repeat=S_T)), np.int32)
+    seq = np.concatenate([np.repeat(np.asarray(prompt), len(strings), 0), strings], 1)
+    logits = np.asarray(tf.forward(params, SMALL, seq, np.ones_like(seq)))[:, S_P - 1:S_P - 1 + S_T]
+    probs = np.asarray(acceptance.target_probs(jnp.asarray(logits), temperature, top_k, 1.0))
+    dist = {}
+    for s, p in zip(strings, probs):
+        n = next((i + 1 for i, t in enumerate(s) if t == S_EOS), S_T)
+        key = tuple(int(t) for t in s[:n])
+        if key not in dist:
+            dist[key] = float(np.prod([p[i, s[i]] for i in range(n)]))
+    assert abs(sum(dist.values()) - 1) < 1e-4
+    return dist
+
+
+def _chi_square_pvalue(tokens, mask, dist):
+    counts = {}
+    for row, m in zip(np.asarray(tokens), np.asarray(mask)):
+        key = tuple(int(t) for t in row[m > 0])
+        assert key in dist, f"sampled {key}, impossible under the target"
+        counts[key] = counts.get(key, 0) + 1
+    n = len(tokens)
+    big = [k for k, p in dist.items() if p * n >= 5]
+    obs = np.array([counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)], np.float64)
+    exp = np.array([dist[k] * n for k in big] + [n - sum(dist[k] * n for k in big)], np.float64)
+    keep = exp > 0
+    chi2 = float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep]))
+    df = int(keep.sum()) - 1
+    return float(jax.scipy.special.gammaincc(df / 2.0, chi2 / 2.0)), df
+
+
+def _sample_small(params, spec, temperature, top_k, seed, draft=None):
+    prompt, pmask = _small_prompt()
+    extra = {}
+    if draft is not None:
+        d = jnp.broadcast_to(jnp.asarray(draft, jnp.int32), (N_SAMPLES, S_T))
+        extra = dict(draft_NxT=d, draft_len_N=jnp.full((N_SAMPLES,), len(draft), jnp.int32))
+    out, stats = sample_speculative(params, SMALL, prompt, pmask, jax.random.PRNGKey(seed), spec=spec,
+                                    group_size=N_SAMPLES, max_new_tokens=S_T, temperature=temperature, top_k=top_k,
+                                    eos_id=S_EOS, pad_id=PAD, **extra)
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def small_params():
+    return _params(SMALL, 1.5)
+
+
+CASES = [  # (drafter, temperature, top_k, reuse draft)
+    ("early_exit", 1.0, 0, None),
+    ("early_exit", 0.8, 3, None),
+    ("int8", 1.0, 0, None),
+    ("reuse", 1.0, 0, (3, 3, 1)),
+]
+
+
+@pytest.mark.parametrize("drafter,temperature,top_k,draft", CASES)
+def test_sampled_distribution_equals_enumeration(small_params, drafter, temperature, top_k, draft):
+    """12,000 speculative samples of 3-token completions (vocab 5, EOS inside it) against the exact
+    distribution by enumeration: chi-square p-value > 1e-3 (fixed seed). The drafts must really be
+    tested: a good share of them is rejected and a good share accepted."""
+    spec = _spec(drafter, max_draft=2, adaptive=False, reuse_width=3)
+    out, stats = _sample_small(small_params, spec, temperature, top_k, seed=11, draft=draft)
+    pvalue, df = _chi_square_pvalue(out.tokens_BxT, out.completion_mask_BxT,
+                                     _exact_distribution(small_params, temperature, top_k))
+    assert df >= 8
+    assert pvalue > 1e-3, (drafter, pvalue)
+    drafted, accepted = int(stats.drafted), int(stats.accepted)
+    assert drafted > 1000 and 0.05 < accepted / drafted < (1.0 if drafter == "int8" else 0.95), (accepted, drafted)
+
+
+_RIGHT_RULE = acceptance.verify_sampled
+
+
+def _wrong_residual(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None):
+    """A classic bug: at a rejection, draw from p instead of normalise(max(0, p - q))."""
+    a, _ = _RIGHT_RULE(rng, p, draft, drafted, q)
+    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
+    return acceptance.Verdict(a, acceptance.categorical(jax.random.fold_in(rng, 1), p_a))
+
+
+@pytest.mark.parametrize("drafter,draft", [("early_exit", None)])
+def test_chi_square_catches_a_wrong_acceptance_rule(small_params, monkeypatch, drafter, draft):
+    """The same test with the residual replaced by p (the most common speculative-sampling bug) fails
+    by a wide margin: the test has the power to tell a wrong rule from the right one."""
+    monkeypatch.setattr(acceptance, "verify_sampled", _wrong_residual)
+    jax.clear_caches()  # sample_speculative is jitted: retrace with the wrong rule
+    try:
+        out, _ = _sample_small(small_params, _spec(drafter, max_draft=2, adaptive=False, reuse_width=3), 1.0, 0, 11,
+                               draft)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    pvalue, _ = _chi_square_pvalue(out.tokens_BxT, out.completion_mask_BxT, _exact_distribution(small_params, 1.0, 0))
+    assert pvalue < 1e-6, pvalue
+
+
+# --- pieces -----------------------------------------------------------------------------------
+
+
+def test_point_mass_verification_by_hand():
+    """Reused draft tokens d1=1, d2=2 against p rows: accept d1 w.p. p0(1) = 0.9, d2 w.p. p1(2) = 0.25; at a
+    rejection of d2 the draw excludes token 2. Frequencies over 40,000 rows match the hand numbers."""
+    p = jnp.asarray([[0.05, 0.9, 0.05], [0.5, 0.25, 0.25], [0.2, 0.3, 0.5]], jnp.float32)
+    n = 40000
+    p_NxWxV = jnp.broadcast_to(p, (n, 3, 3))
+    draft = jnp.broadcast_to(jnp.asarray([0, 1, 2]), (n, 3))
+    drafted = jnp.broadcast_to(jnp.asarray([False, True, True]), (n, 3))
+    a, new = acceptance.verify_sampled(jax.random.PRNGKey(0), p_NxWxV, draft, drafted)
+    a, new = np.asarray(a), np.asarray(new)
+    np.testing.assert_allclose(np.mean(a == 0), 0.1, atol=0.01)
+    np.testing.assert_allclose(np.mean(a == 1), 0.9 * 0.75, atol=0.01)
+    np.testing.assert_allclose(np.mean(a == 2), 0.9 * 0.25, atol=0.01)
+    assert not np.any(new[a == 1] == 2)  # token 2 was just rejected there
+    np.testing.assert_allclose(np.mean(new[a == 1] == 0), 0.5 / 0.75, atol=0.015)
+    np.testing.assert_allclose(np.mean(new[a == 0] == 0), 0.05 / 0.1, atol=0.03)  # p0 without token 1
+    np.testing.assert_allclose(np.mean(new[a == 2] == 2), 0.5, atol=0.015)  # bonus from p2
+
+
+def test_draft_length_choice():
+    """Expected tokens per cost (1 - r^(k+1)) / (1 - r) / (1 + k c): at r=0.9, c=0.5 the best k is 3
+    (rates 1.267, 1.355, 1.3756, 1.3686); at r=0.3 no k beats a plain step (k=1: 1.3 / 1.5 < 1)."""
+    k, gain = choose_draft_length(jnp.float32(0.9), 4, 0.5, True)
+    assert int(k) == 3 and abs(float(gain) - (1 - 0.9**4) / 0.1 / 2.5) < 1e-5
+    k, gain = choose_draft_length(jnp.float32(0.3), 4, 0.5, True)
+    assert int(k) == 1 and float(gain) < 1
+    assert int(choose_draft_length(jnp.float32(0.3), 4, 0.5, False)[0]) == 4
+
+
+def test_int8_view_is_close_and_int8():
+    params = _params()
+    q = quantize_int8(params)
+    assert q["blocks"]["mlp"]["gate"][0].dtype == jnp.int8
+    for a, b in zip(jax.tree.leaves(dequantize(q)), jax.tree.leaves(params)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=float(jnp.max(jnp.abs(b))) / 127 * 0.51 + 1e-7)
+
+
+def test_speculative_config_errors_name_the_field():
+    from jaxrl.config import Config, override
+
+    with pytest.raises(ConfigError, match=r"rollout\.speculative\.drafter"):
+        override(Config(), "rollout.speculative.drafter", "medusa").validate()
+    with pytest.raises(ConfigError, match=r"rollout\.speculative\.max_draft"):
+        override(Config(), "rollout.speculative.max_draft", "0").validate()
+    with pytest.raises(ValueError, match=r"draft_layers"):
+        _run(_params(), CFG, _spec("early_exit", draft_layers=2), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"draft_NxT"):
+        _run(_params(), CFG, _spec("reuse"), jax.random.PRNGKey(0))
