@@ -58,6 +58,7 @@ class MoESpec:
     expert_axis: Optional[str] = "expert"
     norm_topk: bool = True  # renormalise the k chosen router scores to sum to 1
     shared_gate: bool = False  # shared experts' output scaled by sigmoid(x @ w_shared_gate_Dx1)
+    attn_opts: AttnOptions = AttnOptions()  # the attention variant of every block of the MoE decoder
 
 
 class MoEStats(NamedTuple):
@@ -265,7 +266,10 @@ class MoEBlock(nn.Module):
     eps: float
     spec: MoESpec
     dtype: Any = jnp.float32
-    attn_opts: AttnOptions = AttnOptions()
+
+    @property
+    def attn_opts(self) -> AttnOptions:
+        return self.spec.attn_opts
 
     @nn.compact
     def __call__(self, carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT):
@@ -293,16 +297,15 @@ class BlockGroup(nn.Module):
     spec: MoESpec
     n_dense: int
     dtype: Any = jnp.float32
-    attn_opts: AttnOptions = AttnOptions()
 
     @nn.compact
     def __call__(self, carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT):
         for j in range(self.n_dense):
             carry, _ = Block(self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.mlp_dim,
-                             self.rope_theta, self.eps, self.dtype, self.attn_opts, name=f"dense_{j}")(
+                             self.rope_theta, self.eps, self.dtype, self.spec.attn_opts, name=f"dense_{j}")(
                 carry, positions_BxT, key_valid_BxS, index)
         block = MoEBlock(self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.rope_theta, self.eps,
-                         self.spec, self.dtype, self.attn_opts, name="moe")
+                         self.spec, self.dtype, name="moe")
         return block(carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT)
 
 

@@ -53,11 +53,11 @@ class MoEOut(NamedTuple):
 def moe_spec(cfg: ModelConfig) -> MoESpec:
     return MoESpec(cfg.n_experts, cfg.experts_per_token, cfg.expert_mlp_dim or cfg.mlp_dim, cfg.n_shared_experts,
                    cfg.router, cfg.moe_dispatch, cfg.capacity_factor, norm_topk=cfg.router_norm_topk,
-                   shared_gate=cfg.shared_expert_gate)
+                   shared_gate=cfg.shared_expert_gate, attn_opts=attn_options(cfg))
 
 
 def attn_options(cfg: ModelConfig) -> AttnOptions:
-    """The attention variant of `cfg` (every Block / MoEBlock / BlockGroup must be built with it)."""
+    """The attention variant of `cfg`: every Block must be built with it (MoE blocks read it from moe_spec)."""
     llama3 = None
     if cfg.rope_scaling == "llama3":
         llama3 = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
@@ -122,7 +122,7 @@ class Transformer(nn.Module):
         groups = nn.scan(BlockGroup, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=in_axes,
                          length=cfg.n_layers // cfg.moe_every, metadata_params={nn.PARTITION_NAME: "layers"})(
             cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps,
-            moe_spec(cfg), cfg.moe_every - 1, dtype, attn_options(cfg), name="blocks")
+            moe_spec(cfg), cfg.moe_every - 1, dtype, name="blocks")
         (x_BxTxD, kv, _), st = groups((x_BxTxD, kv, jnp.zeros((), jnp.int32)), replay_LxBxTxK, positions_BxT,
                                       key_valid_BxS, index, moe_mask_BxT)
         moe = MoEOut(jnp.mean(st.aux_loss), jnp.mean(st.z_loss), jnp.mean(st.dropped_frac), st.experts_NxK,
@@ -333,13 +333,12 @@ def decode_step_layers_routed(lparams, cfg: ModelConfig, token_B, cache: LayerCa
     positions_Bx1 = cache.pos_B[:, None]
     x_Bx1xD = jnp.take(lparams["embedding"], token_B[:, None].astype(jnp.int32), axis=0).astype(dtype)
     block = Block(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype)
-    block, opts = block.clone(attn_opts=attn_options(cfg)), attn_options(cfg)
+    block = block.clone(attn_opts=attn_options(cfg))  # MoEBlock gets its attention options from moe_spec(cfg)
     layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
     kv_out, experts = [], []
     if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer, as in the scanned forward
         moe_block = MoEBlock(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps,
                              moe_spec(cfg), dtype)
-        moe_block = moe_block.clone(attn_opts=opts)
         live_Bx1 = jnp.ones((B, 1), bool)
         for g, p_g in enumerate(lparams["blocks"]):
             for j in range(cfg.moe_every):
