@@ -127,9 +127,18 @@ class DataConfig:
     skip_long_prompts: bool = False
     data_dir: str = ""  # "" -> $JAXRL_DATA_DIR or ~/.cache/jaxrl/tfds
     seed: int = 0
+    # task="math_jsonl" (jaxrl.data.math_jsonl): local GSM8K-style JSONL files and the prompt format.
+    train_file: str = ""
+    test_file: str = ""  # "" -> the last num_test lines of train_file are held out
+    prompt_template: str = "{question}"
 
     def validate(self, prefix: str = "data") -> None:
-        _check(self.task in ("arithmetic", "countdown"), f"{prefix}.task", "'arithmetic' or 'countdown'", self.task)
+        _check(self.task in ("arithmetic", "countdown", "math_jsonl"), f"{prefix}.task",
+               "'arithmetic', 'countdown' or 'math_jsonl'", self.task)
+        _check(self.task != "math_jsonl" or bool(self.train_file), f"{prefix}.train_file",
+               "a JSONL file when task='math_jsonl'", self.train_file)
+        _check("{question}" in self.prompt_template, f"{prefix}.prompt_template", "a string containing '{question}'",
+               self.prompt_template)
         _check(1 <= self.digits <= 6, f"{prefix}.digits", "an integer in [1, 6]", self.digits)
         _check(len(self.operations) > 0 and set(self.operations) <= set("+-*"), f"{prefix}.operations",
                "a non-empty string over '+-*'", self.operations)
