@@ -212,3 +212,16 @@ def test_unsupported_architecture_and_config_keys_are_named(models, tmp_path):
         hf.model_config({**moe, "mlp_only_layers": [0]})
     with pytest.raises(hf.CheckpointError, match="decoder_sparse_step=3 must divide num_hidden_layers=2"):
         hf.model_config({**moe, "decoder_sparse_step": 3})
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rope_scaling", "yarn", "model.rope_scaling: got 'yarn', expected 'none' or 'llama3'"),
+    ("rope_high_freq_factor", 0.5, "model.rope_high_freq_factor: got 0.5, expected a number > rope_low_freq_factor"),
+    ("rope_original_max_len", 0, "model.rope_original_max_len: got 0"),
+    ("shared_expert_gate", True, "model.shared_expert_gate: got True, expected False unless n_shared_experts > 0"),
+])
+def test_new_model_fields_are_validated(field, value, match):
+    from jaxrl.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match=match):
+        dataclasses.replace(ModelConfig(), **{field: value}).validate()

@@ -149,3 +149,21 @@ def test_loading_onto_an_8_device_mesh(stand_in, tmp_path, cache_env):
     assert len(result) == 2
     for key, r in result.items():
         assert r["same"] and r["diff"] <= 1e-5 and r["split"] > 0, (key, r)
+
+
+def test_math_jsonl_config_errors_name_the_field(tmp_path):
+    from jaxrl.config import ConfigError
+    from jaxrl.data.tasks import load_task
+
+    with pytest.raises(ConfigError, match="data.prompt_template: got 'Q:', expected a string containing"):
+        load_config(RECIPE, ["data.prompt_template=Q:"])
+    with pytest.raises(ConfigError, match="data.train_file: got '', expected a JSONL file"):
+        load_config(RECIPE, ["data.train_file="])
+    cfg = load_config(RECIPE, [f"data.train_file={tmp_path / 'nope.jsonl'}"])
+    with pytest.raises(ConfigError, match="data.train_file: file .*nope.jsonl' not found"):
+        load_task(cfg.data, data_dir=str(tmp_path / "tfds"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 1"}\n{"q": 1}\n')
+    cfg = load_config(RECIPE, [f"data.train_file={bad}", "data.test_file="])
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: expected an object with string 'question' and 'answer'"):
+        load_task(cfg.data, data_dir=str(tmp_path / "tfds"))
