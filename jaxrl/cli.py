@@ -31,6 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--init-timeout", type=int, default=None, metavar="SECONDS",
                    help="give up (nonzero exit) if not all processes joined by then (env JAXRL_INIT_TIMEOUT, "
                         "default 300)")
+    c = sub.add_parser("convert", help="convert checkpoints: Hugging Face -> jaxrl (--from-hf/--to) or "
+                       "jaxrl -> Hugging Face (--from/--to-hf)")
+    c.add_argument("--from-hf", dest="from_hf", default=None, metavar="DIR", help="a Hugging Face checkpoint directory")
+    c.add_argument("--to", default=None, metavar="DIR", help="where the jaxrl checkpoint goes (use as model.hf_path)")
+    c.add_argument("--from", dest="from_", default=None, metavar="DIR",
+                   help="a `convert --from-hf` output, or a run directory (its newest checkpoint)")
+    c.add_argument("--to-hf", dest="to_hf", default=None, metavar="DIR", help="where the Hugging Face checkpoint goes")
+    c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--to-hf tensor dtype")
+    c.add_argument("--max-shard-mb", type=int, default=0, metavar="MB",
+                   help="--to-hf: split the safetensors into shards of at most this size (0: one file)")
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
     v.add_argument("--configs", default=None, help="directory searched for <preset>_arithmetic.py "
                    "(default: the repository's configs/)")
@@ -106,6 +116,17 @@ def main(argv: list[str] | None = None) -> int:
             from jaxrl.train.loop import train  # heavy imports only once the config is known good
 
             train(cfg, workdir)
+            return 0
+        if args.command == "convert":
+            from jaxrl.train import pretrained
+
+            if bool(args.from_hf) == bool(args.from_) or bool(args.from_hf) != bool(args.to) or \
+                    bool(args.from_) != bool(args.to_hf):
+                raise UserError("convert: give either --from-hf DIR --to DIR, or --from DIR --to-hf DIR")
+            if args.from_hf:
+                pretrained.convert_from_hf(args.from_hf, args.to)
+            else:
+                pretrained.convert_to_hf(args.from_, args.to_hf, args.dtype, args.max_shard_mb * 2**20)
             return 0
         if args.command == "variants":
             print(variants_table(args.configs))

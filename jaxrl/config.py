@@ -51,6 +51,19 @@ class ModelConfig:
     capacity_factor: float = 1.25
     moe_aux_coef: float = 0.01
     moe_z_coef: float = 0.001
+    # What real checkpoints add (jaxrl.models.hf maps them from config.json); defaults: the plain model.
+    qkv_bias: bool = False  # q/k/v projections have a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim of each query/key head before RoPE (Qwen3)
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's frequency rescale, with the four fields below)
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    router_norm_topk: bool = True  # renormalise the top-k router gates to sum to 1 (False: Qwen2-MoE)
+    shared_expert_gate: bool = False  # shared experts scaled by sigmoid(x @ w_Dx1) (Qwen2-MoE)
+    # A local Hugging Face checkpoint directory: when set, `jaxrl train` takes the architecture fields
+    # from its config.json and the initial params from its safetensors (see jaxrl.models.hf).
+    hf_path: str = ""
 
     @property
     def n_moe_layers(self) -> int:
@@ -67,6 +80,21 @@ class ModelConfig:
         _check(self.rope_theta > 0, f"{prefix}.rope_theta", "a positive number", self.rope_theta)
         _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "'float32' or 'bfloat16'", self.dtype)
         self._validate_moe(prefix)
+        self._validate_checkpoint_features(prefix)
+
+    def _validate_checkpoint_features(self, prefix: str) -> None:
+        _check(self.rope_scaling in ("none", "llama3"), f"{prefix}.rope_scaling", "'none' or 'llama3'",
+               self.rope_scaling)
+        _check(self.rope_scaling_factor >= 1, f"{prefix}.rope_scaling_factor", "a number >= 1",
+               self.rope_scaling_factor)
+        _check(self.rope_low_freq_factor > 0, f"{prefix}.rope_low_freq_factor", "a positive number",
+               self.rope_low_freq_factor)
+        _check(self.rope_high_freq_factor > self.rope_low_freq_factor, f"{prefix}.rope_high_freq_factor",
+               f"a number > rope_low_freq_factor={self.rope_low_freq_factor}", self.rope_high_freq_factor)
+        _check(self.rope_original_max_len > 0, f"{prefix}.rope_original_max_len", "a positive integer",
+               self.rope_original_max_len)
+        _check(not self.shared_expert_gate or self.n_shared_experts > 0, f"{prefix}.shared_expert_gate",
+               "False unless n_shared_experts > 0", self.shared_expert_gate)
 
     def _validate_moe(self, prefix: str) -> None:
         _check(self.n_experts >= 0, f"{prefix}.n_experts", "0 (dense) or a positive integer", self.n_experts)
@@ -99,9 +127,18 @@ class DataConfig:
     skip_long_prompts: bool = False
     data_dir: str = ""  # "" -> $JAXRL_DATA_DIR or ~/.cache/jaxrl/tfds
     seed: int = 0
+    # task="math_jsonl" (jaxrl.data.math_jsonl): local GSM8K-style JSONL files and the prompt format.
+    train_file: str = ""
+    test_file: str = ""  # "" -> the last num_test lines of train_file are held out
+    prompt_template: str = "{question}"
 
     def validate(self, prefix: str = "data") -> None:
-        _check(self.task in ("arithmetic", "countdown"), f"{prefix}.task", "'arithmetic' or 'countdown'", self.task)
+        _check(self.task in ("arithmetic", "countdown", "math_jsonl"), f"{prefix}.task",
+               "'arithmetic', 'countdown' or 'math_jsonl'", self.task)
+        _check(self.task != "math_jsonl" or bool(self.train_file), f"{prefix}.train_file",
+               "a JSONL file when task='math_jsonl'", self.train_file)
+        _check("{question}" in self.prompt_template, f"{prefix}.prompt_template", "a string containing '{question}'",
+               self.prompt_template)
         _check(1 <= self.digits <= 6, f"{prefix}.digits", "an integer in [1, 6]", self.digits)
         _check(len(self.operations) > 0 and set(self.operations) <= set("+-*"), f"{prefix}.operations",
                "a non-empty string over '+-*'", self.operations)

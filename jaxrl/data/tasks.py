@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 from typing import Any, Iterator
@@ -17,7 +19,7 @@ from typing import Any, Iterator
 import tensorflow_datasets as tfds
 
 from jaxrl.config import ConfigError, DataConfig
-from jaxrl.data import arithmetic, countdown
+from jaxrl.data import arithmetic, countdown, math_jsonl
 from jaxrl.data.rewards import VERIFIERS, Verifier
 
 FEATURES = ("id", "prompt", "answer", "info")
@@ -71,7 +73,13 @@ class JaxrlCountdown(_TaskBuilder, skip_registration=True):
         return countdown.generate_splits
 
 
-_BUILDERS = {"arithmetic": JaxrlArithmetic, "countdown": JaxrlCountdown}
+class JaxrlMathJsonl(_TaskBuilder, skip_registration=True):
+    def _generator(self):
+        return math_jsonl.generate_splits
+
+
+_BUILDERS = {"arithmetic": JaxrlArithmetic, "countdown": JaxrlCountdown, "math_jsonl": JaxrlMathJsonl}
+_VERIFIERS = {**VERIFIERS, "math_jsonl": math_jsonl.verify_math_answer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +120,13 @@ def task_params(cfg: DataConfig) -> dict:
     if cfg.task not in _BUILDERS:
         raise ConfigError(f"data.task: got {cfg.task!r}, expected one of {sorted(_BUILDERS)}")
     arithmetic.check_sizes(cfg.num_train, cfg.num_test)
+    if cfg.task == "math_jsonl":  # local files: the config name is their content hash
+        files = [os.path.abspath(os.path.expanduser(f)) if f else "" for f in (cfg.train_file, cfg.test_file)]
+        for field, f in zip(("data.train_file", "data.test_file"), files):
+            if f and not os.path.isfile(f):
+                raise ConfigError(f"{field}: file {f!r} not found")
+        return dict(train_file=files[0], test_file=files[1], prompt_template=cfg.prompt_template,
+                    num_train=cfg.num_train, num_test=cfg.num_test, digest=math_jsonl.digest(*files))
     allowed = countdown.OPERATIONS if cfg.task == "countdown" else arithmetic.OPERATIONS
     ops = arithmetic.canonical_operations(cfg.operations, allowed)
     if cfg.task == "arithmetic":  # fail before TFDS creates any folder
@@ -121,6 +136,9 @@ def task_params(cfg: DataConfig) -> dict:
 
 def config_name(params: dict) -> str:
     """A path-safe name holding every parameter, e.g. 'd2-add-sub-train20000-test500-seed0'."""
+    if "digest" in params:  # math_jsonl: files + template + sizes, hashed
+        key = json.dumps({k: v for k, v in params.items() if k not in ("train_file", "test_file")}, sort_keys=True)
+        return f"jsonl-{params['digest']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     ops = "-".join(_OP_NAMES[op] for op in params["operations"])
     extra = "".join(f"-{k}{v}" for k, v in sorted(params.items())
                     if k not in ("digits", "operations", "num_train", "num_test", "seed"))
@@ -157,7 +175,7 @@ def load_task(cfg: DataConfig, data_dir: str | None = None) -> TaskData:
         if len(splits[split]) == 0:
             field = "data.num_train" if split == "train" else "data.num_test"
             raise ConfigError(f"{field}: the {split} split of {cfg.task} is empty")
-    return TaskData(cfg.task, splits["train"], splits["test"], VERIFIERS[cfg.task], os.fspath(builder.data_dir))
+    return TaskData(cfg.task, splits["train"], splits["test"], _VERIFIERS[cfg.task], os.fspath(builder.data_dir))
 
 
 @contextlib.contextmanager

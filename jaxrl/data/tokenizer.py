@@ -80,7 +80,7 @@ def encode_prompts(
     record_ids: list[str],
     pad_to: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, list[int], int]:
-    """BOS + prompt for each prompt, LEFT-padded with PAD so every prompt ends at the last column
+    """BOS + prompt for each prompt (no BOS for a tokenizer with `add_bos` False, e.g. Qwen's), LEFT-padded with PAD so every prompt ends at the last column
     (generation then continues from the same position for the whole batch).
 
     Returns (tokens_BxP int32, mask_BxP bool, kept_indices, n_skipped). P is the longest kept prompt,
@@ -94,7 +94,7 @@ def encode_prompts(
     kept_indices: list[int] = []
     n_skipped = 0
     for i, (prompt, rid) in enumerate(zip(prompts, record_ids)):
-        ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+        ids = ([tokenizer.bos_id] if getattr(tokenizer, "add_bos", True) else []) + tokenizer.encode(prompt)
         if len(ids) > max_prompt_len:
             if skip_long:
                 n_skipped += 1

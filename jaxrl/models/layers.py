@@ -10,6 +10,8 @@ logical axis names; activations run in `dtype`, with softmax and norms accumulat
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -59,19 +61,48 @@ class RMSNorm(nn.Module):
     dim: int
     eps: float
     dtype: Any = jnp.float32
+    axis: str = "embed"  # the logical name of the normalised (last) axis
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        scale_D = logical_param(self, "scale", (self.dim,), ("embed",), None)
+        scale_D = logical_param(self, "scale", (self.dim,), (self.axis,), None)
         x = x_BxTxD.astype(jnp.float32)
         x = x * lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
         return (x * scale_D).astype(self.dtype)
 
 
-def apply_rope(x_BxTxNxHd: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class AttnOptions:
+    """What some checkpoints' attention adds to the plain decoder; the defaults are the plain one.
+
+    qkv_bias: q/k/v projections have a bias (Qwen2). qk_norm: RMSNorm over head_dim of each query and
+    key head before RoPE (Qwen3). rope_llama3: (factor, low_freq_factor, high_freq_factor,
+    original_max_len) of Llama 3's RoPE frequency rescale, or None.
+    """
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_llama3: Optional[Tuple[float, float, float, float]] = None
+
+
+def rope_inv_freq(head_dim: int, theta: float, llama3: Optional[Tuple[float, float, float, float]] = None):
+    """inv_freq_Hd2: the rotation speed of each pair. With `llama3` = (factor, low, high, L0): pairs
+    whose wavelength 2pi/f is longer than L0/low are slowed by `factor`, those shorter than L0/high
+    kept, and those in between blended linearly in L0/wavelength (Llama 3.1's long-context rescale)."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original_len = llama3
+    periods = original_len * inv_freq / (2 * math.pi)  # = L0 / wavelength
+    blend = jnp.clip((periods - low) / (high - low), 0.0, 1.0)  # 0: slow pair, 1: fast pair
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def apply_rope(x_BxTxNxHd: jax.Array, positions_BxT: jax.Array, theta: float,
+               llama3: Optional[Tuple[float, float, float, float]] = None) -> jax.Array:
     """Rotate-half RoPE (the Llama/Qwen HF convention, so converted checkpoints line up)."""
     hd = x_BxTxNxHd.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    inv_freq = rope_inv_freq(hd, theta, llama3)
     angle_BxTx1xHd2 = (positions_BxT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
     sin, cos = jnp.sin(angle_BxTx1xHd2), jnp.cos(angle_BxTx1xHd2)
     x1, x2 = jnp.split(x_BxTxNxHd.astype(jnp.float32), 2, axis=-1)
@@ -95,6 +126,8 @@ class Attention(nn.Module):
     d_model: int
     rope_theta: float
     dtype: Any = jnp.float32
+    opts: AttnOptions = AttnOptions()
+    eps: float = 1e-6  # of the q/k norms (opts.qk_norm)
 
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, key_valid_BxS, index, kv: Optional[KV], layer):
@@ -110,8 +143,16 @@ class Attention(nn.Module):
         q_BxTxHxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_q_DxHxHd))
         k_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_k_DxKxHd))
         v_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_v_DxKxHd))
-        q_BxTxHxHd = apply_rope(q_BxTxHxHd, positions_BxT, self.rope_theta) * jnp.asarray(Hd**-0.5, self.dtype)
-        k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta)
+        if self.opts.qkv_bias:  # zeros at init
+            q_BxTxHxHd = q_BxTxHxHd + cast(logical_param(self, "q_bias", (H, Hd), ("heads", "head_dim"), 0.0))
+            k_BxTxKxHd = k_BxTxKxHd + cast(logical_param(self, "k_bias", (K, Hd), ("kv_heads", "head_dim"), 0.0))
+            v_BxTxKxHd = v_BxTxKxHd + cast(logical_param(self, "v_bias", (K, Hd), ("kv_heads", "head_dim"), 0.0))
+        if self.opts.qk_norm:
+            q_BxTxHxHd = RMSNorm(Hd, self.eps, self.dtype, "head_dim", name="q_norm")(q_BxTxHxHd)
+            k_BxTxKxHd = RMSNorm(Hd, self.eps, self.dtype, "head_dim", name="k_norm")(k_BxTxKxHd)
+        llama3 = self.opts.rope_llama3
+        q_BxTxHxHd = apply_rope(q_BxTxHxHd, positions_BxT, self.rope_theta, llama3) * jnp.asarray(Hd**-0.5, self.dtype)
+        k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta, llama3)
 
         if kv is not None and kv[0].ndim == 4:  # LayerKV: this layer's own kv-head-major buffers
             start = (0, 0, index, 0)
@@ -196,7 +237,7 @@ def attention_residual(block: nn.Module, x_BxTxD, positions_BxT, key_valid_BxS, 
     shared first half of every decoder block (call it from a compact `__call__`)."""
     h_BxTxD = RMSNorm(block.d_model, block.eps, block.dtype, name="attn_norm")(x_BxTxD)
     attn = Attention(block.n_heads, block.n_kv_heads, block.head_dim, block.d_model, block.rope_theta, block.dtype,
-                     name="attn")
+                     block.attn_opts, block.eps, name="attn")
     a_BxTxD, kv = attn(h_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer)
     return x_BxTxD + a_BxTxD, kv
 
@@ -216,6 +257,7 @@ class Block(nn.Module):
     rope_theta: float
     eps: float
     dtype: Any = jnp.float32
+    attn_opts: AttnOptions = AttnOptions()
 
     @nn.compact
     def __call__(self, carry, positions_BxT, key_valid_BxS, index):

@@ -6,7 +6,9 @@ S = N*K token-slots (one per (token, chosen expert) pair).
 
 Router: `softmax` takes the top-k of softmax(logits) and renormalises the k gates to sum to 1 (the
 Qwen3-MoE convention); `sigmoid` takes the top-k of sigmoid(logits) and renormalises likewise
-(DeepSeek-V3 style gates, without its bias-based balancing). Dispatch:
+(DeepSeek-V3 style gates, without its bias-based balancing). `MoESpec.norm_topk=False` keeps the k
+scores as they are (Qwen2-MoE). Shared experts may be scaled per token by sigmoid(x @ w_Dx1)
+(`MoESpec.shared_gate`, Qwen2-MoE's shared_expert_gate). Dispatch:
   dropless  sort the token-slots by expert and run grouped matmuls (`lax.ragged_dot`, or on CPU
             expert groups padded to blocks, see `grouped_mlp`); nothing is dropped.
   capacity  each expert takes at most C = ceil(capacity_factor * N * K / E) slots, first choices of
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.models import grouped_mlp
-from jaxrl.models.layers import MLP, Block, RMSNorm, attention_residual, logical_param
+from jaxrl.models.layers import MLP, AttnOptions, Block, RMSNorm, attention_residual, logical_param
 
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity", "naive")
@@ -54,6 +56,9 @@ class MoESpec:
     # (`jax.set_mesh`) whose axis of this name has size > 1 and the tokens divide over it, dispatch is
     # `dispatch_expert_parallel` (all_to_all); None, or no such mesh axis, keeps one-device dropless.
     expert_axis: Optional[str] = "expert"
+    norm_topk: bool = True  # renormalise the k chosen router scores to sum to 1
+    shared_gate: bool = False  # shared experts' output scaled by sigmoid(x @ w_shared_gate_Dx1)
+    attn_opts: AttnOptions = AttnOptions()  # the attention variant of every block of the MoE decoder
 
 
 class MoEStats(NamedTuple):
@@ -68,13 +73,16 @@ def capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float) -> i
     return max(1, math.ceil(capacity_factor * n_tokens * k / n_experts))
 
 
-def route(logits_NxE: jax.Array, k: int, router: str, replay_NxK: Optional[jax.Array] = None):
-    """-> (gates_NxK float32 summing to 1, experts_NxK int32 used, topk_NxK int32, scores_NxE)."""
+def route(logits_NxE: jax.Array, k: int, router: str, replay_NxK: Optional[jax.Array] = None,
+          norm_topk: bool = True):
+    """-> (gates_NxK float32 (summing to 1 if norm_topk), experts_NxK int32 used, topk_NxK int32, scores_NxE)."""
     logits_NxE = logits_NxE.astype(jnp.float32)
     scores_NxE = jax.nn.softmax(logits_NxE, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits_NxE)
     topk_NxK = lax.top_k(scores_NxE, k)[1].astype(jnp.int32)
     experts_NxK = topk_NxK if replay_NxK is None else replay_NxK.astype(jnp.int32)
     chosen_NxK = jnp.take_along_axis(scores_NxE, experts_NxK, axis=-1)
+    if not norm_topk:
+        return chosen_NxK, experts_NxK, topk_NxK, scores_NxE
     gates_NxK = chosen_NxK / jnp.maximum(jnp.sum(chosen_NxK, axis=-1, keepdims=True), 1e-20)
     return gates_NxK, experts_NxK, topk_NxK, scores_NxE
 
@@ -214,7 +222,7 @@ class MoE(nn.Module):
         mask_N = mask_BxT.reshape(B * T)
         replay_NxK = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, K)
         logits_NxE = x_NxD.astype(jnp.float32) @ w_router_DxE
-        gates_NxK, experts_NxK, topk_NxK, scores_NxE = route(logits_NxE, K, s.router, replay_NxK)
+        gates_NxK, experts_NxK, topk_NxK, scores_NxE = route(logits_NxE, K, s.router, replay_NxK, s.norm_topk)
         ws = tuple(w.astype(self.dtype) for w in (w_gate, w_up, w_down))
         dropped = jnp.zeros((), jnp.float32)
         if s.dispatch == "dropless":
@@ -237,7 +245,11 @@ class MoE(nn.Module):
             raise ValueError(f"moe dispatch {s.dispatch!r}: expected one of {DISPATCHES}")
         y_BxTxD = y_NxD.reshape(B, T, D)
         if s.n_shared_experts:
-            y_BxTxD = y_BxTxD + MLP(D, s.n_shared_experts * F, self.dtype, name="shared")(x_BxTxD)
+            shared_BxTxD = MLP(D, s.n_shared_experts * F, self.dtype, name="shared")(x_BxTxD)
+            if s.shared_gate:
+                w_sg_Dx1 = logical_param(self, "shared_gate", (D, 1), ("embed", None), D**-0.5)
+                shared_BxTxD = shared_BxTxD * jax.nn.sigmoid(x_BxTxD @ w_sg_Dx1.astype(self.dtype))
+            y_BxTxD = y_BxTxD + shared_BxTxD
         stats = MoEStats(load_balance_loss(scores_NxE, experts_NxK, mask_N, s.router),
                          router_z_loss(logits_NxE, mask_N), dropped, experts_NxK, topk_NxK)
         return y_BxTxD, stats
@@ -254,6 +266,10 @@ class MoEBlock(nn.Module):
     eps: float
     spec: MoESpec
     dtype: Any = jnp.float32
+
+    @property
+    def attn_opts(self) -> AttnOptions:
+        return self.spec.attn_opts
 
     @nn.compact
     def __call__(self, carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT):
@@ -286,7 +302,7 @@ class BlockGroup(nn.Module):
     def __call__(self, carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT):
         for j in range(self.n_dense):
             carry, _ = Block(self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.mlp_dim,
-                             self.rope_theta, self.eps, self.dtype, name=f"dense_{j}")(
+                             self.rope_theta, self.eps, self.dtype, self.spec.attn_opts, name=f"dense_{j}")(
                 carry, positions_BxT, key_valid_BxS, index)
         block = MoEBlock(self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.rope_theta, self.eps,
                          self.spec, self.dtype, name="moe")

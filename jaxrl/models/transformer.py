@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.layers import KV, Block, RMSNorm, ScaledParam, init_value, logical_param
+from jaxrl.models.layers import KV, AttnOptions, Block, RMSNorm, ScaledParam, init_value, logical_param
 from jaxrl.models.moe import BlockGroup, MoEBlock, MoESpec
 
 LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert")
@@ -52,7 +52,17 @@ class MoEOut(NamedTuple):
 
 def moe_spec(cfg: ModelConfig) -> MoESpec:
     return MoESpec(cfg.n_experts, cfg.experts_per_token, cfg.expert_mlp_dim or cfg.mlp_dim, cfg.n_shared_experts,
-                   cfg.router, cfg.moe_dispatch, cfg.capacity_factor)
+                   cfg.router, cfg.moe_dispatch, cfg.capacity_factor, norm_topk=cfg.router_norm_topk,
+                   shared_gate=cfg.shared_expert_gate, attn_opts=attn_options(cfg))
+
+
+def attn_options(cfg: ModelConfig) -> AttnOptions:
+    """The attention variant of `cfg`: every Block must be built with it (MoE blocks read it from moe_spec)."""
+    llama3 = None
+    if cfg.rope_scaling == "llama3":
+        llama3 = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                  float(cfg.rope_original_max_len))
+    return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3)
 
 
 class Transformer(nn.Module):
@@ -97,7 +107,7 @@ class Transformer(nn.Module):
                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})(
             D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype,
-            name="blocks")
+            attn_options(cfg), name="blocks")
         (x_BxTxD, kv, _), _ = blocks((x_BxTxD, kv, jnp.zeros((), jnp.int32)), positions_BxT, key_valid_BxS, index)
         return x_BxTxD, kv
 
@@ -335,6 +345,7 @@ def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, inde
     positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
     x_BxTxD = jnp.take(lparams["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(dtype)
     block = Block(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype)
+    block = block.clone(attn_opts=attn_options(cfg))  # MoEBlock gets its attention options from moe_spec(cfg)
     layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
     kv_out, experts = list(cache.kv), []
     if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer, as in the scanned forward

@@ -37,6 +37,7 @@ from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.batching import decode_completions, next_prompts, prompt_width
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.metrics import MetricsLog, plot
+from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.warmstart import load_or_train_base
@@ -64,6 +65,9 @@ def _build(cfg: Config, progress: bool, mesh, preset):
         task = task or load_task(cfg.data)
     else:
         task = load_task(cfg.data)
+    if cfg.model.hf_path:  # a pretrained checkpoint brings its tokenizer, architecture and weights
+        tokenizer, model_cfg, base_params, base_path, param_sh = load_pretrained(cfg.model, mesh, preset)
+        return tokenizer, model_cfg, task, base_params, base_path, param_sh
     # eval_shape -> shardings: the cached base policy is restored straight into its sharded layout.
     abstract_params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
     param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract_params)

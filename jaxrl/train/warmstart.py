@@ -22,7 +22,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from jaxrl.config import Config, ModelConfig
+from jaxrl.config import Config, DataConfig, ModelConfig
 from jaxrl.data.stream import StreamState
 from jaxrl.data.teachers import fallible_answer
 from jaxrl.models.transformer import init_params, token_logprobs
@@ -34,18 +34,28 @@ _DENSE_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_hea
                        "rope_theta", "norm_eps", "tie_embeddings", "max_seq_len", "dtype")
 
 
+def _without_new_defaults(section, default) -> dict:
+    """asdict(section) minus fields added later (Hugging Face interop) that still hold their default,
+    so cache keys made before those fields existed stay valid."""
+    later = ("qkv_bias", "qk_norm", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
+             "rope_high_freq_factor", "rope_original_max_len", "router_norm_topk", "shared_expert_gate", "hf_path",
+             "train_file", "test_file", "prompt_template")
+    return {k: v for k, v in dataclasses.asdict(section).items()
+            if k not in later or v != getattr(default, k)}
+
+
 def cache_root(cfg: Config) -> pathlib.Path:
     root = cfg.warmstart.cache_dir or os.environ.get("JAXRL_CACHE_DIR") or "~/.cache/jaxrl/warmstart"
     return pathlib.Path(root).expanduser()
 
 
 def cache_key(cfg: Config, model_cfg: ModelConfig, vocab: str) -> str:
-    model = dataclasses.asdict(model_cfg)
+    model = _without_new_defaults(model_cfg, ModelConfig())
     if not model_cfg.n_experts:  # a dense model's key must not change when MoE fields are added
         model = {k: v for k, v in model.items() if k in _DENSE_MODEL_FIELDS}
     what = {
         "model": model,
-        "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "data_dir"},
+        "data": {k: v for k, v in _without_new_defaults(cfg.data, DataConfig()).items() if k != "data_dir"},
         "warmstart": {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k != "cache_dir"},
         "answer_width": cfg.rollout.max_new_tokens,
         "seed": cfg.train.seed,
