@@ -161,7 +161,12 @@ class SpeculativeConfig:
     draft_layers: int = 1  # early_exit: blocks the drafter runs
     max_draft: int = 4  # most tokens drafted per verification (the verify forward's static width - 1)
     adaptive: bool = True  # pick the draft length from the measured acceptance (else always max_draft)
-    draft_cost: float = 0.5  # a draft step's cost relative to a verify step (for the adaptive choice)
+    # Costs relative to one plain decode step, for the adaptive choice: a verify forward (with its
+    # bookkeeping) and each drafted token. 1.0 / 0.5 suit memory-bound decoding (accelerators, big
+    # models); on this repo's 2-core CPU with the embedded model benchmarks/speculative.py measured
+    # far higher (see benchmarks/README.md), so speculation stays off there unless told otherwise.
+    verify_cost: float = 1.0
+    draft_cost: float = 0.5
     initial_acceptance: float = 0.7  # the acceptance estimate before any is measured
     max_active_rows: int = 1024  # speculate only while at most this many rows are still decoding
     reuse_width: int = 8  # reuse: drafted tokens verified per forward
@@ -174,6 +179,7 @@ class SpeculativeConfig:
         _check(self.draft_layers > 0, f"{prefix}.draft_layers", "a positive integer", self.draft_layers)
         _check(self.max_draft > 0, f"{prefix}.max_draft", "a positive integer", self.max_draft)
         _check(self.draft_cost > 0, f"{prefix}.draft_cost", "a positive number", self.draft_cost)
+        _check(self.verify_cost > 0, f"{prefix}.verify_cost", "a positive number", self.verify_cost)
         _check(0 < self.initial_acceptance < 1, f"{prefix}.initial_acceptance", "a number in (0, 1)",
                self.initial_acceptance)
         _check(self.max_active_rows > 0, f"{prefix}.max_active_rows", "a positive integer", self.max_active_rows)

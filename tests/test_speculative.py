@@ -251,6 +251,9 @@ def test_draft_length_choice():
     k, gain = choose_draft_length(jnp.float32(0.3), 4, 0.5, True)
     assert int(k) == 1 and float(gain) < 1
     assert int(choose_draft_length(jnp.float32(0.3), 4, 0.5, False)[0]) == 4
+    # A verify step costing 3 plain steps (this CPU): even at r=0.9 the best, k=4, gives 4.0951/5 < 1.
+    k, gain = choose_draft_length(jnp.float32(0.9), 4, 0.5, True, verify_cost=3.0)
+    assert int(k) == 4 and abs(float(gain) - (1 - 0.9**5) / 0.1 / 5.0) < 1e-5
 
 
 def test_int8_view_is_close_and_int8():

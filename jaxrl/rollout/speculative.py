@@ -11,8 +11,8 @@ Each loop step is one of three kinds, chosen in the graph:
           `reuse_width` tokens verified per forward as point masses; a row's reused draft dies at
           its first rejection (what follows was conditioned on another prefix).
 Reuse runs while any live row has a live reused draft; otherwise `self` runs while it pays: k is
-the draft length maximising expected tokens per unit cost, (1 - r^(k+1)) / (1 - r) / (1 + k * c) for
-acceptance estimate r and draft cost c, and speculation stops when no k beats a plain step (gain
+the draft length maximising expected tokens per unit cost, (1 - r^(k+1)) / (1 - r) / (v + k * c) for
+acceptance estimate r, verify cost v and draft cost c (in plain steps), and speculation stops when no k beats a plain step (gain
 <= 1) or when more than `max_active_rows` rows are still decoding (a big batch is compute-bound:
 verifying k+1 tokens then costs k+1 times a step). r starts at the given prior and is updated from
 every self step's accept/reject counts.
@@ -73,12 +73,13 @@ class _State(NamedTuple):
     routing_NxSxLxK: Optional[jax.Array]
 
 
-def choose_draft_length(r, max_draft: int, draft_cost: float, adaptive: bool):
-    """-> (k, gain): the draft length with the most expected tokens per unit cost (cost 1 for the
-    verify, draft_cost per drafted token) and that rate (a plain step's is 1)."""
+def choose_draft_length(r, max_draft: int, draft_cost: float, adaptive: bool, verify_cost: float = 1.0):
+    """-> (k, gain): the draft length with the most expected tokens per unit cost (verify_cost for
+    the verify, draft_cost per drafted token, both in plain decode steps) and that rate (a plain
+    step's is 1)."""
     k_K = jnp.arange(1, max_draft + 1, dtype=jnp.float32)
     r = jnp.clip(r, 0.0, 0.999)
-    rate_K = (1 - r ** (k_K + 1)) / (1 - r) / (1 + k_K * draft_cost)
+    rate_K = (1 - r ** (k_K + 1)) / (1 - r) / (verify_cost + k_K * draft_cost)
     best = jnp.argmax(rate_K) if adaptive else max_draft - 1
     return jnp.asarray(best + 1, jnp.int32), rate_K[best]
 
@@ -198,7 +199,8 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
                            row_verifications=st.row_verifications + jnp.sum(live_i)), rejected_N
 
     def self_step(s: _State) -> _State:
-        k, _ = choose_draft_length(estimate(s.stats), spec.max_draft, spec.draft_cost, spec.adaptive)
+        k, _ = choose_draft_length(estimate(s.stats), spec.max_draft, spec.draft_cost, spec.adaptive,
+                                   spec.verify_cost)
         V = cfg.vocab_size
         fed0_NxW = jnp.zeros((N, W_self), jnp.int32).at[:, 0].set(s.last_N)
         q0_NxWxV = None if greedy else jnp.zeros((N, W_self, V), jnp.float32)
@@ -259,7 +261,8 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         live_N = ~s.done_N
         mode = PLAIN
         if self_drafter:
-            _, gain = choose_draft_length(estimate(s.stats), spec.max_draft, spec.draft_cost, spec.adaptive)
+            _, gain = choose_draft_length(estimate(s.stats), spec.max_draft, spec.draft_cost, spec.adaptive,
+                                          spec.verify_cost)
             pays = (jnp.sum(live_N) <= spec.max_active_rows) & ((gain > 1.0) | (not spec.adaptive))
             mode = jnp.where(pays, SELF, PLAIN)
         if reuse:
