@@ -27,7 +27,7 @@ train: $(VENV)/.installed
 	$(VENV)/bin/jaxrl train $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 tests
 
 clean:
 	rm -rf $(VENV) runs
