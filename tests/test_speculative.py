@@ -14,6 +14,7 @@ from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout import acceptance
 from jaxrl.rollout.drafters import dequantize, quantize_int8
+from jaxrl.rollout.reuse import DraftStore
 from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.speculative import choose_draft_length, sample_speculative
 
@@ -21,7 +22,6 @@ CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2
 MOE = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=32)
 PAD, EOS = 0, 7
 P, T = 5, 6
-DRAFTERS = ("early_exit", "int8", "reuse")
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,3 +276,41 @@ def test_speculative_config_errors_name_the_field():
         _run(_params(), CFG, _spec("early_exit", draft_layers=2), jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=r"draft_NxT"):
         _run(_params(), CFG, _spec("reuse"), jax.random.PRNGKey(0))
+
+
+def test_spec_rl_rule_accepts_drafts_the_old_policy_rated_like_the_new():
+    """The approximate SPEC-RL rule accepts with min(1, p / q_old): given q_old = p (the drafts' own
+    log-probs under this policy) every drafted token is accepted, where the exact point-mass rule
+    accepts each only with probability p(x) < 1."""
+    params = _params(CFG, 2.0)
+    first = _plain(params, CFG, jax.random.PRNGKey(5))
+    draft = (first.tokens_BxT, first.length_B)
+    prompt, pmask = _prompts()
+    out, stats = sample_speculative(params, CFG, prompt, pmask, jax.random.PRNGKey(6),
+                                    spec=_spec("reuse", reuse_width=T, reuse_rule="spec_rl"), group_size=2,
+                                    max_new_tokens=T, temperature=1.0, eos_id=EOS, pad_id=PAD,
+                                    draft_NxT=draft[0], draft_len_N=draft[1], draft_logp_NxT=first.logp_BxT)
+    assert int(stats.drafted) > 0 and int(stats.accepted) == int(stats.drafted)
+    np.testing.assert_array_equal(out.tokens_BxT, first.tokens_BxT)  # every draft kept, EOS included
+
+
+def test_draft_store_returns_each_prompts_last_completions():
+    """Lookup gives row i*G+g completion g of prompt i's last update (matched on its real tokens, not
+    its padding), zeros for an unseen prompt; the least recently used prompt is dropped past the cap."""
+    store = DraftStore(max_prompts=2)
+    prompts = np.array([[0, 5, 6], [7, 8, 9], [0, 0, 4]], np.int32)
+    masks = prompts > 0
+    toks = np.arange(1, 13, dtype=np.int32).reshape(6, 2)  # 3 prompts x G=2 rows, T=2
+    store.update(prompts[:2], masks[:2], toks[:4], np.array([2, 1, 2, 0]), np.ones((4, 2), np.float32), 2)
+    padded_differently = np.array([[5, 6, 0]], np.int32)  # same real tokens, other padding column
+    d, n, lp = store.lookup(np.concatenate([prompts[1:2], padded_differently]),
+                            np.concatenate([masks[1:2], padded_differently > 0]), 2, 3, PAD)
+    np.testing.assert_array_equal(d[:, :2], [[5, 6], [7, 8], [1, 2], [3, 4]])
+    np.testing.assert_array_equal(n, [2, 0, 2, 1])
+    assert d.shape == (4, 3) and np.all(d[:, 2] == PAD) and lp[0, 0] == 1.0
+    d, n, _ = store.lookup(prompts[2:], masks[2:], 2, 2, PAD)
+    assert np.all(n == 0) and np.all(d == PAD)
+    store.update(prompts[2:], masks[2:], toks[4:], np.array([1, 1]), np.zeros((2, 2), np.float32), 2)
+    assert len(store) == 2  # prompt 1 was looked up before prompt 0, so it is the one dropped
+    assert np.all(store.lookup(prompts[1:2], masks[1:2], 2, 2, PAD)[1] == 0)
+    np.testing.assert_array_equal(store.lookup(prompts[:1], masks[:1], 2, 2, PAD)[1], [2, 1])

@@ -14,9 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-DRAFTERS = ("early_exit", "int8", "reuse")
-
-
 def quantize_int8(tree):
     """Every leaf with >= 2 dims (except MoE routers: a flipped expert choice costs more than it
     saves) -> (int8 values, float32 scale per last-axis column): w ~= q * scale."""
