@@ -157,10 +157,12 @@ class SpeculativeConfig:
     draft_layers: int = 1  # early_exit: blocks the drafter runs
     max_draft: int = 4  # most tokens drafted per verification (the verify forward's static width - 1)
     adaptive: bool = True  # pick the draft length from the measured acceptance (else always max_draft)
-    # Costs relative to one plain decode step, for the adaptive choice: a verify forward (with its
-    # bookkeeping) and each drafted token. 1.0 / 0.5 suit memory-bound decoding (accelerators, big
-    # models); on this repo's 2-core CPU with the embedded model benchmarks/speculative.py measured
-    # far higher (see benchmarks/README.md), so speculation stays off there unless told otherwise.
+    # Costs relative to one plain decode step, for the adaptive choice: a verify forward and each
+    # drafted token. calibrate=True times both on this machine for the rollout's shape before the
+    # first rollout (rollout/calibrate.py) and the constants below are unused; 1.0 / 0.5 suit
+    # memory-bound decoding (accelerators, big models). On a small CPU a verify costs far more
+    # (benchmarks/README.md), and the measured costs then keep speculation off where it would lose.
+    calibrate: bool = True
     verify_cost: float = 1.0
     draft_cost: float = 0.5
     initial_acceptance: float = 0.7  # the acceptance estimate before any is measured

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, ModelConfig
-from jaxrl.models import moe
+from jaxrl.models import decode, moe
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.sampler import sample
 
@@ -222,8 +222,8 @@ def test_moe_forward_equals_prefill_and_decode_paths():
     last, cache, pre_experts = _fast(prefill, params, prompt, pmask, cache)
     np.testing.assert_allclose(last, logits[:, P - 1], atol=1e-5)
     np.testing.assert_array_equal(pre_experts, experts[:, :, :P])
-    lparams, lcache = tf.layer_params(params, MCFG), tf.to_layer_cache(cache)
-    step = _fast_jit(lambda lp, tok, c, i: tf.decode_step_layers_routed(lp, MCFG, tok, c, i))
+    lparams, lcache = decode.layer_params(params, MCFG), decode.to_layer_cache(cache)
+    step = _fast_jit(lambda lp, tok, c, i: decode.decode_step_layers_routed(lp, MCFG, tok, c, i))
     for t in range(Tg):
         lg2, lcache, ex = step(lparams, gen[:, t], lcache, jnp.int32(P + t))
         np.testing.assert_allclose(lg2, logits[:, P + t], atol=1e-5)

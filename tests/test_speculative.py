@@ -14,6 +14,7 @@ from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout import acceptance
 from jaxrl.rollout.drafters import dequantize, quantize_int8
+from jaxrl.rollout.calibrate import StepCosts
 from jaxrl.rollout.reuse import DraftStore
 from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.speculative import choose_draft_length, sample_speculative
@@ -254,6 +255,20 @@ def test_draft_length_choice():
     # A verify step costing 3 plain steps (this CPU): even at r=0.9 the best, k=4, gives 4.0951/5 < 1.
     k, gain = choose_draft_length(jnp.float32(0.9), 4, 0.5, True, verify_cost=3.0)
     assert int(k) == 4 and abs(float(gain) - (1 - 0.9**5) / 0.1 / 5.0) < 1e-5
+
+
+def test_costs_decide_whether_to_speculate():
+    """With (measured) costs under which no draft length pays, the adaptive loop never speculates;
+    with cheap ones it does. Either way greedy tokens are the plain ones."""
+    params = _params(CFG, 2.0)
+    plain = _plain(params, CFG, jax.random.PRNGKey(0), greedy=True)
+    spec = _spec("early_exit", max_draft=3)
+    for verify, draft, speculates in ((4.0, 1.0, False), (1.0, 0.05, True)):
+        costs = StepCosts(jnp.full((3,), verify, jnp.float32), jnp.float32(draft))
+        out, stats = _run(params, CFG, spec, jax.random.PRNGKey(0), greedy=True, costs=costs,
+                          acceptance_prior=jnp.float32(0.9))
+        assert (int(stats.self_steps) > 0) == speculates
+        np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
 
 
 def test_int8_view_is_close_and_int8():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
 from flax import struct
@@ -23,9 +23,20 @@ from jax import lax
 # (k_LxBxSxKxHd, v_LxBxSxKxHd): the whole stacked cache travels through every block so each layer
 # updates its slice of the one buffer in place instead of the model restacking L copies per step.
 # Or (k_BxKxSxHd, v_BxKxSxHd): ONE layer's own buffers, kv-head-major, for decode loops that unroll
-# the layers (`transformer.decode_step_layers`): attention then reads the cache where it lies, with
+# the layers (`decode.decode_step_layers`): attention then reads the cache where it lies, with
 # no per-layer slice or transpose copy (on CPU those copies cost as much as the decode matmuls).
 KV = Tuple[jax.Array, jax.Array]
+
+
+class WindowKV(NamedTuple):
+    """One layer's cache, read only, plus a small window that this call's keys/values are written
+    to (`decode.window_layers`): the cache slots marked by `key_valid_BxS` come first, then the
+    window slots up to each query's own (`index` is the window slot of the first query)."""
+
+    k_BxKxSxHd: jax.Array
+    v_BxKxSxHd: jax.Array
+    win_k: jax.Array  # k_BxKxWxHd
+    win_v: jax.Array
 
 # Finite, so a fully masked query row (a left-padding slot) gets a uniform softmax instead of NaN;
 # such rows are padding whose outputs nobody reads, but NaN would poison gradients.
@@ -154,6 +165,13 @@ class Attention(nn.Module):
         q_BxTxHxHd = apply_rope(q_BxTxHxHd, positions_BxT, self.rope_theta, llama3) * jnp.asarray(Hd**-0.5, self.dtype)
         k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta, llama3)
 
+        if isinstance(kv, WindowKV):
+            win = tuple(lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), (0, 0, index, 0))
+                        for buf, new in zip((kv.win_k, kv.win_v), (k_BxTxKxHd, v_BxTxKxHd)))
+            o_BxTxHxHd = _attend_window(q_BxTxHxHd, kv.k_BxKxSxHd.astype(self.dtype), kv.v_BxKxSxHd.astype(self.dtype),
+                                        key_valid_BxS, win[0].astype(self.dtype), win[1].astype(self.dtype), index,
+                                        self.dtype)
+            return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv._replace(win_k=win[0], win_v=win[1])
         if kv is not None and kv[0].ndim == 4:  # LayerKV: this layer's own kv-head-major buffers
             start = (0, 0, index, 0)
             kv = tuple(lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), start)
@@ -211,6 +229,31 @@ def _attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, ind
     o_BxKxQxHd = lax.dot_general(e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch),
                                  preferred_element_type=jnp.float32)
     o_BxKxQxHd = (o_BxKxQxHd / sum_BxKxQ[..., None]).astype(dtype)
+    return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
+
+
+def _attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxHd, wv_BxKxWxHd, index, dtype):
+    """Attention over the cache slots marked in cache_seen_BxS, then window slots 0..index+t for
+    the query t (one softmax over both parts, laid out as `_attend_kv_head_major`)."""
+    B, T, H, Hd = q_BxTxHxHd.shape
+    K, W = k_BxKxSxHd.shape[1], wk_BxKxWxHd.shape[2]
+    R = H // K
+    q_BxKxQxHd = q_BxTxHxHd.reshape(B, T, K, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * R, Hd)
+    batch = ((0, 1), (0, 1))
+    scores = lambda keys: lax.dot_general(keys, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+    s_BxKxSxQ = jnp.where(cache_seen_BxS[:, None, :, None], scores(k_BxKxSxHd), _MASKED)
+    causal_WxT = jnp.arange(W)[:, None] <= index + jnp.arange(T)[None, :]
+    # The window is a few slots: a fused multiply-reduce beats B*K tiny GEMMs on XLA:CPU.
+    window_scores = jnp.sum(wk_BxKxWxHd[:, :, :, None, :].astype(jnp.float32) * q_BxKxQxHd[:, :, None], axis=-1)
+    s_BxKxWxQ = jnp.where(jnp.repeat(causal_WxT, R, axis=1)[None, None], window_scores, _MASKED)
+    max_BxKxQ = jnp.maximum(jnp.max(s_BxKxSxQ.swapaxes(2, 3), axis=-1), jnp.max(s_BxKxWxQ.swapaxes(2, 3), axis=-1))
+    e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
+    e_BxKxWxQ = jnp.exp(s_BxKxWxQ - max_BxKxQ[:, :, None, :])
+    sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1) + jnp.sum(e_BxKxWxQ.swapaxes(2, 3), axis=-1)
+    mix = lambda e, values: lax.dot_general(e.astype(dtype), values, (((2,), (2,)), batch),
+                                            preferred_element_type=jnp.float32)
+    window_mix = jnp.sum(e_BxKxWxQ[..., None] * wv_BxKxWxHd[:, :, :, None, :].astype(jnp.float32), axis=2)
+    o_BxKxQxHd = ((mix(e_BxKxSxQ, v_BxKxSxHd) + window_mix) / sum_BxKxQ[..., None]).astype(dtype)
     return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
 
 

@@ -35,7 +35,7 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.layers import KV, AttnOptions, Block, RMSNorm, ScaledParam, init_value, logical_param
-from jaxrl.models.moe import BlockGroup, MoEBlock, MoESpec
+from jaxrl.models.moe import BlockGroup, MoESpec
 
 LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert")
 
@@ -282,92 +282,3 @@ def decode_step(params, cfg: ModelConfig, token_B, cache: Cache, index):
     logits_Bx1xV, (k, v), _ = _apply(params, cfg, token_B[:, None].astype(jnp.int32), cache.pos_B[:, None],
                                      valid_BxS, index, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd))
     return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, cache.pos_B + 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Decode loops: per-layer params and cache
-#
-# `decode_step` runs the scanned layers over the stacked cache: each step, every layer slices its
-# weights out of the stacked params and its keys/values out of the stacked cache (and XLA:CPU then
-# transposes them for the attention dots). Inside a long decode loop those copies cost as much as
-# the matmuls themselves. The functions below do the same math with the layers unrolled over
-# per-layer params (sliced once, outside the loop) and per-layer kv-head-major cache buffers that
-# attention reads in place and `dynamic_update_slice` writes in place.
-
-
-class LayerCache(NamedTuple):
-    """A `Cache` in decode-loop form: kv[l] = (k_BxKxSxHd, v_BxKxSxHd) of layer l."""
-
-    kv: tuple
-    valid_BxS: jax.Array
-    pos_B: jax.Array
-
-
-def layer_params(params, cfg: ModelConfig):
-    """`params` with the stacked `blocks` split into a tuple of per-layer trees (one copy; do it
-    outside the decode loop)."""
-    blocks = params["blocks"]
-    n = cfg.n_layers // cfg.moe_every if cfg.n_experts else cfg.n_layers  # MoE: per group of moe_every layers
-    return dict(params, blocks=tuple(jax.tree.map(lambda p, i=i: p[i], blocks) for i in range(n)))
-
-
-def to_layer_cache(cache: Cache) -> LayerCache:
-    """Split and transpose a stacked cache into per-layer buffers (one copy of the cache)."""
-    L = cache.k_LxBxSxKxHd.shape[0]
-    kv = tuple((cache.k_LxBxSxKxHd[l].swapaxes(1, 2), cache.v_LxBxSxKxHd[l].swapaxes(1, 2)) for l in range(L))
-    return LayerCache(kv, cache.valid_BxS, cache.pos_B)
-
-
-def decode_step_layers(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
-    """`decode_step` on per-layer params (`layer_params`) and a `LayerCache`: same logits."""
-    logits_BxV, cache, _ = decode_step_layers_routed(lparams, cfg, token_B, cache, index)
-    return logits_BxV, cache
-
-
-def decode_step_layers_routed(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
-    """`decode_step_layers` plus the experts this token used, experts_BxLxK (None for a dense model)."""
-    logits_Bx1xV, cache, experts_Bx1xLxK = decode_layers(lparams, cfg, token_B[:, None], cache, index)
-    return logits_Bx1xV[:, 0], cache, None if experts_Bx1xLxK is None else experts_Bx1xLxK[:, 0]
-
-
-def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, index, n_layers: Optional[int] = None):
-    """Append T tokens per row at cache slots index..index+T-1 (positions pos_B, pos_B+1, ..) and
-    return (logits_BxTxV, cache, experts_BxTxLxK or None). Each token sees the valid cache slots and
-    the tokens before it in this call: the verify forward of speculative decoding, and (T = 1) the
-    sampler's decode step. `n_layers` < cfg.n_layers runs only the first n_layers blocks, then the
-    policy's own final norm and head (an early-exit self-drafter); it reads and writes the first
-    n_layers layers of the same cache. Only the layers run are returned in the cache."""
-    dtype = jnp.dtype(cfg.dtype)
-    D, (B, T) = cfg.d_model, tokens_BxT.shape
-    n_layers = cfg.n_layers if n_layers is None else n_layers
-    index = jnp.asarray(index, jnp.int32)
-    valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, T), bool), (0, index))
-    positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
-    x_BxTxD = jnp.take(lparams["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(dtype)
-    block = Block(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype)
-    block = block.clone(attn_opts=attn_options(cfg))  # MoEBlock gets its attention options from moe_spec(cfg)
-    layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
-    kv_out, experts = list(cache.kv), []
-    if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer, as in the scanned forward
-        moe_block = MoEBlock(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps,
-                             moe_spec(cfg), dtype)
-        live_BxT = jnp.ones((B, T), bool)
-        for l in range(n_layers):
-            g, j = divmod(l, cfg.moe_every)
-            p_g = lparams["blocks"][g]
-            if j < cfg.moe_every - 1:
-                (x_BxTxD, kv_out[l], _), _ = block.apply({"params": p_g[f"dense_{j}"]}, (x_BxTxD, kv_out[l], layer),
-                                                         positions_BxT, valid_BxS, index)
-            else:
-                (x_BxTxD, kv_out[l], _), st = moe_block.apply({"params": p_g["moe"]}, (x_BxTxD, kv_out[l], layer),
-                                                              None, positions_BxT, valid_BxS, index, live_BxT)
-                experts.append(st.experts_NxK)
-    else:
-        for l in range(n_layers):
-            (x_BxTxD, kv_out[l], _), _ = block.apply({"params": lparams["blocks"][l]}, (x_BxTxD, kv_out[l], layer),
-                                                     positions_BxT, valid_BxS, index)
-    x_BxTxD = RMSNorm(D, cfg.norm_eps, dtype).apply({"params": lparams["final_norm"]}, x_BxTxD)
-    head_DxV = lparams["embedding"].T if cfg.tie_embeddings else lparams["lm_head"]
-    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
-    experts_BxTxLxK = jnp.stack(experts, axis=2) if experts else None
-    return logits_BxTxV, LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + T), experts_BxTxLxK

@@ -6,7 +6,7 @@
               per output column), rebuilt from the current params at each rollout.
 (The third drafter, trajectory reuse, needs no model: see `speculative.py`.)
 
-A drafter is (draft params, number of layers run); both go through `transformer.decode_layers`.
+A drafter is (draft params, number of layers run); both go through `decode.window_layers`.
 """
 
 from __future__ import annotations

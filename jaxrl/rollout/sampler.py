@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.transformer import (LayerCache, decode_step_layers_routed, init_cache, layer_params, prefill_routed,
-                                      to_layer_cache)
+from jaxrl.models.decode import LayerCache, decode_step_layers_routed, layer_params, to_layer_cache
+from jaxrl.models.transformer import init_cache, prefill_routed
 
 
 class SampleOutput(NamedTuple):

@@ -11,18 +11,18 @@ Each loop step is one of three kinds, chosen in the graph:
           `reuse_width` tokens verified per forward as point masses; a row's reused draft dies at
           its first rejection (what follows was conditioned on another prefix).
 Reuse runs while any live row has a live reused draft; otherwise `self` runs while it pays: k is
-the draft length maximising expected tokens per unit cost, (1 - r^(k+1)) / (1 - r) / (v + k * c) for
-acceptance estimate r, verify cost v and draft cost c (in plain steps), and speculation stops when no k beats a plain step (gain
-<= 1) or when more than `max_active_rows` rows are still decoding (a big batch is compute-bound:
-verifying k+1 tokens then costs k+1 times a step). r starts at the given prior and is updated from
-every self step's accept/reject counts.
+the draft length maximising expected tokens per unit cost, (1 - r^(k+1)) / (1 - r) / (v_k + k * c)
+for acceptance estimate r, verify cost v_k of k drafts and draft cost c (in plain steps; measured on
+this machine by `calibrate.py`, or the configured constants), and speculation stops when no k beats
+a plain step (gain <= 1) or when more than `max_active_rows` rows are still decoding. r starts at
+the given prior and is updated from every self step's accept/reject counts.
 
-Rows accept different numbers of tokens with static shapes: all rows write a verify forward's W
-tokens at the same cache slots (index .. index+W-1); rejected drafts' slots are then marked invalid
-(holes, invisible to attention, like left padding) and each row's position id advances only by the
-tokens it kept. The cache therefore holds P + T * W_max slots (W_max = the widest verify); each row
-writes its output columns at its own offset.
-"""
+Rows accept different numbers of tokens with static shapes: a step's forwards leave the KV cache
+untouched and write their keys/values to a small window (`decode.window_layers`); after the step
+each row's window is written at the row's own fill level and the fill level advances by the tokens
+the row kept (`decode.commit_window`). Rejected drafts leave no holes, so the cache needs only
+P + T + W_max slots, and the branches of the step (`lax.switch`) never write the cache: a branch
+that updated it would make XLA copy the whole cache every step."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig, SpeculativeConfig
-from jaxrl.models.transformer import LayerCache, decode_layers
+from jaxrl.models.decode import LayerCache, commit_window, empty_window, window_layers
 from jaxrl.rollout import acceptance
+from jaxrl.rollout.calibrate import StepCosts, constant_costs
 from jaxrl.rollout.drafters import draft_view
 from jaxrl.rollout.sampler import SampleOutput, first_argmax, prefill_groups
 
@@ -59,8 +60,8 @@ class SpecStats(NamedTuple):
 
 class _State(NamedTuple):
     step: jax.Array
-    index: jax.Array  # the next cache slot
-    cache: LayerCache
+    cache: LayerCache  # None inside a step's branches (they never write it)
+    fill_N: jax.Array  # int32: each row's next cache slot
     last_N: jax.Array  # next token to feed
     col_N: jax.Array  # int32: output columns written per row
     tokens_NxU: jax.Array  # U = T + W_max: room for a whole verify window past column T-1
@@ -73,10 +74,10 @@ class _State(NamedTuple):
     routing_NxSxLxK: Optional[jax.Array]
 
 
-def choose_draft_length(r, max_draft: int, draft_cost: float, adaptive: bool, verify_cost: float = 1.0):
+def choose_draft_length(r, max_draft: int, draft_cost, adaptive: bool, verify_cost=1.0):
     """-> (k, gain): the draft length with the most expected tokens per unit cost (verify_cost for
-    the verify, draft_cost per drafted token, both in plain decode steps) and that rate (a plain
-    step's is 1)."""
+    the verify, a scalar or one per k = 1..max_draft; draft_cost per drafted token; both in plain
+    decode steps) and that rate (a plain step's is 1)."""
     k_K = jnp.arange(1, max_draft + 1, dtype=jnp.float32)
     r = jnp.clip(r, 0.0, 0.999)
     rate_K = (1 - r ** (k_K + 1)) / (1 - r) / (verify_cost + k_K * draft_cost)
@@ -99,14 +100,15 @@ def _row_window(buf_NxT, col_N, width: int, fill):
 def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, spec: SpeculativeConfig,
                        group_size: int, max_new_tokens: int, temperature, top_k: int = 0, top_p: float = 1.0,
                        eos_id: int, pad_id: int, greedy: bool = False, acceptance_prior=None,
-                       draft_NxT=None, draft_len_N=None, draft_logp_NxT=None):
+                       draft_NxT=None, draft_len_N=None, draft_logp_NxT=None, costs: Optional[StepCosts] = None):
     """`sampler.sample` with speculation -> (SampleOutput, SpecStats).
 
     For `spec.drafter == "reuse"`: draft_NxT holds each output row's previous completion (pad after
     it), draft_len_N its length (0: no draft for that row) and, for the approximate `spec_rl` rule
     only, draft_logp_NxT the log-probs it was sampled with. `acceptance_prior` (float, default
     spec.initial_acceptance) seeds the self-draft acceptance estimate; pass the previous rollout's
-    `stats.acceptance` to carry it over."""
+    `stats.acceptance` to carry it over. `costs` (calibrate.StepCosts, e.g. measured by
+    `calibrate.measure_step_costs`) replace spec.verify_cost / spec.draft_cost in the control."""
     B, P = prompt_BxP.shape
     G, T = group_size, max_new_tokens
     N = B * G
@@ -124,12 +126,15 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
     approx = reuse and spec.reuse_rule == "spec_rl"
     if approx and draft_logp_NxT is None:
         raise ValueError("rollout.speculative.reuse_rule='spec_rl' needs draft_logp_NxT (the drafts' old log-probs)")
+    costs = constant_costs(spec) if costs is None else costs
     W_self, W_reuse = spec.max_draft + 1, spec.reuse_width + 1
     W_max = max(1, W_self if self_drafter else 1, W_reuse if reuse else 1)
     U = T + W_max
 
-    cache, lparams, routing, last_N = prefill_groups(params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T * W_max,
+    cache, lparams, routing, last_N = prefill_groups(params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T + W_max,
                                                      P + T + W_max)
+    # Slots from P-1 on are decoded tokens: what a row may see of them is bounded by its fill level.
+    cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1:].set(True))
     if self_drafter:
         dparams, d_layers = draft_view(lparams, self_drafter, spec.draft_layers, cfg.n_layers)
     if reuse:
@@ -138,7 +143,7 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
     prior = jnp.asarray(spec.initial_acceptance if acceptance_prior is None else acceptance_prior, jnp.float32)
     zero_i, zero_f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
     state = _State(
-        step=zero_i, index=jnp.asarray(P - 1, jnp.int32), cache=cache, last_N=last_N,
+        step=zero_i, cache=cache, fill_N=jnp.full((N,), P - 1, jnp.int32), last_N=last_N,
         col_N=jnp.zeros((N,), jnp.int32),
         tokens_NxU=jnp.full((N, U), pad_id, jnp.int32), logp_NxU=jnp.zeros((N, U), jnp.float32),
         mask_NxU=jnp.zeros((N, U), jnp.float32), done_N=jnp.zeros((N,), bool),
@@ -149,11 +154,11 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         return (st.self_accepted + prior * PRIOR_WEIGHT) / (st.self_accepted + st.self_rejected + PRIOR_WEIGHT)
 
     def verify(s: _State, fed_NxW, drafted_NxW, q_NxWxV=None, old_logp_NxW=None):
-        """One policy forward over fed_NxW at slots index.., accept/reject, write the kept tokens.
-        -> (state, n_accepted_N, new_token_N, live_N)."""
+        """One policy forward over fed_NxW (window slots 0..W-1), accept/reject, emit the kept tokens.
+        -> (state, window, n_accepted_N, new_token_N, live_N); the window is committed by `body`."""
         W = fed_NxW.shape[1]
-        pos0_N = s.cache.pos_B
-        logits_NxWxV, cache, experts = decode_layers(lparams, cfg, fed_NxW, s.cache, s.index)
+        window = empty_window(s.cache, W_max, cfg.n_layers)
+        logits_NxWxV, window, experts = window_layers(lparams, cfg, fed_NxW, s.cache, s.fill_N, window, 0)
         rng, key = jax.random.split(s.rng)
         if greedy:
             a_N, new_N = acceptance.verify_greedy(logits_NxWxV, fed_NxW, drafted_NxW)
@@ -171,24 +176,25 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         emit_NxW = (live_N[:, None] & (iota_W <= a_N[:, None]) & ~eos_before_NxW
                     & (s.col_N[:, None] + iota_W < T))
         col_N = s.col_N + jnp.sum(emit_NxW, axis=1, dtype=jnp.int32)
-        # Slot index+i holds fed token i: the last token and the accepted drafts stay, the rest are holes.
-        keep_NxW = iota_W <= a_N[:, None]
-        valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, keep_NxW, (0, s.index))
         if experts is not None:  # fed token i sits at completion slot P-1+col+i
             routing = jax.vmap(lambda r, e, c: lax.dynamic_update_slice(r, e, (c, 0, 0)))(
                 s.routing_NxSxLxK, experts, P - 1 + s.col_N)
             s = s._replace(routing_NxSxLxK=routing)
         s = s._replace(
-            index=s.index + W, cache=LayerCache(cache.kv, valid_BxS, pos0_N + a_N + 1), last_N=new_N, col_N=col_N,
+            last_N=new_N, col_N=col_N,
             tokens_NxU=_row_write(s.tokens_NxU, jnp.where(emit_NxW, e_NxW, pad_id), s.col_N),
             logp_NxU=_row_write(s.logp_NxU, jnp.where(emit_NxW, logp_NxW, 0.0), s.col_N),
             mask_NxU=_row_write(s.mask_NxU, emit_NxW, s.col_N),
             done_N=s.done_N | jnp.any(emit_NxW & is_eos_NxW, axis=1) | (col_N >= T), rng=rng)
-        return s, a_N, new_N, live_N
+        return s, window, a_N, new_N, live_N
 
-    def plain_step(s: _State) -> _State:
-        s, _, _, _ = verify(s, s.last_N[:, None], jnp.zeros((N, 1), bool))
-        return s._replace(stats=s.stats._replace(plain_steps=s.stats.plain_steps + 1))
+    def step_result(s: _State, window, a_N, live_N):
+        """What a branch returns: the state without its cache, the window, each row's kept tokens."""
+        return s._replace(cache=None), window, jnp.where(live_N, a_N + 1, 0)
+
+    def plain_step(s: _State):
+        s, window, a_N, _, live_N = verify(s, s.last_N[:, None], jnp.zeros((N, 1), bool))
+        return step_result(s._replace(stats=s.stats._replace(plain_steps=s.stats.plain_steps + 1)), window, a_N, live_N)
 
     def count(st: SpecStats, live_N, n_drafted_N, a_N):
         live_i = live_N.astype(jnp.int32)
@@ -198,17 +204,17 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
                            rejections=st.rejections + jnp.sum(rejected_N),
                            row_verifications=st.row_verifications + jnp.sum(live_i)), rejected_N
 
-    def self_step(s: _State) -> _State:
-        k, _ = choose_draft_length(estimate(s.stats), spec.max_draft, spec.draft_cost, spec.adaptive,
-                                   spec.verify_cost)
+    def self_step(s: _State):
+        k, _ = choose_draft_length(estimate(s.stats), spec.max_draft, costs.draft, spec.adaptive,
+                                   costs.verify_K)
         V = cfg.vocab_size
         fed0_NxW = jnp.zeros((N, W_self), jnp.int32).at[:, 0].set(s.last_N)
         q0_NxWxV = None if greedy else jnp.zeros((N, W_self, V), jnp.float32)
 
         def draft_one(i, c):
-            kv, valid_BxS, tok_N, fed_NxW, q_NxWxV, rng = c
-            cache_i = LayerCache(kv, valid_BxS, s.cache.pos_B + i)
-            logits_Nx1xV, cache_i, _ = decode_layers(dparams, cfg, tok_N[:, None], cache_i, s.index + i, d_layers)
+            window, tok_N, fed_NxW, q_NxWxV, rng = c
+            logits_Nx1xV, window, _ = window_layers(dparams, cfg, tok_N[:, None], s.cache, s.fill_N, window, i,
+                                                    d_layers)
             rng, key = jax.random.split(rng)
             if greedy:
                 d_N = first_argmax(logits_Nx1xV[:, 0])
@@ -217,22 +223,22 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
                 d_N = acceptance.categorical(key, q_NxV)
                 q_NxWxV = lax.dynamic_update_slice(q_NxWxV, q_NxV[:, None], (0, i + 1, 0))
             fed_NxW = lax.dynamic_update_slice(fed_NxW, d_N[:, None].astype(jnp.int32), (0, i + 1))
-            return cache_i.kv, cache_i.valid_BxS, d_N, fed_NxW, q_NxWxV, rng
+            return window, d_N, fed_NxW, q_NxWxV, rng
 
-        kv, _, _, fed_NxW, q_NxWxV, rng = lax.fori_loop(
-            0, k, draft_one, (s.cache.kv, s.cache.valid_BxS, s.last_N, fed0_NxW, q0_NxWxV, s.rng))
-        # The verify forward rewrites every slot the drafter wrote, with the policy's own keys/values.
-        s = s._replace(cache=s.cache._replace(kv=kv), rng=rng)
+        _, _, fed_NxW, q_NxWxV, rng = lax.fori_loop(
+            0, k, draft_one, (empty_window(s.cache, W_self, d_layers), s.last_N, fed0_NxW, q0_NxWxV, s.rng))
+        # The drafter's window is dropped: the verify forward computes the policy's own keys/values.
+        s = s._replace(rng=rng)
         drafted_NxW = (jnp.arange(W_self) >= 1) & (jnp.arange(W_self) <= k)
         drafted_NxW = jnp.broadcast_to(drafted_NxW, (N, W_self))
-        s, a_N, _, live_N = verify(s, fed_NxW, drafted_NxW, q_NxWxV)
+        s, window, a_N, _, live_N = verify(s, fed_NxW, drafted_NxW, q_NxWxV)
         st, rejected_N = count(s.stats, live_N, jnp.full((N,), k), a_N)
         st = st._replace(self_steps=st.self_steps + 1, draft_len_sum=st.draft_len_sum + k,
                          self_accepted=st.self_accepted + jnp.sum(live_N * a_N).astype(jnp.float32),
                          self_rejected=st.self_rejected + jnp.sum(rejected_N).astype(jnp.float32))
-        return s._replace(stats=st._replace(acceptance=estimate(st)))
+        return step_result(s._replace(stats=st._replace(acceptance=estimate(st))), window, a_N, live_N)
 
-    def reuse_step(s: _State) -> _State:
+    def reuse_step(s: _State):
         window_NxW1 = _row_window(draft_NxT, s.col_N, W_reuse - 1, pad_id)
         fed_NxW = jnp.concatenate([s.last_N[:, None], window_NxW1], axis=1)
         offset_W = jnp.arange(W_reuse) - 1  # fed token i >= 1 is draft column col + i - 1
@@ -243,7 +249,7 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
             old_logp = jnp.concatenate([jnp.zeros((N, 1)), _row_window(draft_logp_NxT, s.col_N, W_reuse - 1, 0.0)],
                                        axis=1)
         col_before_N = s.col_N
-        s, a_N, new_N, live_N = verify(s, fed_NxW, drafted_NxW, None, old_logp)
+        s, window, a_N, new_N, live_N = verify(s, fed_NxW, drafted_NxW, None, old_logp)
         n_drafted_N = jnp.sum(drafted_NxW, axis=1, dtype=jnp.int32)
         st, _ = count(s.stats, live_N, n_drafted_N, a_N)
         # Still aligned iff nothing was rejected and the new token is the draft's next one too.
@@ -251,7 +257,8 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         next_draft_N = jnp.take_along_axis(jnp.pad(draft_NxT, ((0, 0), (0, 1)), constant_values=pad_id),
                                            jnp.minimum(nxt, draft_NxT.shape[1])[:, None], axis=1)[:, 0]
         alive_N = s.alive_N & (a_N == n_drafted_N) & (nxt < draft_len_N) & (new_N == next_draft_N)
-        return s._replace(alive_N=alive_N, stats=st._replace(reuse_steps=st.reuse_steps + 1))
+        s = s._replace(alive_N=alive_N, stats=st._replace(reuse_steps=st.reuse_steps + 1))
+        return step_result(s, window, a_N, live_N)
 
     # Only the kinds this configuration can run are compiled (each branch unrolls the layers again).
     branches = [plain_step] + ([self_step] if self_drafter else []) + ([reuse_step] if reuse else [])
@@ -261,17 +268,18 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         live_N = ~s.done_N
         mode = PLAIN
         if self_drafter:
-            _, gain = choose_draft_length(estimate(s.stats), spec.max_draft, spec.draft_cost, spec.adaptive,
-                                          spec.verify_cost)
+            _, gain = choose_draft_length(estimate(s.stats), spec.max_draft, costs.draft, spec.adaptive,
+                                          costs.verify_K)
             pays = (jnp.sum(live_N) <= spec.max_active_rows) & ((gain > 1.0) | (not spec.adaptive))
             mode = jnp.where(pays, SELF, PLAIN)
         if reuse:
             mode = jnp.where(jnp.any(s.alive_N & live_N), REUSE, mode)
         if len(branches) > 1:
-            s = lax.switch(jnp.asarray(mode, jnp.int32), branches, s)
+            out, window, advance_N = lax.switch(jnp.asarray(mode, jnp.int32), branches, s)
         else:
-            s = plain_step(s)
-        return s._replace(step=s.step + 1)
+            out, window, advance_N = plain_step(s)
+        return out._replace(step=s.step + 1, cache=commit_window(s.cache, window, s.fill_N, advance_N),
+                            fill_N=s.fill_N + advance_N)
 
     state = lax.while_loop(lambda s: ~jnp.all(s.done_N), body, state)
     mask_NxT = state.mask_NxU[:, :T]

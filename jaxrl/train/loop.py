@@ -26,6 +26,7 @@ from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.losses import check_rollout, make_loss
+from jaxrl.rollout.calibrate import measure_step_costs
 from jaxrl.rollout.reuse import DraftStore, spec_metrics
 from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.speculative import sample_speculative
@@ -146,11 +147,21 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     # Host state: the acceptance estimate carried between rollouts (checkpointed with the stream).
     spec_prior = float(host.get("spec_prior", spec.initial_acceptance)) if restored else spec.initial_acceptance
     drafts = DraftStore() if spec.enabled and spec.drafter == "reuse" else None
+    costs = None
+    if spec.enabled and spec.calibrate:  # once, for this run's rollout shape (rollout/calibrate.py)
+        w_max = max(spec.max_draft, spec.reuse_width if spec.drafter == "reuse" else 0) + 1
+        costs = measure_step_costs(state.params, model_cfg, spec, B, prompt_width(cfg.data) + rc.max_new_tokens + w_max)
+        if is_primary():
+            print(f"jaxrl: speculative costs on this machine, in plain decode steps: verify k=1..{spec.max_draft} drafts "
+                  f"{np.round(np.asarray(costs.verify_K), 2).tolist()}, one drafted token "
+                  f"{float(costs.draft):.2f}", file=sys.stderr)
 
     def spec_inputs(prompt_BxP, pmask_BxP):
         if not spec.enabled:
             return {}
         out = {"acceptance_prior": np.float32(spec_prior)}
+        if costs is not None:
+            out["costs"] = costs
         if drafts is not None:
             d, n, lp = drafts.lookup(prompt_BxP, pmask_BxP, G, rc.max_new_tokens, tokenizer.pad_id)
             out.update(draft_NxT=d, draft_len_N=n, draft_logp_NxT=lp)

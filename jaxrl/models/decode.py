@@ -1,0 +1,155 @@
+"""Decode loops: per-layer params and cache, and the read-only-cache window form of speculation.
+
+`transformer.decode_step` runs the scanned layers over the stacked cache: each step, every layer
+slices its weights out of the stacked params and its keys/values out of the stacked cache (and
+XLA:CPU then transposes them for the attention dots). Inside a long decode loop those copies cost as
+much as the matmuls themselves. The functions below do the same math with the layers unrolled over
+per-layer params (sliced once, outside the loop) and per-layer kv-head-major cache buffers that
+attention reads in place and `dynamic_update_slice` writes in place.
+
+Two ways to add tokens:
+  decode_layers   writes T tokens of every row at the same cache slots (the sampler's step);
+  window_layers   leaves the cache untouched: the tokens' keys/values go to a small per-call window
+                  that attention reads after the cache, and `commit_window` later writes each row's
+                  window at that row's own fill level. Speculative rollouts use it: rows keep
+                  different numbers of tokens, so their caches fill at different rates with no
+                  holes, and the loop's branches never write (and so never copy) the cache.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl.config import ModelConfig
+from jaxrl.models.layers import Block, RMSNorm, WindowKV
+from jaxrl.models.moe import MoEBlock
+from jaxrl.models.transformer import Cache, attn_options, moe_spec
+
+
+class LayerCache(NamedTuple):
+    """A `Cache` in decode-loop form: kv[l] = (k_BxKxSxHd, v_BxKxSxHd) of layer l."""
+
+    kv: tuple
+    valid_BxS: jax.Array
+    pos_B: jax.Array
+
+
+def layer_params(params, cfg: ModelConfig):
+    """`params` with the stacked `blocks` split into a tuple of per-layer trees (one copy; do it
+    outside the decode loop)."""
+    blocks = params["blocks"]
+    n = cfg.n_layers // cfg.moe_every if cfg.n_experts else cfg.n_layers  # MoE: per group of moe_every layers
+    return dict(params, blocks=tuple(jax.tree.map(lambda p, i=i: p[i], blocks) for i in range(n)))
+
+
+def to_layer_cache(cache: Cache) -> LayerCache:
+    """Split and transpose a stacked cache into per-layer buffers (one copy of the cache)."""
+    L = cache.k_LxBxSxKxHd.shape[0]
+    kv = tuple((cache.k_LxBxSxKxHd[l].swapaxes(1, 2), cache.v_LxBxSxKxHd[l].swapaxes(1, 2)) for l in range(L))
+    return LayerCache(kv, cache.valid_BxS, cache.pos_B)
+
+
+def decode_step_layers(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
+    """`decode_step` on per-layer params (`layer_params`) and a `LayerCache`: same logits."""
+    logits_BxV, cache, _ = decode_step_layers_routed(lparams, cfg, token_B, cache, index)
+    return logits_BxV, cache
+
+
+def decode_step_layers_routed(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
+    """`decode_step_layers` plus the experts this token used, experts_BxLxK (None for a dense model)."""
+    logits_Bx1xV, cache, experts_Bx1xLxK = decode_layers(lparams, cfg, token_B[:, None], cache, index)
+    return logits_Bx1xV[:, 0], cache, None if experts_Bx1xLxK is None else experts_Bx1xLxK[:, 0]
+
+
+def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT, key_valid_BxS, index,
+                n_layers: int):
+    """Embed, the first n_layers blocks (each with its own kv entry), final norm, head ->
+    (logits_BxTxV, kv entries, experts_BxTxLxK or None)."""
+    dtype = jnp.dtype(cfg.dtype)
+    D, (B, T) = cfg.d_model, tokens_BxT.shape
+    x_BxTxD = jnp.take(lparams["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(dtype)
+    block = Block(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype)
+    block = block.clone(attn_opts=attn_options(cfg))  # MoEBlock gets its attention options from moe_spec(cfg)
+    layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
+    kv_out, experts = list(kv_layers), []
+    if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer, as in the scanned forward
+        moe_block = MoEBlock(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps,
+                             moe_spec(cfg), dtype)
+        live_BxT = jnp.ones((B, T), bool)
+        for l in range(n_layers):
+            g, j = divmod(l, cfg.moe_every)
+            p_g = lparams["blocks"][g]
+            if j < cfg.moe_every - 1:
+                (x_BxTxD, kv_out[l], _), _ = block.apply({"params": p_g[f"dense_{j}"]}, (x_BxTxD, kv_out[l], layer),
+                                                         positions_BxT, key_valid_BxS, index)
+            else:
+                (x_BxTxD, kv_out[l], _), st = moe_block.apply({"params": p_g["moe"]}, (x_BxTxD, kv_out[l], layer),
+                                                              None, positions_BxT, key_valid_BxS, index, live_BxT)
+                experts.append(st.experts_NxK)
+    else:
+        for l in range(n_layers):
+            (x_BxTxD, kv_out[l], _), _ = block.apply({"params": lparams["blocks"][l]}, (x_BxTxD, kv_out[l], layer),
+                                                     positions_BxT, key_valid_BxS, index)
+    x_BxTxD = RMSNorm(D, cfg.norm_eps, dtype).apply({"params": lparams["final_norm"]}, x_BxTxD)
+    head_DxV = lparams["embedding"].T if cfg.tie_embeddings else lparams["lm_head"]
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
+    return logits_BxTxV, kv_out, jnp.stack(experts, axis=2) if experts else None
+
+
+def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, index, n_layers: Optional[int] = None):
+    """Append T tokens per row at cache slots index..index+T-1 (positions pos_B, pos_B+1, ..) and
+    return (logits_BxTxV, cache, experts_BxTxLxK or None). Each token sees the valid cache slots and
+    the tokens before it in this call: the sampler's decode step (T = 1). `n_layers` < cfg.n_layers
+    runs only the first n_layers blocks, then the policy's own final norm and head (an early-exit
+    drafter); it reads and writes the first n_layers layers of the same cache. Only the layers run
+    are returned in the cache."""
+    B, T = tokens_BxT.shape
+    n_layers = cfg.n_layers if n_layers is None else n_layers
+    index = jnp.asarray(index, jnp.int32)
+    valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, T), bool), (0, index))
+    positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
+    logits_BxTxV, kv_out, experts = _run_layers(lparams, cfg, tokens_BxT, cache.kv[:n_layers], positions_BxT,
+                                                valid_BxS, index, n_layers)
+    return logits_BxTxV, LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + T), experts
+
+
+def empty_window(cache: LayerCache, width: int, n_layers: int):
+    """Zeroed window buffers, (k_BxKxWxHd, v_BxKxWxHd) for each of the first n_layers layers."""
+    def zeros(buf):
+        B, K, _, Hd = buf.shape
+        return jnp.zeros((B, K, width, Hd), buf.dtype)
+    return tuple((zeros(k), zeros(v)) for k, v in cache.kv[:n_layers])
+
+
+def window_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, fill_B, window, index,
+                  n_layers: Optional[int] = None):
+    """Run T tokens per row at window slots index..index+T-1 (positions pos_B + index + t) without
+    writing the cache -> (logits_BxTxV, window, experts_BxTxLxK or None).
+
+    Each token sees the row's cache slots below fill_B that are valid, then the window slots up to
+    its own (earlier calls' tokens and this call's). `window` is `empty_window(...)` or a previous
+    call's result, for the first n_layers layers (default all)."""
+    T = tokens_BxT.shape[1]
+    n_layers = cfg.n_layers if n_layers is None else n_layers
+    index = jnp.asarray(index, jnp.int32)
+    S = cache.valid_BxS.shape[1]
+    seen_BxS = cache.valid_BxS & (jnp.arange(S) < fill_B[:, None])
+    positions_BxT = cache.pos_B[:, None] + index + jnp.arange(T, dtype=jnp.int32)
+    kv_layers = [WindowKV(k, v, wk, wv) for (k, v), (wk, wv) in zip(cache.kv[:n_layers], window)]
+    logits_BxTxV, kv_out, experts = _run_layers(lparams, cfg, tokens_BxT, kv_layers, positions_BxT, seen_BxS, index,
+                                                n_layers)
+    return logits_BxTxV, tuple((kv.win_k, kv.win_v) for kv in kv_out), experts
+
+
+def commit_window(cache: LayerCache, window, fill_B, advance_B) -> LayerCache:
+    """Write every row's window at its cache slots fill_B .. fill_B + W - 1 and advance its position
+    by advance_B. Only the first advance_B slots count: `window_layers` never reads past fill_B, and
+    later windows overwrite the rest. The cache needs W slots of room past the last fill level."""
+    write = jax.vmap(lambda buf_KxSxHd, w_KxWxHd, f: lax.dynamic_update_slice(buf_KxSxHd, w_KxWxHd, (0, f, 0)))
+    kv = tuple((write(k, wk.astype(k.dtype), fill_B), write(v, wv.astype(v.dtype), fill_B))
+               for (k, v), (wk, wv) in zip(cache.kv, window))
+    return LayerCache(kv, cache.valid_BxS, cache.pos_B + advance_B)

@@ -1,0 +1,87 @@
+"""What a verify forward and a drafted token cost on THIS machine, in plain decode steps.
+
+Speculation pays only when verifying k drafts costs well under k + 1 plain steps. On an accelerator
+a (k+1)-token forward costs about one step (decoding is memory-bound); on a small CPU it can cost
+nearly k + 1 (compute-bound). The draft-length choice in `speculative.py` therefore takes measured
+costs: `measure_step_costs` times, for the rollout's own row count and cache length, the policy
+forward over 1 and over max_draft + 1 tokens and one drafter token, and returns the costs relative
+to the 1-token forward (verify costs in between interpolated linearly in the width).
+
+Timing is host-side and runs once per rollout shape (the training loop caches it). The sampled
+distribution does not depend on it: costs only decide when to speculate and how far.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxrl.config import ModelConfig, SpeculativeConfig
+from jaxrl.models.decode import LayerCache, empty_window, layer_params, window_layers
+from jaxrl.rollout.drafters import draft_view
+
+
+class StepCosts(NamedTuple):
+    """Costs in plain decode steps (a 1-token policy forward = 1)."""
+
+    verify_K: jax.Array  # float32[max_draft]: verifying k = 1..max_draft drafts (a (k+1)-token forward)
+    draft: jax.Array  # float32 scalar: one drafted token
+
+
+def constant_costs(spec: SpeculativeConfig) -> StepCosts:
+    """The configured (unmeasured) costs: rollout.speculative.verify_cost for every k, draft_cost."""
+    return StepCosts(jnp.full((spec.max_draft,), spec.verify_cost, jnp.float32), jnp.float32(spec.draft_cost))
+
+
+def _seconds_per_forward(fwd, args, calls: int, repeats: int) -> float:
+    """Median over `repeats` of (time of `calls` forwards in one jitted loop - time of 1) / (calls - 1):
+    the dispatch and loop entry cancel."""
+    def run(n):
+        jax.block_until_ready(fwd(n, *args))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fwd(n, *args))
+        return time.perf_counter() - t0
+
+    per = [(run(calls) - run(1)) / (calls - 1) for _ in range(repeats)]
+    return max(statistics.median(per), 1e-9)
+
+
+def measure_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int,
+                       calls: int = 6, repeats: int = 3) -> StepCosts:
+    """Time the forwards a speculative rollout of n_rows rows over a cache_len-slot cache runs ->
+    StepCosts (constant_costs(spec) when spec has no self-drafter)."""
+    drafter = spec.fallback if spec.drafter == "reuse" else spec.drafter
+    if drafter == "none":
+        return constant_costs(spec)
+    lparams = layer_params(params, cfg)
+    dparams, d_layers = draft_view(lparams, drafter, spec.draft_layers, cfg.n_layers)
+    dtype = jnp.dtype(cfg.dtype)
+    kv = tuple((jnp.zeros((n_rows, cfg.n_kv_heads, cache_len, cfg.head_dim), dtype),) * 2 for _ in range(cfg.n_layers))
+    cache = LayerCache(kv, jnp.ones((n_rows, cache_len), bool), jnp.zeros((n_rows,), jnp.int32))
+    fill_N = jnp.full((n_rows,), cache_len // 2, jnp.int32)  # a half-full cache: the rollout's average
+    W = spec.max_draft + 1
+
+    def forward(width: int, n_layers: int):
+        @jax.jit
+        def loop(n, p, cache):
+            def body(_, acc):
+                # `acc` feeds the tokens so XLA cannot hoist the forward out of the loop.
+                tokens_NxW = jnp.zeros((n_rows, width), jnp.int32) + (acc > jnp.inf).astype(jnp.int32)
+                window = empty_window(cache, W, n_layers)
+                logits, window, _ = window_layers(p, cfg, tokens_NxW, cache, fill_N, window, 0, n_layers)
+                return acc + logits[0, 0, 0] + window[-1][0][0, 0, 0, 0]
+            return lax.fori_loop(0, n, body, jnp.zeros((), jnp.float32))
+        return loop
+
+    one = _seconds_per_forward(forward(1, cfg.n_layers), (lparams, cache), calls, repeats)
+    wide = _seconds_per_forward(forward(W, cfg.n_layers), (lparams, cache), calls, repeats)
+    draft = _seconds_per_forward(forward(1, d_layers), (dparams, cache), calls, repeats)
+    k_K = np.arange(1, spec.max_draft + 1)
+    verify_K = 1.0 + (wide / one - 1.0) * k_K / spec.max_draft
+    return StepCosts(jnp.asarray(verify_K, jnp.float32), jnp.float32(draft / one))
