@@ -15,9 +15,13 @@ RNG keys, after a warm-up call that compiles):
   4. training (`--train-steps`, 0 to skip): the default run with and without
      `rollout.speculative.enabled` (early exit, adaptive), same seeds: accuracy curves and rollout time.
 
+Parts 1 and 3 also measure the step costs the adaptive control uses (`rollout/calibrate.py`: a
+verify forward of k+1 tokens and a drafted token, in plain steps, for that batch) and from them the
+ceiling: the most a speculative step can give over a plain one with every draft accepted.
+
 Tokens/s counts generated (unmasked) tokens. The last line printed is one JSON object with
-`speedup_best_self_draft` and `speedup_trajectory_reuse` (part 1, throughput over plain sampling)
-and `acceptance_rate` (of the best self-drafter there).
+`speedup_best_self_draft` and `speedup_trajectory_reuse` (part 1, throughput over plain sampling),
+`acceptance_rate` (of the best self-drafter there) and `ceiling_self_draft` / `ceiling_trajectory_reuse`.
 
     PYTHONPATH=. python benchmarks/speculative.py            # full run (trains the policy once)
     PYTHONPATH=. python benchmarks/speculative.py --small    # smoke run on random tiny weights
@@ -80,7 +84,7 @@ def timed(fn, repeats: int):
     return statistics.median(times), outs
 
 
-def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None):
+def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None, costs=None):
     """One sampler configuration -> result dict (tokens/s, acceptance, steps)."""
     import jax
     import numpy as np
@@ -92,6 +96,7 @@ def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None):
         fn = lambda i: (sample(params, cfg, prompt, pmask, jax.random.PRNGKey(i), **kw), None)  # noqa: E731
     else:
         extra = {} if drafts is None else dict(draft_NxT=drafts[0], draft_len_N=drafts[1])
+        extra["costs"] = costs
         fn = lambda i: sample_speculative(params, cfg, prompt, pmask, jax.random.PRNGKey(i), spec=spec,  # noqa: E731
                                           **kw, **extra)
     seconds, outs = timed(fn, repeats)
@@ -114,27 +119,56 @@ def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None):
     return res, outs[0][0]
 
 
+def ceilings(costs) -> dict:
+    """The most tokens per unit of cost a speculative step can give over a plain step, with every
+    draft accepted: max over k of (k + 1) / (verify cost of k drafts + k x draft cost). An upper
+    bound on the speedup (a rollout also pays for its tail of rows and its bookkeeping)."""
+    import numpy as np
+
+    verify_K = np.asarray(costs.verify_K)
+    k_K = np.arange(1, len(verify_K) + 1)
+    return {"self_draft": float(np.max((k_K + 1) / (verify_K + k_K * float(costs.draft)))),
+            "free_drafts": float(np.max((k_K + 1) / verify_K))}
+
+
 def drafter_suite(params, cfg, prompt, pmask, kw, repeats, draft_layers, max_draft, label, full=True):
-    """Plain, each self-drafter (adaptive and forced; `full=False`: early exit forced only), and reuse
-    of a first pass -> {name: result}."""
+    """Plain, each self-drafter (adaptive with measured costs, and forced; `full=False`: early exit
+    forced only), and reuse of a first pass -> ({name: result}, {drafter: measured costs and ceilings})."""
+    import numpy as np
+
     from jaxrl.config import SpeculativeConfig
+    from jaxrl.rollout.calibrate import measure_step_costs
 
     big = 1 << 20  # never switch off for batch size here: part 2 measures that
-    results = {}
+    rows, cache_len = prompt.shape[0] * kw["group_size"], prompt.shape[1] + 2 * kw["max_new_tokens"] + 1
+    results, cost_table = {}, {}
     results["plain"], first = measure("plain", params, cfg, prompt, pmask, kw, None, repeats)
     for drafter in ("early_exit", "int8") if full else ("early_exit",):
+        spec = SpeculativeConfig(enabled=True, drafter=drafter, draft_layers=draft_layers, max_draft=max_draft)
+        costs = measure_step_costs(params, cfg, spec, rows, cache_len)
+        cost_table[drafter] = {"verify_K": np.asarray(costs.verify_K).round(3).tolist(),
+                               "draft": round(float(costs.draft), 3), "ceiling": ceilings(costs)}
+        print(f"  measured costs ({drafter}, {rows} rows), in plain steps: verify k=1..{max_draft} "
+              f"{cost_table[drafter]['verify_K']}, drafted token {cost_table[drafter]['draft']}; "
+              f"ceiling {cost_table[drafter]['ceiling']['self_draft']:.2f}x", flush=True)
         for adaptive in (True, False) if full else (False,):
-            spec = SpeculativeConfig(enabled=True, drafter=drafter, draft_layers=draft_layers, max_draft=max_draft,
-                                     adaptive=adaptive, max_active_rows=big)
+            spec = dataclasses.replace(spec, adaptive=adaptive, max_active_rows=big)
             name = f"{drafter}{'' if adaptive else f'_k{max_draft}'}"
-            results[name], _ = measure(name, params, cfg, prompt, pmask, kw, spec, repeats)
+            results[name], _ = measure(name, params, cfg, prompt, pmask, kw, spec, repeats, costs=costs)
+    wide = SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=draft_layers,
+                             max_draft=kw["max_new_tokens"])
+    reuse_costs = measure_step_costs(params, cfg, wide, rows, cache_len)
+    cost_table["reuse"] = {"verify_K": np.asarray(reuse_costs.verify_K).round(3).tolist(),
+                           "ceiling": ceilings(reuse_costs)["free_drafts"]}
+    print(f"  measured verify costs (k=1..{kw['max_new_tokens']}): {cost_table['reuse']['verify_K']}; "
+          f"reuse ceiling {cost_table['reuse']['ceiling']:.2f}x", flush=True)
     spec = SpeculativeConfig(enabled=True, drafter="reuse", reuse_width=kw["max_new_tokens"], max_active_rows=big)
     results["reuse"], _ = measure("reuse (second pass)", params, cfg, prompt, pmask, kw, spec, repeats,
                                   (first.tokens_BxT, first.length_B))
     for r in results.values():
         r["speedup"] = r["tokens_per_s"] / results["plain"]["tokens_per_s"]
     print(f"  [{label}] speedups: " + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in results.items()))
-    return results
+    return results, cost_table
 
 
 def main(argv=None) -> dict:
@@ -173,7 +207,7 @@ def main(argv=None) -> dict:
 
     print(f"1. embedded task policy ({'random tiny' if args.small else f'GRPO {args.policy_steps} steps'}), "
           f"{n_prompts} prompts x 8 samples, temperature 1.0, up to 8 new tokens")
-    embedded = drafter_suite(params, cfg, prompt[:n_prompts], pmask[:n_prompts], kw, args.repeats, 1, 4, "embedded",
+    embedded, embedded_costs = drafter_suite(params, cfg, prompt[:n_prompts], pmask[:n_prompts], kw, args.repeats, 1, 4, "embedded",
                              full=not args.small)
 
     print("2. batch sweep: rows decoding at once (plain vs early exit k=2, forced)")
@@ -189,14 +223,14 @@ def main(argv=None) -> dict:
                       "spec_tokens_per_s": s_res["tokens_per_s"], "speedup": s_res["tokens_per_s"] / p_res["tokens_per_s"],
                       "acceptance_rate": s_res["acceptance_rate"]})
 
-    bench_small = {}
+    bench_small, bench_small_costs = {}, {}
     if not args.small:
         print("3. bench-small, random weights: 1 prompt x 8 samples, 64 prompt tokens, 32 new tokens, no EOS")
         bcfg = common.bench_small()
         bparams = init_params(bcfg, jax.random.PRNGKey(0))
         bprompt = jnp.asarray(rng.integers(3, bcfg.vocab_size, (1, 64), dtype=np.int32))
         bkw = dict(group_size=8, max_new_tokens=32, temperature=1.0, eos_id=-1, pad_id=0)
-        bench_small = drafter_suite(bparams, bcfg, bprompt, jnp.ones_like(bprompt), bkw, max(3, args.repeats // 3),
+        bench_small, bench_small_costs = drafter_suite(bparams, bcfg, bprompt, jnp.ones_like(bprompt), bkw, max(3, args.repeats // 3),
                                     2, 4, "bench-small")
 
     training = {}
@@ -216,6 +250,9 @@ def main(argv=None) -> dict:
 
     self_names = [k for k in embedded if k.startswith(("early_exit", "int8"))]
     best = max(self_names, key=lambda k: embedded[k]["tokens_per_s"])
+    # The adaptive control may keep speculation off (no acceptance): report the fastest that drafted.
+    drafted = [k for k in self_names if embedded[k]["acceptance_rate"] is not None]
+    acc_of = best if best in drafted or not drafted else max(drafted, key=lambda k: embedded[k]["tokens_per_s"])
     result = {
         "benchmark": "speculative",
         "config": "tiny" if args.small else "default",
@@ -224,8 +261,11 @@ def main(argv=None) -> dict:
         "speedup_best_self_draft": embedded[best]["speedup"],
         "best_self_drafter": best,
         "speedup_trajectory_reuse": embedded["reuse"]["speedup"],
-        "acceptance_rate": embedded[best]["acceptance_rate"],
-        "embedded": embedded, "batch_sweep": sweep, "bench_small": bench_small, "training": training,
+        "acceptance_rate": embedded[acc_of]["acceptance_rate"], "acceptance_rate_of": acc_of,
+        "ceiling_self_draft": max(c["ceiling"]["self_draft"] for k, c in embedded_costs.items() if k != "reuse"),
+        "ceiling_trajectory_reuse": embedded_costs["reuse"]["ceiling"],
+        "embedded": embedded, "embedded_costs": embedded_costs, "batch_sweep": sweep, "bench_small": bench_small,
+        "bench_small_costs": bench_small_costs, "training": training,
         "load_average": common.load_average(), "jax": jax.__version__, "backend": jax.default_backend(),
     }
     common.emit(result)
