@@ -151,6 +151,10 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     if spec.enabled and spec.calibrate:  # once, for this run's rollout shape (rollout/calibrate.py)
         w_max = max(spec.max_draft, spec.reuse_width if spec.drafter == "reuse" else 0) + 1
         costs = measure_step_costs(state.params, model_cfg, spec, B, prompt_width(cfg.data) + rc.max_new_tokens + w_max)
+        if jax.process_count() > 1:  # every process must feed the rollout the same (replicated) costs
+            from jax.experimental import multihost_utils
+
+            costs = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, costs)))
         if is_primary():
             print(f"jaxrl: speculative costs on this machine, in plain decode steps: verify k=1..{spec.max_draft} drafts "
                   f"{np.round(np.asarray(costs.verify_K), 2).tolist()}, one drafted token "
