@@ -45,3 +45,22 @@ def test_empty_split_is_rejected(capsys, tmp_path, in_process_cache):
     # 1-digit addition has only 100 distinct problems: 100 train + 1 test cannot be disjoint.
     assert code == 2
     assert "data.num" in err and len(err.splitlines()) == 1
+
+
+
+def test_eval_split_with_every_prompt_too_long_names_the_fields():
+    """Training prompts can fit while every held-out one is too long (and skipped): that is a config
+    error naming the limit, not a crash in the evaluator."""
+    import dataclasses
+
+    from jaxrl.config import Config, ConfigError
+    from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.train.evaluate import make_evaluator
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_prompt_len=4, skip_long_prompts=True))
+    tok = CharTokenizer()
+    model = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    records = [{"id": f"test/{i}", "prompt": f"{10 + i}+{20 + i}=", "answer": "0"} for i in range(3)]
+    with pytest.raises(ConfigError, match=r"every one of the 3 eval prompts.*data\.max_prompt_len=4"):
+        make_evaluator(cfg, model, tok, records, verifier=None)

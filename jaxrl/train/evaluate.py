@@ -32,6 +32,10 @@ def make_evaluator(cfg: Config, model_cfg: ModelConfig, tokenizer, records: list
     tok_BxP, mask_BxP, kept, _ = encode_prompts(tokenizer, [r["prompt"] for r in records], cfg.data.max_prompt_len,
                                                 skip_long=cfg.data.skip_long_prompts,
                                                 record_ids=[r["id"] for r in records], pad_to=prompt_width(cfg.data))
+    if not kept:
+        raise ConfigError(f"every one of the {len(records)} eval prompts (train.eval_prompts) is longer than "
+                          f"data.max_prompt_len={cfg.data.max_prompt_len} tokens and was skipped "
+                          f"(data.skip_long_prompts): raise data.max_prompt_len")
     records = [records[i] for i in kept]
     chunk = min(EVAL_CHUNK, len(records))
     pad = (-len(records)) % chunk
