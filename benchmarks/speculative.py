@@ -7,9 +7,9 @@ RNG keys, after a warm-up call that compiles):
      8 samples, 8 new tokens, temperature 1.0): plain sampling, each self-drafter (early exit: 1 of 2
      layers; int8), each with the adaptive control and with the draft length forced to max_draft,
      and trajectory reuse on a second pass over the same prompts (drafts = the first pass's
-     completions, which is what reuse sees when a prompt comes back).
+     completions, which is what reuse sees when a prompt comes back), adaptive and forced on.
   2. batch sweep (same policy): rows decoding at once 8 / 32 / 128, plain vs the forced best
-     self-drafter: where speculation stops paying on this machine (the `max_active_rows` default).
+     self-drafter: whether speculation pays at fewer rows on this machine.
   3. bench-small (random weights, ~31M params): 1 prompt x 8 samples, 64 prompt tokens, 32 new
      tokens, no EOS: plain, early exit (2 of 8 layers), int8, and reuse of a first pass.
   4. training (`--train-steps`, 0 to skip): the default run with and without
@@ -155,16 +155,17 @@ def drafter_suite(params, cfg, prompt, pmask, kw, repeats, draft_layers, max_dra
             spec = dataclasses.replace(spec, adaptive=adaptive, max_active_rows=big)
             name = f"{drafter}{'' if adaptive else f'_k{max_draft}'}"
             results[name], _ = measure(name, params, cfg, prompt, pmask, kw, spec, repeats, costs=costs)
-    wide = SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=draft_layers,
-                             max_draft=kw["max_new_tokens"])
-    reuse_costs = measure_step_costs(params, cfg, wide, rows, cache_len)
+    spec = SpeculativeConfig(enabled=True, drafter="reuse", reuse_width=kw["max_new_tokens"], max_active_rows=big)
+    reuse_costs = measure_step_costs(params, cfg, spec, rows, cache_len)
     cost_table["reuse"] = {"verify_K": np.asarray(reuse_costs.verify_K).round(3).tolist(),
                            "ceiling": ceilings(reuse_costs)["free_drafts"]}
     print(f"  measured verify costs (k=1..{kw['max_new_tokens']}): {cost_table['reuse']['verify_K']}; "
           f"reuse ceiling {cost_table['reuse']['ceiling']:.2f}x", flush=True)
-    spec = SpeculativeConfig(enabled=True, drafter="reuse", reuse_width=kw["max_new_tokens"], max_active_rows=big)
-    results["reuse"], _ = measure("reuse (second pass)", params, cfg, prompt, pmask, kw, spec, repeats,
-                                  (first.tokens_BxT, first.length_B))
+    drafts = (first.tokens_BxT, first.length_B)
+    results["reuse"], _ = measure("reuse (second pass)", params, cfg, prompt, pmask, kw, spec, repeats, drafts,
+                                  costs=reuse_costs)
+    results["reuse_forced"], _ = measure("reuse forced (second pass)", params, cfg, prompt, pmask, kw,
+                                         dataclasses.replace(spec, adaptive=False), repeats, drafts)
     for r in results.values():
         r["speedup"] = r["tokens_per_s"] / results["plain"]["tokens_per_s"]
     print(f"  [{label}] speedups: " + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in results.items()))
@@ -261,6 +262,7 @@ def main(argv=None) -> dict:
         "speedup_best_self_draft": embedded[best]["speedup"],
         "best_self_drafter": best,
         "speedup_trajectory_reuse": embedded["reuse"]["speedup"],
+        "speedup_trajectory_reuse_forced": embedded["reuse_forced"]["speedup"],
         "acceptance_rate": embedded[acc_of]["acceptance_rate"], "acceptance_rate_of": acc_of,
         "ceiling_self_draft": max(c["ceiling"]["self_draft"] for k, c in embedded_costs.items() if k != "reuse"),
         "ceiling_trajectory_reuse": embedded_costs["reuse"]["ceiling"],

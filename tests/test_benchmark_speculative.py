@@ -18,7 +18,7 @@ def test_small_run_prints_speedups_json_last(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "speculative" and result["config"] == "tiny"
     emb = result["embedded"]
-    assert set(emb) == {"plain", "early_exit_k4", "reuse"}
+    assert set(emb) == {"plain", "early_exit_k4", "reuse", "reuse_forced"}
     assert emb["plain"]["speedup"] == 1.0 and result["speedup_best_self_draft"] == emb["early_exit_k4"]["speedup"] > 0
     assert result["speedup_trajectory_reuse"] == emb["reuse"]["speedup"] > 0
     assert 0 < result["acceptance_rate"] <= 1 and emb["early_exit_k4"]["speculated_frac"] == 1.0

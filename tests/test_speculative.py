@@ -269,6 +269,15 @@ def test_costs_decide_whether_to_speculate():
                           acceptance_prior=jnp.float32(0.9))
         assert (int(stats.self_steps) > 0) == speculates
         np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
+    # Reuse too: a reused draft is verified only while that is expected to beat a plain step, unless
+    # the control is off.
+    draft = (plain.tokens_BxT, plain.length_B)
+    for verify, adaptive, reuses in ((1.0, True, True), (8.0, True, False), (8.0, False, True)):
+        costs = StepCosts(jnp.full((T,), verify, jnp.float32), jnp.float32(0.5))
+        out, stats = _run(params, CFG, _spec("reuse", reuse_width=T, adaptive=adaptive), jax.random.PRNGKey(0),
+                          draft=draft, greedy=True, costs=costs)
+        assert (int(stats.reuse_steps) > 0) == reuses, (verify, adaptive)
+        np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
 
 
 def test_int8_view_is_close_and_int8():

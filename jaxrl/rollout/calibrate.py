@@ -4,8 +4,8 @@ Speculation pays only when verifying k drafts costs well under k + 1 plain steps
 a (k+1)-token forward costs about one step (decoding is memory-bound); on a small CPU it can cost
 nearly k + 1 (compute-bound). The draft-length choice in `speculative.py` therefore takes measured
 costs: `measure_step_costs` times, for the rollout's own row count and cache length, the policy
-forward over 1 and over max_draft + 1 tokens and one drafter token, and returns the costs relative
-to the 1-token forward (verify costs in between interpolated linearly in the width).
+forward over 1 and over K + 1 tokens (K = max_draft, or reuse_width if wider) and one drafter token,
+and returns the costs relative to the 1-token forward (widths in between interpolated linearly).
 
 Timing is host-side and runs once per rollout shape (the training loop caches it). The sampled
 distribution does not depend on it: costs only decide when to speculate and how far.
@@ -30,13 +30,18 @@ from jaxrl.rollout.drafters import draft_view
 class StepCosts(NamedTuple):
     """Costs in plain decode steps (a 1-token policy forward = 1)."""
 
-    verify_K: jax.Array  # float32[max_draft]: verifying k = 1..max_draft drafts (a (k+1)-token forward)
+    verify_K: jax.Array  # float32[K]: a forward over k + 1 tokens (verifying k drafts), k = 1..K
     draft: jax.Array  # float32 scalar: one drafted token
+
+
+def widest_draft(spec: SpeculativeConfig) -> int:
+    """K: the most drafts a verify forward of this configuration checks."""
+    return max(spec.max_draft, spec.reuse_width if spec.drafter == "reuse" else 0)
 
 
 def constant_costs(spec: SpeculativeConfig) -> StepCosts:
     """The configured (unmeasured) costs: rollout.speculative.verify_cost for every k, draft_cost."""
-    return StepCosts(jnp.full((spec.max_draft,), spec.verify_cost, jnp.float32), jnp.float32(spec.draft_cost))
+    return StepCosts(jnp.full((widest_draft(spec),), spec.verify_cost, jnp.float32), jnp.float32(spec.draft_cost))
 
 
 def _seconds_per_forward(fwd, args, calls: int, repeats: int) -> float:
@@ -55,17 +60,15 @@ def _seconds_per_forward(fwd, args, calls: int, repeats: int) -> float:
 def measure_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int,
                        calls: int = 6, repeats: int = 3) -> StepCosts:
     """Time the forwards a speculative rollout of n_rows rows over a cache_len-slot cache runs ->
-    StepCosts (constant_costs(spec) when spec has no self-drafter)."""
+    StepCosts (the draft cost stays spec.draft_cost when spec has no self-drafter)."""
     drafter = spec.fallback if spec.drafter == "reuse" else spec.drafter
-    if drafter == "none":
-        return constant_costs(spec)
     lparams = layer_params(params, cfg)
-    dparams, d_layers = draft_view(lparams, drafter, spec.draft_layers, cfg.n_layers)
     dtype = jnp.dtype(cfg.dtype)
     kv = tuple((jnp.zeros((n_rows, cfg.n_kv_heads, cache_len, cfg.head_dim), dtype),) * 2 for _ in range(cfg.n_layers))
     cache = LayerCache(kv, jnp.ones((n_rows, cache_len), bool), jnp.zeros((n_rows,), jnp.int32))
     fill_N = jnp.full((n_rows,), cache_len // 2, jnp.int32)  # a half-full cache: the rollout's average
-    W = spec.max_draft + 1
+    K = widest_draft(spec)
+    W = K + 1
 
     def forward(width: int, n_layers: int):
         @jax.jit
@@ -81,7 +84,10 @@ def measure_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows
 
     one = _seconds_per_forward(forward(1, cfg.n_layers), (lparams, cache), calls, repeats)
     wide = _seconds_per_forward(forward(W, cfg.n_layers), (lparams, cache), calls, repeats)
-    draft = _seconds_per_forward(forward(1, d_layers), (dparams, cache), calls, repeats)
-    k_K = np.arange(1, spec.max_draft + 1)
-    verify_K = 1.0 + (wide / one - 1.0) * k_K / spec.max_draft
-    return StepCosts(jnp.asarray(verify_K, jnp.float32), jnp.float32(draft / one))
+    draft = spec.draft_cost
+    if drafter != "none":
+        dparams, d_layers = draft_view(lparams, drafter, spec.draft_layers, cfg.n_layers)
+        draft = _seconds_per_forward(forward(1, d_layers), (dparams, cache), calls, repeats) / one
+    k_K = np.arange(1, K + 1)
+    verify_K = 1.0 + (wide / one - 1.0) * k_K / K
+    return StepCosts(jnp.asarray(verify_K, jnp.float32), jnp.float32(draft))

@@ -66,4 +66,5 @@ def spec_metrics(stats) -> dict:
         "spec/draft_len": s["draft_len_sum"] / s["self_steps"] if s["self_steps"] else None,
         "spec/speculated_frac": (s["self_steps"] + s["reuse_steps"]) / steps if steps else 0.0,
         "spec/acceptance_estimate": s["acceptance"],
+        "spec/reuse_acceptance_estimate": s["reuse_acceptance"],
     }

@@ -10,12 +10,14 @@ Each loop step is one of three kinds, chosen in the graph:
   reuse   the previous completion of the row's prompt is the draft (no draft cost): up to
           `reuse_width` tokens verified per forward as point masses; a row's reused draft dies at
           its first rejection (what follows was conditioned on another prefix).
-Reuse runs while any live row has a live reused draft; otherwise `self` runs while it pays: k is
-the draft length maximising expected tokens per unit cost, (1 - r^(k+1)) / (1 - r) / (v_k + k * c)
-for acceptance estimate r, verify cost v_k of k drafts and draft cost c (in plain steps; measured on
-this machine by `calibrate.py`, or the configured constants), and speculation stops when no k beats
-a plain step (gain <= 1) or when more than `max_active_rows` rows are still decoding. r starts at
-the given prior and is updated from every self step's accept/reject counts.
+With `adaptive`, each step takes the kind with the most expected tokens per unit cost (costs in
+plain steps, measured on this machine by `calibrate.py` or the configured constants; a verify
+forward costs v, its branch's static width, whatever k is). Self: the best draft length k for
+acceptance estimate r and draft cost c, rate (1 - r^(k+1)) / (1 - r) / (v + k c). Reuse (only while
+some live row still has a live reused draft): a row with m drafted tokens left in the window gets
+(1 - r'^(m+1)) / (1 - r') tokens, the others one, over v'. Plain: 1. Both estimates start at their
+priors (the previous rollout's final estimates) and are updated from every step's accept/reject
+counts. No speculation while more than `max_active_rows` rows are still decoding.
 
 Rows accept different numbers of tokens with static shapes: a step's forwards leave the KV cache
 untouched and write their keys/values to a small window (`decode.window_layers`); after the step
@@ -56,6 +58,9 @@ class SpecStats(NamedTuple):
     self_accepted: jax.Array  # float32: accepted / rejections of self steps (the estimate's data)
     self_rejected: jax.Array
     acceptance: jax.Array  # float32: the final self-draft acceptance estimate (next rollout's prior)
+    reuse_accepted: jax.Array  # float32: accepted / rejections of reuse steps (the reuse estimate's data)
+    reuse_rejected: jax.Array
+    reuse_acceptance: jax.Array  # float32: the final reused-token acceptance estimate (next rollout's prior)
 
 
 class _State(NamedTuple):
@@ -99,15 +104,16 @@ def _row_window(buf_NxT, col_N, width: int, fill):
                                              "eos_id", "pad_id", "greedy"))
 def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, spec: SpeculativeConfig,
                        group_size: int, max_new_tokens: int, temperature, top_k: int = 0, top_p: float = 1.0,
-                       eos_id: int, pad_id: int, greedy: bool = False, acceptance_prior=None,
+                       eos_id: int, pad_id: int, greedy: bool = False, acceptance_prior=None, reuse_acceptance_prior=None,
                        draft_NxT=None, draft_len_N=None, draft_logp_NxT=None, costs: Optional[StepCosts] = None):
     """`sampler.sample` with speculation -> (SampleOutput, SpecStats).
 
     For `spec.drafter == "reuse"`: draft_NxT holds each output row's previous completion (pad after
     it), draft_len_N its length (0: no draft for that row) and, for the approximate `spec_rl` rule
     only, draft_logp_NxT the log-probs it was sampled with. `acceptance_prior` (float, default
-    spec.initial_acceptance) seeds the self-draft acceptance estimate; pass the previous rollout's
-    `stats.acceptance` to carry it over. `costs` (calibrate.StepCosts, e.g. measured by
+    spec.initial_acceptance) seeds the self-draft acceptance estimate, `reuse_acceptance_prior` the
+    reused-token one; pass the previous rollout's `stats.acceptance` / `stats.reuse_acceptance` to
+    carry them over. `costs` (calibrate.StepCosts, e.g. measured by
     `calibrate.measure_step_costs`) replace spec.verify_cost / spec.draft_cost in the control."""
     B, P = prompt_BxP.shape
     G, T = group_size, max_new_tokens
@@ -141,6 +147,10 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         draft_NxT = draft_NxT.astype(jnp.int32)
         draft_len_N = jnp.minimum(draft_len_N.astype(jnp.int32), draft_NxT.shape[1])
     prior = jnp.asarray(spec.initial_acceptance if acceptance_prior is None else acceptance_prior, jnp.float32)
+    reuse_prior = jnp.asarray(spec.initial_acceptance if reuse_acceptance_prior is None else reuse_acceptance_prior,
+                              jnp.float32)
+    # A verify forward always runs its branch's full static width, whatever k the control picks.
+    verify_self, verify_reuse = costs.verify_K[spec.max_draft - 1], costs.verify_K[spec.reuse_width - 1]
     zero_i, zero_f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
     state = _State(
         step=zero_i, cache=cache, fill_N=jnp.full((N,), P - 1, jnp.int32), last_N=last_N,
@@ -148,10 +158,14 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         tokens_NxU=jnp.full((N, U), pad_id, jnp.int32), logp_NxU=jnp.zeros((N, U), jnp.float32),
         mask_NxU=jnp.zeros((N, U), jnp.float32), done_N=jnp.zeros((N,), bool),
         alive_N=(draft_len_N > 0) if reuse else jnp.zeros((N,), bool), rng=rng,
-        stats=SpecStats(*([zero_i] * 8), zero_f, zero_f, prior), routing_NxSxLxK=routing)
+        stats=SpecStats(*([zero_i] * 8), zero_f, zero_f, prior, zero_f, zero_f, reuse_prior), routing_NxSxLxK=routing)
 
     def estimate(st: SpecStats):
         return (st.self_accepted + prior * PRIOR_WEIGHT) / (st.self_accepted + st.self_rejected + PRIOR_WEIGHT)
+
+    def reuse_estimate(st: SpecStats):
+        return ((st.reuse_accepted + reuse_prior * PRIOR_WEIGHT)
+                / (st.reuse_accepted + st.reuse_rejected + PRIOR_WEIGHT))
 
     def verify(s: _State, fed_NxW, drafted_NxW, q_NxWxV=None, old_logp_NxW=None):
         """One policy forward over fed_NxW (window slots 0..W-1), accept/reject, emit the kept tokens.
@@ -205,8 +219,7 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
                            row_verifications=st.row_verifications + jnp.sum(live_i)), rejected_N
 
     def self_step(s: _State):
-        k, _ = choose_draft_length(estimate(s.stats), spec.max_draft, costs.draft, spec.adaptive,
-                                   costs.verify_K)
+        k, _ = choose_draft_length(estimate(s.stats), spec.max_draft, costs.draft, spec.adaptive, verify_self)
         V = cfg.vocab_size
         fed0_NxW = jnp.zeros((N, W_self), jnp.int32).at[:, 0].set(s.last_N)
         q0_NxWxV = None if greedy else jnp.zeros((N, W_self, V), jnp.float32)
@@ -251,7 +264,10 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         col_before_N = s.col_N
         s, window, a_N, new_N, live_N = verify(s, fed_NxW, drafted_NxW, None, old_logp)
         n_drafted_N = jnp.sum(drafted_NxW, axis=1, dtype=jnp.int32)
-        st, _ = count(s.stats, live_N, n_drafted_N, a_N)
+        st, rejected_N = count(s.stats, live_N, n_drafted_N, a_N)
+        st = st._replace(reuse_accepted=st.reuse_accepted + jnp.sum(live_N * a_N).astype(jnp.float32),
+                         reuse_rejected=st.reuse_rejected + jnp.sum(rejected_N).astype(jnp.float32))
+        st = st._replace(reuse_acceptance=reuse_estimate(st))
         # Still aligned iff nothing was rejected and the new token is the draft's next one too.
         nxt = col_before_N + a_N
         next_draft_N = jnp.take_along_axis(jnp.pad(draft_NxT, ((0, 0), (0, 1)), constant_values=pad_id),
@@ -264,16 +280,27 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
     branches = [plain_step] + ([self_step] if self_drafter else []) + ([reuse_step] if reuse else [])
     SELF, REUSE = 1, len(branches) - 1
 
+    def reuse_rate(s: _State, live_N):
+        """Expected tokens per live row per unit cost of a reuse step: a row with m drafted tokens
+        left in the window gets (1 - r^(m+1)) / (1 - r), the others one token."""
+        r = jnp.clip(reuse_estimate(s.stats), 0.0, 0.999)
+        m_N = jnp.clip(draft_len_N - s.col_N, 0, W_reuse - 1)
+        tokens_N = jnp.where(s.alive_N, (1 - r ** (m_N + 1)) / (1 - r), 1.0)
+        return jnp.sum(live_N * tokens_N) / jnp.maximum(jnp.sum(live_N), 1) / verify_reuse
+
     def body(s: _State) -> _State:
         live_N = ~s.done_N
-        mode = PLAIN
+        mode, best_rate = PLAIN, jnp.float32(1.0)
         if self_drafter:
-            _, gain = choose_draft_length(estimate(s.stats), spec.max_draft, costs.draft, spec.adaptive,
-                                          costs.verify_K)
+            _, gain = choose_draft_length(estimate(s.stats), spec.max_draft, costs.draft, spec.adaptive, verify_self)
             pays = (jnp.sum(live_N) <= spec.max_active_rows) & ((gain > 1.0) | (not spec.adaptive))
             mode = jnp.where(pays, SELF, PLAIN)
+            best_rate = jnp.where(pays, gain, best_rate)
         if reuse:
-            mode = jnp.where(jnp.any(s.alive_N & live_N), REUSE, mode)
+            use = jnp.any(s.alive_N & live_N)
+            if spec.adaptive:
+                use = use & (jnp.sum(live_N) <= spec.max_active_rows) & (reuse_rate(s, live_N) > best_rate)
+            mode = jnp.where(use, REUSE, mode)
         if len(branches) > 1:
             out, window, advance_N = lax.switch(jnp.asarray(mode, jnp.int32), branches, s)
         else:

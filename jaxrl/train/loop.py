@@ -26,7 +26,7 @@ from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.losses import check_rollout, make_loss
-from jaxrl.rollout.calibrate import measure_step_costs
+from jaxrl.rollout.calibrate import measure_step_costs, widest_draft
 from jaxrl.rollout.reuse import DraftStore, spec_metrics
 from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.speculative import sample_speculative
@@ -146,24 +146,25 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     prompts_spec = jax.ShapeDtypeStruct((n_prompts, prompt_width(cfg.data)), jnp.int32)
     # Host state: the acceptance estimate carried between rollouts (checkpointed with the stream).
     spec_prior = float(host.get("spec_prior", spec.initial_acceptance)) if restored else spec.initial_acceptance
+    reuse_prior = float(host.get("spec_reuse_prior", spec.initial_acceptance)) if restored else spec.initial_acceptance
     drafts = DraftStore() if spec.enabled and spec.drafter == "reuse" else None
     costs = None
     if spec.enabled and spec.calibrate:  # once, for this run's rollout shape (rollout/calibrate.py)
-        w_max = max(spec.max_draft, spec.reuse_width if spec.drafter == "reuse" else 0) + 1
-        costs = measure_step_costs(state.params, model_cfg, spec, B, prompt_width(cfg.data) + rc.max_new_tokens + w_max)
+        costs = measure_step_costs(state.params, model_cfg, spec, B,
+                                   prompt_width(cfg.data) + rc.max_new_tokens + widest_draft(spec) + 1)
         if jax.process_count() > 1:  # every process must feed the rollout the same (replicated) costs
             from jax.experimental import multihost_utils
 
             costs = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, costs)))
         if is_primary():
-            print(f"jaxrl: speculative costs on this machine, in plain decode steps: verify k=1..{spec.max_draft} drafts "
+            print(f"jaxrl: speculative costs on this machine, in plain decode steps: verify k=1..{widest_draft(spec)} drafts "
                   f"{np.round(np.asarray(costs.verify_K), 2).tolist()}, one drafted token "
                   f"{float(costs.draft):.2f}", file=sys.stderr)
 
     def spec_inputs(prompt_BxP, pmask_BxP):
         if not spec.enabled:
             return {}
-        out = {"acceptance_prior": np.float32(spec_prior)}
+        out = {"acceptance_prior": np.float32(spec_prior), "reuse_acceptance_prior": np.float32(reuse_prior)}
         if costs is not None:
             out["costs"] = costs
         if drafts is not None:
@@ -247,7 +248,7 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
                    "rollout/decode_steps": int(out.num_steps)}
             if spec_stats is not None:
                 row.update(spec_metrics(spec_stats))
-                spec_prior = float(spec_stats.acceptance)
+                spec_prior, reuse_prior = float(spec_stats.acceptance), float(spec_stats.reuse_acceptance)
                 if drafts is not None:  # each process stores (and later drafts) only its own rows
                     tok = np.full((B, rc.max_new_tokens), tokenizer.pad_id, np.int32)
                     n, lp = np.zeros((B,), np.int32), np.zeros((B, rc.max_new_tokens), np.float32)
@@ -266,7 +267,8 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             if "eval/accuracy" in row and is_primary():
                 plot(log.rows, workdir / "progress.png", title=str(workdir.name))
             if save_now:
-                ckpt.save(manager, step, state, {"stream": stream._asdict(), "spec_prior": spec_prior}, force=True)
+                ckpt.save(manager, step, state, {"stream": stream._asdict(), "spec_prior": spec_prior,
+                                                 "spec_reuse_prior": reuse_prior}, force=True)
             if stopping:
                 print(f"jaxrl: SIGTERM received; saved step {step} to {workdir / 'checkpoints'}", file=sys.stderr)
                 break
