@@ -85,12 +85,20 @@ def timed(fn, repeats: int):
 
 
 def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None, costs=None):
-    """One sampler configuration -> result dict (tokens/s, acceptance, steps)."""
+    """One sampler configuration -> result dict (tokens/s, acceptance, steps). An adaptive one with
+    measured costs first asks `worth_speculating` at the initial acceptance estimates, as the
+    training loop does, and runs the plain sampler when speculation cannot gain."""
     import jax
     import numpy as np
 
     from jaxrl.rollout.sampler import sample
-    from jaxrl.rollout.speculative import sample_speculative
+    from jaxrl.rollout.speculative import sample_speculative, worth_speculating
+
+    planned = None
+    if spec is not None and costs is not None:
+        a = spec.initial_acceptance
+        planned = "speculative" if worth_speculating(costs, spec, a, a, drafts is not None) else "plain"
+        spec = spec if planned == "speculative" else None
 
     if spec is None:
         fn = lambda i: (sample(params, cfg, prompt, pmask, jax.random.PRNGKey(i), **kw), None)  # noqa: E731
@@ -102,7 +110,9 @@ def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None, co
     seconds, outs = timed(fn, repeats)
     tokens = float(np.median([float(o[0].completion_mask_BxT.sum()) for o in outs]))
     res = {"name": name, "seconds": seconds, "tokens_per_s": tokens / seconds, "tokens": tokens,
-           "decode_steps": float(np.median([int(o[0].num_steps) for o in outs]))}
+           "decode_steps": float(np.median([int(o[0].num_steps) for o in outs])), "planned": planned}
+    if planned == "plain":
+        res.update(acceptance_rate=None, speculated_frac=0.0)
     if spec is not None:
         st = [o[1] for o in outs]
         drafted, accepted = sum(int(s.drafted) for s in st), sum(int(s.accepted) for s in st)
@@ -115,7 +125,8 @@ def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None, co
     acc = res.get("acceptance_rate")
     print(f"  {name:34s} {res['tokens_per_s']:9.0f} tok/s  {seconds * 1e3:8.1f} ms  steps {res['decode_steps']:4.0f}"
           + (f"  accept {acc:.3f}" if acc is not None else "")
-          + (f"  speculated {res['speculated_frac']:.2f}" if spec is not None else ""), flush=True)
+          + (f"  speculated {res['speculated_frac']:.2f}" if "speculated_frac" in res else "")
+          + ("  (planned: plain sampler)" if planned == "plain" else ""), flush=True)
     return res, outs[0][0]
 
 

@@ -17,7 +17,7 @@ from jaxrl.rollout.drafters import dequantize, quantize_int8
 from jaxrl.rollout.calibrate import StepCosts
 from jaxrl.rollout.reuse import DraftStore
 from jaxrl.rollout.sampler import sample
-from jaxrl.rollout.speculative import choose_draft_length, sample_speculative
+from jaxrl.rollout.speculative import choose_draft_length, sample_speculative, worth_speculating
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 MOE = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=32)
@@ -278,6 +278,21 @@ def test_costs_decide_whether_to_speculate():
                           draft=draft, greedy=True, costs=costs)
         assert (int(stats.reuse_steps) > 0) == reuses, (verify, adaptive)
         np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
+
+
+def test_worth_speculating_by_hand():
+    """Before a rollout: self-drafting at r=0.9 with k=3 gives (1 - 0.9^4) / 0.1 / (1 + 3 x 0.5) =
+    1.3756 tokens per step-cost at verify cost 1, but at verify cost 3 its best, k=4, gives
+    (1 - 0.9^5) / 0.1 / (3 + 4 x 0.5) = 0.819; reuse (window 4) at r=0.7 and verify cost 2 gives
+    (1 - 0.7^5) / 0.3 / 2 = 1.387, at verify cost 3 0.924, and nothing without drafts."""
+    ee = SpeculativeConfig(enabled=True, drafter="early_exit", max_draft=4)
+    cheap, dear = (StepCosts(jnp.full((4,), v, jnp.float32), jnp.float32(0.5)) for v in (1.0, 3.0))
+    assert worth_speculating(cheap, ee, 0.9, 0.0, False) and not worth_speculating(dear, ee, 0.9, 0.0, False)
+    assert worth_speculating(dear, dataclasses.replace(ee, adaptive=False), 0.9, 0.0, False)
+    reuse = SpeculativeConfig(enabled=True, drafter="reuse", reuse_width=4, max_draft=2)
+    two, three = (StepCosts(jnp.full((4,), v, jnp.float32), jnp.float32(0.5)) for v in (2.0, 3.0))
+    assert worth_speculating(two, reuse, 0.0, 0.7, True) and not worth_speculating(three, reuse, 0.0, 0.7, True)
+    assert not worth_speculating(two, reuse, 0.0, 0.7, False)
 
 
 def test_int8_view_is_close_and_int8():

@@ -11,8 +11,9 @@ from preset_configs import config_path, fast_compiles, overrides  # noqa: F401  
 
 
 @pytest.mark.parametrize("extra", [["rollout.speculative.drafter=int8"],
-                                   ["rollout.speculative.drafter=reuse", "rollout.speculative.reuse_width=4"]],
-                         ids=["int8-calibrated", "reuse"])
+                                   ["rollout.speculative.drafter=reuse", "rollout.speculative.reuse_width=4",
+                                    "rollout.speculative.probe_every=1"]],
+                         ids=["int8-calibrated", "reuse-every-rollout"])
 def test_grpo_trains_with_speculative_rollouts(extra, tmp_path, in_process_cache, fast_compiles, capsys):  # noqa: F811
     from jaxrl.train.loop import train
 
@@ -23,5 +24,10 @@ def test_grpo_trains_with_speculative_rollouts(extra, tmp_path, in_process_cache
         assert row["mismatch_abs_logp"] < 0.05
         for key in ("spec/speculated_frac", "rollout/tokens_per_s"):
             assert math.isfinite(row[key]), key
+    # Rollout 1 always speculates (a probe); the others only if speculation can gain, or with
+    # probe_every=1. A plain rollout logs speculated_frac 0 and no acceptance estimate.
+    assert "spec/acceptance_estimate" in rows[1]
+    if "rollout.speculative.probe_every=1" in extra:
+        assert "spec/acceptance_estimate" in rows[2]
     if "int8" in extra[0]:  # the control ran on costs measured on this machine
         assert "speculative costs on this machine" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrl.config import ModelConfig, SpeculativeConfig
@@ -88,6 +89,26 @@ def choose_draft_length(r, max_draft: int, draft_cost, adaptive: bool, verify_co
     rate_K = (1 - r ** (k_K + 1)) / (1 - r) / (verify_cost + k_K * draft_cost)
     best = jnp.argmax(rate_K) if adaptive else max_draft - 1
     return jnp.asarray(best + 1, jnp.int32), rate_K[best]
+
+
+def worth_speculating(costs: StepCosts, spec: SpeculativeConfig, acceptance: float, reuse_acceptance: float,
+                      has_drafts: bool) -> bool:
+    """Host-side, before a rollout: can any speculative step beat a plain one at these acceptance
+    estimates? Reuse is judged as if every row had a full window of draft (its best case). When it
+    cannot, the caller runs the plain sampler and saves the speculative loop's bookkeeping; the loop
+    itself would only have run plain steps. Always True when `spec.adaptive` is off."""
+    if not spec.adaptive:
+        return True
+    verify_K = np.asarray(costs.verify_K, np.float64)
+    rates = []
+    self_drafter = spec.fallback if spec.drafter == "reuse" else spec.drafter
+    if self_drafter != "none":
+        rates.append(float(choose_draft_length(jnp.float32(acceptance), spec.max_draft, float(costs.draft), True,
+                                               float(verify_K[spec.max_draft - 1]))[1]))
+    if spec.drafter == "reuse" and has_drafts:
+        r = min(max(float(reuse_acceptance), 0.0), 0.999)
+        rates.append((1 - r ** (spec.reuse_width + 1)) / (1 - r) / verify_K[spec.reuse_width - 1])
+    return max(rates, default=0.0) > 1.0
 
 
 def _row_write(buf_NxU, vals_NxW, col_N):

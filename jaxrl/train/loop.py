@@ -26,10 +26,10 @@ from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.losses import check_rollout, make_loss
-from jaxrl.rollout.calibrate import measure_step_costs, widest_draft
+from jaxrl.rollout.calibrate import constant_costs, measure_step_costs, widest_draft
 from jaxrl.rollout.reuse import DraftStore, spec_metrics
 from jaxrl.rollout.sampler import sample
-from jaxrl.rollout.speculative import sample_speculative
+from jaxrl.rollout.speculative import sample_speculative, worth_speculating
 from jaxrl.models.transformer import init_params, param_logical_axes
 from jaxrl.sharding import (any_process, all_processes_sum, batch_devices, batch_sharding, check_batch_divides,
                             gather_rows, is_primary, local_rows, make_mesh, named_sharding, named_shardings,
@@ -172,12 +172,25 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             out.update(draft_NxT=d, draft_len_N=n, draft_logp_NxT=lp)
         return out
 
+    def speculate_now(step: int, spec_host: dict) -> bool:
+        """Every probe_every-th rollout speculates (fresh acceptance counts); the others only when
+        speculation can gain. Every process decides alike (drafts are per process)."""
+        if (step - 1) % spec.probe_every == 0:
+            return True
+        has_drafts = any_process(bool(np.any(spec_host.get("draft_len_N", 0) > 0))) if drafts is not None else False
+        return worth_speculating(costs if costs is not None else constant_costs(spec), spec, spec_prior, reuse_prior,
+                                 has_drafts)
+
     spec_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                  spec_inputs(np.zeros((n_prompts, 1), np.int32), np.zeros((n_prompts, 1), bool)))
     spec_sh = {k: rows_sharding if k.startswith("draft") else rep for k in spec_abstract}
     out_abstract, _ = jax.eval_shape(rollout_fn, state.params, prompts_spec, prompts_spec, state.rng, spec_abstract)
     rollout = jax.jit(rollout_fn, in_shardings=(param_sh, prompt_sh, prompt_sh, rep, spec_sh),
                       out_shardings=(named_shardings(mesh, preset, out_abstract), rep if spec.enabled else None))
+    # With speculation on, a rollout that cannot gain (worth_speculating) runs the plain sampler.
+    rollout_plain = jax.jit(lambda p, t, m, r: sample(p, model_cfg, t, m, r, **sample_kw),
+                            in_shardings=(param_sh, prompt_sh, prompt_sh, rep),
+                            out_shardings=named_shardings(mesh, preset, out_abstract))
     prompt_rows, rows = process_rows(prompt_sh, n_prompts), process_rows(rows_sharding, B)  # this process's
     advantages = jax.jit(functools.partial(loss.advantages, group_size=G))
     evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier,
@@ -204,10 +217,15 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             state = state._replace(rng=rng)
             # Every process walks the same stream; each feeds the devices only its own prompt rows
             # and scores only its own completion rows (`rows`); host metrics see all rows.
-            spec_in = {k: put_rows(spec_sh[k], v[rows], B) if k.startswith("draft") else v
-                       for k, v in spec_inputs(prompt_BxP, pmask_BxP).items()}
-            out, spec_stats = rollout(state.params, put_rows(prompt_sh, prompt_BxP[prompt_rows], n_prompts),
-                                      put_rows(prompt_sh, pmask_BxP[prompt_rows], n_prompts), k_sample, spec_in)
+            spec_host = spec_inputs(prompt_BxP, pmask_BxP)
+            prompts_in = (put_rows(prompt_sh, prompt_BxP[prompt_rows], n_prompts),
+                          put_rows(prompt_sh, pmask_BxP[prompt_rows], n_prompts))
+            if spec.enabled and not speculate_now(step, spec_host):
+                out, spec_stats = rollout_plain(state.params, *prompts_in, k_sample), None
+            else:
+                spec_in = {k: put_rows(spec_sh[k], v[rows], B) if k.startswith("draft") else v
+                           for k, v in spec_host.items()}
+                out, spec_stats = rollout(state.params, *prompts_in, k_sample, spec_in)
             my_tokens_BxT = local_rows(out.tokens_BxT)
             t_rollout = time.perf_counter() - t0
             my_mask_BxT = local_rows(out.completion_mask_BxT)
@@ -249,11 +267,13 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             if spec_stats is not None:
                 row.update(spec_metrics(spec_stats))
                 spec_prior, reuse_prior = float(spec_stats.acceptance), float(spec_stats.reuse_acceptance)
-                if drafts is not None:  # each process stores (and later drafts) only its own rows
-                    tok = np.full((B, rc.max_new_tokens), tokenizer.pad_id, np.int32)
-                    n, lp = np.zeros((B,), np.int32), np.zeros((B, rc.max_new_tokens), np.float32)
-                    tok[rows], n[rows], lp[rows] = my_tokens_BxT, my_mask_BxT.sum(1), local_rows(out.logp_BxT)
-                    drafts.update(prompt_BxP, pmask_BxP, tok, n, lp, G)
+            elif spec.enabled:
+                row["spec/speculated_frac"] = 0.0
+            if drafts is not None:  # each process stores (and later drafts) only its own rows
+                tok = np.full((B, rc.max_new_tokens), tokenizer.pad_id, np.int32)
+                n, lp = np.zeros((B,), np.int32), np.zeros((B, rc.max_new_tokens), np.float32)
+                tok[rows], n[rows], lp[rows] = my_tokens_BxT, my_mask_BxT.sum(1), local_rows(out.logp_BxT)
+                drafts.update(prompt_BxP, pmask_BxP, tok, n, lp, G)
             pending = (row, metrics, t0)
             if tc.eval_every and step % tc.eval_every == 0 or step == tc.steps:
                 last_eval = evaluate(state.params)
