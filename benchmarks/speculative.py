@@ -97,7 +97,8 @@ def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None, co
     planned = None
     if spec is not None and costs is not None:
         a = spec.initial_acceptance
-        planned = "speculative" if worth_speculating(costs, spec, a, a, drafts is not None) else "plain"
+        lengths = None if drafts is None else np.asarray(drafts[1])
+        planned = "speculative" if worth_speculating(costs, spec, a, a, lengths) else "plain"
         spec = spec if planned == "speculative" else None
 
     if spec is None:
@@ -219,8 +220,8 @@ def main(argv=None) -> dict:
 
     print(f"1. embedded task policy ({'random tiny' if args.small else f'GRPO {args.policy_steps} steps'}), "
           f"{n_prompts} prompts x 8 samples, temperature 1.0, up to 8 new tokens")
-    embedded, embedded_costs = drafter_suite(params, cfg, prompt[:n_prompts], pmask[:n_prompts], kw, args.repeats, 1, 4, "embedded",
-                             full=not args.small)
+    embedded, embedded_costs = drafter_suite(params, cfg, prompt[:n_prompts], pmask[:n_prompts], kw, args.repeats,
+                                             1, 4, "embedded", full=not args.small)
 
     print("2. batch sweep: rows decoding at once (plain vs early exit k=2, forced)")
     from jaxrl.config import SpeculativeConfig
@@ -242,8 +243,8 @@ def main(argv=None) -> dict:
         bparams = init_params(bcfg, jax.random.PRNGKey(0))
         bprompt = jnp.asarray(rng.integers(3, bcfg.vocab_size, (1, 64), dtype=np.int32))
         bkw = dict(group_size=8, max_new_tokens=32, temperature=1.0, eos_id=-1, pad_id=0)
-        bench_small, bench_small_costs = drafter_suite(bparams, bcfg, bprompt, jnp.ones_like(bprompt), bkw, max(3, args.repeats // 3),
-                                    2, 4, "bench-small")
+        bench_small, bench_small_costs = drafter_suite(bparams, bcfg, bprompt, jnp.ones_like(bprompt), bkw,
+                                                       max(3, args.repeats // 3), 2, 4, "bench-small")
 
     training = {}
     if args.train_steps:
@@ -252,13 +253,20 @@ def main(argv=None) -> dict:
             _, _, workdir, _ = trained_policy(root, args.train_steps, overrides)
             rows = read_rows(workdir)
             steps = [r for r in rows if "rollout/seconds" in r]
+            # Each sampler's first rollout compiles it: step 1, and with speculation on, the first
+            # rollout planned plain (no spec/acceptance_estimate logged).
+            plain_planned = [r["step"] for r in steps
+                             if "spec/speculated_frac" in r and "spec/acceptance_estimate" not in r]
+            compiles = {steps[0]["step"], *plain_planned[:1]}
             training[tag] = {
                 "eval_accuracy": {r["step"]: r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None},
-                "rollout_seconds_total": sum(r["rollout/seconds"] for r in steps[1:]),  # step 1 compiles
+                "rollout_seconds_total": sum(r["rollout/seconds"] for r in steps if r["step"] not in compiles),
+                "rollouts_timed": sum(r["step"] not in compiles for r in steps),
+                "rollouts_planned_plain": len(plain_planned),
                 "speculated_frac_mean": float(np.mean([r.get("spec/speculated_frac") or 0 for r in steps])),
             }
-            print(f"  {tag:12s} accuracy {training[tag]['eval_accuracy']}  rollout s (steps 2..) "
-                  f"{training[tag]['rollout_seconds_total']:.2f}")
+            print(f"  {tag:12s} accuracy {training[tag]['eval_accuracy']}  rollout s over "
+                  f"{training[tag]['rollouts_timed']} rollouts {training[tag]['rollout_seconds_total']:.2f}")
 
     self_names = [k for k in embedded if k.startswith(("early_exit", "int8"))]
     best = max(self_names, key=lambda k: embedded[k]["tokens_per_s"])

@@ -283,16 +283,20 @@ def test_costs_decide_whether_to_speculate():
 def test_worth_speculating_by_hand():
     """Before a rollout: self-drafting at r=0.9 with k=3 gives (1 - 0.9^4) / 0.1 / (1 + 3 x 0.5) =
     1.3756 tokens per step-cost at verify cost 1, but at verify cost 3 its best, k=4, gives
-    (1 - 0.9^5) / 0.1 / (3 + 4 x 0.5) = 0.819; reuse (window 4) at r=0.7 and verify cost 2 gives
-    (1 - 0.7^5) / 0.3 / 2 = 1.387, at verify cost 3 0.924, and nothing without drafts."""
+    (1 - 0.9^5) / 0.1 / (3 + 4 x 0.5) = 0.819; reuse (window 4) at r=0.7 with full drafts and verify
+    cost 2 gives (1 - 0.7^5) / 0.3 / 2 = 1.387, at verify cost 3 0.924, with half the rows drafting
+    2 tokens and half none (2.19 / 2 + 1 / 2) / 2 = 0.7975, and nothing without drafts."""
     ee = SpeculativeConfig(enabled=True, drafter="early_exit", max_draft=4)
     cheap, dear = (StepCosts(jnp.full((4,), v, jnp.float32), jnp.float32(0.5)) for v in (1.0, 3.0))
-    assert worth_speculating(cheap, ee, 0.9, 0.0, False) and not worth_speculating(dear, ee, 0.9, 0.0, False)
-    assert worth_speculating(dear, dataclasses.replace(ee, adaptive=False), 0.9, 0.0, False)
+    assert worth_speculating(cheap, ee, 0.9, 0.0) and not worth_speculating(dear, ee, 0.9, 0.0)
+    assert worth_speculating(dear, dataclasses.replace(ee, adaptive=False), 0.9, 0.0)
     reuse = SpeculativeConfig(enabled=True, drafter="reuse", reuse_width=4, max_draft=2)
     two, three = (StepCosts(jnp.full((4,), v, jnp.float32), jnp.float32(0.5)) for v in (2.0, 3.0))
-    assert worth_speculating(two, reuse, 0.0, 0.7, True) and not worth_speculating(three, reuse, 0.0, 0.7, True)
-    assert not worth_speculating(two, reuse, 0.0, 0.7, False)
+    full, half, none = np.array([6, 9]), np.array([2, 0]), np.zeros(2, int)
+    assert worth_speculating(two, reuse, 0.0, 0.7, full) and not worth_speculating(three, reuse, 0.0, 0.7, full)
+    one = StepCosts(jnp.full((4,), 1.0, jnp.float32), jnp.float32(0.5))
+    assert worth_speculating(one, reuse, 0.0, 0.7, half) and not worth_speculating(two, reuse, 0.0, 0.7, half)
+    assert not worth_speculating(one, reuse, 0.0, 0.7, none) and not worth_speculating(one, reuse, 0.0, 0.7)
 
 
 def test_int8_view_is_close_and_int8():

@@ -92,11 +92,13 @@ def choose_draft_length(r, max_draft: int, draft_cost, adaptive: bool, verify_co
 
 
 def worth_speculating(costs: StepCosts, spec: SpeculativeConfig, acceptance: float, reuse_acceptance: float,
-                      has_drafts: bool) -> bool:
+                      draft_len_N=None) -> bool:
     """Host-side, before a rollout: can any speculative step beat a plain one at these acceptance
-    estimates? Reuse is judged as if every row had a full window of draft (its best case). When it
-    cannot, the caller runs the plain sampler and saves the speculative loop's bookkeeping; the loop
-    itself would only have run plain steps. Always True when `spec.adaptive` is off."""
+    estimates? Reuse (draft_len_N: each row's reused draft length, 0 for none) is judged on its first
+    step, where every draft is whole: a row with m drafted tokens in the window expects
+    (1 - r^(m+1)) / (1 - r) tokens, one without a draft 1. When nothing can gain, the caller runs
+    the plain sampler and saves the speculative loop's bookkeeping (the loop itself would only run
+    plain steps). Always True when `spec.adaptive` is off."""
     if not spec.adaptive:
         return True
     verify_K = np.asarray(costs.verify_K, np.float64)
@@ -105,9 +107,10 @@ def worth_speculating(costs: StepCosts, spec: SpeculativeConfig, acceptance: flo
     if self_drafter != "none":
         rates.append(float(choose_draft_length(jnp.float32(acceptance), spec.max_draft, float(costs.draft), True,
                                                float(verify_K[spec.max_draft - 1]))[1]))
-    if spec.drafter == "reuse" and has_drafts:
+    if spec.drafter == "reuse" and draft_len_N is not None and np.any(np.asarray(draft_len_N) > 0):
         r = min(max(float(reuse_acceptance), 0.0), 0.999)
-        rates.append((1 - r ** (spec.reuse_width + 1)) / (1 - r) / verify_K[spec.reuse_width - 1])
+        m_N = np.minimum(np.asarray(draft_len_N, np.float64), spec.reuse_width)
+        rates.append(float(np.mean((1 - r ** (m_N + 1)) / (1 - r))) / verify_K[spec.reuse_width - 1])
     return max(rates, default=0.0) > 1.0
 
 
@@ -125,7 +128,8 @@ def _row_window(buf_NxT, col_N, width: int, fill):
                                              "eos_id", "pad_id", "greedy"))
 def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, spec: SpeculativeConfig,
                        group_size: int, max_new_tokens: int, temperature, top_k: int = 0, top_p: float = 1.0,
-                       eos_id: int, pad_id: int, greedy: bool = False, acceptance_prior=None, reuse_acceptance_prior=None,
+                       eos_id: int, pad_id: int, greedy: bool = False, acceptance_prior=None,
+                       reuse_acceptance_prior=None,
                        draft_NxT=None, draft_len_N=None, draft_logp_NxT=None, costs: Optional[StepCosts] = None):
     """`sampler.sample` with speculation -> (SampleOutput, SpecStats).
 

@@ -157,7 +157,8 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
 
             costs = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, costs)))
         if is_primary():
-            print(f"jaxrl: speculative costs on this machine, in plain decode steps: verify k=1..{widest_draft(spec)} drafts "
+            print(f"jaxrl: speculative costs on this machine, in plain decode steps: "
+                  f"verify k=1..{widest_draft(spec)} drafts "
                   f"{np.round(np.asarray(costs.verify_K), 2).tolist()}, one drafted token "
                   f"{float(costs.draft):.2f}", file=sys.stderr)
 
@@ -177,9 +178,11 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
         speculation can gain. Every process decides alike (drafts are per process)."""
         if (step - 1) % spec.probe_every == 0:
             return True
-        has_drafts = any_process(bool(np.any(spec_host.get("draft_len_N", 0) > 0))) if drafts is not None else False
+        lengths = None
+        if drafts is not None:  # the rows' draft lengths, gathered from the process that holds each
+            lengths = gather_rows(rows_sharding, spec_host["draft_len_N"][rows], B)
         return worth_speculating(costs if costs is not None else constant_costs(spec), spec, spec_prior, reuse_prior,
-                                 has_drafts)
+                                 lengths)
 
     spec_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                  spec_inputs(np.zeros((n_prompts, 1), np.int32), np.zeros((n_prompts, 1), bool)))
