@@ -240,8 +240,8 @@ def _attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWx
     R = H // K
     q_BxKxQxHd = q_BxTxHxHd.reshape(B, T, K, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * R, Hd)
     batch = ((0, 1), (0, 1))
-    scores = lambda keys: lax.dot_general(keys, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-    s_BxKxSxQ = jnp.where(cache_seen_BxS[:, None, :, None], scores(k_BxKxSxHd), _MASKED)
+    cache_scores = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+    s_BxKxSxQ = jnp.where(cache_seen_BxS[:, None, :, None], cache_scores, _MASKED)
     causal_WxT = jnp.arange(W)[:, None] <= index + jnp.arange(T)[None, :]
     # The window is a few slots: a fused multiply-reduce beats B*K tiny GEMMs on XLA:CPU.
     window_scores = jnp.sum(wk_BxKxWxHd[:, :, :, None, :].astype(jnp.float32) * q_BxKxQxHd[:, :, None], axis=-1)
@@ -250,10 +250,10 @@ def _attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWx
     e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
     e_BxKxWxQ = jnp.exp(s_BxKxWxQ - max_BxKxQ[:, :, None, :])
     sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1) + jnp.sum(e_BxKxWxQ.swapaxes(2, 3), axis=-1)
-    mix = lambda e, values: lax.dot_general(e.astype(dtype), values, (((2,), (2,)), batch),
-                                            preferred_element_type=jnp.float32)
+    cache_mix = lax.dot_general(e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch),
+                                preferred_element_type=jnp.float32)
     window_mix = jnp.sum(e_BxKxWxQ[..., None] * wv_BxKxWxHd[:, :, :, None, :].astype(jnp.float32), axis=2)
-    o_BxKxQxHd = ((mix(e_BxKxSxQ, v_BxKxSxHd) + window_mix) / sum_BxKxQ[..., None]).astype(dtype)
+    o_BxKxQxHd = ((cache_mix + window_mix) / sum_BxKxQ[..., None]).astype(dtype)
     return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
 
 
