@@ -45,7 +45,7 @@ def make_batch(cfg, batch: int, prompt_len: int, completion_len: int, seed: int)
         "prompt_mask_BxP": np.ones((batch, prompt_len), np.int32),
         "tokens_BxT": rng.integers(0, cfg.vocab_size, (batch, completion_len), dtype=np.int32),
         "completion_mask_BxT": np.ones((batch, completion_len), np.float32),
-        "advantages_B": rng.standard_normal(batch).astype(np.float32),
+        "rewards_BxK": rng.integers(0, 2, (batch, 1)).astype(np.float32),  # the update computes the advantages
     }
 
 

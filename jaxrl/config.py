@@ -252,6 +252,8 @@ class LossConfig:
     4e-4); a value is an error for a preset without that parameter. `options`: comma-separated
     name=value pairs for the preset's other parameters and the options every preset takes, e.g.
     "tau=0.02" (m2po), "tis_cap=2, is_level=sequence", "entropy_coef=0.001" (see `jaxrl variants`).
+    reward_weights: one weight per reward function, i.e. per column of rewards_BxK (the arithmetic
+    task's are (correctness, format); its configs set them); None weighs every column 1, for any K.
     """
 
     preset: str = "grpo"
@@ -259,7 +261,7 @@ class LossConfig:
     eps_high: Optional[float] = None
     kl_beta: float = 0.0
     adv_eps: Optional[float] = None
-    reward_weights: tuple = (1.0, 0.1)  # one per reward function: (correctness, format)
+    reward_weights: Optional[tuple] = None  # one per reward function (rewards_BxK column); None = all 1
     options: str = ""
 
     def validate(self, prefix: str = "loss") -> None:
@@ -268,8 +270,8 @@ class LossConfig:
                self.eps_high)
         _check(self.kl_beta >= 0, f"{prefix}.kl_beta", "a non-negative number", self.kl_beta)
         _check(self.adv_eps is None or self.adv_eps > 0, f"{prefix}.adv_eps", "None or a positive number", self.adv_eps)
-        _check(len(self.reward_weights) > 0, f"{prefix}.reward_weights", "one weight per reward function",
-               self.reward_weights)
+        _check(self.reward_weights is None or len(self.reward_weights) > 0, f"{prefix}.reward_weights",
+               "None (all 1) or one weight per reward function", self.reward_weights)
         parse_loss_options(self.options, f"{prefix}.options")
 
 

@@ -83,7 +83,6 @@ batch = {
     "truncated_B": np.zeros(B, np.float32),
 }
 loss = make_loss(LossConfig(preset="grpo", kl_beta=0.05))
-batch["advantages_B"] = np.asarray(loss.advantages(jnp.asarray(batch["rewards_BxK"]), group_size=G))
 optimizer = make_optimizer(OptimConfig(learning_rate=3e-2, warmup_steps=0), 10)
 base = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(1)))
 update_fn = make_update_step(make_logp_fn(cfg, 1.0), loss, optimizer, ppo_epochs=1, microbatches=1,

@@ -71,7 +71,7 @@ def _tiny(loss, G, batch, logp=None):
     batch = dict(batch)
     batch.setdefault("old_logp_BxT", logp)
     batch.setdefault("rollout_logp_BxT", batch["old_logp_BxT"])
-    batch["advantages_B"] = loss.advantages(batch["rewards_BxK"], G)
+    batch["advantages_B"] = losses.batch_advantages(loss, batch, G, 4)  # with reward shaping, as the update
     return _tiny_grad(loss, G, logp, batch)
 
 
@@ -228,9 +228,11 @@ def test_kl_reward_and_shaped_advantages():
              "ref_logp_BxT": np.array([[LOG(0.25), -9e3], [-1.0, 9e3]], np.float32),
              "rewards_BxK": np.ones((2, 1), np.float32)}
     _close(prep.kl_reward(0.5)(batch, 2), [-0.5 * LOG(2), 0.0])
-    out = prep.shaped_advantages(adv_lib.reward_sum(), adv_lib.group_mean, [prep.kl_reward(0.5)])(batch, 2, 2)
-    _close(out["advantages_B"], [-0.1732868, 0.1732868])
-    _close(out["shaped_reward_B"], [1 - 0.5 * LOG(2), 1.0])
+    shaped = prep.shaped_estimator(adv_lib.reward_sum(), adv_lib.group_mean)
+    _close(shaped(batch["rewards_BxK"], 2, prep.kl_reward(0.5)(batch, 2)), [-0.1732868, 0.1732868])
+    loss = losses.PRESETS["dr_grpo"](kl_reward_beta=0.5)  # the same shaping, through the advantage step
+    assert loss.needs_ref
+    _close(losses.batch_advantages(loss, batch, 2, 2), [-0.1732868, 0.1732868])
 
 
 def test_informative_rows_and_batch_mean():
@@ -373,7 +375,6 @@ def _update(loss, G, batch, microbatches, ppo_epochs, lr=0.5):
                                       max_new_tokens=4, use_ref=True, group_size=G)
     params = {"w": jnp.asarray(np.linspace(-1, 1, V), jnp.float32)}
     state = init_state(params, opt, jax.random.key(0), ref_params={"w": params["w"] * 0.5})
-    batch = dict(batch, advantages_B=loss.advantages(batch["rewards_BxK"], G))
     return jax.jit(step)(state, batch), params
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxrl import cli
-from jaxrl.losses import aggregation
+from jaxrl.losses import aggregation, batch_advantages
 from jaxrl.losses.presets import PRESETS
 from jaxrl.train import steps as steps_lib
 
@@ -127,10 +127,10 @@ def _variants(loss, G, logp, batch, perm_rows):
     (advantages recomputed from the permuted rewards, as the pipeline would); and the batch with
     padding columns (garbage log-probs, mask 0) split into microbatches of MB_ROWS rows (two
     invariances in one variant, one compile fewer)."""
-    adv = loss.advantages(batch["rewards_BxK"], G)
+    adv = batch_advantages(loss, batch, G, L_MAX)  # with the reward shaping, as the update step
     full_batch = dict(batch, advantages_B=adv)
     permuted = {k: v[perm_rows] for k, v in batch.items()}
-    permuted["advantages_B"] = adv_perm = loss.advantages(permuted["rewards_BxK"], G)
+    permuted["advantages_B"] = adv_perm = batch_advantages(loss, permuted, G, L_MAX)
     out = {"adv": adv, "adv_perm": adv_perm, "full": _run(loss, G, logp, full_batch),
            "perm": _run(loss, G, logp[perm_rows], permuted)}
     padded = {k: _pad(k, v, 1e4) for k, v in full_batch.items()}

@@ -26,6 +26,7 @@ from jaxrl.train import steps as steps_lib
 from jaxrl.train.state import init_state, learning_rate_schedule, make_optimizer
 
 V, P, T, B = 23, 4, 5, 8
+G = 2  # the update steps' group size: 4 groups of 2 adjacent rows
 PAD, BOS = 0, 1
 CFG = ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
                   max_seq_len=16)
@@ -73,8 +74,9 @@ def _perturb(params, scale, seed):
                                         for x in leaves])
 
 
-def _batch(seed=0, adv=None):
-    """Random left-padded prompts (BOS first, some PAD), random completions with PAD after the end."""
+def _batch(seed=0, adv=None, rewards=None):
+    """Random left-padded prompts (BOS first, some PAD), random completions with PAD after the end.
+    advantages_B are given (the gradient programs take them as data); `_rollout` drops them."""
     rng = np.random.default_rng(seed)
     plen = rng.integers(1, P + 1, size=B)
     plen[:2] = (1, P)  # one prompt of only BOS, one without padding
@@ -92,9 +94,18 @@ def _batch(seed=0, adv=None):
         "tokens_BxT": jnp.asarray(tokens), "completion_mask_BxT": jnp.asarray(cmask),
         "advantages_B": jnp.asarray(adv),
         # carried by the real loop's batch; must split along rows without getting in the way
-        "rewards_BxK": jnp.asarray(rng.random((B, 2)).astype(np.float32)),
+        "rewards_BxK": jnp.asarray(rng.random((B, 2)).astype(np.float32) if rewards is None else rewards),
         "truncated_B": jnp.asarray((LENGTHS == T).astype(np.float32)),
     }
+
+
+def _rollout(batch):
+    """The update step's input: what the loop sends, rewards but no advantages (the update computes them)."""
+    return {k: v for k, v in batch.items() if k != "advantages_B"}
+
+
+def _advantages(loss, batch):
+    return loss.advantages(batch["rewards_BxK"], G)
 
 
 def _model_logp(params, batch):
@@ -305,18 +316,18 @@ def test_update_step_ppo_epochs_record_old_logp_once():
     loss = _loss("grpo")
     opt = make_optimizer(_adam_cfg(), total_steps=10)
     step_fn = _fast_jit(steps_lib.make_update_step(LOGP_FN, loss, opt, ppo_epochs=2, microbatches=2,
-                                                   max_new_tokens=T, use_ref=True), donate_argnums=0)
+                                                   max_new_tokens=T, group_size=G), donate_argnums=0)
     params0 = _params()
     ref = _perturb(params0, 0.05, seed=3)
     batch = _batch()
     state = init_state(_copy(params0), opt, jax.random.key(0), ref_params=_copy(ref))
-    state, metrics = step_fn(state, batch)
+    state, metrics = step_fn(state, _rollout(batch))
     assert int(state.step) == 1
     assert all(np.isfinite(float(v)) for v in metrics.values())
     assert _max_abs(jax.tree.map(jnp.subtract, state.params, params0)) > 1e-3
 
     # By hand: old and ref recorded once from the starting params, then two epochs.
-    hand = dict(batch, weights_BxT=loss.weights(batch["completion_mask_BxT"], T),
+    hand = dict(batch, advantages_B=_advantages(loss, batch), weights_BxT=loss.weights(batch["completion_mask_BxT"], T),
                 old_logp_BxT=_logp(params0, batch)[0], ref_logp_BxT=_logp(ref, batch)[0])
     apply = _fast_jit(lambda g, o, p: (lambda u, o: (optax.apply_updates(p, u), o))(*opt.update(g, o, p)))
     p, opt_state, sums, values, norms = params0, opt.init(params0), [], [], []
@@ -335,7 +346,7 @@ def test_update_step_ppo_epochs_record_old_logp_once():
     assert abs(float(metrics["ratio"]) - 1.0) > 1e-2
     assert float(metrics["clipped_low"]) + float(metrics["clipped_high"]) > 0
 
-    state, _ = step_fn(state, batch)  # the returned (donated-into) state is usable again
+    state, _ = step_fn(state, _rollout(batch))  # the returned (donated-into) state is usable again
     assert int(state.step) == 2
 
 
@@ -344,10 +355,12 @@ SGD_LR = 0.3
 
 @functools.lru_cache(maxsize=None)
 def _sgd_step():
-    """One PPO epoch (old = current), plain SGD, 2 microbatches, a reference but no KL in the loss."""
+    """One PPO epoch (old = current), plain SGD, 2 microbatches, a reference but no KL in the loss
+    (use_ref=True: the reference forward only for the `kl` metric)."""
     opt = optax.sgd(SGD_LR)
     step = _fast_jit(steps_lib.make_update_step(LOGP_FN, _loss("grpo", kl_beta=0.0), opt, ppo_epochs=1,
-                                                microbatches=2, max_new_tokens=T, use_ref=True), donate_argnums=0)
+                                                microbatches=2, max_new_tokens=T, group_size=G, use_ref=True),
+                     donate_argnums=0)
     return opt, step
 
 
@@ -355,7 +368,7 @@ def _run_sgd_step(params, batch, ref_params=None):
     opt, step = _sgd_step()
     ref_params = params if ref_params is None else ref_params
     state = init_state(_copy(params), opt, jax.random.key(0), ref_params=_copy(ref_params))
-    return step(state, batch)
+    return step(state, _rollout(batch))
 
 
 def test_one_epoch_update_is_an_sgd_step_along_the_policy_gradient():
@@ -368,11 +381,12 @@ def test_one_epoch_update_is_an_sgd_step_along_the_policy_gradient():
     assert float(metrics["ratio"]) == 1.0
     assert float(metrics["clipped_low"]) == 0.0 and float(metrics["clipped_high"]) == 0.0
     w = _paper_weights("grpo", batch["completion_mask_BxT"])
-    a = batch["advantages_B"][:, None]
+    a = _advantages(_loss("grpo"), batch)[:, None]
     # The paper loss at ratio 1 (old = current log-probs as data) and zero KL (ref = current): its
     # gradient is the policy gradient. Same shapes as _setup's batch: no new program to compile.
     logp = _logp(params, batch)[0]
-    value, pg = _paper_loss_and_grad(params, dict(batch, old_logp_BxT=logp, ref_logp_BxT=logp), w)
+    on_policy = dict(batch, advantages_B=a[:, 0], old_logp_BxT=logp, ref_logp_BxT=logp)
+    value, pg = _paper_loss_and_grad(params, on_policy, w)
     np.testing.assert_allclose(float(value), -float(jnp.sum(w * a)), rtol=1e-5, atol=1e-7)
     applied = jax.tree.map(lambda new, old: (old - new) / SGD_LR, state.params, params)
     _assert_trees_close(applied, pg, rel=1e-4)
@@ -400,9 +414,12 @@ def test_kl_metric_is_zero_against_itself_and_positive_after_params_change():
 
 
 def test_sgd_step_moves_logprobs_in_the_sign_of_the_advantage():
-    adv = np.array([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, -1.0, 1.0], np.float32)  # row 2 is empty
+    # groups of 2 with rewards (1, 0) or (0, 1): A = +-1 (any std convention), row 2 is empty
+    rewards = np.array([[1, 0], [0, 0], [1, 0], [0, 0], [0, 1], [0, 0], [0, 0], [1, 0]], np.float32)
+    adv = np.array([1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0, 1.0], np.float32)
     params = _params()
-    batch = _batch(seed=5, adv=adv)
+    batch = _batch(seed=5, rewards=rewards)
+    np.testing.assert_allclose(np.sign(_advantages(_loss("grpo"), batch)), adv)
     state, _ = _run_sgd_step(params, batch)
     m = batch["completion_mask_BxT"]
     before = jnp.sum(_logp(params, batch)[0] * m, axis=1)

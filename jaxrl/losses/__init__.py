@@ -1,8 +1,9 @@
 """The loss algebra: advantage estimator x ratio level x objective x aggregation + regularisers
 + corrections, with batch-level `prepare` parts.
 
-See `compose.py` for the `Loss` contract used by the training step and `presets.py` for the
-registry of named compositions. This package never imports `jaxrl.models`.
+See `compose.py` for the `Loss` contract used by the training step, `evaluate.py` for a loss evaluated
+on a batch exactly as the update step does (`evaluate_loss`), and `presets.py` for the registry of
+named compositions. This package never imports `jaxrl.models`.
 """
 
 from jaxrl.losses.advantages import estimator, group_mean, group_mean_std, reward_sum
@@ -20,6 +21,7 @@ from jaxrl.losses.aggregation import (
 )
 from jaxrl.losses.compose import EXTRAS, Loss, compose, named, policy_token_loss, with_regularizers
 from jaxrl.losses.corrections import mis, tis
+from jaxrl.losses.evaluate import LossEvaluation, batch_advantages, evaluate_loss, prepare_batch, weighted_loss
 from jaxrl.losses.objectives import ppo_clip
 from jaxrl.losses.prepare import chain, no_prepare
 from jaxrl.losses.presets import PRESETS, Preset, check_rollout, dr_grpo, grpo, make_loss
@@ -29,6 +31,7 @@ from jaxrl.losses.regularizers import entropy_bonus, kl_k1, kl_k2, kl_k3, kl_pen
 __all__ = [
     "Loss", "PRESETS", "Preset", "make_loss", "check_rollout", "grpo", "dr_grpo", "compose", "named",
     "policy_token_loss", "with_regularizers", "EXTRAS",
+    "evaluate_loss", "LossEvaluation", "prepare_batch", "batch_advantages", "weighted_loss",
     "estimator", "reward_sum", "group_mean", "group_mean_std",
     "token_log_ratio",
     "ppo_clip",

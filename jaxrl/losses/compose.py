@@ -2,19 +2,27 @@
 
 A `Loss` is
 
-    advantages(rewards_BxK, group_size) -> adv_B                  the advantage step (group_size static)
+    advantages(rewards_BxK, group_size) -> adv_B                  the advantage estimator (group_size static);
+                                                                  with `reward_shaping`, also takes bonus_B
     prepare(batch, group_size, max_new_tokens) -> batch           ONCE on the whole update batch, inside
-                                                                  the jitted update, after old / ref
-                                                                  log-probs are recorded, before weights
+                                                                  the jitted update, after the advantages
+                                                                  and old / ref log-probs, before weights
                                                                   and microbatching (`prepare.py`)
     weights(completion_mask_BxT, max_new_tokens) -> weights_BxT   on the whole (prepared) batch
     token_loss(logp_BxT, batch) -> (loss_BxT, stats)              per microbatch
 
 plus `needs_old_logp` (the update step must record the whole batch's old log-probs and entropies,
-`old_logp_BxT` / `old_entropy_BxT`, before `prepare`, even for a single PPO epoch) and `parts` (a
-human-readable list of the composition, for `jaxrl variants`). The update minimises the sum over
-microbatches of `weighted_sum(weights_BxT, loss_BxT)`; since prepare and weights see the whole batch,
-that is exactly the full-batch loss and gradient.
+`old_logp_BxT` / `old_entropy_BxT`, before `prepare`, even for a single PPO epoch), `needs_ref` (the
+loss reads the reference policy's `ref_logp_BxT`: a KL penalty or KL in the reward; only then does a
+run keep reference weights and run their forward), `reward_shaping` (bonus_B functions
+`(batch, max_new_tokens) -> bonus_B` added to the combined reward before it is normalised) and `parts`
+(a human-readable list of the composition, for `jaxrl variants`).
+
+`jaxrl.losses.evaluate` runs these in order -- advantages (from rewards_BxK, with the shaping), prepare,
+weights, token loss, `weighted_sum` -- and the update step calls the same functions, so
+`evaluate_loss(loss, logp_BxT, batch, group_size=G, max_new_tokens=T)` is the update's loss on a batch.
+The update minimises the sum over microbatches of `weighted_sum(weights_BxT, loss_BxT)`; since the
+advantages, prepare and weights see the whole batch, that is exactly the full-batch loss and gradient.
 
 `batch` keys read by token_loss: completion_mask_BxT, old_logp_BxT, advantages_B (or advantages_BxT),
 ref_logp_BxT (KL term), entropy_BxT (entropy bonus), rollout_logp_BxT (TIS / MIS), and whatever keys
@@ -40,12 +48,14 @@ from jaxrl.losses.prepare import no_prepare
 
 class Loss(NamedTuple):
     name: str
-    advantages: Callable  # (rewards_BxK, group_size: int) -> adv_B
+    advantages: Callable  # (rewards_BxK, group_size: int[, bonus_B]) -> adv_B
     weights: Callable  # (completion_mask_BxT, max_new_tokens: int) -> weights_BxT
     token_loss: Callable  # (logp_BxT, batch: dict) -> (loss_BxT, stats)
     prepare: Callable = no_prepare  # (batch, group_size: int, max_new_tokens: int) -> batch
     needs_old_logp: bool = False  # record old_logp_BxT / old_entropy_BxT for the whole batch first
     parts: tuple = ()  # readable composition, e.g. ("reward_sum -> group_mean_std(1e-06)", ...)
+    needs_ref: bool = False  # reads ref_logp_BxT: the run keeps reference params and runs their forward
+    reward_shaping: tuple = ()  # (batch, max_new_tokens) -> bonus_B, added to the combined reward
 
 
 def named(label: str, fn: Callable) -> Callable:
@@ -150,7 +160,9 @@ def compose(name: str, *, ratio: ratios.RatioFn, objective: objectives.Objective
       tis_cap              truncated IS on pi_old / pi_rollout at this cap (0 = off)
       mis_low, mis_high    masked IS: drop where pi_old / pi_rollout leaves [low, high] (high 0 = off)
       is_level             "token" | "sequence" for TIS / MIS
-    Order: prepare = shaping -> row filters (truncation first) -> batch parts -> top-entropy mask;
+    `needs_ref` is set when kl_beta or kl_reward_beta is non-zero (both read ref_logp_BxT).
+    Order: advantages (combined reward + shaping bonuses, normalised) -> prepare = row filters
+    (truncation first) -> batch parts -> top-entropy mask;
     token loss = ratio -> objective -> MIS -> TIS -> + KL / entropy -> keep masks.
     """
     corrections._check_level(is_level)
@@ -178,7 +190,7 @@ def compose(name: str, *, ratio: ratios.RatioFn, objective: objectives.Objective
             raise ValueError(f"{name}: reward shaping (overlong_buffer_frac, kl_reward_beta) needs an estimator that "
                              "combines the rewards first (reward_combine -> normaliser); this preset normalises each "
                              "reward function separately")
-        prepare_parts.append(prep.shaped_advantages(reward_combine, normaliser, shapers))
+        estimator = prep.shaped_estimator(reward_combine, normaliser)
         parts += [f"reward += {label(s)}" for s in shapers]
     row_filters = ((named("mask_truncated", prep.not_truncated_rows),) if mask_truncated else ()) + tuple(row_filters)
     for keep_fn in row_filters:
@@ -216,4 +228,5 @@ def compose(name: str, *, ratio: ratios.RatioFn, objective: objectives.Objective
         token_loss = m2po.apply_keep_mask(token_loss, key=key, stat=stat)
     parts.append(label(weights))
     return Loss(name=name, advantages=estimator, weights=weights, token_loss=token_loss,
-                prepare=prep.chain(*prepare_parts), needs_old_logp=needs_old_logp, parts=tuple(parts))
+                prepare=prep.chain(*prepare_parts), needs_old_logp=needs_old_logp, parts=tuple(parts),
+                needs_ref=bool(kl_beta) or bool(kl_reward_beta), reward_shaping=tuple(shapers))

@@ -9,12 +9,14 @@ exact. A prepare part may
     gradient AND leaves every normaliser (it counts as removed): the MC-GRPO pivot (`mc_pivot_rows`),
     GD2PO's conflict mask (`gd2po_rows`), truncated completions (`not_truncated_rows`), groups with no
     signal (`informative_rows`);
-  - add token masks for `m2po.apply_keep_mask` (M2PO's m2po_keep_BxT, `top_entropy_keep`);
-  - shape rewards and recompute advantages_B from them (`shaped_advantages` with `overlong_penalty`,
-    `kl_reward`).
+  - add token masks for `m2po.apply_keep_mask` (M2PO's m2po_keep_BxT, `top_entropy_keep`).
 
-Keys it may read: every key of the rollout batch plus `old_logp_BxT` / `old_entropy_BxT` (recorded
-only when the Loss sets `needs_old_logp`) and `ref_logp_BxT` (when the step uses a reference).
+Reward shaping (`overlong_penalty`, `kl_reward`) is not a prepare part: it is part of the advantage
+step, which runs just before prepare on the same whole batch (`Loss.reward_shaping`, `shaped_estimator`,
+`jaxrl.losses.evaluate.batch_advantages`), so advantages_B is computed once, in one place.
+
+Keys it may read: every key of the rollout batch plus `advantages_B`, `old_logp_BxT` / `old_entropy_BxT`
+(recorded only when the Loss sets `needs_old_logp`) and `ref_logp_BxT` (when the Loss sets `needs_ref`).
 `group_size` and `max_new_tokens` are static Python ints.
 """
 
@@ -116,7 +118,7 @@ def gd2po_rows(weights: Optional[Sequence[float]] = None, eps: float = 1e-6,
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward shaping: an additive bonus_B on the combined reward, then the advantages again.
+# Reward shaping: an additive bonus_B on the combined reward, normalised by the advantage step.
 
 
 def _lengths_B(batch: dict) -> jax.Array:
@@ -174,21 +176,21 @@ def kl_reward(beta: float, estimator: KLEstimator = kl_k1, logp_key: str = "roll
     return bonus
 
 
-def shaped_advantages(reward_combine: adv_lib.RewardCombine, normaliser: adv_lib.Normaliser,
-                      shapers: Sequence[Shaper]) -> Prepare:
-    """advantages_B <- normaliser(reward_combine(rewards_BxK) + sum_s bonus_s, group_size), computed in
-    the jitted step (the shapers need lengths and log-probs, which the advantage step does not see).
-    Replaces whatever advantages_B the batch carried; also stores shaped_reward_B."""
-    shapers = tuple(shapers)
+def shaped_estimator(reward_combine: adv_lib.RewardCombine, normaliser: adv_lib.Normaliser) -> Callable:
+    """The estimator of a loss with reward shaping: (rewards_BxK, group_size, bonus_B=None) -> adv_B
+    = normaliser(reward_combine(rewards_BxK) + bonus_B, group_size), without gradient.
 
-    def prepare(batch, group_size=None, max_new_tokens=None):
-        r_B = reward_combine(batch["rewards_BxK"])
-        for s in shapers:
-            r_B = r_B + s(batch, max_new_tokens)
-        adv_B = jax.lax.stop_gradient(normaliser(r_B, group_size))
-        return dict(batch, advantages_B=adv_B, shaped_reward_B=jax.lax.stop_gradient(r_B))
+    bonus_B is the sum of the loss's `reward_shaping` functions on the batch; the advantage step
+    (`jaxrl.losses.evaluate.batch_advantages`, run inside the update) passes it. Without it this is the
+    unshaped estimator."""
 
-    return prepare
+    def advantages(rewards_BxK: jax.Array, group_size: int, bonus_B: Optional[jax.Array] = None) -> jax.Array:
+        r_B = reward_combine(rewards_BxK)
+        if bonus_B is not None:
+            r_B = r_B + bonus_B
+        return jax.lax.stop_gradient(normaliser(r_B, group_size))
+
+    return advantages
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`jaxrl train`: rollout -> rewards -> advantages -> update -> log -> checkpoint.
+"""`jaxrl train`: rollout -> rewards -> update (advantages, loss, gradient) -> log -> checkpoint.
 
 The host loop only moves data, scores completions, logs and checkpoints; everything numeric runs in
 jitted pure functions. A run resumes from its newest checkpoint and continues exactly as an
@@ -8,7 +8,6 @@ uninterrupted run would (same state, RNG and data position); SIGTERM saves and e
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import pathlib
 import signal
@@ -104,28 +103,24 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
 
-    # The state laid out by the preset: eval_shape -> shardings -> jit(init, out_shardings).
-    def make_state(params, ref_params):
-        return init_state(params, optimizer, jax.random.key(tc.seed), ref_params=ref_params)
-
-    state_sh = state_shardings(optimizer, jax.eval_shape(make_state, base_params, base_params), param_sh, rep)
-    # The reference is a copy: donating a state whose two fields share buffers is an error.
-    state = jax.jit(make_state, in_shardings=(param_sh, param_sh), out_shardings=state_sh)(
-        base_params, jax.tree.map(jnp.copy, base_params))
+    state, state_sh = _initial_state(base_params, optimizer, tc.seed, param_sh, rep, with_ref=loss.needs_ref)
     del base_params
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
-    restored = ckpt.restore_latest(manager, ckpt.abstract_like(state))
+    restored = ckpt.restore_latest(manager, ckpt.match_reference(manager, ckpt.abstract_like(state)))
     stream = StreamState(0, 0)
     start = 0
     if restored is not None:
         start, state, host = restored
+        if not loss.needs_ref:  # a reference copy from a checkpoint written before it was optional
+            state = state._replace(ref_params=None)
         stream = from_arrays(host["stream"])
     log = MetricsLog(workdir, resume_step=start if restored is not None else None, write=is_primary())
 
     logp_fn = make_logp_fn(model_cfg, rc.temperature, routing_replay=tc.routing_replay)
+    # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
     update_fn = make_update_step(logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs, microbatches=tc.microbatches,
-                                 max_new_tokens=rc.max_new_tokens, use_ref=True, group_size=G)
+                                 max_new_tokens=rc.max_new_tokens, group_size=G, use_ref=loss.needs_ref)
     update_step = None  # jitted at the first batch, with the batch's shardings (chosen by field name)
 
     spec = rc.speculative
@@ -195,10 +190,8 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
                             in_shardings=(param_sh, prompt_sh, prompt_sh, rep),
                             out_shardings=named_shardings(mesh, preset, out_abstract))
     prompt_rows, rows = process_rows(prompt_sh, n_prompts), process_rows(rows_sharding, B)  # this process's
-    advantages = jax.jit(functools.partial(loss.advantages, group_size=G))
     evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier,
                               out_sharding=rep)
-    weights = np.asarray(cfg.loss.reward_weights, np.float32)
 
     stop = _StopFlag()
     previous = signal.signal(signal.SIGTERM, stop)
@@ -246,7 +239,6 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
                 "tokens_BxT": my_tokens_BxT, "completion_mask_BxT": my_mask_BxT,
                 "rollout_logp_BxT": local_rows(out.logp_BxT), "rewards_BxK": my_rewards_BxK,
                 "truncated_B": (~my_finished_B).astype(np.float32),
-                "advantages_B": np.asarray(advantages(jnp.asarray(rewards_BxK)))[rows],
             }
             batch = {k: put_rows(named_sharding(mesh, preset, k), v, B) for k, v in my_batch.items()}
             if out.routing_BxSxLxK is not None:  # MoE: replayed in the update, and the mismatch metric
@@ -259,7 +251,7 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
             if pending is not None:
                 _emit(log, bar, *pending)
             n_tokens = float(mask_BxT.sum())
-            r_B = rewards_BxK @ weights[: rewards_BxK.shape[1]]
+            r_B = _combined_reward(rewards_BxK, cfg.loss.reward_weights)
             row = {"step": step, "reward/mean": float(r_B.mean()), "reward/std": float(r_B.std()),
                    "reward/correctness": float(rewards_BxK[:, 0].mean()),
                    "reward/format": float(rewards_BxK[:, 1].mean()) if rewards_BxK.shape[1] > 1 else None,
@@ -308,6 +300,28 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
     if tc.progress and is_primary():
         print(json.dumps(summary))
     return log.rows
+
+
+def _initial_state(base_params, optimizer, seed: int, param_sh, rep, *, with_ref: bool):
+    """(state, its shardings), laid out by the preset: eval_shape -> shardings -> jit(init, out_shardings).
+    `with_ref` (the loss's needs_ref) adds a reference copy of the base params; without it
+    state.ref_params is None and no checkpoint holds one."""
+
+    def make_state(params, *ref_params):
+        return init_state(params, optimizer, jax.random.key(seed), ref_params=ref_params[0] if ref_params else None)
+
+    # The reference is a copy: donating a state whose two fields share buffers is an error.
+    args = (base_params, jax.tree.map(jnp.copy, base_params)) if with_ref else (base_params,)
+    state_sh = state_shardings(optimizer, jax.eval_shape(make_state, *args), param_sh, rep)
+    state = jax.jit(make_state, in_shardings=(param_sh,) * len(args), out_shardings=state_sh)(*args)
+    return state, state_sh
+
+
+def _combined_reward(rewards_BxK: np.ndarray, reward_weights) -> np.ndarray:
+    """r_B = sum_k w_k r_ik for the reward/mean metric, as the loss combines them (None: all weights 1)."""
+    if reward_weights is None:
+        return rewards_BxK.sum(axis=1)
+    return rewards_BxK @ np.asarray(reward_weights, np.float32)
 
 
 def _emit(log: MetricsLog, bar, row: dict, metrics, t0: float) -> None:

@@ -16,7 +16,8 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     rng: jax.Array  # carried key: every random draw of the run is split from it
-    ref_params: Optional[Any] = None  # frozen reference policy, only when the loss uses KL
+    ref_params: Optional[Any] = None  # frozen reference policy, only when `Loss.needs_ref` (a KL term);
+    # None otherwise, so neither the state nor its checkpoints hold a second copy of the weights
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

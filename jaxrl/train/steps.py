@@ -1,10 +1,12 @@
 """The jitted steps of the pipeline: policy log-probs, gradients over microbatches, the update.
 
 `update_step(state, batch) -> (state, metrics)` is pure. In order, on the whole batch: record the
-old log-probs (several PPO epochs, or a Loss with `needs_old_logp`) and the reference log-probs, run
-`loss.prepare` (batch-level parts: row / token masks, reward shaping), compute the aggregation
-weights; only then split into microbatches. So the `lax.scan` over microbatches sums to exactly the
-full-batch loss and gradient, whatever the preset.
+old log-probs (several PPO epochs, or a Loss with `needs_old_logp`) and the reference log-probs (only
+for a Loss with `needs_ref`), then `jaxrl.losses.evaluate.prepare_batch`: the advantages from
+rewards_BxK (with reward shaping), `loss.prepare` (row / token masks), the aggregation weights; only
+then split into microbatches, each evaluated by `jaxrl.losses.evaluate.weighted_loss`. So the
+`lax.scan` over microbatches sums to exactly the full-batch loss and gradient, whatever the preset, and
+`jaxrl.losses.evaluate_loss` gives the same loss and gradient on a batch.
 
 MoE models: the logp function also returns the router losses (added to the loss with the model's
 coefficients, reported as `moe/aux_loss`, `moe/z_loss`, `moe/dropped_frac`) and, when the batch
@@ -25,6 +27,7 @@ from jax import lax
 from jaxrl.config import ModelConfig
 from jaxrl.losses import Loss
 from jaxrl.losses.aggregation import EXTREMA
+from jaxrl.losses.evaluate import prepare_batch, weighted_loss
 from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.moe import routing_mismatch
 from jaxrl.models.transformer import token_logprobs, token_logprobs_moe
@@ -116,7 +119,7 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
         mb = dict(mb, entropy_BxT=entropy_BxT)
         if not old_logp_recorded:
             mb["old_logp_BxT"] = lax.stop_gradient(logp_BxT)
-        loss_BxT, stats = loss.token_loss(logp_BxT, mb)
+        value, stats = weighted_loss(loss, logp_BxT, mb)
         mask_BxT = mb["completion_mask_BxT"]
         live_BxT = mask_BxT > 0
 
@@ -136,7 +139,6 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
             if "rollout_logp_BxT" in mb:  # sampler vs trainer (old) policy on the sampled tokens
                 gap_BxT = jnp.abs(mb["rollout_logp_BxT"] - lax.stop_gradient(mb["old_logp_BxT"]))
                 sums["mismatch_abs_logp"] = jnp.sum(jnp.where(live_BxT, gap_BxT, 0.0))
-        value = jnp.sum(mb["weights_BxT"] * loss_BxT)
         if extras:  # MoE router losses: the mean over microbatches joins the loss
             value = value + extras["penalty"] / microbatches
             sums.update({k: lax.stop_gradient(extras[k]) for k in MOE_SCALARS})
@@ -163,14 +165,16 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
 
 
 def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTransformation, *,
-                     ppo_epochs: int, microbatches: int, max_new_tokens: int, use_ref: bool,
-                     group_size: int | None = None):
+                     ppo_epochs: int, microbatches: int, max_new_tokens: int, group_size: int,
+                     use_ref: bool | None = None):
     """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
 
-    `group_size` (static) is passed to `loss.prepare`; presets whose prepare reads groups (MC-GRPO,
-    GD2PO, DAPO's dynamic-sampling mask, reward shaping) need it. Old log-probs (and the old policy's
-    entropies, `old_entropy_BxT`) are recorded for the whole batch before anything else when
-    ppo_epochs > 1 or `loss.needs_old_logp`.
+    `batch`: the rollout's rows (rewards_BxK, not advantages: `prepare_batch` computes them), B a
+    multiple of `group_size` and completions `max_new_tokens` wide (a ValueError naming both
+    otherwise, at trace time). Old log-probs (and the old policy's entropies, `old_entropy_BxT`) are
+    recorded for the whole batch before anything else when ppo_epochs > 1 or `loss.needs_old_logp`.
+    The reference forward (on `state.ref_params`) runs when `use_ref`, by default `loss.needs_ref`;
+    `use_ref=True` without a KL term only adds the `kl` metric.
 
     metrics: loss, grad_norm, entropy, kl (with a reference), every per-token loss stat as a masked
     token mean (clipped_low / clipped_high, m2po_masked, mis_masked, vetoed, is_weight, ...), their
@@ -180,6 +184,10 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
     are over the live tokens of the PREPARED mask, averaged over epochs; min / max are over all epochs.
     """
     record_old = ppo_epochs > 1 or bool(getattr(loss, "needs_old_logp", False))
+    if use_ref is None:
+        use_ref = loss.needs_ref
+    elif loss.needs_ref and not use_ref:
+        raise ValueError(f"use_ref=False, but loss {loss.name!r} needs the reference log-probs (a KL term)")
     grad_fn = make_grad_fn(logp_fn, loss, microbatches=microbatches, old_logp_recorded=record_old,
                            detailed_stats=True)
 
@@ -191,11 +199,13 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
             batch["old_logp_BxT"] = lax.stop_gradient(old_logp_BxT)
             batch["old_entropy_BxT"] = lax.stop_gradient(old_entropy_BxT)
         if use_ref:
+            if state.ref_params is None:
+                raise ValueError("the update uses a reference policy but state.ref_params is None: create the "
+                                 "state with ref_params (jaxrl.train.state.init_state)")
             batch["ref_logp_BxT"] = lax.stop_gradient(
                 microbatched_logp(logp_fn, state.ref_params, batch, microbatches)[0])
-        batch = loss.prepare(batch, group_size, max_new_tokens)
+        batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
-        batch["weights_BxT"] = loss.weights(mask_BxT, max_new_tokens)
 
         def epoch(carry, _):
             params, opt_state = carry
