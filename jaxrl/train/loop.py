@@ -325,7 +325,7 @@ def _speculative_costs(cfg: Config, model_cfg, params, host: dict, n_rows: int):
             costs = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, costs)))
     if is_primary():
         print(f"jaxrl: speculative costs on this machine ({where}), in plain decode steps: "
-              f"verify k=1..{widest_draft(spec)} drafts {np.round(np.asarray(costs.verify_K), 2).tolist()}, "
+              f"verify k=1..{widest_draft(spec)} drafts {[round(float(c), 2) for c in np.asarray(costs.verify_K)]}, "
               f"one drafted token {float(costs.draft):.2f}", file=sys.stderr)
     return costs
 
