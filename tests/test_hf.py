@@ -294,7 +294,6 @@ def test_export_keeps_the_checkpoint_context_length_and_rope_scaling(models, tmp
     (d / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
     ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     cfg, params = hf.load(d, ModelConfig(max_seq_len=32))
-    assert (cfg.max_seq_len, cfg.hf_max_position_embeddings) == (32, 4096)
     hf.save(tmp_path / "direct", params, cfg)
     convert_from_hf(d, tmp_path / "conv")
     convert_to_hf(tmp_path / "conv", tmp_path / "via_convert")
@@ -308,26 +307,33 @@ def test_export_keeps_the_checkpoint_context_length_and_rope_scaling(models, tmp
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype=torch.float32).eval()
         assert back.config.max_position_embeddings == 4096
         np.testing.assert_array_equal(_hf_logits(back, tokens), _hf_logits(ref, tokens))
+    assert (cfg.max_seq_len, cfg.hf_max_position_embeddings) == (32, 4096)
 
 
-def test_load_without_base_takes_the_checkpoint_context_and_two_paths_compile_once(models, tmp_path):
-    """hf.load(d) runs at the checkpoint's max_position_embeddings (256 here), not a silent 64; the model
-    config holds no path, so a second checkpoint of the same architecture reuses the compiled forward."""
+def test_load_without_base_runs_at_the_checkpoint_context(models):
+    """hf.load(d) runs at the checkpoint's max_position_embeddings (256 here), not a silent 64; a config.json
+    without one needs the run's length stated."""
     from jaxrl.config import ModelConfig
 
-    cfg, params = hf.load(models["qwen3"][0])
-    assert cfg.max_seq_len == 256 == cfg.hf_max_position_embeddings and cfg.hf_path == ""
+    cfg, _ = hf.load(models["qwen3"][0])
+    assert cfg.max_seq_len == 256
     assert hf.load(models["qwen3"][0], ModelConfig(max_seq_len=48))[0].max_seq_len == 48
+    no_context = {k: v for k, v in hf.read_config(models["qwen3"][0]).items() if k != "max_position_embeddings"}
+    with pytest.raises(hf.CheckpointError, match="'max_position_embeddings' is missing; give the run's length"):
+        hf.model_config(no_context)
+    assert hf.model_config(no_context, ModelConfig(max_seq_len=16)).max_seq_len == 16
+
+
+def test_two_checkpoints_of_one_architecture_compile_once(models, tmp_path):
+    """The model config holds no path, so a second checkpoint of the same architecture gives an equal
+    static config and reuses the compiled forward."""
+    cfg, params = hf.load(models["qwen3"][0])
     other = tmp_path / "qwen3_copy"
     shutil.copytree(models["qwen3"][0], other)
     cfg2, params2 = hf.load(other)
-    assert cfg2 == cfg and hash(cfg2) == hash(cfg)
+    assert cfg2 == cfg and hash(cfg2) == hash(cfg) and cfg.hf_path == ""
     tokens = jnp.asarray(_tokens(7, (1, 5)))
     forward(params, cfg, tokens, jnp.ones(tokens.shape, bool))
     compiled = forward._cache_size()
     forward(params2, cfg2, tokens, jnp.ones(tokens.shape, bool))
     assert forward._cache_size() == compiled
-    no_context = {k: v for k, v in hf.read_config(other).items() if k != "max_position_embeddings"}
-    with pytest.raises(hf.CheckpointError, match="'max_position_embeddings' is missing; give the run's length"):
-        hf.model_config(no_context)
-    assert hf.model_config(no_context, ModelConfig(max_seq_len=16)).hf_max_position_embeddings == 0
