@@ -77,7 +77,8 @@ def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(tmp_pa
     assert 0.6 < without / with_ref < 0.85, (without, with_ref)
 
 
-def test_kl_run_keeps_its_reference_logs_kl_and_resumes_exactly(tmp_path, in_process_cache, fast_compiles):  # noqa: F811
+def test_kl_run_keeps_its_reference_logs_kl_and_resumes_exactly(tmp_path, in_process_cache,
+                                                               fast_compiles):  # noqa: F811
     cfg = _config("loss.kl_beta=0.05")
     straight = loop.train(cfg, tmp_path / "kl")
     assert _holds_ref(tmp_path / "kl", 2) and _holds_ref(tmp_path / "kl", STEPS)
