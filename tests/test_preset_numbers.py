@@ -148,40 +148,6 @@ def test_mc_grpo_pivot_gets_no_gradient_and_is_not_counted():
     _close(grad, [[-749.9875, -749.9875, 0, 0], [0.025, 0, 0, 0], [0, 0, 0, 0]], atol=1e-3)
 
 
-def test_m2po_mask_through_prepare_by_hand():
-    # Staleness log r = log(old / rollout) = 0.9 on token (0, 1), 0.1 on the 5 others; A = [U, -U].
-    # Trust-region tokens (default): row 0 (A > 0, r > 1) all 3; row 1 (A < 0 but r > 1) none.
-    # In-set q = [.01, .81, .01], mean .83/3 = .277 > .04 -> drop the .81 token; kept mean .01 <= .04.
-    # (token_set "all": q = .81 and .01 x 5, mean .86/6 = .143 > .04 -> the same token.)
-    # The ratio's behaviour policy is the rollout policy: at logp = old, r = e^.1 on every kept token.
-    # Unclipped, token mean over all 6 live tokens (dropped ones keep their count):
-    # grad -r A / 6 = -+e^.1 U / 6 on kept tokens, 0 on the dropped one.
-    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], np.float32)
-    old = np.full((2, 4), -1.0, np.float32)
-    stale = np.full((2, 4), 0.1, np.float32)
-    stale[0, 1] = 0.9
-    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0]], np.float32), "old_logp_BxT": old,
-             "rollout_logp_BxT": old - stale}
-    g = math.exp(0.1) * U / 6
-    for token_set in ("trust_region", "all"):
-        loss = PRESETS["m2po"](token_set=token_set)
-        assert loss.needs_old_logp
-        _, grad, metrics, _ = _tiny(loss, 2, batch)
-        _close(grad, [[-g, 0, -g, 0], [g, g, g, 0]])
-        _close(metrics["m2po_masked"], 1 / 6)
-    # Row 1 (A < 0) made as stale as the dropped token: outside the trust region it is never masked
-    # (in-set q unchanged), while "all" (q = .81, .81, .01 x 4: mean .2767 > .04) drops both .81s.
-    stale[1, 0] = 0.9
-    batch["rollout_logp_BxT"] = old - stale
-    g1 = math.exp(0.9) * U / 6
-    _, grad, metrics, _ = _tiny(PRESETS["m2po"](), 2, batch)
-    _close(grad, [[-g, 0, -g, 0], [g1, g, g, 0]], atol=1e-5)
-    _close(metrics["m2po_masked"], 1 / 6)
-    _, grad, metrics, _ = _tiny(PRESETS["m2po"](token_set="all"), 2, batch)
-    _close(grad, [[-g, 0, -g, 0], [0, g, g, 0]], atol=1e-5)
-    _close(metrics["m2po_masked"], 2 / 6)
-
-
 def test_gd2po_masked_rows_leave_the_normaliser():
     # test_loss_parts' GD2PO example (weights (1, .5), G = 3) at threshold .25: group 0 is masked.
     # Rows 3-5 remain, B' = 3, |y| = 1: grad = -A_i / 3 with A = [1.7320508, -.8660254, -.8660254]
