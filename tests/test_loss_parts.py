@@ -1,7 +1,7 @@
 """Loss-algebra parts beyond GRPO: hand-worked numbers (arithmetic in the comments) and gradient checks.
 
 Advantage estimators (advantages.py, multi_reward.py), ratio levels (ratios.py), objectives
-(objectives.py) and the batch-level M2PO mask (m2po.py). Shapes are kept few and tiny: eager
+(objectives.py); the batch-level M2PO mask is in test_loss_m2po.py. Shapes are kept few and tiny: eager
 kernels are cached per (op, shape), so reusing shapes keeps this file fast on a busy CPU.
 """
 
@@ -15,7 +15,6 @@ import pytest
 
 from jaxrl.config import ConfigError
 from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import m2po
 from jaxrl.losses import multi_reward
 from jaxrl.losses import objectives as obj
 from jaxrl.losses import ratios
@@ -41,13 +40,16 @@ def _adv(estimator, rewards, group_size):
 
 def test_group_mean_batch_std_by_hand():
     # r = [1,0 | 1,1], G = 2. Group means 0.5, 1 -> centred [0.5, -0.5, 0, 0].
-    # Batch std of the RAW rewards [1,0,1,1]: mean 0.75, var (0.0625+0.5625+0.0625+0.0625)/4 = 0.1875,
-    # std 0.4330127 -> A = [0.5, -0.5] / 0.4330127 = [1.1547005, -1.1547005]; constant group exactly 0.
+    # Batch std of the RAW rewards [1,0,1,1]: mean 0.75, squares (0.0625+0.5625+0.0625+0.0625) = 0.75;
+    # unbiased (default): var .75 / 3 = .25, std .5 -> A = [0.5, -0.5] / 0.5 = [1, -1]; constant group 0.
     adv = _adv(adv_lib.group_mean_batch_std(1e-6), jnp.array([1.0, 0.0, 1.0, 1.0]), 2)
-    _close(adv, [1.1547005, -1.1547005, 0.0, 0.0])
+    _close(adv, [1.0, -1.0, 0.0, 0.0])
     assert np.all(np.asarray(adv)[2:] == 0.0)
-    # GRPO's per-group std would give [1, -1]: make sure the batch std is used.
-    assert abs(float(adv[0]) - 1.0) > 0.1
+    # ddof 0: var .75 / 4 = .1875, std .4330127 -> A = +-0.5 / .4330127 = +-1.1547005
+    _close(_adv(adv_lib.group_mean_batch_std(1e-6, ddof=0), jnp.array([1.0, 0.0, 1.0, 1.0]), 2),
+           [1.1547005, -1.1547005, 0.0, 0.0])
+    # GRPO's per-group std would give +-.5 / .7071068 = +-.7071068: make sure the batch std is used.
+    assert abs(float(adv[0]) - 0.7071068) > 0.1
     # A constant batch: every group constant, std 0 -> exactly 0, never NaN.
     assert np.all(np.asarray(_adv(adv_lib.group_mean_batch_std(), jnp.full((4,), 0.3), 2)) == 0.0)
 
@@ -63,13 +65,18 @@ def test_rloo_by_hand():
 
 
 def test_reinforce_pp_baseline_by_hand():
-    # r = [1,0 | 1,1 | 0,1], G = 2: centred [0.5,-0.5, 0,0, -0.5,0.5]; batch mean 0,
-    # batch std = sqrt(4 * 0.25 / 6) = sqrt(1/6) = 0.4082483 -> 0.5 / 0.4082483 = 1.2247449.
+    # r = [1,0 | 1,1 | 0,1], G = 2: centred [0.5,-0.5, 0,0, -0.5,0.5]; batch mean 0, squares 4 * .25 = 1
+    # unbiased (default): std = sqrt(1 / 5) = .4472136 -> 0.5 / .4472136 = 1.1180340
     adv = _adv(adv_lib.group_mean_batch_whiten(1e-6), jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), 2)
-    _close(adv, [1.2247449, -1.2247449, 0, 0, -1.2247449, 1.2247449])
+    _close(adv, [1.1180340, -1.1180340, 0, 0, -1.1180340, 1.1180340])
     assert np.all(np.asarray(adv)[2:4] == 0.0)  # constant group: exact zeros, no whitening residue
-    # Whitening subtracts the batch mean: a batch of centred values [2,-2] whitens to [1,-1].
-    _close(_adv(adv_lib.group_mean_batch_whiten(), jnp.array([4.0, 0.0]), 2), [1.0, -1.0])
+    # ddof 0: std = sqrt(1 / 6) = 0.4082483 -> 0.5 / 0.4082483 = 1.2247449
+    _close(_adv(adv_lib.group_mean_batch_whiten(1e-6, ddof=0), jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), 2),
+           [1.2247449, -1.2247449, 0, 0, -1.2247449, 1.2247449])
+    # Whitening subtracts the batch mean: centred values [2,-2], unbiased std sqrt(8 / 1) = 2.8284271
+    # -> [.7071068, -.7071068] (ddof 0: std 2 -> [1, -1]).
+    _close(_adv(adv_lib.group_mean_batch_whiten(), jnp.array([4.0, 0.0]), 2), [0.7071068, -0.7071068])
+    _close(_adv(adv_lib.group_mean_batch_whiten(ddof=0), jnp.array([4.0, 0.0]), 2), [1.0, -1.0])
 
 
 MC_R = [1.0, 0.0, 0.0,  0.0, 1.0, 1.0,  3.0, 1.0, 2.0,  0.7, 0.7, 0.7]  # noqa: E241  G+1 = 3
@@ -78,8 +85,8 @@ MC_R = [1.0, 0.0, 0.0,  0.0, 1.0, 1.0,  3.0, 1.0, 2.0,  0.7, 0.7, 0.7]  # noqa: 
 def test_mc_grpo_median_baseline_and_pivot():
     r = jnp.array(MC_R)
     # medians: [1,0,0] -> 0 ; [0,1,1] -> 1 ; [3,1,2] -> 2 ; constant 0.7 -> 0.7
-    # A = r - median = [1,0,0 | -1,0,0 | 1,-1,0 | 0,0,0]
-    adv = _adv(adv_lib.group_median(), r, 3)
+    # Plain form (no MAD, no rescale): A = r - median = [1,0,0 | -1,0,0 | 1,-1,0 | 0,0,0]
+    adv = _adv(adv_lib.group_median(mad_scale=False, nonzero_rescale=False), r, 3)
     _close(adv, [1, 0, 0, -1, 0, 0, 1, -1, 0, 0, 0, 0])
     # Pivot = row at position 1 of a STABLE ascending sort:
     #   [1,0,0]: order (1,2,0) -> row 2 (the 2nd of the rows tied at the median 0)
@@ -102,23 +109,47 @@ def test_mc_grpo_median_baseline_and_pivot():
 
 
 def test_mc_grpo_mad_scaling():
+    # MAD only (nonzero_rescale off):
     # [3,1,2]: median 2, |dev| [1,1,0] -> sorted [0,1,1], MAD = 1 -> A = [1,-1,0] / 1.001
     # [1,0,0]: |dev| [1,0,0], MAD = 0 -> A_0 = 1 / 1e-3 = 1000 (the binary-reward hazard documented)
     # constant group: 0 / 1e-3 = 0 exactly.
-    adv = _adv(adv_lib.group_median(mad_scale=True), jnp.array(MC_R), 3)
+    adv = _adv(adv_lib.group_median(mad_scale=True, nonzero_rescale=False), jnp.array(MC_R), 3)
     _close(adv[6:9], [1 / 1.001, -1 / 1.001, 0.0])
     _close(adv[:3], [1000.0, 0.0, 0.0], atol=1e-2)
     assert np.all(np.asarray(adv)[9:] == 0.0)
 
 
+def test_mc_grpo_paper_code_default_by_hand():
+    # Default = the paper's code: / (MAD + 1e-3), then the nonzero A of each group of G+1 times
+    # (G+1) / #nonzero. G+1 = 3, MC_R:
+    #   [1,0,0]: MAD 0 -> [1000, 0, 0]; 1 nonzero -> x3 -> [3000, 0, 0]
+    #   [0,1,1]: median 1, MAD 0 -> [-1000, 0, 0] -> [-3000, 0, 0]
+    #   [3,1,2]: MAD 1 -> [1, -1, 0] / 1.001; 2 nonzero -> x3/2 -> [1.4985015, -1.4985015, 0]
+    #   constant: all 0, nothing to rescale (no division by #nonzero = 0)
+    adv = np.asarray(_adv(adv_lib.group_median(), jnp.array(MC_R), 3))
+    _close(adv[:6], [3000, 0, 0, -3000, 0, 0], atol=0.05)
+    _close(adv[6:], [1.4985015, -1.4985015, 0, 0, 0, 0])
+    assert np.all(adv[9:] == 0.0) and np.all(adv[[1, 2, 4, 5, 8]] == 0.0)
+    # G+1 = 5, r = [0,1,2,3,4]: median 2, |dev| [2,1,0,1,2] -> sorted [0,1,1,2,2], MAD 1
+    #   A = [-2,-1,0,1,2] / 1.001; 4 nonzero -> x5/4: [-2.4975025, -1.2487512, 0, 1.2487512, 2.4975025]
+    _close(_adv(adv_lib.group_median(), jnp.arange(5.0), 5), [-2.4975025, -1.2487512, 0, 1.2487512, 2.4975025])
+    # Rescale only (no MAD): [1,0,0] -> [3,0,0] ; [3,1,2] -> [1,-1,0] x 3/2 = [1.5,-1.5,0]
+    _close(_adv(adv_lib.group_median(mad_scale=False), jnp.array(MC_R), 3)[:9], [3, 0, 0, -3, 0, 0, 1.5, -1.5, 0])
+
+
 def test_gdpo_by_hand_and_differs_from_summing():
     # K = 2, G = 2, weights (1,1). Group 0: (1,0),(0,0) ; group 1: (1,1),(0,0).
-    # z: group 0 k0 = [1,-1] (mean .5, std .5), k1 constant -> [0,0]  => a = [1,-1]
-    #    group 1 k0 = [1,-1], k1 = [1,-1]                             => a = [2,-2]
-    # batch: mean 0, std sqrt((1+1+4+4)/4) = 1.5811388 -> A = [.6324555, -.6324555, 1.2649111, -1.2649111]
+    # Unbiased stds (default). z: group 0 k0 = [1,0]: mean .5, deviations +-.5, std sqrt(.5 / 1) = .7071068
+    #   -> z = +-.7071068; k1 constant -> [0,0]                      => a = [.7071068, -.7071068]
+    #    group 1 k0 = k1 = [1,0] -> z = +-.7071068 each              => a = [1.4142136, -1.4142136]
+    # batch: mean 0, squares .5+.5+2+2 = 5, std sqrt(5 / 3) = 1.2909944
+    #   -> A = [.5477226, -.5477226, 1.0954451, -1.0954451]
     rewards = jnp.array([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
     adv = _adv(multi_reward.gdpo((1.0, 1.0)), rewards, 2)
-    _close(adv, [0.6324555, -0.6324555, 1.2649111, -1.2649111])
+    _close(adv, [0.5477226, -0.5477226, 1.0954451, -1.0954451])
+    # ddof 0: z = +-1 (std .5), a = [1,-1,2,-2], batch std sqrt(10 / 4) = 1.5811388
+    #   -> A = [.6324555, -.6324555, 1.2649111, -1.2649111]
+    _close(_adv(multi_reward.gdpo((1.0, 1.0), ddof=0), rewards, 2), [0.6324555, -0.6324555, 1.2649111, -1.2649111])
     # Plain GRPO sums first: [1,0] and [2,0] both normalise to [1,-1]; the two groups look identical.
     grpo = _adv(adv_lib.estimator(adv_lib.reward_sum(), adv_lib.group_mean_std()), rewards, 2)
     _close(grpo[:2], grpo[2:])
@@ -135,22 +166,23 @@ GD2PO_R = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0],
 
 
 def test_gd2po_our_reading_by_hand():
-    # weights (1, 0.5), G = 3.
-    # Group 0: k0 = [1,0,0] -> z0 = [1.4142136, -.7071068, -.7071068] (std sqrt(2/9) = .4714045)
-    #          k1 = [0,1,1] -> z1 = -z0 ;  a = z0 + .5 z1 = .5 z0 = [.7071068, -.3535534, -.3535534]
-    #   row 0: a > 0, k1 contributes .5 * (-1.414) < 0 (against) -> conflict = .5 / 1.5 = 1/3
+    # weights (1, 0.5), G = 3, unbiased stds (default).
+    # Group 0: k0 = [1,0,0]: mean 1/3, deviations [2/3,-1/3,-1/3], squares 6/9, std sqrt((2/3) / 2) = .5773503
+    #          -> z0 = [1.1547005, -.5773503, -.5773503]
+    #          k1 = [0,1,1] -> z1 = -z0 ;  a = z0 + .5 z1 = .5 z0 = [.5773503, -.2886751, -.2886751]
+    #   row 0: a > 0, k1 contributes .5 * (-1.155) < 0 (against) -> conflict = .5 / 1.5 = 1/3
     #   rows 1,2: a < 0, k1 contributes + (against) -> 1/3 ; consensus = 1 - 1/3 = 2/3
-    # Group 1: k0 = k1 = [1,0,0] -> a = 1.5 z0 = [2.1213203, -1.0606602, -1.0606602]; conflict 0, consensus 1
-    # Batch: mean 0, var (.5 + 2*.125 + 4.5 + 2*1.125) / 6 = 1.25, std 1.1180340
-    #   GDPO A = [.6324555, -.3162278, -.3162278, 1.8973666, -.9486833, -.9486833]
-    # threshold .5 (1/3 <= .5: kept), power 1: group 0 scaled by 2/3 -> [.4216370, -.2108185, -.2108185]
-    gdpo_adv = [0.6324555, -0.3162278, -0.3162278, 1.8973666, -0.9486833, -0.9486833]
+    # Group 1: k0 = k1 = [1,0,0] -> a = 1.5 z0 = [1.7320508, -.8660254, -.8660254]; conflict 0, consensus 1
+    # Batch: mean 0, squares (1/3 + 2/12) + (3 + 2*.75) = .5 + 4.5 = 5, std sqrt(5 / 5) = 1
+    #   GDPO A = a / (1 + 1e-6) = [.5773503, -.2886751, -.2886751, 1.7320508, -.8660254, -.8660254]
+    # threshold .5 (1/3 <= .5: kept), power 1: group 0 scaled by 2/3 -> [.3849002, -.1924501, -.1924501]
+    gdpo_adv = [0.5773503, -0.2886751, -0.2886751, 1.7320508, -0.8660254, -0.8660254]
     _close(_adv(multi_reward.gdpo((1.0, 0.5)), GD2PO_R, 3), gdpo_adv)
     parts_fn = functools.partial(multi_reward.gd2po_parts, weights=(1.0, 0.5), conflict_threshold=0.5)
     parts = _adv(parts_fn, GD2PO_R, 3)
     _close(parts["conflict_B"], [1 / 3] * 3 + [0] * 3)
     _close(parts["consensus_B"], [2 / 3] * 3 + [1] * 3)
-    _close(parts["adv_B"], [0.4216370, -0.2108185, -0.2108185] + gdpo_adv[3:])
+    _close(parts["adv_B"], [0.3849002, -0.1924501, -0.1924501] + gdpo_adv[3:])
     np.testing.assert_array_equal(parts["keep_B"], 1.0)
     # threshold .25 < 1/3: group 0's rollouts are masked (A exactly 0, keep 0).
     adv = _adv(multi_reward.gd2po(weights=(1.0, 0.5), conflict_threshold=0.25), GD2PO_R, 3)
@@ -273,6 +305,26 @@ def test_cispo_by_hand_and_paper_gradient():
     _close(ours, paper)
 
 
+def test_cispo_reports_minus_w_a_logp_like_trl_with_the_same_gradient():
+    # TRL / verl report l_t = -sg(w) A logp. logp = [-1, -2], rho = [1.5, .5], A = [1, -2], cap 1.2:
+    #   w = [1.2, .5]; l = [-1.2 * 1 * -1, -.5 * -2 * -2] = [1.2, -2.0]
+    #   (the log-ratio form would report [-1.2 ln 1.5, -.5 * -2 * ln .5] = [-.4865581, -.6931472])
+    #   gradient d l / d logp = -w A = [-1.2, 1.0] either way.
+    logp = jnp.array([[-1.0, -2.0]])
+    batch = {"completion_mask_BxT": jnp.ones((1, 2)), "old_logp_BxT": jnp.array([[-1.0 - LOG(1.5), -2.0 - LOG(0.5)]]),
+             "advantages_BxT": jnp.array([[1.0, -2.0]])}
+    token_loss = policy_token_loss(ratios.token_log_ratio, obj.cispo(cap=1.2))
+    loss, g, _ = _value_grad(lambda lp, _a, _m: token_loss(lp, batch), logp, None, None)
+    _close(loss, [[1.2, -2.0]])
+    _close(g, [[-1.2, 1.0]])
+    # The preset: eps_high .2 is the RELATIVE bound, cap = 1 + .2 = TRL's absolute epsilon_high 1.2.
+    from jaxrl.losses.presets import PRESETS
+    preset = PRESETS["cispo"](eps_high=0.2)
+    loss, g, _ = _value_grad(lambda lp, _a, _m: preset.token_loss(lp, batch), logp, None, None)
+    _close(loss, [[1.2, -2.0]])
+    _close(g, [[-1.2, 1.0]])
+
+
 def test_sapo_gradient_at_one_is_ppo_and_by_hand():
     # rho = 1: sigma(0) = 1/2 -> loss = -(4/tau)(1/2) A: A = 2, tau_pos 1 -> -4 ; A = -2, tau_neg 1.05
     # -> 4/1.05 = 3.8095238. Gradient -4 sigma(1-sigma) rho A = -A: -2 and +2 (PPO's -A rho at rho 1).
@@ -368,93 +420,3 @@ def test_objectives_masked_tokens_and_empty_rows(name):
     assert np.max(np.abs(np.asarray(g))) > 0
     for key, v in stats.items():
         assert key.endswith("_BxT") and np.all(np.asarray(v)[dead] == 0.0), key
-
-
-# ============================================================================= M2PO
-
-
-_keep_mask = jax.jit(m2po.m2po_keep_mask)  # tau traced: one compile per shape
-
-
-def test_m2po_keep_mask_by_hand():
-    # live log rho [0.1, -0.2, 0.5 | 0.3, 0.0] (7.0 is masked): q = [.01, .04, .25, .09, 0]
-    # ascending [0, .01, .04, .09, .25], prefix means [0, .005, .0167, .035, .078]
-    #   tau .04: largest prefix with mean <= .04 is 4 -> drop q >= .25: the 0.5 token
-    #   tau .02: prefix 3 -> drop q >= .09: the 0.5 and 0.3 tokens
-    lr = jnp.array([[0.1, -0.2, 0.5], [0.3, 0.0, 7.0]])
-    mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    np.testing.assert_array_equal(_keep_mask(lr, mask, 0.04), [[1, 1, 0], [1, 1, 1]])
-    np.testing.assert_array_equal(_keep_mask(lr, mask, 0.02), [[1, 1, 0], [0, 1, 1]])
-    # Ties: q = [.01, .09, .09], tau .06: prefix means .01, .05, .0633 -> prefix 2, threshold .09
-    # -> BOTH tied tokens go (kept mean .01), whichever order they come in.
-    tie = jnp.array([[0.1, 0.3, -0.3]])
-    np.testing.assert_array_equal(_keep_mask(tie, jnp.ones((1, 3)), 0.06), [[1, 0, 0]])
-    np.testing.assert_array_equal(_keep_mask(tie[:, ::-1], jnp.ones((1, 3)), 0.06), [[0, 0, 1]])
-    # Nothing over tau: keep all ; every q > tau: drop every live token ; all masked: keep all.
-    np.testing.assert_array_equal(_keep_mask(lr, mask, 1.0), 1.0)
-    np.testing.assert_array_equal(_keep_mask(lr + 1.0, mask, 0.001), 1.0 - mask)
-    np.testing.assert_array_equal(_keep_mask(lr, jnp.zeros_like(mask), 0.0), 1.0)
-
-
-def test_m2po_prepare_and_exact_under_microbatching():
-    # 4 rows x 3 tokens: the stalest tokens sit in rows 0 and 3, so a per-microbatch mask (rows 0-1
-    # vs rows 2-3) would differ from the batch mask; the prepared full-batch mask does not.
-    rng = np.random.default_rng(0)
-    mask = np.ones((4, 3), np.float32)
-    mask[2, 2] = 0.0
-    logp = (-1.0 - rng.random((4, 3))).astype(np.float32)
-    # current vs old log-ratio = -offset: all inside PPO's [0.8, 1.2], so only the mask can zero a gradient
-    old = logp + np.array([[0.05, 0.05, 0.1], [0.02, 0.0, -0.1], [0.1, 0.05, 50.0], [0.15, 0.0, 0.03]], np.float32)
-    batch = {"completion_mask_BxT": mask, "old_logp_BxT": old,
-             "advantages_B": np.array([1.0, -1.0, 0.5, -0.5], np.float32)}
-    # Staleness log(old / rollout) lives in the data: the rollout log-probs are shifted by known amounts
-    # (the masked (2,2) entry holds garbage).
-    stale = np.array([[0.05, 0.6, 0.1], [0.02, 0.0, 0.1], [0.1, 0.05, 0.0], [0.45, 0.0, 0.03]], np.float32)
-    batch["rollout_logp_BxT"] = old - stale
-    # q = stale^2 over 11 live tokens: [.0025,.36,.01,.0004,0,.01,.01,.0025,.2025,0,.0009], sum .5988
-    # ascending: 0,0,.0004,.0009,.0025,.0025,.01,.01,.01,.2025,.36 ; prefix of 9: .0363/9 = .0040 <= .04,
-    # prefix of 10: .2388/10 = .0239 <= .04, all 11: .5988/11 = .0544 > .04 -> drop q >= .36: token (0,1).
-    prepared = jax.jit(m2po.m2po_prepare(0.04))(batch)
-    want_keep = np.ones((4, 3))
-    want_keep[0, 1] = 0.0
-    np.testing.assert_array_equal(prepared["m2po_keep_BxT"], want_keep)
-    # tau .015: prefix 10 mean .0239 > .015 -> drop q >= .2025 too: token (3,0).
-    np.testing.assert_array_equal(jax.jit(m2po.m2po_prepare(0.015))(batch)["m2po_keep_BxT"][3], [0, 1, 1])
-
-    token_loss = m2po.apply_keep_mask(policy_token_loss(ratios.token_log_ratio, ppo_clip(0.2)))
-    weights = mask / mask.sum()
-
-    @jax.jit
-    def value_grad(lp, b):
-        return jax.value_and_grad(lambda x: jnp.sum(b["w"] * token_loss(x, b)[0]))(lp)
-
-    full = dict(prepared, w=weights)
-    v_full, g_full = value_grad(jnp.asarray(logp), full)
-    halves = [value_grad(jnp.asarray(logp[i:i + 2]), {k: np.asarray(v)[i:i + 2] for k, v in full.items()})
-              for i in (0, 2)]
-    _close(v_full, halves[0][0] + halves[1][0], atol=1e-6)
-    _close(g_full, np.concatenate([halves[0][1], halves[1][1]]), atol=1e-6)
-    # The dropped token: gradient exactly 0 (unmasked it would be -A rho w = -e^-0.05 / 11); the
-    # others keep -A rho w, e.g. token (0,0): -1 * e^-0.05 / 11 = -0.0864821.
-    assert float(g_full[0, 1]) == 0.0
-    _close(g_full[0, 0], -math.exp(-0.05) / 11, atol=1e-6)
-    _, stats = jax.jit(token_loss)(jnp.asarray(logp), prepared)
-    np.testing.assert_array_equal(stats["m2po_masked_BxT"], 1.0 - want_keep)
-    # A per-microbatch mask of the SAME data differs: rows 2-3 alone have q = [.01,.0025,.2025,0,.0009],
-    # mean .2159/5 = .0432 > .04, so they would drop token (3,0). Hence: prepare on the whole batch.
-    half = {k: np.asarray(v)[2:] for k, v in batch.items()}
-    np.testing.assert_array_equal(jax.jit(m2po.m2po_prepare(0.04))(half)["m2po_keep_BxT"][1], [0, 1, 1])
-
-
-def test_apply_keep_mask_blocks_gradient_through_sequence_ratio():
-    # GSPO mixes every token into the row's ratio; a dropped token must still get no gradient.
-    # Row log rho [0.1, -0.1, 0.3], A = 1, ppo eps 1 (no clipping), keep [1, 1, 0]:
-    #   s = e^{0.1} = 1.1051709; loss on kept tokens -s each, on the dropped one 0.
-    #   grad: d(-2 s)/d logp_j = -2 s / 3 = -0.7368 for j = 0, 1 ; 0 for j = 2.
-    logp = jnp.array([[0.1, -0.1, 0.3]])
-    batch = {"completion_mask_BxT": jnp.ones((1, 3)), "old_logp_BxT": jnp.zeros((1, 3)),
-             "advantages_B": jnp.array([1.0]), "keep": jnp.array([[1.0, 1.0, 0.0]])}
-    tl = m2po.apply_keep_mask(policy_token_loss(ratios.sequence_log_ratio, ppo_clip(1.0)), key="keep")
-    loss, g, _ = _value_grad(lambda lp, _a, _m: tl(lp, batch), logp, None, None)
-    _close(loss, [[-1.1051709, -1.1051709, 0.0]])
-    _close(g, [[-2 * 1.1051709 / 3, -2 * 1.1051709 / 3, 0.0]])

@@ -19,20 +19,41 @@ ATOL = 1e-5
 
 
 def test_group_mean_std_hand_worked():
-    # r = [1,0,0,0]: mean 0.25; deviations [0.75,-0.25,-0.25,-0.25];
-    # population var = (0.5625 + 3*0.0625)/4 = 0.1875, std = 0.4330127
-    # A = [0.75, -0.25, -0.25, -0.25] / 0.4330127 = [1.7320508, -0.5773503 x3]
+    # r = [1,0,0,0]: mean 0.25; deviations [0.75,-0.25,-0.25,-0.25]; sum of squares .5625 + 3*.0625 = .75
+    # DEFAULT, unbiased (ddof=1, TRL / verl): var = .75 / 3 = .25, std = .5
+    #   A = [0.75, -0.25, -0.25, -0.25] / 0.5 = [1.5, -0.5, -0.5, -0.5]
     adv = adv_lib.group_mean_std(eps=1e-6)(jnp.array([1.0, 0.0, 0.0, 0.0]), 4)
-    np.testing.assert_allclose(adv, [1.7320508, -0.5773503, -0.5773503, -0.5773503], atol=ATOL)
-    # Bessel (ddof=1) would give std 0.5 and A[0] = 1.5: make sure we are not doing that.
-    assert abs(float(adv[0]) - 1.5) > 0.2
+    np.testing.assert_allclose(adv, [1.5, -0.5, -0.5, -0.5], atol=ATOL)
+    # ddof=0 (population): var = .75 / 4 = .1875, std = .4330127 -> A = [1.7320508, -0.5773503 x3]
+    adv0 = adv_lib.group_mean_std(eps=1e-6, ddof=0)(jnp.array([1.0, 0.0, 0.0, 0.0]), 4)
+    np.testing.assert_allclose(adv0, [1.7320508, -0.5773503, -0.5773503, -0.5773503], atol=ATOL)
+    with pytest.raises(ValueError, match="std_ddof: got 2"):
+        adv_lib.group_mean_std(ddof=2)
+
+
+def test_group_of_one_gets_zero_advantage_not_nan():
+    # G = 1 with ddof=1: n - ddof = 0 would be 0/0 = NaN; the divisor is clamped to 1, the centred
+    # value r - mean = 0, so A = 0 / (0 + eps) = 0 exactly, for every estimator dividing by a std.
+    r = jnp.array([1.0, 0.0, 0.5])
+    for ddof in (0, 1):
+        for norm in (adv_lib.group_mean_std(ddof=ddof), adv_lib.group_mean_batch_whiten(ddof=ddof)):
+            adv = np.asarray(norm(r, 1))
+            assert np.all(adv == 0.0), (norm, ddof, adv)
+    # a batch of ONE row: the batch std of a single reward is 0 too, never NaN
+    one = jnp.array([0.7])
+    assert np.asarray(adv_lib.group_mean_batch_std(ddof=1)(one, 1)).tolist() == [0.0]
+    from jaxrl.losses import multi_reward
+    assert np.asarray(multi_reward.gdpo(ddof=1)(jnp.array([[1.0, 0.0]]), 1)).tolist() == [0.0]
 
 
 def test_two_groups_stacked_are_independent():
-    # group 0 as above; group 1 = [0,1,1,0]: mean 0.5, std 0.5 -> A = [-1, 1, 1, -1]
+    # group 0 as above (unbiased): [1.5, -.5, -.5, -.5]
+    # group 1 = [0,1,1,0]: mean .5, deviations +-.5, sum of squares 1, unbiased var 1/3, std .5773503
+    #   -> A = +-.5 / .5773503 = +-.8660254
     r = jnp.array([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0])
     adv = adv_lib.group_mean_std()(r, 4)
-    np.testing.assert_allclose(adv, [1.7320508, -0.5773503, -0.5773503, -0.5773503, -1, 1, 1, -1], atol=ATOL)
+    h = 0.8660254
+    np.testing.assert_allclose(adv, [1.5, -0.5, -0.5, -0.5, -h, h, h, -h], atol=ATOL)
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0, 0.1, 1.1])
@@ -211,8 +232,10 @@ def test_make_loss_reads_config_and_rejects_unknown_preset():
     assert loss.name == "grpo"
     logp, batch = _ppo_batch([1.25], [1.0])  # not clipped at eps_high = 0.28 -> loss -1.25
     np.testing.assert_allclose(loss.token_loss(logp, batch)[0], [[-1.25]], atol=ATOL)
-    # reward_weights (1, 0.1): r = [1.1, 0.1], mean 0.6, population std 0.5 -> A = [1, -1] (to eps)
-    np.testing.assert_allclose(loss.advantages(jnp.array([[1.0, 1.0], [0.0, 1.0]]), 2), [1.0, -1.0], atol=1e-4)
+    # reward_weights (1, 0.1): r = [1.1, 0.1], mean 0.6, deviations +-.5; unbiased var (.25 + .25) / 1 = .5,
+    # std .7071068 -> A = +-.5 / .7071068 = +-.7071068 (to eps)
+    np.testing.assert_allclose(loss.advantages(jnp.array([[1.0, 1.0], [0.0, 1.0]]), 2), [0.7071068, -0.7071068],
+                               atol=1e-4)
     assert losses.make_loss(LossConfig(preset="dr_grpo")).name == "dr_grpo"
     with pytest.raises(ConfigError, match=r"loss\.preset.*'dr_grpo'.*'grpo'"):
         losses.make_loss(LossConfig(preset="nope"))

@@ -33,31 +33,39 @@ LOG = math.log
 # Two rows of one group, rewards [1, 0]; lengths 1 and 3 in T = 4; L_max = 4; logp = old (rho = 1).
 # At rho = 1 the gradient d J / d logp_it is -A_i * w_it (ratio levels differ, see PNPO), so the
 # numbers below check each preset's advantage estimator and normaliser together.
+# The std is UNBIASED (ddof 1, the default): rewards [1, 0]: mean .5, deviations +-.5, squares .5,
+# std sqrt(.5 / (2 - 1)) = .7071068, so A = +-.5 / .7071068 = +-U with U = 1/sqrt(2) = .7071068.
+# (With ddof 0 the std is .5 and A = +-1.) Presets without a std (dr_grpo, rloo, sao) are unchanged.
 TINY_MASK = np.array([[1, 0, 0, 0], [1, 1, 1, 0]], np.float32)
 S = 1 / 6
+U = 1 / math.sqrt(2)
 TABLE = {
     # preset: (row-0 token gradient, row-1 token gradients)
-    "grpo": (-0.5, [S, S, S]),  # A = +-1 (G=2: mean .5, std .5); w = 1/(|y| B): 1/2 and 1/6
-    "gmpo": (-0.5, [S, S, S]),  # loss -A s on every token, d s / d logp_j = s/|y|: same as GRPO
-    "sapo": (-0.5, [S, S, S]),  # gradient -4 sig(1-sig) rho A = -A at rho = 1
-    "gspo": (-0.5, [S, S, S]),  # d s / d logp_j = s/|y|, row value counted once: same as GRPO
-    "gspo_token": (-0.5, [S, S, S]),
-    "tbpo": (-0.5, [S, S, S]),  # GSPO's sequence ratio and band; the dual cap needs s > 3
-    "mu_grpo": (-0.5, [S, S, S]),  # |log rho| = 0: no veto
-    "gdpo": (-0.5, [S, S, S]),  # one reward column: z = [1,-1], batch-whitened [1,-1]
-    "gd2po": (-0.5, [S, S, S]),  # one column: no conflict, consensus 1
-    "dr_grpo": (-1 / 16, [1 / 16] * 3),  # A = +-.5; w = 1/(B L_max) = 1/8
-    "bnpo": (-0.25, [0.25] * 3),  # A = +-1; w = 1/(4 tokens)
-    "cispo": (-0.25, [0.25] * 3),  # weight sg(min(1, 1.28)) = 1; token mean
-    "m2po": (-0.25, [0.25] * 3),  # rollout = old: nothing masked; unclipped; token mean
-    "dapo": (-0.25, [0.25] * 3),  # lengths 1, 3 <= L_max - L_c = 3.2: no penalty; token mean
-    "reinforce_pp": (-0.25, [0.25] * 3),  # centred [.5,-.5] whitened -> [1,-1]; token mean
-    "rloo": (-0.5, [0.5] * 3),  # A = 1 - 0, 0 - 1; w = 1/B: the sequence log-prob, no 1/|y|
-    "async_const_norm": (-1 / 8, [1 / 8] * 3),  # A = +-1; w = 1/(B k), k = L_max = 4
-    "sao": (-0.125, [0.125] * 3),  # batch baseline: A = [.5, -.5]; token mean 1/4
+    "grpo": (-0.5 * U, [S * U] * 3),  # A = +-U; w = 1/(|y| B): 1/2 and 1/6
+    "gmpo": (-0.5 * U, [S * U] * 3),  # loss -A s on every token, d s / d logp_j = s/|y|: same as GRPO
+    "sapo": (-0.5 * U, [S * U] * 3),  # gradient -4 sig(1-sig) rho A = -A at rho = 1
+    "gspo": (-0.5 * U, [S * U] * 3),  # d s / d logp_j = s/|y|, row value counted once: same as GRPO
+    "gspo_token": (-0.5 * U, [S * U] * 3),
+    "tbpo": (-0.5 * U, [S * U] * 3),  # GSPO's sequence ratio and band; the dual cap needs s > 3
+    "mu_grpo": (-0.5 * U, [S * U] * 3),  # |log rho| = 0: no veto
+    # GDPO: one reward column: z = +-U; batch whitening of [U, -U]: mean 0, std sqrt((U^2 + U^2) / 1) = 1
+    # -> A = +-U
+    "gdpo": (-0.5 * U, [S * U] * 3),
+    "gd2po": (-0.5 * U, [S * U] * 3),  # one column: no conflict, consensus 1; as GDPO
+    "dr_grpo": (-1 / 16, [1 / 16] * 3),  # A = +-.5 (no std); w = 1/(B L_max) = 1/8
+    "bnpo": (-0.25 * U, [0.25 * U] * 3),  # A = +-U; w = 1/(4 tokens)
+    "cispo": (-0.25 * U, [0.25 * U] * 3),  # weight sg(min(1, 1.28)) = 1; token mean
+    "m2po": (-0.25 * U, [0.25 * U] * 3),  # rollout = old: nothing masked, r = 1; unclipped; token mean
+    "dapo": (-0.25 * U, [0.25 * U] * 3),  # lengths 1, 3 <= L_max - L_c = 3.2: no penalty; token mean
+    # centred [.5,-.5], batch-whitened: mean 0, std sqrt(.5 / 1) = U -> +-.5 / U = +-U; token mean
+    "reinforce_pp": (-0.25 * U, [0.25 * U] * 3),
+    "rloo": (-0.5, [0.5] * 3),  # A = 1 - 0, 0 - 1 (no std); w = 1/B: the sequence log-prob, no 1/|y|
+    "async_const_norm": (-U / 8, [U / 8] * 3),  # A = +-U; w = 1/(B k), k = L_max = 4
+    "sao": (-0.125, [0.125] * 3),  # batch baseline (no std): A = [.5, -.5]; token mean 1/4
     # PNPO: loss_t = -w_t A with w_t the prefix geometric mean; d w_t / d logp_j = 1/n_t (j <= t), so
-    # row 1 (A = -1, weight 1/(3*2)): j=0: (1 + 1/2 + 1/3)/6 = 11/36, j=1: (1/2 + 1/3)/6 = 5/36, j=2: 1/18
-    "pnpo": (-0.5, [11 / 36, 5 / 36, 1 / 18]),
+    # row 1 (A = -U, weight 1/(3*2)): j=0: U (1 + 1/2 + 1/3)/6 = 11/36 U, j=1: U (1/2 + 1/3)/6 = 5/36 U,
+    # j=2: U/18
+    "pnpo": (-0.5 * U, [11 / 36 * U, 5 / 36 * U, 1 / 18 * U]),
 }
 
 
@@ -87,15 +95,16 @@ def test_gradient_at_ratio_one_by_hand(name):
 
 def test_dapo_clip_higher_token_mean_overlong_and_dynamic_sampling_by_hand():
     # L_max = 4, overlong_buffer_frac .25 -> L_c = 1: |y| <= 3 no penalty, |y| = 4 -> -1.
-    # group 0: r [1, 0], |y| [2, 4] -> shaped [1, -1] -> A [1, -1]
-    # group 1: r [1, 1], |y| [4, 1] -> shaped [0, 1] -> A [-1, 1]  (constant before shaping!)
+    # group 0: r [1, 0], |y| [2, 4] -> shaped [1, -1]: mean 0, deviations +-1, unbiased std
+    #          sqrt((1 + 1) / 1) = sqrt 2 -> A [U, -U], U = 1/sqrt 2
+    # group 1: r [1, 1], |y| [4, 1] -> shaped [0, 1] -> A [-U, U]  (constant before shaping!)
     # group 2: r [0, 0], |y| [2, 3] -> shaped [0, 0] -> constant: dropped (and not counted)
     # token_mean over the 2+4+4+1 = 11 kept tokens. log-ratios (logp - old):
-    #   row 0 (A=+1): rho [1.25, 1.3]: 1.25 < 1.28 unclipped (loss -1.25, grad -1.25/11);
-    #                 1.3 > 1.28 clipped (loss -1.28, grad 0)  [GRPO's 0.2 would clip 1.25 too]
-    #   row 1 (A=-1): rho [0.7, 1, 1, 1]: 0.7 < 0.8 clipped low (loss 0.8, grad 0); others loss 1, grad 1/11
-    #   row 2 (A=-1): rho 1 x4: loss 1, grad 1/11 ; row 3 (A=+1): rho 1: loss -1, grad -1/11 ; rows 4, 5: 0
-    # J = (-1.25 - 1.28 + 0.8 + 3 + 4 - 1) / 11 = 4.27 / 11
+    #   row 0 (A=+U): rho [1.25, 1.3]: 1.25 < 1.28 unclipped (loss -1.25U, grad -1.25U/11);
+    #                 1.3 > 1.28 clipped (loss -1.28U, grad 0)  [GRPO's 0.2 would clip 1.25 too]
+    #   row 1 (A=-U): rho [0.7, 1, 1, 1]: 0.7 < 0.8 clipped low (loss 0.8U, grad 0); others loss U, grad U/11
+    #   row 2 (A=-U): rho 1 x4: loss U, grad U/11 ; row 3 (A=+U): rho 1: loss -U, grad -U/11 ; rows 4, 5: 0
+    # J = U (-1.25 - 1.28 + 0.8 + 3 + 4 - 1) / 11 = 4.27 U / 11
     lengths = np.array([2, 4, 4, 1, 2, 3])
     mask = (np.arange(4)[None, :] < lengths[:, None]).astype(np.float32)
     old = np.full((6, 4), -1.0, np.float32)
@@ -106,18 +115,20 @@ def test_dapo_clip_higher_token_mean_overlong_and_dynamic_sampling_by_hand():
     batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0], [1], [1], [0], [0]], np.float32),
              "old_logp_BxT": old, "truncated_B": np.zeros(6, np.float32)}
     value, grad, metrics, kept = _tiny(PRESETS["dapo"](overlong_buffer_frac=0.25), 2, batch, logp)
-    _close(value, 4.27 / 11, atol=1e-5)
+    _close(value, 4.27 * U / 11, atol=1e-5)
     want = np.zeros((6, 4))
-    want[0, 0] = -1.25 / 11
-    want[1, 1:] = 1 / 11
-    want[2] = 1 / 11
-    want[3, 0] = -1 / 11
+    want[0, 0] = -1.25 * U / 11
+    want[1, 1:] = U / 11
+    want[2] = U / 11
+    want[3, 0] = -U / 11
     _close(grad, want, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(kept).sum(1), [2, 4, 4, 1, 0, 0])
     _close([metrics["clipped_high"], metrics["clipped_low"]], [1 / 11, 1 / 11])
 
 
 def test_mc_grpo_pivot_gets_no_gradient_and_is_not_counted():
+    # The plain form (mad_scale / nonzero_rescale off, so A stays readable; the paper-code default is
+    # tested by hand in test_loss_parts and below).
     # G+1 = 3, r = [1, 0, 0]: median 0, A = [1, 0, 0]; pivot = row 2 (stable sort (1, 2, 0), middle).
     # Rows 0 and 1 remain: B = 2 (not 3). |y| = [2, 1, 2]. rho = 1; KL beta .1 with ref = logp - ln 2,
     # so d k3 / d logp = 1 - 1/2 = 1/2 on every live token.
@@ -127,68 +138,58 @@ def test_mc_grpo_pivot_gets_no_gradient_and_is_not_counted():
     logp = np.full((3, 4), -1.0, np.float32)
     batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0], [0.0]], np.float32),
              "ref_logp_BxT": logp - LOG(2.0)}
-    _, grad, metrics, kept = _tiny(PRESETS["mc_grpo"](kl_beta=0.1), 3, batch)
+    plain = PRESETS["mc_grpo"](kl_beta=0.1, mad_scale=False, nonzero_rescale=False)
+    _, grad, metrics, kept = _tiny(plain, 3, batch)
     _close(grad, [[-0.2375, -0.2375, 0, 0], [0.025, 0, 0, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(kept)[2], 0.0)
-
-
-def test_m2po_mask_through_prepare_by_hand():
-    # Staleness log(old / rollout) = 0.9 on token (0, 1), 0.1 on the 5 others: q = .81 and .01 x 5,
-    # mean .86/6 = .143 > .04 -> drop the .81 token; kept mean .01 <= .04. Unclipped, token mean over
-    # all 6 live tokens (dropped ones keep their count): grad -A/6 on kept tokens, 0 on the dropped one.
-    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], np.float32)
-    old = np.full((2, 4), -1.0, np.float32)
-    stale = np.full((2, 4), 0.1, np.float32)
-    stale[0, 1] = 0.9
-    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0]], np.float32), "old_logp_BxT": old,
-             "rollout_logp_BxT": old - stale}
-    loss = PRESETS["m2po"]()
-    assert loss.needs_old_logp
-    _, grad, metrics, _ = _tiny(loss, 2, batch)
-    _close(grad, [[-1 / 6, 0, -1 / 6, 0], [1 / 6, 1 / 6, 1 / 6, 0]])
-    _close(metrics["m2po_masked"], 1 / 6)
+    # Default (the paper's code): MAD of |[1,0,0] - 0| = 0 -> A_0 = 1 / 1e-3 = 1000, one nonzero of 3
+    # -> x 3 = 3000: row 0 gets -3000 / (2 * 2) + .0125 = -749.9875 per token; rows 1, 2 as above.
+    _, grad, _, _ = _tiny(PRESETS["mc_grpo"](kl_beta=0.1), 3, batch)
+    _close(grad, [[-749.9875, -749.9875, 0, 0], [0.025, 0, 0, 0], [0, 0, 0, 0]], atol=1e-3)
 
 
 def test_gd2po_masked_rows_leave_the_normaliser():
     # test_loss_parts' GD2PO example (weights (1, .5), G = 3) at threshold .25: group 0 is masked.
-    # Rows 3-5 remain, B' = 3, |y| = 1: grad = -A_i / 3 with A = [1.8973666, -.9486833, -.9486833].
+    # Rows 3-5 remain, B' = 3, |y| = 1: grad = -A_i / 3 with A = [1.7320508, -.8660254, -.8660254]
+    # (unbiased stds; worked in test_loss_parts.test_gd2po_our_reading_by_hand).
     rewards = np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]], np.float32)
     mask = np.zeros((6, 4), np.float32)
     mask[:, 0] = 1.0
     loss = PRESETS["gd2po"](reward_weights=(1.0, 0.5), conflict_threshold=0.25)
     _, grad, _, kept = _tiny(loss, 3, {"completion_mask_BxT": mask, "rewards_BxK": rewards})
-    _close(np.asarray(grad)[:, 0], [0, 0, 0, -1.8973666 / 3, 0.9486833 / 3, 0.9486833 / 3], atol=1e-5)
+    _close(np.asarray(grad)[:, 0], [0, 0, 0, -1.7320508 / 3, 0.8660254 / 3, 0.8660254 / 3], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(kept)[:, 0], [0, 0, 0, 1, 1, 1])
 
 
 def test_gspo_clips_the_sequence_ratio_as_one_number():
-    # eps 3e-4 / 4e-4. Row 0 (A = +1): log rho [.001, .001] -> s = e^.001 = 1.0010005 > 1.0004: clipped,
-    # grad 0 on both tokens. Row 1 (A = -1): log rho [.0002, 0] -> s = e^.0001 = 1.0001 in range:
-    # d/dlogp_j of (1/B)(-A s) = s / (|y| B) = 1.0001 / 4 = .250025 on both tokens.
+    # eps 3e-4 / 4e-4, A = +-U (unbiased std, see TABLE). Row 0 (A = +U): log rho [.001, .001] -> s = e^.001
+    # = 1.0010005 > 1.0004: clipped, grad 0 on both tokens. Row 1 (A = -U): log rho [.0002, 0] -> s = e^.0001
+    # = 1.0001 in range: d/dlogp_j of (1/B)(-A s) = U s / (|y| B) = .7071068 * 1.0001 / 4 = .1767944.
     mask = np.array([[1, 1, 0, 0], [1, 1, 0, 0]], np.float32)
     old = np.full((2, 4), -1.0, np.float32)
     logp = old + np.array([[1e-3, 1e-3, 0, 0], [2e-4, 0, 0, 0]], np.float32)
     batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0]], np.float32), "old_logp_BxT": old}
     _, grad, metrics, _ = _tiny(PRESETS["gspo"](), 2, batch, logp)
-    _close(grad, [[0, 0, 0, 0], [0.250025, 0.250025, 0, 0]], atol=2e-6)
+    _close(grad, [[0, 0, 0, 0], [0.1767944, 0.1767944, 0, 0]], atol=2e-6)
     _close(metrics["clipped_high"], 0.5)  # 2 of 4 live tokens
 
 
 def test_tbpo_caps_a_negative_sample_whose_sequence_ratio_exploded():
-    # Rewards [1, 0] -> A = [+1, -1]. Row 0: log rho [0, 0] -> s = 1, in the band: gradient
-    # -A s / (|y| B) = -1/4 per token, loss -1. Row 1 (A = -1): log rho [log 4, log 4] -> s = 4 > c = 3:
-    # TBPO's loss is the constant -c A = 3 (no gradient); GSPO's is -s A = 4 with gradient s/(|y| B) = 1.
+    # Rewards [1, 0] -> A = [+U, -U] (unbiased std, see TABLE). Row 0: log rho [0, 0] -> s = 1, in the
+    # band: gradient -A s / (|y| B) = -U/4 per token, loss -U. Row 1 (A = -U): log rho [log 4, log 4] ->
+    # s = 4 > c = 3: TBPO's loss is the constant -c A = 3U (no gradient); GSPO's is -s A = 4U with
+    # gradient U s/(|y| B) = U.
     mask = np.array([[1, 1, 0, 0], [1, 1, 0, 0]], np.float32)
     old = np.full((2, 4), -1.0, np.float32)
     logp = old + np.array([[0, 0, 0, 0], [LOG(4), LOG(4), 0, 0]], np.float32)
     batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0]], np.float32), "old_logp_BxT": old}
     value, grad, metrics, _ = _tiny(PRESETS["tbpo"](), 2, batch, logp)
-    _close(value, (-1 + 3) / 2, atol=1e-5)  # A = +-1/(1 + 2e-6): adv_eps
-    _close(grad, [[-0.25, -0.25, 0, 0], [0, 0, 0, 0]], atol=1e-6)
+    _close(value, (-U + 3 * U) / 2, atol=1e-5)  # A = +-.5/(.7071068 + 1e-6): adv_eps
+    _close(grad, [[-U / 4, -U / 4, 0, 0], [0, 0, 0, 0]], atol=1e-6)
     _close(metrics["clipped_dual"], 0.5)  # 2 of 4 live tokens
     value, grad, _, _ = _tiny(PRESETS["gspo"](), 2, batch, logp)
-    _close(value, (-1 + 4) / 2, atol=1e-5)
-    _close(grad, [[-0.25, -0.25, 0, 0], [1, 1, 0, 0]], atol=1e-5)
+    _close(value, (-U + 4 * U) / 2, atol=1e-5)
+    _close(grad, [[-U / 4, -U / 4, 0, 0], [U, U, 0, 0]], atol=1e-5)
     assert "dual_clip(0.1, 0.2, c=2)" in make_loss(LossConfig(preset="tbpo", eps_low=0.1, eps_high=0.2,
                                                               options="c=2")).parts
 
@@ -319,7 +320,8 @@ def test_loss_config_defaults_are_the_papers_and_fields_are_checked():
 
 
 def test_loss_options():
-    assert "m2po_mask(tau=0.02)" in make_loss(LossConfig(preset="m2po", options="tau=0.02")).parts
+    assert "m2po_mask(tau=0.02, trust_region)" in make_loss(LossConfig(preset="m2po", options="tau=0.02")).parts
+    assert "m2po_mask(tau=0.04, all)" in make_loss(LossConfig(preset="m2po", options="token_set=all")).parts
     parts = make_loss(LossConfig(preset="grpo", options="tis_cap=2, is_level=sequence, entropy_coef=1e-3")).parts
     assert "tis(cap=2, sequence)" in parts and "entropy_bonus(0.001)" in parts
     cfg = apply_overrides(Config(), ["loss.preset=mu_grpo", "loss.options=delta=0.3,mask_truncated=true"])
@@ -381,8 +383,10 @@ def _update(loss, G, batch, microbatches, ppo_epochs, lr=0.5):
 def test_update_step_runs_prepare_and_reports_exact_metrics():
     # MC-GRPO, G+1 = 3, two PPO epochs (ratios != 1 in epoch 2), microbatches 1 vs 3 (rows of a group
     # split across microbatches): the pivot is dropped on the WHOLE batch before splitting, so the
-    # update and every metric, ratio min / max included, agree.
-    loss = PRESETS["mc_grpo"](kl_beta=0.1)
+    # update and every metric, ratio min / max included, agree. The plain form: the paper-code default
+    # divides these 0/1/2 rewards by MAD + 1e-3 (often 1e-3), |A| ~ 1000, which at SGD lr .5 would
+    # drive every ratio to 0 in epoch 2.
+    loss = PRESETS["mc_grpo"](kl_beta=0.1, mad_scale=False, nonzero_rescale=False)
     batch = _toy_batch(6)
     (s1, m1), params = _update(loss, 3, batch, 1, 2)
     (s3, m3), _ = _update(loss, 3, batch, 3, 2)
@@ -412,5 +416,34 @@ def test_update_step_records_old_logp_for_m2po_and_reports_the_mismatch():
     _close(m["mismatch_abs_logp"], gap.mean(), rtol=1e-5)
     q = np.log(np.exp(np.asarray(logp)) / np.exp(batch["rollout_logp_BxT"]))[live] ** 2
     assert q.mean() > 0.01 and 0 < float(m["m2po_masked"]) < 1  # the batch does need masking
-    _close(m["ratio_min"], 1.0, atol=1e-5)  # one epoch: current == recorded old
-    _close(m["ratio_max"], 1.0, atol=1e-5)
+    # One epoch: current == recorded old, but M2PO's ratio is pi_theta / pi_rollout (its behaviour
+    # policy is the sampler), so ratio_min / max are those of exp(logp - rollout) over live tokens.
+    r = np.exp(np.asarray(logp) - batch["rollout_logp_BxT"])[live]
+    _close(m["ratio_min"], r.min(), rtol=1e-5)
+    _close(m["ratio_max"], r.max(), rtol=1e-5)
+
+
+def test_adv_eps_and_std_ddof_exactly_on_the_presets_that_divide_by_a_std():
+    # Every preset that divides by a group or batch std takes adv_eps AND std_ddof (loss.adv_eps,
+    # loss.options "std_ddof=0"); the others (centring only: Dr.GRPO's mean, RLOO's leave-one-out,
+    # SAO's batch mean; MC-GRPO divides by a MAD, with its own mad_eps) refuse both with a ConfigError.
+    no_std = {"dr_grpo", "rloo", "sao", "mc_grpo"}
+    rewards = np.array([[1.0], [0], [0], [0], [1], [1], [0], [1], [0.5], [0.25], [0], [1]], np.float32)  # G = 3
+    for name in sorted(PRESETS):
+        params = preset_parameters(name)
+        cfg = functools.partial(LossConfig, preset=name, reward_weights=(1.0,))
+        if name in no_std:
+            assert "adv_eps" not in params and "std_ddof" not in params, name
+            with pytest.raises(ConfigError, match=rf"loss\.adv_eps: got 0\.001, but preset '{name}' has no adv_eps"):
+                make_loss(cfg(adv_eps=1e-3))
+            with pytest.raises(ConfigError, match=rf"preset '{name}' has no parameter 'std_ddof'"):
+                make_loss(cfg(options="std_ddof=0"))
+            continue
+        assert "adv_eps" in params and "std_ddof" in params, name
+        unbiased = np.asarray(make_loss(cfg()).advantages(rewards, 3))
+        population = np.asarray(make_loss(cfg(options="std_ddof=0")).advantages(rewards, 3))
+        assert np.max(np.abs(unbiased - population)) > 0.05, name  # the option reaches the std
+        # it divides by a spread: rewards x 10 give the same advantages
+        _close(make_loss(cfg()).advantages(10 * rewards, 3), unbiased, atol=1e-4)
+        # adv_eps reaches every std it divides by: a huge eps shrinks every advantage
+        assert np.max(np.abs(np.asarray(make_loss(cfg(adv_eps=1e3)).advantages(rewards, 3)))) < 1e-2, name

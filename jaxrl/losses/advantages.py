@@ -10,6 +10,18 @@ static Python int (pass it with `static_argnums` under `jax.jit`), because it fi
 
 Convention used across `jaxrl.losses`: a part with hyperparameters is a factory that returns the
 function (`group_mean_std(eps)`); a part without any is the function itself (`group_mean`).
+
+Standard-deviation convention (every estimator here and in `multi_reward.py` that divides by a group
+or batch std): the std is the UNBIASED sample std, ddof = 1 (Bessel's correction), as TRL, verl and
+OpenRLHF compute it (`torch.std`), with eps added to the std, not inside the sqrt:
+
+    std_n(x) = sqrt( sum_i (x_i - mean x)^2 / (n - ddof) ),        A = (r - mean) / (std + eps)
+
+so rewards [1,0,0,0] give A = [1.5, -0.5, -0.5, -0.5]. `ddof=0` (the population std, A = [1.732..,
+-0.577..]) is an option: `std_ddof` of the normaliser factories and of the presets (loss.options
+"std_ddof=0"). For n equal-size groups the two differ only by the constant factor sqrt(n / (n - 1)).
+A group (or batch) of one sample has no spread: its divisor is clamped to 1, so std = 0 and its
+advantage is exactly 0 (never NaN), whatever ddof.
 """
 
 from __future__ import annotations
@@ -42,6 +54,20 @@ def _by_group(x_B: jax.Array, group_size: int) -> jax.Array:
     return x_B.reshape(x_B.shape[0] // group_size, group_size)
 
 
+def _check_ddof(ddof) -> int:
+    if ddof not in (0, 1) or isinstance(ddof, bool):
+        raise ValueError(f"std_ddof: got {ddof!r}, expected 1 (unbiased std, the default) or 0 (population std)")
+    return int(ddof)
+
+
+def _std(x: jax.Array, ddof: int, axis=None) -> jax.Array:
+    """std with `ddof` (see the module docstring), keepdims along `axis`; the divisor n - ddof is
+    clamped to >= 1, so a single sample has std 0 (its centred value is 0) instead of 0/0 = NaN."""
+    n = x.size if axis is None else x.shape[axis]
+    centred = x - jnp.mean(x, axis=axis, keepdims=True)
+    return jnp.sqrt(jnp.sum(jnp.square(centred), axis=axis, keepdims=True) / max(n - ddof, 1))
+
+
 def _is_constant_NxG(r_NxG: jax.Array) -> jax.Array:
     # The float mean of equal values need not equal them (e.g. four 0.3s), so a constant group
     # would leave r - mean ~ 1e-8 and std ~ 1e-8; divided by (std + eps) that is a spurious
@@ -57,20 +83,21 @@ def group_mean(r_B: jax.Array, group_size: int) -> jax.Array:
     return centred_NxG.reshape(-1)
 
 
-def group_mean_std(eps: float = 1e-6) -> Normaliser:
+def group_mean_std(eps: float = 1e-6, ddof: int = 1) -> Normaliser:
     """GRPO normaliser (Shao et al. 2024): A_i = (r_i - mean_G r) / (std_G r + eps).
 
-    std is the POPULATION std (ddof=0, no Bessel correction): sqrt(mean_G (r - mean_G r)^2).
-    eps is added to the std (not inside the sqrt). A group whose rewards are all equal gets exactly
-    zero advantage (no NaN, no float-rounding residue).
+    std is the UNBIASED std by default (ddof=1, as TRL / verl): sqrt(sum_G (r - mean_G r)^2 / (G - 1));
+    ddof=0 gives the population std. eps is added to the std (not inside the sqrt). A group whose
+    rewards are all equal, or a group of one, gets exactly zero advantage (no NaN, no float residue).
     """
     if not eps > 0:
         raise ValueError(f"eps: got {eps!r}, expected a positive number")
+    ddof = _check_ddof(ddof)
 
     def normalise(r_B: jax.Array, group_size: int) -> jax.Array:
         r_NxG = _by_group(r_B, group_size)
         mean_Nx1 = jnp.mean(r_NxG, axis=1, keepdims=True)
-        std_Nx1 = jnp.std(r_NxG, axis=1, keepdims=True)  # ddof=0
+        std_Nx1 = _std(r_NxG, ddof, axis=1)
         adv_NxG = (r_NxG - mean_Nx1) / (std_Nx1 + eps)
         adv_NxG = jnp.where(_is_constant_NxG(r_NxG), 0.0, adv_NxG)
         return adv_NxG.reshape(-1)
@@ -123,21 +150,23 @@ def estimator(reward_combine: RewardCombine, normaliser: Normaliser) -> Estimato
 # the whole update batch (the advantage step does), never per microbatch.
 
 
-def group_mean_batch_std(eps: float = 1e-6) -> Normaliser:
+def group_mean_batch_std(eps: float = 1e-6, ddof: int = 1) -> Normaliser:
     """Batch-std scaling ("group mean, batch std", Liu et al. 2025, "Tricks or Traps? A Deep Dive
     into RL for LLM Reasoning"):
 
         A_i = (r_i - mean_G r) / (std_B r + eps)
 
-    std_B is the POPULATION std (ddof=0) of the raw rewards over all B rows of the batch (not of the
-    centred values); eps is added to the std. A constant group gets exactly 0; a constant batch too.
+    std_B is the std of the raw rewards over all B rows of the batch (not of the centred values),
+    unbiased (ddof=1) by default; eps is added to the std. A constant group gets exactly 0; a
+    constant batch too.
     """
     if not eps > 0:
         raise ValueError(f"eps: got {eps!r}, expected a positive number")
+    ddof = _check_ddof(ddof)
 
     def normalise(r_B: jax.Array, group_size: int) -> jax.Array:
         centred_B = group_mean(r_B, group_size)
-        return centred_B / (jnp.std(r_B) + eps)
+        return centred_B / (_std(r_B, ddof)[0] + eps)
 
     return normalise
 
@@ -156,19 +185,20 @@ def rloo(r_B: jax.Array, group_size: int) -> jax.Array:
     return adv_NxG.reshape(-1)
 
 
-def _batch_whiten_NxG(adv_NxG: jax.Array, eps: float) -> jax.Array:
-    """(A - mean_B A) / (std_B A + eps), population std over all rows; a group whose advantages are
+def _batch_whiten_NxG(adv_NxG: jax.Array, eps: float, ddof: int = 1) -> jax.Array:
+    """(A - mean_B A) / (std_B A + eps), std over all rows with `ddof`; a group whose advantages are
     all exactly 0 stays exactly 0. For a group-centred input the batch mean is 0 in exact arithmetic,
     so that guard only removes float residue (constant groups carry no signal and must not get a
     spurious ~1e-8 advantage)."""
-    whitened_NxG = (adv_NxG - jnp.mean(adv_NxG)) / (jnp.std(adv_NxG) + eps)
+    whitened_NxG = (adv_NxG - jnp.mean(adv_NxG)) / (_std(adv_NxG, ddof) + eps)
     all_zero_Nx1 = jnp.all(adv_NxG == 0, axis=1, keepdims=True)
     return jnp.where(all_zero_Nx1, 0.0, whitened_NxG)
 
 
-def group_mean_batch_whiten(eps: float = 1e-6) -> Normaliser:
+def group_mean_batch_whiten(eps: float = 1e-6, ddof: int = 1) -> Normaliser:
     """REINFORCE++ with baseline (Hu et al. 2025, arXiv:2501.03262): A_i = r_i - mean_G r, then
-    whitened over the batch: A_i <- (A_i - mean_B A) / (std_B A + eps), population std.
+    whitened over the batch: A_i <- (A_i - mean_B A) / (std_B A + eps), unbiased std by default
+    (ddof=1, as verl's `masked_whiten`).
 
     Whitening is over SEQUENCES (each row counts once). OpenRLHF whitens the per-token advantages
     over all completion tokens, which weighs long rows more; that needs the mask, which the
@@ -176,10 +206,11 @@ def group_mean_batch_whiten(eps: float = 1e-6) -> Normaliser:
     """
     if not eps > 0:
         raise ValueError(f"eps: got {eps!r}, expected a positive number")
+    ddof = _check_ddof(ddof)
 
     def normalise(r_B: jax.Array, group_size: int) -> jax.Array:
         centred_NxG = group_mean(r_B, group_size).reshape(-1, group_size)
-        return _batch_whiten_NxG(centred_NxG, eps).reshape(-1)
+        return _batch_whiten_NxG(centred_NxG, eps, ddof).reshape(-1)
 
     return normalise
 
@@ -197,14 +228,23 @@ def _median_order_NxG(r_B: jax.Array, group_size: int) -> tuple:
     return r_NxG, order_NxG
 
 
-def group_median(mad_scale: bool = False, mad_eps: float = 1e-3) -> Normaliser:
-    """MC-GRPO advantage: A_i = r_i - median_{G+1} r, optionally / (MAD + mad_eps).
+def group_median(mad_scale: bool = True, mad_eps: float = 1e-3, nonzero_rescale: bool = True) -> Normaliser:
+    """MC-GRPO advantage ("Median-Centered Group Relative Policy Optimization", papers.txt; the
+    paper's code, github.com/lotusroot-kim/MC-GRPO, `grpo_trainer_*.py`). With M = median_{G+1} r:
 
+        A_i = (r_i - M) / (MAD + mad_eps)                  MAD = median_{G+1} |r_i - M|   (mad_scale)
+        A_i <- A_i * (G+1) / #{j : |A_j| > 1e-6}           on the rows with |A_i| > 1e-6 (nonzero_rescale)
+
+    Both steps are on by default, as in the paper's code (which divides by MAD + 1e-3 always and
+    rescales the non-zero advantages of each group of G+1 by (G+1) / #nonzero, with the same 1e-6
+    zero tolerance); `mad_scale=False, nonzero_rescale=False` is the plain form A_i = r_i - M.
     group_size is G+1 and must be ODD, so the median is one group member's reward (no averaging).
-    Every row tied at the median, the pivot included, gets exactly A = 0 (r - r is exact).
-    MAD = median_{G+1} |r_i - median| (the pivot's 0 included). Warning for 0/1 rewards: the MAD is 0
-    whenever more than half the group ties at the median, and then A = +-1/mad_eps = +-1000 — this is
-    the variant's definition, not a bug; keep mad_scale=False for binary rewards unless intended.
+    Every row tied at the median, the pivot included, gets exactly A = 0 (r - r is exact) and is not
+    rescaled; a group with no non-zero advantage stays all 0. Note for 0/1 rewards: the MAD is 0
+    whenever more than half the group ties at the median (always, for an odd group of 0/1 rewards),
+    so A = +-1/mad_eps = +-1000 before the rescale: that is the paper's code, a global scale that
+    global-norm clipping and Adam largely remove; the rescale then gives every informative group the
+    same total |A| = (G+1)/mad_eps.
     Pair with `median_pivot` to remove the pivot's row from the loss (see there).
     """
     if mad_scale and not mad_eps > 0:
@@ -218,9 +258,17 @@ def group_median(mad_scale: bool = False, mad_eps: float = 1e-3) -> Normaliser:
         if mad_scale:
             mad_Nx1 = jnp.sort(jnp.abs(adv_NxG), axis=1)[:, mid:mid + 1]
             adv_NxG = adv_NxG / (mad_Nx1 + mad_eps)
+        if nonzero_rescale:
+            nonzero_NxG = jnp.abs(adv_NxG) > _MC_ZERO_TOL
+            n_nonzero_Nx1 = jnp.sum(nonzero_NxG, axis=1, keepdims=True)
+            scale_Nx1 = group_size / jnp.maximum(n_nonzero_Nx1, 1).astype(adv_NxG.dtype)
+            adv_NxG = jnp.where(nonzero_NxG, adv_NxG * scale_Nx1, adv_NxG)
         return adv_NxG.reshape(-1)
 
     return normalise
+
+
+_MC_ZERO_TOL = 1e-6  # the paper's code: torch.isclose(A, 0, atol=1e-6) counts as a zero advantage
 
 
 def median_pivot(r_B: jax.Array, group_size: int) -> jax.Array:

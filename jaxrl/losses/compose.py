@@ -35,6 +35,7 @@ Hyperparameters are static Python values closed over at build time; a change rec
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -96,10 +97,13 @@ def policy_token_loss(ratio: ratios.RatioFn, objective: objectives.Objective,
                       regularizer_parts: Sequence[regularizers.Regularizer] = ()) -> Callable:
     """Compose ratio level -> objective (+ regularisers) into `token_loss(logp_BxT, batch)`."""
 
+    takes_logp = "logp_BxT" in inspect.signature(objective).parameters  # CISPO reports -sg(w) A logp
+
     def token_loss(logp_BxT: jax.Array, batch: dict):
         mask_BxT = batch["completion_mask_BxT"]
         log_ratio_BxT = ratio(logp_BxT, batch["old_logp_BxT"], mask_BxT)
-        loss_BxT, stats = objective(log_ratio_BxT, _advantages_BxT(batch, logp_BxT.shape), mask_BxT)
+        loss_BxT, stats = objective(log_ratio_BxT, _advantages_BxT(batch, logp_BxT.shape), mask_BxT,
+                                    **({"logp_BxT": logp_BxT} if takes_logp else {}))
         return jnp.where(mask_BxT > 0, loss_BxT, 0.0), dict(stats)
 
     return with_regularizers(token_loss, regularizer_parts)

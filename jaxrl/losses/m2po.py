@@ -3,25 +3,37 @@
 M2PO (Second-Moment Trust Policy Optimization, "Prosperity before Collapse: How Far Can Off-Policy
 RL Reach with Stale Data on LLMs?") drops the tokens with the largest (log rho)^2 until the second
 moment over the kept tokens, M2 = mean (log rho)^2, is <= tau (e.g. 0.04). Which tokens go depends
-on every token of the batch, so it cannot be decided inside one microbatch. Three pieces:
+on every token of the batch, so it cannot be decided inside one microbatch. Four pieces:
 
-    m2po_keep_mask(log_ratio_BxT, mask_BxT, tau) -> keep_BxT      the exact batch-level rule
-    m2po_prepare(tau, ...) -> prepare(batch) -> batch             run ONCE on the whole update batch,
-                                                                  before splitting: adds keep_BxT
-    apply_keep_mask(token_loss, key) -> token_loss                per microbatch: drops those tokens
+    m2po_keep_mask(log_ratio_BxT, mask_BxT, tau, candidates) -> keep_BxT   the exact batch-level rule
+    m2po_prepare(tau, token_set, ...) -> prepare(batch) -> batch   run ONCE on the whole update batch,
+                                                                   before splitting: adds keep_BxT
+    apply_keep_mask(token_loss, key) -> token_loss                 per microbatch: drops those tokens
+    rollout_behaviour(token_loss) -> token_loss                    the ratio's behaviour policy is the
+                                                                   rollout policy (see there)
 
-so the microbatched loss and gradient equal the full-batch ones exactly. `prepare` uses only data
-already in the batch (no forward pass): by default log rho = old_logp - rollout_logp, the staleness
-of the data with respect to the policy at the START of the update. That is the paper's
+so the microbatched loss and gradient equal the full-batch ones exactly.
+
+Which tokens the budget covers (`token_set`). Algorithm 1 of the paper computes the second moment
+over the TRUST-REGION tokens only, the ones an update would push further from the behaviour policy:
+A > 0 with r > 1, and A < 0 with r < 1 (r = pi_theta / pi_behaviour); only those can be masked,
+the others neither count in M2 nor are ever masked. That is the default ("trust_region");
+"all" computes M2 over every live token (our earlier reading of the abstract).
+
+The behaviour policy is the one that SAMPLED the tokens: the rollout policy (`rollout_logp_BxT`,
+the sampler's log-probs) whenever the batch has it; without it, the old policy. `prepare` uses only
+data already in the batch (no forward pass): log r = old_logp - rollout_logp, the staleness of the
+data with respect to the policy at the START of the update, which is the paper's
 log(pi_theta / pi_behaviour) exactly for the first (or only) optimizer step on the batch; for later
 PPO epochs the mask stays frozen at its start-of-update value (an approximation; recomputing it
-per epoch would need a full-batch forward pass each epoch). The training step must have
+per epoch would need a full-batch forward pass each epoch). The objective's ratio uses the same
+behaviour policy, pi_theta / pi_rollout (`rollout_behaviour`). The training step must have
 `old_logp_BxT` in the batch before calling `prepare` (recorded old log-probs).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +41,12 @@ import jax.numpy as jnp
 from jaxrl.losses.ratios import token_log_ratio
 
 
-def m2po_keep_mask(log_ratio_BxT: jax.Array, mask_BxT: jax.Array, tau: float) -> jax.Array:
+def m2po_keep_mask(log_ratio_BxT: jax.Array, mask_BxT: jax.Array, tau: float,
+                   candidates_BxT: Optional[jax.Array] = None) -> jax.Array:
     """keep_BxT (float 0/1): 0 on the live tokens M2PO drops, 1 everywhere else (masked tokens too).
 
+    `candidates_BxT` (bool, optional): the token set the budget covers; only live candidates count
+    in M2 and only they can be dropped (None: every live token). "Live" below means live candidate.
     Rule (exact and deterministic): sort the live tokens' q = (log rho)^2 ascending; the kept set is
     the largest prefix j* of that order whose mean sum_{i<=j} q_(i) / j is <= tau (prefix means of an
     ascending sort never decrease, so this is "drop the largest until the mean is <= tau", and the
@@ -45,6 +60,8 @@ def m2po_keep_mask(log_ratio_BxT: jax.Array, mask_BxT: jax.Array, tau: float) ->
     if isinstance(tau, (int, float)) and not tau >= 0:
         raise ValueError(f"m2po: tau={tau!r}; expected a non-negative number")
     live_BxT = mask_BxT > 0
+    if candidates_BxT is not None:
+        live_BxT = live_BxT & candidates_BxT
     q_BxT = jnp.square(jnp.where(live_BxT, log_ratio_BxT, 0.0).astype(jnp.float32))
     q_sorted = jnp.sort(jnp.where(live_BxT, q_BxT, jnp.inf).reshape(-1))  # live first, ascending
     n_live = jnp.sum(live_BxT)
@@ -58,23 +75,66 @@ def m2po_keep_mask(log_ratio_BxT: jax.Array, mask_BxT: jax.Array, tau: float) ->
     return (~dropped_BxT).astype(jnp.float32)
 
 
-def m2po_prepare(tau: float = 0.04, logp_key: str = "old_logp_BxT", behaviour_key: str = "rollout_logp_BxT",
-                 out_key: str = "m2po_keep_BxT") -> Callable[[dict], dict]:
-    """prepare(batch) -> batch with batch[out_key] = m2po_keep_mask(logp - behaviour, mask, tau).
+TOKEN_SETS = ("trust_region", "all")
 
-    Call it on the WHOLE update batch, before `split_microbatches`; the result is a B-leading BxT
-    array, so it splits with the rest. Keys are parameters so a caller with the current policy's
-    full-batch log-probs can point `logp_key` at them.
+
+def trust_region_tokens(log_ratio_BxT: jax.Array, adv_BxT: jax.Array) -> jax.Array:
+    """bool_BxT: the tokens M2PO's Algorithm 1 budgets, A > 0 with r > 1 or A < 0 with r < 1
+    (log r = log_ratio; strict inequalities: r = 1 or A = 0 is outside the set)."""
+    return ((adv_BxT > 0) & (log_ratio_BxT > 0)) | ((adv_BxT < 0) & (log_ratio_BxT < 0))
+
+
+def _behaviour_logp(batch: dict) -> jax.Array:
+    return batch["rollout_logp_BxT"] if "rollout_logp_BxT" in batch else batch["old_logp_BxT"]
+
+
+def _adv_BxT(batch: dict, shape: tuple) -> jax.Array:
+    if "advantages_BxT" in batch:
+        return batch["advantages_BxT"]
+    return jnp.broadcast_to(batch["advantages_B"][:, None], shape)
+
+
+def m2po_prepare(tau: float = 0.04, token_set: str = "trust_region", logp_key: str = "old_logp_BxT",
+                 out_key: str = "m2po_keep_BxT") -> Callable[[dict], dict]:
+    """prepare(batch) -> batch with batch[out_key] = m2po_keep_mask(log r, mask, tau, candidates).
+
+    log r = batch[logp_key] - behaviour log-probs (rollout_logp_BxT when present, else old_logp_BxT);
+    candidates = `trust_region_tokens(log r, A)` for token_set "trust_region" (needs the batch's
+    advantages), every live token for "all". Call it on the WHOLE update batch, before
+    `split_microbatches`; the result is a B-leading BxT array, so it splits with the rest. `logp_key`
+    is a parameter so a caller with the current policy's full-batch log-probs can point it at them.
     """
     if not tau >= 0:
         raise ValueError(f"m2po: tau={tau!r}; expected a non-negative number")
+    if token_set not in TOKEN_SETS:
+        raise ValueError(f"m2po: token_set={token_set!r}; expected one of {TOKEN_SETS}")
 
     def prepare(batch: dict) -> dict:
         mask_BxT = batch["completion_mask_BxT"]
-        log_ratio_BxT = token_log_ratio(batch[logp_key], batch[behaviour_key], mask_BxT)
-        return dict(batch, **{out_key: m2po_keep_mask(jax.lax.stop_gradient(log_ratio_BxT), mask_BxT, tau)})
+        log_ratio_BxT = jax.lax.stop_gradient(token_log_ratio(batch[logp_key], _behaviour_logp(batch), mask_BxT))
+        candidates_BxT = None
+        if token_set == "trust_region":
+            candidates_BxT = trust_region_tokens(log_ratio_BxT, _adv_BxT(batch, mask_BxT.shape))
+        return dict(batch, **{out_key: m2po_keep_mask(log_ratio_BxT, mask_BxT, tau, candidates_BxT)})
 
     return prepare
+
+
+def rollout_behaviour(token_loss: Callable) -> Callable:
+    """Wrap `token_loss(logp_BxT, batch)` so its ratio's behaviour policy is the ROLLOUT policy:
+    the inner loss sees old_logp_BxT := rollout_logp_BxT (when the batch has it), so its ratio is
+    pi_theta / pi_rollout, M2PO's importance weight on data sampled by a stale or mismatched sampler
+    ("Prosperity before Collapse", papers.txt: r = pi_theta / pi_behav). Without rollout log-probs,
+    or when they equal the old ones, nothing changes. Inside the wrapped loss, rollout-mismatch
+    corrections (TIS / MIS on pi_old / pi_rollout) then see a ratio of 1: the M2PO ratio already
+    carries that factor."""
+
+    def wrapped(logp_BxT: jax.Array, batch: dict):
+        if "rollout_logp_BxT" in batch:
+            batch = dict(batch, old_logp_BxT=batch["rollout_logp_BxT"])
+        return token_loss(logp_BxT, batch)
+
+    return wrapped
 
 
 def apply_keep_mask(token_loss: Callable, key: str = "m2po_keep_BxT", stat: str = "m2po_masked_BxT") -> Callable:

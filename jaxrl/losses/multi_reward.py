@@ -8,6 +8,9 @@ normalisation, the reverse of `estimator(reward_combine, normaliser)`.
 
 Rows of one group are adjacent; `group_size` is a static int. The final batch normalisation is over
 every row of the call: run the estimator on the whole update batch.
+
+Every std here (the per-reward group std and the batch std) follows `advantages.py`'s convention:
+unbiased (ddof=1) by default, `ddof=0` for the population std; eps is added to the std.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import ConfigError
-from jaxrl.losses.advantages import Estimator, _batch_whiten_NxG, _by_group
+from jaxrl.losses.advantages import Estimator, _batch_whiten_NxG, _by_group, _check_ddof, _std
 
 
 def _weights_K(weights: Optional[Sequence[float]], k: int) -> jax.Array:
@@ -31,44 +34,48 @@ def _weights_K(weights: Optional[Sequence[float]], k: int) -> jax.Array:
     return jnp.asarray(weights, jnp.float32)
 
 
-def group_z_scores(rewards_BxK: jax.Array, group_size: int, eps: float = 1e-6) -> jax.Array:
+def group_z_scores(rewards_BxK: jax.Array, group_size: int, eps: float = 1e-6, ddof: int = 1) -> jax.Array:
     """z_BxK: z_ik = (r_ik - mean_G r_k) / (std_G r_k + eps), per reward function k within each group.
 
-    Population std (ddof=0), eps added to the std. A reward column that is constant within a group
-    gets exactly 0 there (no float residue, no NaN).
+    Unbiased std by default (ddof=1; 0 = population std), eps added to the std. A reward column that
+    is constant within a group (or a group of one) gets exactly 0 there (no float residue, no NaN).
     """
     if rewards_BxK.ndim != 2:
         raise ValueError(f"expected rewards_BxK of rank 2, got shape {rewards_BxK.shape}")
     if not eps > 0:
         raise ValueError(f"eps: got {eps!r}, expected a positive number")
+    ddof = _check_ddof(ddof)
     b, k = rewards_BxK.shape
     _by_group(jnp.zeros((b,)), group_size)  # validates group_size against B
     r_NxGxK = rewards_BxK.astype(jnp.float32).reshape(b // group_size, group_size, k)
     mean_Nx1xK = jnp.mean(r_NxGxK, axis=1, keepdims=True)
-    std_Nx1xK = jnp.std(r_NxGxK, axis=1, keepdims=True)
+    std_Nx1xK = _std(r_NxGxK, ddof, axis=1)
     z_NxGxK = (r_NxGxK - mean_Nx1xK) / (std_Nx1xK + eps)
     constant_Nx1xK = jnp.max(r_NxGxK, axis=1, keepdims=True) == jnp.min(r_NxGxK, axis=1, keepdims=True)
     return jnp.where(constant_Nx1xK, 0.0, z_NxGxK).reshape(b, k)
 
 
-def gdpo(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6) -> Estimator:
+def gdpo(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6,
+         ddof: int = 1) -> Estimator:
     """GDPO (group reward-decoupled normalisation):
 
         z_ik = (r_ik - mean_G r_k) / (std_G r_k + eps)        (`group_z_scores`)
         a_i  = sum_k w_k z_ik
-        A_i  = (a_i - mean_B a) / (std_B a + batch_eps)       population std over all B rows
+        A_i  = (a_i - mean_B a) / (std_B a + batch_eps)       std over all B rows
 
+    Both stds use `ddof` (1 = unbiased, the default).
     `weights=None` gives every reward function weight 1; a count mismatch raises ConfigError.
     mean_B a is 0 in exact arithmetic (each z column sums to 0 within a group); a group whose a_i are
     all exactly 0 (e.g. every reward constant in the group) stays exactly 0.
     """
     if not batch_eps > 0:
         raise ValueError(f"batch_eps: got {batch_eps!r}, expected a positive number")
+    ddof = _check_ddof(ddof)
 
     def advantages(rewards_BxK: jax.Array, group_size: int) -> jax.Array:
-        z_BxK = group_z_scores(rewards_BxK, group_size, eps)
+        z_BxK = group_z_scores(rewards_BxK, group_size, eps, ddof)
         a_NxG = (z_BxK @ _weights_K(weights, z_BxK.shape[1])).reshape(-1, group_size)
-        return jax.lax.stop_gradient(_batch_whiten_NxG(a_NxG, batch_eps).reshape(-1))
+        return jax.lax.stop_gradient(_batch_whiten_NxG(a_NxG, batch_eps, ddof).reshape(-1))
 
     return advantages
 
@@ -84,7 +91,7 @@ def _check_gd2po(batch_eps: float, conflict_threshold: float, consensus_power: f
 
 def gd2po_parts(rewards_BxK: jax.Array, group_size: int, *, weights: Optional[Sequence[float]] = None,
                 eps: float = 1e-6, batch_eps: float = 1e-6, conflict_threshold: float = 0.5,
-                consensus_power: float = 1.0) -> dict:
+                consensus_power: float = 1.0, ddof: int = 1) -> dict:
     """GD2PO, OUR READING (PAPERS.md gives no formula): GDPO + conflict masking + query reweighting.
 
     With z_ik and a_i = sum_k w_k z_ik as in `gdpo`, and A_i^GDPO its batch normalisation:
@@ -101,15 +108,17 @@ def gd2po_parts(rewards_BxK: jax.Array, group_size: int, *, weights: Optional[Se
     reweighting, conflict_threshold >= 1 disables the masking. No renormalisation after reweighting:
     the overall advantage scale shrinks by the consensus factor.
 
+    Both stds use `ddof` (1 = unbiased, the default). The mask and the consensus read only signs, so
+    they do not depend on ddof (it rescales every z of equal-size groups by one constant).
     Returns {"adv_B", "keep_B" (float 0/1), "conflict_B", "consensus_B" (the row's group consensus)}.
     A masked rollout gets A = 0; to remove it from the loss entirely (KL, normaliser counts) the
     preset should also do completion_mask_BxT *= keep_B[:, None], like the MC-GRPO pivot.
     """
     _check_gd2po(batch_eps, conflict_threshold, consensus_power)
-    z_BxK = group_z_scores(rewards_BxK, group_size, eps)
+    z_BxK = group_z_scores(rewards_BxK, group_size, eps, ddof)
     w_K = _weights_K(weights, z_BxK.shape[1])
     a_B = z_BxK @ w_K
-    adv_B = _batch_whiten_NxG(a_B.reshape(-1, group_size), batch_eps).reshape(-1)
+    adv_B = _batch_whiten_NxG(a_B.reshape(-1, group_size), batch_eps, _check_ddof(ddof)).reshape(-1)
     against_BxK = jnp.sign(z_BxK * w_K[None, :]) == -jnp.sign(a_B)[:, None]
     against_BxK = against_BxK & (jnp.sign(a_B)[:, None] != 0)
     abs_w_K = jnp.abs(w_K)
@@ -124,10 +133,10 @@ def gd2po_parts(rewards_BxK: jax.Array, group_size: int, *, weights: Optional[Se
 
 
 def gd2po(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6,
-          conflict_threshold: float = 0.5, consensus_power: float = 1.0) -> Estimator:
+          conflict_threshold: float = 0.5, consensus_power: float = 1.0, ddof: int = 1) -> Estimator:
     """GD2PO advantages, OUR READING (formula in `gd2po_parts`): (rewards_BxK, group_size) -> adv_B."""
     kw = dict(weights=weights, eps=eps, batch_eps=batch_eps, conflict_threshold=conflict_threshold,
-              consensus_power=consensus_power)
+              consensus_power=consensus_power, ddof=_check_ddof(ddof))
     _check_gd2po(batch_eps, conflict_threshold, consensus_power)  # bad values fail at build time
 
     def advantages(rewards_BxK: jax.Array, group_size: int) -> jax.Array:

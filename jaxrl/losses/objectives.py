@@ -6,10 +6,11 @@ The per-token loss before aggregation (a quantity to MINIMISE, i.e. the negated 
 
 Parts: ppo_clip (PPO / DAPO clip-higher), dual_clip, cispo, sapo, strict_double_side (SAO),
 mu_grpo (relaxed clip + negative-advantage veto), gmpo (geometric-mean, sequence-level). Every one
-keeps the same signature: CISPO needs no logp argument (see `cispo`), GMPO is an objective rather
-than a ratio level (see `gmpo`). M2PO's second-moment masking is batch-level, so it is not an
-objective: see `jaxrl.losses.m2po`. Objectives that read a whole row (gmpo) stay exact under
-microbatching because microbatches split rows, never a row.
+keeps the same signature; CISPO also takes the current log-probs as an optional `logp_BxT`, to
+report the paper's value (see `cispo`; `compose` passes them to any objective that names it).
+GMPO is an objective rather than a ratio level (see `gmpo`). M2PO's second-moment masking is
+batch-level, so it is not an objective: see `jaxrl.losses.m2po`. Objectives that read a whole row
+(gmpo) stay exact under microbatching because microbatches split rows, never a row.
 """
 
 from __future__ import annotations
@@ -108,27 +109,27 @@ def dual_clip(eps_low: float = 0.2, eps_high: Optional[float] = None, c: float =
 
 def cispo(cap: float, floor: Optional[float] = None) -> Objective:
     """CISPO (MiniMax-M1, arXiv:2506.13585): the IS weight is clipped and DETACHED, every token keeps
-    its gradient:   paper   l_t = -sg(clip(rho_t, floor, cap)) * A * logp_theta(y_t)
+    its gradient:
 
-    Signature choice: we keep the objective signature and compute
+        l_t = -sg(w_t) * A * logp_theta(y_t),    w_t = clip(rho_t, floor, cap),  rho_t = exp(log_ratio_t)
 
-        l_t = -sg(clip(rho_t, floor, cap)) * A * log_ratio_t,   log_ratio_t = logp_t - sg(logp_old_t)
-
-    which differs from the paper's loss by sg(w) * A * logp_old_t, a constant: the gradient with
-    respect to logp is identical, -sg(clip(rho, floor, cap)) * A per token (and the reported value is
-    0 at rho = 1 instead of a logp-scaled number). This relies on the ratio level having
-    d log_ratio_t / d logp_t = 1, i.e. `token_log_ratio`; on another ratio level (e.g. GSPO) it is a
-    different, sequence-level CISPO, which is allowed but not the paper's.
-    `cap` is the absolute upper bound on the weight (e.g. 1 + eps_high); `floor=None` means no lower
-    bound (the paper effectively uses none). stats: ratio_BxT; clipped_high_BxT (rho > cap: the weight
-    was capped) and clipped_low_BxT (rho < floor); unlike PPO, a "clipped" token still has gradient.
+    This is the value TRL's and verl's CISPO report (`-clamped_ratio.detach() * advantages *
+    per_token_logps`), so logged losses compare directly. `compose.policy_token_loss` passes the
+    current log-probs as `logp_BxT` (this objective names that parameter); called without them (a
+    caller of the bare objective), logp is replaced by the log-ratio, which differs by the constant
+    sg(w) * A * logp_old: same gradient, a value of 0 at rho = 1. Either way the gradient with
+    respect to logp is -sg(w_t) * A per token.
+    `cap` is the ABSOLUTE upper bound on the weight (TRL's `epsilon_high` for CISPO is this number;
+    the preset passes 1 + eps_high); `floor=None` means no lower bound (the paper and TRL use none).
+    stats: ratio_BxT; clipped_high_BxT (rho > cap: the weight was capped) and clipped_low_BxT
+    (rho < floor); unlike PPO, a "clipped" token still has gradient.
     """
     if not cap > 0:
         raise ValueError(f"cispo: cap={cap!r}; expected a positive number")
     if floor is not None and not 0 <= floor <= cap:
         raise ValueError(f"cispo: floor={floor!r}; expected None or a number in [0, cap]")
 
-    def objective(log_ratio_BxT, adv_BxT, mask_BxT):
+    def objective(log_ratio_BxT, adv_BxT, mask_BxT, logp_BxT=None):
         live_BxT = mask_BxT > 0
         log_ratio_BxT = jnp.where(live_BxT, log_ratio_BxT, 0.0)
         ratio_BxT = jnp.exp(jax.lax.stop_gradient(log_ratio_BxT))
@@ -137,7 +138,8 @@ def cispo(cap: float, floor: Optional[float] = None) -> Objective:
         if floor is not None:
             weight_BxT = jnp.maximum(weight_BxT, floor)
             low_BxT = live_BxT & (ratio_BxT < floor)
-        loss_BxT = -jax.lax.stop_gradient(weight_BxT) * adv_BxT * log_ratio_BxT
+        logp_term_BxT = log_ratio_BxT if logp_BxT is None else jnp.where(live_BxT, logp_BxT, 0.0)
+        loss_BxT = -jax.lax.stop_gradient(weight_BxT) * adv_BxT * logp_term_BxT
         stats = {"ratio_BxT": jnp.where(live_BxT, ratio_BxT, 0.0),
                  "clipped_low_BxT": _f32(low_BxT),
                  "clipped_high_BxT": _f32(live_BxT & (ratio_BxT > cap))}

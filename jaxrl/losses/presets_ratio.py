@@ -1,7 +1,8 @@
 """Presets that change the ratio level, the objective or the trust region (GRPO advantages unless said).
 
 Same conventions as `presets_grpo.py`: each is a short `compose(...)`, takes kl_beta, reward_weights
-and the `compose.EXTRAS` options; rho_t = pi_theta(y_t) / pi_old(y_t), B live rows, |y_i| = sum_t m_t.
+and the `compose.EXTRAS` options, and adv_eps / std_ddof exactly when it divides by a std (GRPO
+advantages: unbiased group std by default); rho_t = pi_theta(y_t) / pi_old(y_t), B live rows, |y_i| = sum_t m_t.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from jaxrl.losses.compose import Loss, compose, named
 from jaxrl.losses.presets_grpo import _clip, _std, _sum
 
 
-def _grpo_adv(reward_weights, adv_eps) -> dict:
-    return dict(reward_combine=_sum(reward_weights), normaliser=_std(adv_eps))
+def _grpo_adv(reward_weights, adv_eps, std_ddof) -> dict:
+    return dict(reward_combine=_sum(reward_weights), normaliser=_std(adv_eps, std_ddof))
 
 
 def gspo(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
 
         s_i = exp(1/|y_i| sum_t log rho_t)            (sequence_log_ratio: length-normalised)
@@ -28,13 +29,13 @@ def gspo(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0.0, ad
     The ratio is one number per row, clipped as one number with GSPO's tiny ranges; GRPO advantages.
     seq_mean_token_mean of a row-constant loss is the row's value, so J is exactly the paper's.
     """
-    return compose("gspo", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.sequence_log_ratio,
+    return compose("gspo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.sequence_log_ratio,
                    objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta,
                    **extras)
 
 
 def gspo_token(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-               reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+               std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """GSPO-token (Zheng et al. 2025, arXiv:2507.18071, the token-level variant):
 
         s_it = sg(s_i) * rho_t / sg(rho_t)              (sequence_token_log_ratio)
@@ -42,13 +43,13 @@ def gspo_token(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0
     Same value and clipping as GSPO, per-token gradient (so per-token advantages can differ); with a
     per-row advantage its gradient equals GSPO's.
     """
-    return compose("gspo_token", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.sequence_token_log_ratio,
+    return compose("gspo_token", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.sequence_token_log_ratio,
                    objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta,
                    **extras)
 
 
 def tbpo(eps_low: float = 3e-4, eps_high: float = 4e-4, c: float = 3.0, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """TBPO, Trust-Band Policy Optimization from QaRL ("Rollout Alignment Quantization-Aware RL",
     `shared/seeds/papers.txt`): "a sequence-level objective with dual clipping for negative samples".
 
@@ -62,12 +63,12 @@ def tbpo(eps_low: float = 3e-4, eps_high: float = 4e-4, c: float = 3.0, kl_beta:
     dominating the update. GRPO advantages.
     """
     obj = named(f"dual_clip({eps_low:g}, {eps_high:g}, c={c:g})", objectives.dual_clip(eps_low, eps_high, c))
-    return compose("tbpo", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.sequence_log_ratio, objective=obj,
-                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+    return compose("tbpo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.sequence_log_ratio,
+                   objective=obj, weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
 
 
 def pnpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """PNPO, "Prefix-Normalized Policy Optimization" (`shared/seeds/papers.txt`):
 
         w_t = exp(1/t sum_{j <= t} log rho_j)           (prefix_log_ratio: causal geometric mean)
@@ -75,13 +76,13 @@ def pnpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float 
     OUR READING for the clip: the abstract gives no range; the prefix weight starts as a token ratio
     (t = 1) and tends to GSPO's sequence value, so we keep the token-level 0.2 by default.
     """
-    return compose("pnpo", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.prefix_log_ratio,
+    return compose("pnpo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.prefix_log_ratio,
                    objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta,
                    **extras)
 
 
 def gmpo(eps_low: float = 0.4, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """GMPO, Zhao et al. 2025, "Geometric-Mean Policy Optimization" (arXiv:2507.20673).
 
         c_t = min(log rho_t, eps_high) if A_i > 0, max(log rho_t, -eps_low) if A_i < 0   (log space!)
@@ -90,30 +91,37 @@ def gmpo(eps_low: float = 0.4, eps_high: Optional[float] = None, kl_beta: float 
     eps_high here are LOG-space bounds (unlike ppo_clip's). GRPO advantages.
     """
     eps_high = eps_low if eps_high is None else eps_high
-    return compose("gmpo", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.token_log_ratio,
+    return compose("gmpo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio,
                    objective=named(f"gmpo(log-clip {eps_low:g}, {eps_high:g})", objectives.gmpo(eps_low, eps_high)),
                    weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
 
 
 def cispo(eps_high: float = 0.28, eps_low: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-          reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+          std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """CISPO, MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
     Attention" (arXiv:2506.13585).
 
-        J = sum_{i,t} m_it sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A_i log pi_theta(y_t) / sum_{i,t} m_it
+        l_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A_i log pi_theta(y_t)     (the reported per-token loss)
+        J   = -sum_{i,t} m_it l_t / sum_{i,t} m_it
     The IS weight is clipped and DETACHED: every token keeps a gradient (token_mean, GRPO advantages).
-    The paper leaves the lower bound off (eps_low=None) and tunes only the upper one; no value we can
-    cite, so the default cap 1 + 0.28 reuses DAPO's clip-higher bound (our choice).
+    The per-token loss is reported as TRL and verl report it, -sg(w) A log pi_theta (not the
+    log-ratio form, which has the same gradient). The paper leaves the lower bound off (eps_low=None)
+    and tunes only the upper one; no value we can cite, so the default cap 1 + 0.28 reuses DAPO's
+    clip-higher bound (our choice).
+    Mapping to TRL: our eps_high is RELATIVE (cap = 1 + eps_high), TRL's `epsilon_high` for
+    loss_type="cispo" is the ABSOLUTE cap (`clamp(ratio, max=epsilon_high)`, no floor). So TRL's
+    epsilon_high = X is our eps_high = X - 1 (e.g. epsilon_high=5.0 is eps_high=4.0) with eps_low=None;
+    our default eps_high=0.28 is TRL's epsilon_high=1.28.
     """
     floor = None if eps_low is None else 1.0 - eps_low
     obj = named(f"cispo(cap={1 + eps_high:g}{'' if floor is None else f', floor={floor:g}'})",
                 objectives.cispo(cap=1.0 + eps_high, floor=floor))
-    return compose("cispo", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.token_log_ratio, objective=obj,
+    return compose("cispo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio, objective=obj,
                    weights=aggregation.token_mean, kl_beta=kl_beta, **extras)
 
 
 def sapo(tau_pos: float = 1.0, tau_neg: float = 1.05, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """SAPO, Qwen 2025, "Soft Adaptive Policy Optimization" (not in papers.txt, whose SAPO is the
     unrelated Swarm sAmpling Policy Optimization; the formula is PAPERS.md's soft gate):
 
@@ -122,7 +130,7 @@ def sapo(tau_pos: float = 1.0, tau_neg: float = 1.05, kl_beta: float = 0.0, adv_
     tau_neg > tau_pos damps negative updates more. GRPO advantages.
     """
     obj = named(f"sapo(tau_pos={tau_pos:g}, tau_neg={tau_neg:g})", objectives.sapo(tau_pos, tau_neg))
-    return compose("sapo", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.token_log_ratio, objective=obj,
+    return compose("sapo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio, objective=obj,
                    weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
 
 
@@ -146,7 +154,8 @@ def sao(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float =
 
 
 def mu_grpo(eps_low: float = 0.4, eps_high: Optional[float] = None, delta: float = 0.5, kl_beta: float = 0.0,
-            adv_eps: float = 1e-6, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+            adv_eps: float = 1e-6, std_ddof: int = 1,
+         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
     """Mu-GRPO (`shared/seeds/papers.txt`: "How off-policy can GRPO be?"): relaxed clipping plus a
     negative-advantage veto, OUR READING (`objectives.mu_grpo`):
 
@@ -159,25 +168,33 @@ def mu_grpo(eps_low: float = 0.4, eps_high: Optional[float] = None, delta: float
     eps_high = eps_low if eps_high is None else eps_high
     obj = named(f"mu_grpo(eps {eps_low:g}/{eps_high:g}, veto |log rho| > {delta:g})",
                 objectives.mu_grpo(eps_low, eps_high, delta))
-    return compose("mu_grpo", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.token_log_ratio, objective=obj,
-                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+    return compose("mu_grpo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio,
+                   objective=obj, weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
 
 
-def m2po(tau: float = 0.04, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
-    """M2PO, Second-Moment Trust Policy Optimization ("Prosperity before Collapse: How Far Can
-    Off-Policy RL Reach with Stale Data on LLMs?", `shared/seeds/papers.txt`):
+def m2po(tau: float = 0.04, token_set: str = "trust_region", kl_beta: float = 0.0, adv_eps: float = 1e-6,
+         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+    """M2PO, Second-Moment Trust Policy Optimization (Zheng, Zhao, Chen 2025, "Prosperity before
+    Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv:2510.01161;
+    `shared/seeds/papers.txt`), Algorithm 1:
 
-        M   = batch mask dropping the tokens with the largest (log r_t)^2 until
-              mean_{kept} (log r_t)^2 <= tau (0.04),   r_t = pi_old(y_t) / pi_rollout(y_t) (staleness)
-        J   = sum_{i,t} m_it M_it rho_t A_i / sum_{i,t} m_it        (no clip; token_mean; GRPO advantages)
+        r_t = pi_theta(y_t) / pi_rollout(y_t)            behaviour = the rollout policy (the sampler)
+        S   = trust-region tokens {A > 0, r > 1} u {A < 0, r < 1}   (token_set="trust_region", default)
+              or every live token                                     (token_set="all")
+        M   = batch mask dropping the tokens of S with the largest (log r_t)^2 until
+              mean_{kept in S} (log r_t)^2 <= tau (0.04); tokens outside S are never dropped
+        J   = sum_{i,t} m_it M_it r_t A_i / sum_{i,t} m_it        (no clip; token_mean; GRPO advantages)
     The mask depends on every token of the batch, so it is computed in `prepare` on the whole batch
-    (`m2po.m2po_prepare`; the update step records old log-probs first: needs_old_logp) and applied per
-    microbatch (`m2po.apply_keep_mask`). Masked tokens keep their place in the token count (our
-    reading). Metric: m2po_masked (fraction of live tokens masked).
+    (`m2po.m2po_prepare`, with r at the start of the update: pi_old / pi_rollout; the update step
+    records old log-probs first: needs_old_logp) and applied per microbatch (`m2po.apply_keep_mask`).
+    The objective's ratio is pi_theta / pi_rollout (`m2po.rollout_behaviour`); without rollout
+    log-probs in the batch, pi_rollout = pi_old. Masked tokens keep their place in the token count
+    (our reading). Metric: m2po_masked (fraction of live tokens masked).
     """
-    batch_part = named(f"m2po_mask(tau={tau:g})", prep.on_batch(m2po_lib.m2po_prepare(tau)))
-    return compose("m2po", **_grpo_adv(reward_weights, adv_eps), ratio=ratios.token_log_ratio,
+    batch_part = named(f"m2po_mask(tau={tau:g}, {token_set})", prep.on_batch(m2po_lib.m2po_prepare(tau, token_set)))
+    loss = compose("m2po", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio,
                    objective=named("unclipped", objectives.unclipped()), weights=aggregation.token_mean,
                    kl_beta=kl_beta, batch_parts=(batch_part,), keep_masks=(("m2po_keep_BxT", "m2po_masked_BxT"),),
                    needs_old_logp=True, **extras)
+    return loss._replace(token_loss=m2po_lib.rollout_behaviour(loss.token_loss),
+                         parts=loss.parts + ("behaviour = rollout policy (ratio pi_theta / pi_rollout)",))
