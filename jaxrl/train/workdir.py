@@ -105,7 +105,7 @@ def config_changes(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
     older jaxrl) counts as its default; a field jaxrl no longer has is ignored."""
     new = _flatten(json.loads(json.dumps(to_dict(cfg))))  # tuples -> lists, as the file has them
     default = _flatten(json.loads(json.dumps(to_dict(Config()))))
-    old = _flatten(saved)
+    old = _flatten(json.loads(json.dumps(saved)))
     return {k: (old.get(k, default.get(k)), v) for k, v in new.items() if old.get(k, default.get(k)) != v}
 
 
