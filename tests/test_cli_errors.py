@@ -139,8 +139,11 @@ def _fake_run(workdir, overrides=()):
 def test_rerun_with_another_model_is_refused_before_writing(capsys, tmp_path, in_process_cache):
     run = tmp_path / "run"
     saved = _fake_run(run)
-    err = _workdir_error(capsys, run, "--set", "model.d_model=64", "--allow-config-change")
-    assert "model.d_model 32 -> 64" in err
+    err = _workdir_error(capsys, run, "--set", "model.d_model=64")
+    assert "model.d_model 32 -> 64" in err and "new --workdir" in err
+    assert (run / "config.json").read_bytes() == saved
+    assert "model.d_model 32 -> 64" in _workdir_error(capsys, run, "--set", "model.d_model=64",
+                                                      "--allow-config-change")  # never allowed
     assert (run / "config.json").read_bytes() == saved
 
 
@@ -154,13 +157,17 @@ def test_rerun_with_changed_settings_needs_the_flag(capsys, tmp_path, in_process
 
 
 def test_second_run_on_a_held_workdir_is_refused(capsys, tmp_path, in_process_cache):
-    from jaxrl.config import load_config
-    from jaxrl.train.workdir import open_run
+    import fcntl
 
     run = tmp_path / "run"
-    with open_run(load_config(DEFAULT_CONFIG, TINY), run):  # what a running `jaxrl train` holds
+    run.mkdir()
+    with open(run / "jaxrl.lock", "w") as held:  # what a running `jaxrl train` holds
+        held.write("pid 4242 on host trainer-7")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         err = _workdir_error(capsys, run)
-    assert "is in use by another jaxrl train" in err and f"pid {os.getpid()}" in err and str(run) in err
+    assert "is in use by another jaxrl train (pid 4242 on host trainer-7" in err and str(run) in err
+    assert sorted(p.name for p in run.iterdir()) == ["jaxrl.lock"]  # nothing else written
 
 
 def test_non_utf8_jsonl_names_file_and_line(capsys, tmp_path, in_process_cache):
