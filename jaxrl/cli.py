@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train (or resume) a run from a config file")
     t.add_argument("config", help="a config file, e.g. configs/grpo_arithmetic.py")
-    t.add_argument("--workdir", default=None, help="run directory (default: runs/<config stem>/); resumes if it holds checkpoints")
+    t.add_argument("--workdir", default=None, help="run directory (default: runs/<config stem>/); resumes if it holds checkpoints (same config, "
+                        "see --allow-config-change)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
                    help="override a config field; may be repeated")
     t.add_argument("--allow-config-change", action="store_true",

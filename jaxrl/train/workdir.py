@@ -186,6 +186,9 @@ class _Lock:
             os.close(fd)
             raise WorkdirError(f"--workdir {str(workdir)!r} is in use by another jaxrl train ({holder}; lock "
                                f"file {path}); wait for it to end or stop it, or use another --workdir") from None
+        except OSError as e:  # a file system without flock (some network mounts): run, but say so
+            print(f"jaxrl: warning: cannot lock {path} ({e.strerror}); nothing stops a second run here",
+                  file=sys.stderr)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since "
                       f"{datetime.datetime.now().isoformat(timespec='seconds')}".encode(), 0)
