@@ -56,6 +56,8 @@ class ModelConfig:
     # Mixture of experts (jaxrl.models.moe); n_experts=0 is the dense model, bit for bit.
     n_experts: int = 0
     moe_every: int = 1  # every moe_every-th layer is MoE (layers moe_every-1, 2*moe_every-1, ...)
+    dense_tail_layers: int = 0  # MoE: dense layers after the last MoE group (HF's decoder_sparse_step not
+    #                             dividing the layer count, or mlp_only_layers ending the stack)
     experts_per_token: int = 2
     expert_mlp_dim: int = 0  # 0 -> mlp_dim
     n_shared_experts: int = 0
@@ -77,10 +79,13 @@ class ModelConfig:
     # A local Hugging Face checkpoint directory: when set, `jaxrl train` takes the architecture fields
     # from its config.json and the initial params from its safetensors (see jaxrl.models.hf).
     hf_path: str = ""
+    # The checkpoint's own context length (config.json max_position_embeddings; 0: not from a checkpoint).
+    # Not used by the computation (max_seq_len is the run's length); export writes it back.
+    hf_max_position_embeddings: int = 0
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers // self.moe_every if self.n_experts else 0
+        return (self.n_layers - self.dense_tail_layers) // self.moe_every if self.n_experts else 0
 
     def validate(self, prefix: str = "model") -> None:
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
@@ -108,11 +113,17 @@ class ModelConfig:
                self.rope_original_max_len)
         _check(not self.shared_expert_gate or self.n_shared_experts > 0, f"{prefix}.shared_expert_gate",
                "False unless n_shared_experts > 0", self.shared_expert_gate)
+        _check(self.hf_max_position_embeddings >= 0, f"{prefix}.hf_max_position_embeddings",
+               "0 (not from a checkpoint) or a positive integer", self.hf_max_position_embeddings)
 
     def _validate_moe(self, prefix: str) -> None:
         _check(self.n_experts >= 0, f"{prefix}.n_experts", "0 (dense) or a positive integer", self.n_experts)
-        _check(self.moe_every > 0 and self.n_layers % self.moe_every == 0, f"{prefix}.moe_every",
-               f"a positive divisor of n_layers={self.n_layers}", self.moe_every)
+        tail = self.dense_tail_layers
+        _check(tail == 0 or (self.n_experts > 0 and 0 < tail < self.n_layers), f"{prefix}.dense_tail_layers",
+               f"0, or with n_experts > 0 an integer in [0, n_layers={self.n_layers})", tail)
+        what = f"n_layers - dense_tail_layers={self.n_layers - tail}" if tail else f"n_layers={self.n_layers}"
+        _check(self.moe_every > 0 and (self.n_layers - tail) % self.moe_every == 0, f"{prefix}.moe_every",
+               f"a positive divisor of {what}", self.moe_every)
         _check(self.experts_per_token > 0 and (self.n_experts == 0 or self.experts_per_token <= self.n_experts),
                f"{prefix}.experts_per_token", f"an integer in [1, n_experts={self.n_experts}]", self.experts_per_token)
         _check(self.expert_mlp_dim >= 0, f"{prefix}.expert_mlp_dim", "0 (= mlp_dim) or a positive integer",

@@ -5,7 +5,8 @@ naming the tensor / architecture / config key.
 
 Each architecture covers some of: GQA with one kv head, head_dim != hidden/heads, tied and untied
 embeddings, non-default rope theta, Llama 3 rope scaling, bfloat16 safetensors, a sharded index,
-MoE every 2nd layer, un-normalised top-k gates, a gated shared expert. Weights are redrawn at O(1)
+MoE every 2nd layer, un-normalised top-k gates, a gated shared expert, dense layers after the last MoE
+layer (decoder_sparse_step not dividing the layer count; mlp_only_layers). Weights are redrawn at O(1)
 scale (norm scales and biases too), so a wrong layout or a missing term shows in the logits.
 """
 
@@ -44,6 +45,16 @@ CASES = {
     "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                     norm_topk_prob=False, tie_word_embeddings=False), {}),
+    # transformers: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
+    # 3 layers, step 2: only layer 1 is MoE, layer 2 is a trailing dense layer.
+    "qwen3_moe_tail": ("qwen3_moe", dict(num_hidden_layers=3, num_key_value_heads=2, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                         decoder_sparse_step=2, tie_word_embeddings=True), {}),
+    # 5 layers, step 2, mlp_only_layers=[3]: only layer 1 is MoE; layers 2, 3, 4 are dense.
+    "qwen2_moe_mlp_only": ("qwen2_moe", dict(num_hidden_layers=5, num_key_value_heads=2, num_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
+                                             mlp_only_layers=[3], shared_expert_intermediate_size=32,
+                                             norm_topk_prob=False, tie_word_embeddings=False), {}),
 }
 
 
@@ -62,7 +73,7 @@ def _randomize(model, seed):
 
 def build(root, name):
     model_type, kw, store = CASES[name]
-    cfg = transformers.AutoConfig.for_model(model_type, **COMMON, **kw)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **kw})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     _randomize(model, seed=len(name))
@@ -101,6 +112,12 @@ def test_checkpoints_cover_the_cases(models):
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim == 32
     assert cfgs["qwen3_moe"].moe_every == 2 and cfgs["qwen3_moe"].router_norm_topk
     assert cfgs["qwen2_moe"].n_shared_experts == 2 and not cfgs["qwen2_moe"].router_norm_topk
+    tail, only = cfgs["qwen3_moe_tail"], cfgs["qwen2_moe_mlp_only"]
+    assert (tail.moe_every, tail.n_moe_layers, tail.dense_tail_layers) == (2, 1, 1)
+    assert (only.moe_every, only.n_moe_layers, only.dense_tail_layers) == (2, 1, 3)
+    # The transformers models agree: which layers hold experts.
+    assert [type(l.mlp).__name__ for l in models["qwen2_moe_mlp_only"][1].model.layers] == [
+        "Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock", "Qwen2MoeMLP", "Qwen2MoeMLP", "Qwen2MoeMLP"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -135,7 +152,8 @@ def test_left_padded_row_matches_unpadded_transformers_logits(models):
 
 
 @pytest.mark.parametrize("name,dtype,shard", [("llama", "float32", 0), ("qwen3", "float32", 30_000),
-                                              ("qwen3_moe", "float32", 0), ("qwen2_moe", "bfloat16", 0)])
+                                              ("qwen3_moe", "float32", 0), ("qwen2_moe", "bfloat16", 0),
+                                              ("qwen3_moe_tail", "float32", 0), ("qwen2_moe_mlp_only", "float32", 0)])
 def test_export_reloads_in_transformers_with_identical_logits(models, tmp_path, name, dtype, shard):
     d, ref = models[name]
     cfg, params = hf.load(d)
@@ -208,10 +226,15 @@ def test_unsupported_architecture_and_config_keys_are_named(models, tmp_path):
     msg = _config_error(models, tmp_path, lambda c: c.update(attention_bias=True))
     assert "attention_bias=True is not supported" in msg
     moe = hf.read_config(models["qwen3_moe"][0])
-    with pytest.raises(hf.CheckpointError, match="mlp_only_layers=\\[0\\] is not supported"):
-        hf.model_config({**moe, "mlp_only_layers": [0]})
-    with pytest.raises(hf.CheckpointError, match="decoder_sparse_step=3 must divide num_hidden_layers=2"):
-        hf.model_config({**moe, "decoder_sparse_step": 3})
+    # A dense layer between MoE layers has no place in the scanned stack: refused, naming the layers.
+    with pytest.raises(hf.CheckpointError, match=r"mlp_only_layers=\[0\] makes layers \[1, 2, 3\] MoE, which is "
+                                                 r"not supported"):
+        hf.model_config({**moe, "num_hidden_layers": 4, "decoder_sparse_step": 1, "mlp_only_layers": [0]})
+    with pytest.raises(hf.CheckpointError, match="decoder_sparse_step=0 is not supported"):
+        hf.model_config({**moe, "decoder_sparse_step": 0})
+    # Step 3 over 2 layers, or every MoE layer listed in mlp_only_layers: transformers builds no MoE layer.
+    assert hf.model_config({**moe, "decoder_sparse_step": 3}).n_experts == 0
+    assert hf.model_config({**moe, "mlp_only_layers": [1]}).n_experts == 0
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -225,3 +248,92 @@ def test_new_model_fields_are_validated(field, value, match):
 
     with pytest.raises(ConfigError, match=match):
         dataclasses.replace(ModelConfig(), **{field: value}).validate()
+
+
+def test_trailing_dense_layers_sample_replay_and_train(models):
+    """The MoE model with dense layers after its MoE layer: the sampler's routing replayed by the trainer
+    gives the sampler's log-probs, and one SGD step on them lowers the loss, with gradient reaching the
+    tail's dense layers and the experts."""
+    from jaxrl.train.steps import make_logp_fn
+
+    cfg, params = hf.load(models["qwen2_moe_mlp_only"][0])
+    cfg = dataclasses.replace(cfg, moe_dispatch="naive")
+    prompt, G = jnp.asarray(_tokens(5, (2, 6)), jnp.int32), 2
+    out = sample(params, cfg, prompt, jnp.ones(prompt.shape, bool), jax.random.key(1), group_size=G,
+                 max_new_tokens=5, temperature=1.0, eos_id=V + 1, pad_id=0)
+    assert out.routing_BxSxLxK.shape == (2 * G, 6 + 5, 1, 2)  # one MoE layer of five
+    batch = {"prompt_tokens_BxP": jnp.repeat(prompt, G, 0), "prompt_mask_BxP": jnp.ones((2 * G, 6), jnp.int32),
+             "tokens_BxT": out.tokens_BxT, "completion_mask_BxT": out.completion_mask_BxT,
+             "routing_BxSxLxK": out.routing_BxSxLxK}
+    logp_fn = jax.jit(make_logp_fn(cfg, 1.0, routing_replay=True))
+    logp, _, extra = logp_fn(params, batch)
+    np.testing.assert_allclose(logp, out.logp_BxT, atol=1e-5)
+    assert float(jnp.sum(extra["moe/routing_mismatch_BxT"])) == 0.0
+
+    def nll(p):
+        return -jnp.mean(logp_fn(p, batch)[0])
+
+    loss, grads = jax.value_and_grad(nll)(params)
+    assert set(params) == {"embedding", "blocks", "tail", "final_norm", "lm_head"}
+    assert jax.tree.leaves(params["tail"])[0].shape[0] == 3  # layers 2, 3, 4
+    for part in (grads["tail"]["mlp"]["down"], grads["blocks"]["moe"]["moe"]["down"], grads["blocks"]["dense_0"]):
+        assert all(float(jnp.max(jnp.abs(g))) > 0 and bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(part))
+    stepped = jax.tree.map(lambda p, g: p - 1e-2 * g, params, grads)
+    assert float(nll(stepped)) < float(loss)
+
+
+def test_export_keeps_the_checkpoint_context_length_and_rope_scaling(models, tmp_path):
+    """A Llama 3 checkpoint made for 4096 positions, run at max_seq_len 32: export (directly, and through
+    `convert --from-hf` then `--to-hf`) writes 4096 and the same llama3 rope fields back."""
+    from jaxrl.config import ModelConfig
+    from jaxrl.train.pretrained import convert_from_hf, convert_to_hf
+
+    d = tmp_path / "llama4k"
+    shutil.copytree(models["llama"][0], d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    cfg, params = hf.load(d, ModelConfig(max_seq_len=32))
+    hf.save(tmp_path / "direct", params, cfg)
+    convert_from_hf(d, tmp_path / "conv")
+    convert_to_hf(tmp_path / "conv", tmp_path / "via_convert")
+    tokens = _tokens(6, (1, 10))
+    for out in ("direct", "via_convert"):
+        written = json.loads((tmp_path / out / "config.json").read_text())
+        assert written["max_position_embeddings"] == 4096, out  # was 512: max(32, 64 * 8) from the rope fields
+        assert written["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, out
+        assert written["rope_theta"] == 500000.0, out
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype=torch.float32).eval()
+        assert back.config.max_position_embeddings == 4096
+        np.testing.assert_array_equal(_hf_logits(back, tokens), _hf_logits(ref, tokens))
+    assert (cfg.max_seq_len, cfg.hf_max_position_embeddings) == (32, 4096)
+
+
+def test_load_without_base_runs_at_the_checkpoint_context(models):
+    """hf.load(d) runs at the checkpoint's max_position_embeddings (256 here), not a silent 64; a config.json
+    without one needs the run's length stated."""
+    from jaxrl.config import ModelConfig
+
+    cfg, _ = hf.load(models["qwen3"][0])
+    assert cfg.max_seq_len == 256
+    assert hf.load(models["qwen3"][0], ModelConfig(max_seq_len=48))[0].max_seq_len == 48
+    no_context = {k: v for k, v in hf.read_config(models["qwen3"][0]).items() if k != "max_position_embeddings"}
+    with pytest.raises(hf.CheckpointError, match="'max_position_embeddings' is missing; give the run's length"):
+        hf.model_config(no_context)
+    assert hf.model_config(no_context, ModelConfig(max_seq_len=16)).max_seq_len == 16
+
+
+def test_two_checkpoints_of_one_architecture_compile_once(models, tmp_path):
+    """The model config holds no path, so a second checkpoint of the same architecture gives an equal
+    static config and reuses the compiled forward."""
+    cfg, params = hf.load(models["qwen3"][0])
+    other = tmp_path / "qwen3_copy"
+    shutil.copytree(models["qwen3"][0], other)
+    cfg2, params2 = hf.load(other)
+    assert cfg2 == cfg and hash(cfg2) == hash(cfg) and cfg.hf_path == ""
+    tokens = jnp.asarray(_tokens(7, (1, 5)))
+    forward(params, cfg, tokens, jnp.ones(tokens.shape, bool))
+    compiled = forward._cache_size()
+    forward(params2, cfg2, tokens, jnp.ones(tokens.shape, bool))
+    assert forward._cache_size() == compiled

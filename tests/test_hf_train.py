@@ -85,6 +85,9 @@ def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_proce
     assert (out / "tokenizer.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert back.config.eos_token_id == 2 and back.dtype == torch.bfloat16
+    # The checkpoint's context length survives the run (max_seq_len=1024 in the recipe), as does the arch.
+    assert json.loads((d / "config.json").read_text())["max_position_embeddings"] == 32768
+    assert back.config.max_position_embeddings == 32768 and cfg.model.max_seq_len == 1024
 
 
 def test_convert_from_hf_then_train_start_loads_the_same_model(stand_in, tmp_path, capsys):

@@ -4,6 +4,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
@@ -165,3 +166,33 @@ def test_eos_stops_rows_and_loop_exits_early():
                                 out.tokens_BxT, out.completion_mask_BxT, 1.0)
     mask = np.asarray(out.completion_mask_BxT) > 0
     np.testing.assert_allclose(np.asarray(out.logp_BxT)[mask], np.asarray(logp)[mask], atol=1e-5, rtol=0)
+
+
+def test_temperature_zero_is_greedy_with_finite_logprobs():
+    """Temperature 0 without greedy=True: the T -> 0 limit of softmax(logits / T), i.e. the greedy
+    tokens, with recorded log-probs log(1) = 0 (no ties among random float logits), never NaN. Before
+    the fix, logits / 0 gave NaN everywhere: token 0 at every step and NaN log-probs."""
+    prompt, pmask = _prompts()
+    greedy = _greedy(NEVER)
+    for key in (0, 1):  # the draw no longer depends on the key
+        out = sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(key), group_size=1, max_new_tokens=T,
+                     temperature=0.0, eos_id=NEVER, pad_id=PAD)
+        np.testing.assert_array_equal(np.asarray(out.tokens_BxT), np.asarray(greedy.tokens_BxT))
+        logp = np.asarray(out.logp_BxT)
+        assert np.all(np.isfinite(logp))
+        np.testing.assert_array_equal(logp, np.zeros_like(logp))
+
+
+def test_temperature_zero_ties_and_negative_temperature():
+    from jaxrl.rollout.sampler import scaled_logits
+
+    # Two maximal logits: the limit distribution is 1/2 on each, so the log-prob of either is log(1/2).
+    logits = jnp.asarray([[1.0, 3.0, 3.0, -2.0]])
+    logp = np.asarray(jax.nn.log_softmax(scaled_logits(logits, 0.0), axis=-1))
+    np.testing.assert_allclose(logp[0, 1:3], np.log(0.5), rtol=1e-6)
+    assert logp[0, 0] == -np.inf and logp[0, 3] == -np.inf
+    np.testing.assert_allclose(np.asarray(scaled_logits(logits, 2.0)), np.asarray(logits) / 2.0)
+    prompt, pmask = _prompts()
+    with pytest.raises(ValueError, match="temperature: got -0.5"):
+        sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(0), group_size=1, max_new_tokens=T,
+               temperature=-0.5, eos_id=NEVER, pad_id=PAD)

@@ -93,6 +93,19 @@ def test_greedy_equals_plain_greedy(cfg, drafter):
         assert int(stats.rejections) == 0 and int(out.num_steps) == 1
 
 
+@pytest.mark.parametrize("drafter", ["early_exit", "reuse"])
+def test_temperature_zero_without_greedy_flag(drafter):
+    """temperature=0 without greedy=True runs the rejection-sampling path against the T -> 0 limit
+    distribution (a point mass on the argmax): the plain greedy tokens, log-probs 0, nothing NaN."""
+    params = _params(CFG, 3.0)
+    ref = _plain(params, CFG, jax.random.PRNGKey(0), greedy=True)
+    draft = (ref.tokens_BxT, ref.length_B) if drafter == "reuse" else None
+    out, _ = _run(params, CFG, _spec(drafter, max_draft=3, adaptive=False, reuse_width=3), jax.random.PRNGKey(5),
+                  draft, temperature=0.0)
+    np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
+    np.testing.assert_array_equal(np.asarray(out.logp_BxT), np.zeros(out.logp_BxT.shape, np.float32))
+
+
 @pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
 def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     """Sampled at temperature 0.7: the log-probs the speculative sampler records equal

@@ -41,9 +41,15 @@ class LayerCache(NamedTuple):
 def layer_params(params, cfg: ModelConfig):
     """`params` with the stacked `blocks` split into a tuple of per-layer trees (one copy; do it
     outside the decode loop)."""
-    blocks = params["blocks"]
-    n = cfg.n_layers // cfg.moe_every if cfg.n_experts else cfg.n_layers  # MoE: per group of moe_every layers
-    return dict(params, blocks=tuple(jax.tree.map(lambda p, i=i: p[i], blocks) for i in range(n)))
+    def split(stacked, n):
+        return tuple(jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(n))
+
+    if not cfg.n_experts:
+        return dict(params, blocks=split(params["blocks"], cfg.n_layers))
+    out = dict(params, blocks=split(params["blocks"], cfg.n_moe_layers))  # per group of moe_every layers
+    if cfg.dense_tail_layers:
+        out["tail"] = split(params["tail"], cfg.dense_tail_layers)
+    return out
 
 
 def to_layer_cache(cache: Cache) -> LayerCache:
@@ -76,17 +82,19 @@ def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT,
     block = block.clone(attn_opts=attn_options(cfg))  # MoEBlock gets its attention options from moe_spec(cfg)
     layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
     kv_out, experts = list(kv_layers), []
-    if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer, as in the scanned forward
+    if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer (then the tail), as scanned
         moe_block = MoEBlock(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps,
                              moe_spec(cfg), dtype)
         live_BxT = jnp.ones((B, T), bool)
+        grouped = cfg.n_layers - cfg.dense_tail_layers  # layers in groups; the tail's dense layers follow
         for l in range(n_layers):
             g, j = divmod(l, cfg.moe_every)
-            p_g = lparams["blocks"][g]
-            if j < cfg.moe_every - 1:
-                (x_BxTxD, kv_out[l], _), _ = block.apply({"params": p_g[f"dense_{j}"]}, (x_BxTxD, kv_out[l], layer),
+            if l >= grouped or j < cfg.moe_every - 1:
+                p_l = lparams["tail"][l - grouped] if l >= grouped else lparams["blocks"][g][f"dense_{j}"]
+                (x_BxTxD, kv_out[l], _), _ = block.apply({"params": p_l}, (x_BxTxD, kv_out[l], layer),
                                                          positions_BxT, key_valid_BxS, index)
             else:
+                p_g = lparams["blocks"][g]
                 (x_BxTxD, kv_out[l], _), st = moe_block.apply({"params": p_g["moe"]}, (x_BxTxD, kv_out[l], layer),
                                                               None, positions_BxT, key_valid_BxS, index, live_BxT)
                 experts.append(st.experts_NxK)

@@ -5,6 +5,8 @@ A file is: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype,
 the end of the header). Reading maps the file and returns numpy views, so a tensor's bytes are only
 read when (and where) they are used: a loader can fill one device's shard of a parameter without
 touching the rest. bfloat16 comes from `ml_dtypes` (a jax dependency), which numpy cannot name.
+A file is checked as strictly as the `safetensors` library checks it (`read_file`), so a damaged or
+hand-edited file is a CheckpointError naming the file and tensor, never wrong weights.
 
 A checkpoint directory holds `model.safetensors`, or shards listed by `model.safetensors.index.json`
 ({"weight_map": {tensor name: file name}}).
@@ -24,47 +26,95 @@ import numpy as np
 from jaxrl.config import ConfigError
 
 DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-          "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32)}
+          "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+          "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+          "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
+          "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
 NAMES = {v: k for k, v in DTYPES.items()}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit
 
 
 class CheckpointError(ConfigError):
     """A checkpoint file or tensor is missing, malformed or does not fit the model; names which."""
 
 
+def _header(raw: np.ndarray, path: pathlib.Path) -> tuple[dict, int]:
+    """(header JSON object, byte where the data starts) of a mapped file, checked as the safetensors
+    library checks it: an 8-byte length that fits, UTF-8 JSON that is an object."""
+    if raw.size < 8:
+        raise CheckpointError(f"{path}: not a safetensors file (only {raw.size} bytes)")
+    (n,) = struct.unpack("<Q", raw[:8].tobytes())
+    if n > MAX_HEADER_BYTES or 8 + n > raw.size:
+        raise CheckpointError(f"{path}: not a safetensors file (header of {n} bytes exceeds the file of {raw.size})")
+    try:
+        text = raw[8:8 + n].tobytes().decode("utf-8")
+        header = json.loads(text) if text.startswith("{") else None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object {{name: {{dtype, shape, "
+                              f"data_offsets}}}}")
+    return header, 8 + n
+
+
+def _entry(name: str, info, path: pathlib.Path) -> tuple[np.dtype, tuple, int, int]:
+    """(dtype, shape, begin, end) of one header entry; CheckpointError naming the tensor otherwise."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: header entry {json.dumps(info)[:60]} is not an object {{dtype, shape, "
+                              "data_offsets}")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+    if missing:
+        raise CheckpointError(f"{where}: header entry lacks {missing[0]!r}")
+    dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise CheckpointError(f"{where}: dtype {info['dtype']!r} is not one of {sorted(DTYPES)}")
+    is_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(map(is_count, shape)):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_count, offsets)):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * dtype.itemsize:
+        raise CheckpointError(f"{where}: data_offsets {offsets} hold {end - begin} bytes, but {info['dtype']} of "
+                              f"shape {tuple(shape)} needs {math.prod(shape) * dtype.itemsize}")
+    return dtype, tuple(shape), begin, end
+
+
 def read_file(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """{name: read-only numpy view} of one .safetensors file (memory-mapped; nothing read yet)."""
+    """{name: read-only numpy view} of one .safetensors file (memory-mapped; nothing read yet).
+
+    Validated as the `safetensors` library validates (tests/test_hf_safetensors.py checks both agree):
+    the tensors' byte ranges, in offset order, tile the data exactly from its start to the end of the
+    file (none out of bounds, overlapping, or with a gap), and each holds dtype x shape bytes. Any
+    violation is a CheckpointError naming the file and the tensor."""
     path = pathlib.Path(path)
     try:
         raw = np.memmap(path, dtype=np.uint8, mode="r")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot open ({e})") from e
-    if raw.size < 8:
-        raise CheckpointError(f"{path}: not a safetensors file (only {raw.size} bytes)")
-    (n,) = struct.unpack("<Q", raw[:8].tobytes())
-    if 8 + n > raw.size:
-        raise CheckpointError(f"{path}: not a safetensors file (header of {n} bytes exceeds the file)")
-    try:
-        header = json.loads(raw[8:8 + n].tobytes())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from e
-    start = 8 + n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected one of "
-                                  f"{sorted(DTYPES)}")
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize or start + end > raw.size:
-            raise CheckpointError(f"{path}: tensor {name!r} ({info['dtype']}, shape {shape}) has a bad byte range")
-        out[name] = raw[start + begin:start + end].view(dtype).reshape(shape)
-    return out
+    header, start = _header(raw, path)
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"{path}: '__metadata__' is not an object of strings")
+    entries = {name: _entry(name, info, path) for name, info in header.items() if name != "__metadata__"}
+    covered = 0  # bytes of data tiled so far, in offset order
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
+        if begin != covered:
+            what = "overlaps the tensor before it" if begin < covered else f"leaves bytes {covered}..{begin} unused"
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] {what}")
+        if start + end > raw.size:
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] run past the end of the "
+                                  f"file ({raw.size - start} data bytes; truncated?)")
+        covered = end
+    if start + covered != raw.size:
+        raise CheckpointError(f"{path}: {raw.size - start - covered} bytes after the last tensor's data "
+                              "(not a safetensors file, or a damaged one)")
+    return {name: raw[start + begin:start + end].view(dtype).reshape(shape)
+            for name, (dtype, shape, begin, end) in entries.items()}
 
 
 def read_dir(directory: pathlib.Path) -> dict[str, np.ndarray]:
@@ -72,14 +122,20 @@ def read_dir(directory: pathlib.Path) -> dict[str, np.ndarray]:
     directory = pathlib.Path(directory)
     if (directory / INDEX).is_file():
         try:
-            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{directory / INDEX}: expected JSON with a 'weight_map' ({e})") from e
+            weight_map = json.loads((directory / INDEX).read_text()).get("weight_map")
+        except (ValueError, AttributeError) as e:
+            raise CheckpointError(f"{directory / INDEX}: expected a JSON object with a 'weight_map' ({e})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{directory / INDEX}: 'weight_map' is not an object {{tensor name: shard file}}")
         tensors = {}
         for file in sorted(set(weight_map.values())):
             if not (directory / file).is_file():
                 raise CheckpointError(f"{directory / INDEX}: lists shard {file!r}, which is missing")
-            tensors.update(read_file(directory / file))
+            shard = read_file(directory / file)
+            twice = sorted(set(shard) & set(tensors))
+            if twice:
+                raise CheckpointError(f"{directory / file}: tensor {twice[0]!r} is also in another shard")
+            tensors.update(shard)
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
             raise CheckpointError(f"{directory / INDEX}: tensor {missing[0]!r} is listed but in no shard")

@@ -14,8 +14,9 @@
     logits_BxV, lcache = decode_step_layers(lparams, cfg, token_B, lcache, index)
 
 MoE (cfg.n_experts > 0, see models/moe.py): the scanned unit is a group of moe_every layers whose
-last is MoE; `token_logprobs` takes the rollout's routing to replay, and `token_logprobs_moe`,
-`prefill_routed` and `decode_step_layers_routed` also return the experts used / the MoE losses.
+last is MoE, then cfg.dense_tail_layers dense layers (scanned as `tail`); `token_logprobs` takes the
+rollout's routing to replay, and `token_logprobs_moe`, `prefill_routed` and `decode_step_layers_routed`
+also return the experts used / the MoE losses.
 
 Sequences are LEFT-padded: `mask` is 1 on real tokens, a token's position id is the number of real
 tokens before it, and padded keys are invisible, so a padded row's real-token logits equal those of
@@ -99,16 +100,18 @@ class Transformer(nn.Module):
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
         return logits_BxTxV, kv, moe
 
-    def _dense_blocks(self, x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype):
+    def _dense_blocks(self, x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype, n_layers=None, first=0,
+                      name="blocks"):
+        """n_layers (default all) scanned dense blocks, the first writing cache layer `first`."""
         cfg, D = self.cfg, self.cfg.d_model
         # Scanned layers: compile time and init cost do not grow with L; params get a leading
         # `layers` axis.
         blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
+                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=n_layers or cfg.n_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})(
             D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype,
-            attn_options(cfg), name="blocks")
-        (x_BxTxD, kv, _), _ = blocks((x_BxTxD, kv, jnp.zeros((), jnp.int32)), positions_BxT, key_valid_BxS, index)
+            attn_options(cfg), name=name)
+        (x_BxTxD, kv, _), _ = blocks((x_BxTxD, kv, jnp.asarray(first, jnp.int32)), positions_BxT, key_valid_BxS, index)
         return x_BxTxD, kv
 
     def _moe_blocks(self, x_BxTxD, kv, positions_BxT, key_valid_BxS, index, replay_LxBxTxK, moe_mask_BxT, dtype):
@@ -120,11 +123,14 @@ class Transformer(nn.Module):
             moe_mask_BxT = lax.dynamic_slice_in_dim(key_valid_BxS, index, T, axis=1)
         in_axes = (nn.broadcast if replay_LxBxTxK is None else 0,) + (nn.broadcast,) * 4
         groups = nn.scan(BlockGroup, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=in_axes,
-                         length=cfg.n_layers // cfg.moe_every, metadata_params={nn.PARTITION_NAME: "layers"})(
+                         length=cfg.n_moe_layers, metadata_params={nn.PARTITION_NAME: "layers"})(
             cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps,
             moe_spec(cfg), cfg.moe_every - 1, dtype, name="blocks")
         (x_BxTxD, kv, _), st = groups((x_BxTxD, kv, jnp.zeros((), jnp.int32)), replay_LxBxTxK, positions_BxT,
                                       key_valid_BxS, index, moe_mask_BxT)
+        if cfg.dense_tail_layers:  # dense layers after the last group (params `tail`, one per layer)
+            x_BxTxD, kv = self._dense_blocks(x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype,
+                                             cfg.dense_tail_layers, cfg.n_layers - cfg.dense_tail_layers, "tail")
         moe = MoEOut(jnp.mean(st.aux_loss), jnp.mean(st.z_loss), jnp.mean(st.dropped_frac), st.experts_NxK,
                      st.topk_NxK)
         return x_BxTxD, kv, moe

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxrl.rollout.sampler import first_argmax, truncate_logits
+from jaxrl.rollout.sampler import first_argmax, scaled_logits, truncate_logits
 
 
 class Verdict(NamedTuple):
@@ -31,9 +31,10 @@ class Verdict(NamedTuple):
 
 
 def target_probs(logits_NxWxV, temperature, top_k: int, top_p: float) -> jax.Array:
-    """The distribution plain sampling draws from: softmax of truncated logits / temperature."""
+    """The distribution plain sampling draws from: softmax of truncated logits / temperature (at
+    temperature 0 the uniform distribution over the maximal logits, see `sampler.scaled_logits`)."""
     N, W, V = logits_NxWxV.shape
-    scaled = truncate_logits((logits_NxWxV / temperature).reshape(N * W, V), top_k, top_p)
+    scaled = truncate_logits(scaled_logits(logits_NxWxV.reshape(N * W, V), temperature), top_k, top_p)
     return jax.nn.softmax(scaled, axis=-1).reshape(N, W, V)
 
 

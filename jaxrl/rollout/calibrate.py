@@ -7,12 +7,20 @@ costs: `measure_step_costs` times, for the rollout's own row count and cache len
 forward over 1 and over K + 1 tokens (K = max_draft, or reuse_width if wider) and one drafter token,
 and returns the costs relative to the 1-token forward (widths in between interpolated linearly).
 
-Timing is host-side and runs once per rollout shape (the training loop caches it). The sampled
-distribution does not depend on it: costs only decide when to speculate and how far.
+Timing is host-side. The sampled distribution does not depend on it, but which steps speculate does,
+and with them which random numbers draw which token; so a training run never re-times: the costs are
+measured once per (machine, model, drafter, rollout shape) and cached on disk (`cached_step_costs`),
+and the run's checkpoints carry the costs it used, so reruns and resumes take the same steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import platform
 import time
 from typing import NamedTuple
 
@@ -93,3 +101,42 @@ def measure_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows
     k_K = np.arange(1, K + 1)
     verify_K = 1.0 + (wide / one - 1.0) * k_K / K
     return StepCosts(jnp.asarray(verify_K, jnp.float32), jnp.float32(draft))
+
+
+def costs_to_json(costs: StepCosts) -> dict:
+    return {"verify_K": [float(x) for x in np.asarray(costs.verify_K)], "draft": float(costs.draft)}
+
+
+def costs_from_json(d: dict) -> StepCosts:
+    return StepCosts(jnp.asarray(d["verify_K"], jnp.float32), jnp.float32(d["draft"]))
+
+
+def _machine_key(cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int) -> dict:
+    """Everything the measured costs depend on: the model, the drafter, the rollout shape, the machine."""
+    device = jax.devices()[0]
+    return {"model": dataclasses.asdict(cfg),
+            "spec": {k: getattr(spec, k) for k in ("drafter", "fallback", "draft_layers", "max_draft", "reuse_width")},
+            "n_rows": n_rows, "cache_len": cache_len, "host": platform.node(), "jax": jax.__version__,
+            "backend": jax.default_backend(), "device_kind": device.device_kind, "devices": jax.device_count()}
+
+
+def cached_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int,
+                      cache_dir: pathlib.Path) -> tuple[StepCosts, pathlib.Path, bool]:
+    """`measure_step_costs` once per (machine, model, drafter, rollout shape): the first run measures
+    and writes `cache_dir/<key>.json`; every later run on this machine reads the same numbers, so the
+    costs (and with them which steps speculate) do not vary between reruns of a config.
+    -> (costs, the cache file, whether it was measured now). Delete the file to measure again."""
+    key = _machine_key(cfg, spec, n_rows, cache_len)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = pathlib.Path(cache_dir) / f"{digest}.json"
+    if path.exists():
+        try:
+            return costs_from_json(json.loads(path.read_text())), path, False
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a torn or foreign file: measure again and replace it
+    costs = measure_step_costs(params, cfg, spec, n_rows, cache_len)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({**costs_to_json(costs), "key": key}, default=str, indent=1))
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+    return costs, path, True

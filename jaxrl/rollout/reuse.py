@@ -2,14 +2,17 @@
 reuse drafts from, and the per-rollout metrics.
 
 The store is explicit host state of the train loop: the latest G completions of every prompt seen
-(keyed by the prompt's real tokens), least recently used prompts dropped past `max_prompts`. It is
-not checkpointed: after a resume, reuse starts from an empty store (the sampled distribution is
-the same either way; only the speed differs).
+(keyed by the prompt's real tokens), least recently used prompts dropped past `max_prompts`. Every
+process holds the whole store (the loop gathers all rows before `update`). It is checkpointed with
+the run (`to_state` / `from_state`, a compressed npz in a JSON string), so a resumed run drafts from
+exactly the completions an uninterrupted one would, and takes the same speculative steps.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
+import io
 
 import numpy as np
 
@@ -43,6 +46,32 @@ class DraftStore:
             rows = slice(i * G, i * G + n)
             draft[rows, :t], length[rows], logp[rows, :t] = tokens[:n, :t], np.minimum(lens[:n], t), lps[:n, :t]
         return draft, length, logp
+
+    def to_state(self) -> str:
+        """The whole store, in LRU order, as a JSON-able string (base64 of a compressed npz). Entries
+        of one run all have G rows of T tokens, so they are stacked."""
+        keys = [np.frombuffer(k, np.int32) for k in self._table]
+        key_NxK = np.full((len(keys), max((len(k) for k in keys), default=0)), -1, np.int32)
+        for i, k in enumerate(keys):
+            key_NxK[i, :len(k)] = k
+        arrays = {"max_prompts": np.int64(self.max_prompts), "key_NxK": key_NxK,
+                  "key_len_N": np.asarray([len(k) for k in keys], np.int32)}
+        if self._table:
+            tokens, length, logp = zip(*self._table.values())
+            arrays.update(tokens_NxGxT=np.stack(tokens), length_NxG=np.stack(length), logp_NxGxT=np.stack(logp))
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+
+    @classmethod
+    def from_state(cls, state: str) -> "DraftStore":
+        """Inverse of `to_state`: the same entries in the same LRU order."""
+        with np.load(io.BytesIO(base64.b64decode(state))) as z:
+            z = {k: z[k] for k in z.files}  # each access of an NpzFile reads (and inflates) again
+        store = cls(int(z["max_prompts"]))
+        for i, (key_K, n) in enumerate(zip(z["key_NxK"], z["key_len_N"])):
+            store._table[key_K[:n].tobytes()] = (z["tokens_NxGxT"][i], z["length_NxG"][i], z["logp_NxGxT"][i])
+        return store
 
     def update(self, prompt_BxP, mask_BxP, tokens_NxT, length_N, logp_NxT, group_size: int) -> None:
         G = group_size

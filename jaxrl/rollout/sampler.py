@@ -8,6 +8,9 @@ Prompts are left-padded and every row needs at least one real token.
 Recorded log-probs are under softmax(logits / temperature) WITHOUT top-k/top-p truncation (also for
 greedy). That is the distribution `token_logprobs` recomputes for the old/current policy, so the
 importance ratio is exactly 1 before the first update; truncation only shapes which tokens are drawn.
+Temperature 0 is the T -> 0 limit of that distribution (`scaled_logits`): a uniform draw among the
+maximal logits, i.e. greedy decoding, whose recorded log-prob is log(1 / #maximal) (0 without ties),
+never NaN. A negative temperature is an error.
 No tokenizer dependency: tokens in, tokens out.
 
 MoE models also return `routing_BxSxLxK`: the experts each of the L MoE layers used at every slot
@@ -70,6 +73,37 @@ def truncate_logits(logits_NxV: jax.Array, top_k: int, top_p: float) -> jax.Arra
     return logits_NxV
 
 
+def scaled_logits(logits_NxV: jax.Array, temperature) -> jax.Array:
+    """logits / temperature, with temperature 0 as the limit T -> 0 of softmax(logits / T): the
+    maximal logits become 0 and all others -inf, so a softmax gives the uniform distribution over the
+    maxima (a point mass without ties) and every derived log-prob of a drawn token is finite.
+    `temperature` may be traced (a scalar >= 0); both forms are computed and one is selected."""
+    t = jnp.asarray(temperature, logits_NxV.dtype)
+    positive = t > 0
+    divided = logits_NxV / jnp.where(positive, t, 1.0)
+    is_max = logits_NxV == jnp.max(logits_NxV, axis=-1, keepdims=True)
+    return jnp.where(positive, divided, jnp.where(is_max, 0.0, -jnp.inf))
+
+
+def check_temperature(temperature) -> None:
+    """A concrete negative (or NaN) temperature is a ValueError; a traced one cannot be checked here."""
+    if isinstance(temperature, jax.core.Tracer):
+        return
+    if not float(temperature) >= 0:
+        raise ValueError(f"temperature: got {temperature!r}, expected a number >= 0 (0 = greedy)")
+
+
+def temperature_checked(sampler):
+    """Wrap a jitted sampler (keyword `temperature`) so a concrete bad temperature fails before tracing."""
+
+    @functools.wraps(sampler)
+    def call(*args, **kwargs):
+        check_temperature(kwargs["temperature"])
+        return sampler(*args, **kwargs)
+
+    return call
+
+
 def first_argmax(x_NxV: jax.Array) -> jax.Array:
     """`jnp.argmax(x, -1)` (the first maximal index) as two plain reductions: XLA:CPU lowers argmax
     to a variadic (value, index) reduce that costs ~10x a max over the same (N, V)."""
@@ -82,7 +116,7 @@ def first_argmax(x_NxV: jax.Array) -> jax.Array:
 def choose_tokens(rng, logits_NxV, temperature, top_k: int, top_p: float, greedy: bool) -> jax.Array:
     if greedy:
         return first_argmax(logits_NxV)
-    scaled_NxV = truncate_logits(logits_NxV / temperature, top_k, top_p)
+    scaled_NxV = truncate_logits(scaled_logits(logits_NxV, temperature), top_k, top_p)
     # Gumbel-max, as jax.random.categorical draws it, with the cheaper argmax.
     return first_argmax(scaled_NxV + jax.random.gumbel(rng, scaled_NxV.shape, scaled_NxV.dtype))
 
@@ -92,7 +126,7 @@ def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_i
     rng, key = jax.random.split(s.rng)
     logits_NxV = logits_NxV.astype(jnp.float32)
     tok_N = choose_tokens(key, logits_NxV, temperature, top_k, top_p, greedy)
-    logp_all_NxV = jax.nn.log_softmax(logits_NxV / temperature, axis=-1)
+    logp_all_NxV = jax.nn.log_softmax(scaled_logits(logits_NxV, temperature), axis=-1)
     logp_N = jnp.take_along_axis(logp_all_NxV, tok_N[:, None], axis=-1)[:, 0]
     live_N = ~s.done_N
     tok_N = jnp.where(live_N, tok_N, pad_id)
@@ -138,6 +172,7 @@ def prefill_groups(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_
     return cache, layer_params(params, cfg), routing_NxSxLxK, rep(prompt_BxP[:, -1].astype(jnp.int32))
 
 
+@temperature_checked
 @functools.partial(jax.jit, static_argnames=("cfg", "group_size", "max_new_tokens", "top_k", "top_p", "eos_id",
                                              "pad_id", "greedy"))
 def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_size: int, max_new_tokens: int,
@@ -145,8 +180,8 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
            ) -> SampleOutput:
     """G completions per left-padded prompt; output rows i*G .. i*G+G-1 belong to prompt i.
 
-    `temperature` is traced (changing it does not recompile); top_k (0 = off) and top_p (1.0 = off)
-    are static because they change the graph.
+    `temperature` is traced (changing it does not recompile; 0 = greedy, see `scaled_logits`); top_k
+    (0 = off) and top_p (1.0 = off) are static because they change the graph.
     """
     B, P = prompt_BxP.shape
     G, T = group_size, max_new_tokens

@@ -41,7 +41,7 @@ from jaxrl.models.decode import LayerCache, commit_window, empty_window, window_
 from jaxrl.rollout import acceptance
 from jaxrl.rollout.calibrate import StepCosts, constant_costs
 from jaxrl.rollout.drafters import draft_view
-from jaxrl.rollout.sampler import SampleOutput, first_argmax, prefill_groups
+from jaxrl.rollout.sampler import SampleOutput, first_argmax, prefill_groups, scaled_logits, temperature_checked
 
 PLAIN = 0
 PRIOR_WEIGHT = 8.0  # pseudo-counts behind the acceptance prior
@@ -124,6 +124,7 @@ def _row_window(buf_NxT, col_N, width: int, fill):
     return jax.vmap(lambda b, c: lax.dynamic_slice(b, (c,), (width,)))(padded, col_N)
 
 
+@temperature_checked
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "group_size", "max_new_tokens", "top_k", "top_p",
                                              "eos_id", "pad_id", "greedy"))
 def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, spec: SpeculativeConfig,
@@ -207,7 +208,7 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         iota_W = jnp.arange(W)
         next_NxW = jnp.concatenate([fed_NxW[:, 1:], jnp.zeros((N, 1), fed_NxW.dtype)], axis=1)
         e_NxW = jnp.where(iota_W < a_N[:, None], next_NxW, jnp.where(iota_W == a_N[:, None], new_N[:, None], pad_id))
-        logp_all = jax.nn.log_softmax(logits_NxWxV / temperature, axis=-1)
+        logp_all = jax.nn.log_softmax(scaled_logits(logits_NxWxV, temperature), axis=-1)
         logp_NxW = jnp.take_along_axis(logp_all, e_NxW[..., None].astype(jnp.int32), axis=-1)[..., 0]
         live_N = ~s.done_N
         is_eos_NxW = e_NxW == eos_id

@@ -26,7 +26,7 @@ from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.losses import check_rollout, make_loss
-from jaxrl.rollout.calibrate import constant_costs, measure_step_costs, widest_draft
+from jaxrl.rollout.calibrate import cached_step_costs, constant_costs, costs_from_json, costs_to_json, widest_draft
 from jaxrl.rollout.reuse import DraftStore, spec_metrics
 from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.speculative import sample_speculative, worth_speculating
@@ -41,7 +41,7 @@ from jaxrl.train.metrics import MetricsLog, plot
 from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
-from jaxrl.train.warmstart import load_or_train_base
+from jaxrl.train.warmstart import cache_root, load_or_train_base
 from jaxrl.train.workdir import RunRecord, open_run
 
 
@@ -120,7 +120,7 @@ def _train(cfg: Config, workdir: pathlib.Path, run: RunRecord) -> list[dict]:
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
     restored = ckpt.restore_latest(manager, ckpt.abstract_like(state))
     stream = StreamState(0, 0)
-    start = 0
+    start, host = 0, {}  # host: the JSON item of the restored checkpoint (data position, speculation state)
     if restored is not None:
         start, state, host = restored
         stream = from_arrays(host["stream"])
@@ -149,22 +149,12 @@ def _train(cfg: Config, workdir: pathlib.Path, run: RunRecord) -> list[dict]:
     prompt_sh = rows_sharding if n_prompts % batch_devices(mesh, preset) == 0 else rep
     prompts_spec = jax.ShapeDtypeStruct((n_prompts, prompt_width(cfg.data)), jnp.int32)
     # Host state: the acceptance estimate carried between rollouts (checkpointed with the stream).
-    spec_prior = float(host.get("spec_prior", spec.initial_acceptance)) if restored else spec.initial_acceptance
-    reuse_prior = float(host.get("spec_reuse_prior", spec.initial_acceptance)) if restored else spec.initial_acceptance
-    drafts = DraftStore() if spec.enabled and spec.drafter == "reuse" else None
-    costs = None
-    if spec.enabled and spec.calibrate:  # once, for this run's rollout shape (rollout/calibrate.py)
-        costs = measure_step_costs(state.params, model_cfg, spec, B,
-                                   prompt_width(cfg.data) + rc.max_new_tokens + widest_draft(spec) + 1)
-        if jax.process_count() > 1:  # every process must feed the rollout the same (replicated) costs
-            from jax.experimental import multihost_utils
-
-            costs = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, costs)))
-        if is_primary():
-            print(f"jaxrl: speculative costs on this machine, in plain decode steps: "
-                  f"verify k=1..{widest_draft(spec)} drafts "
-                  f"{np.round(np.asarray(costs.verify_K), 2).tolist()}, one drafted token "
-                  f"{float(costs.draft):.2f}", file=sys.stderr)
+    spec_prior = float(host.get("spec_prior", spec.initial_acceptance))
+    reuse_prior = float(host.get("spec_reuse_prior", spec.initial_acceptance))
+    drafts = None
+    if spec.enabled and spec.drafter == "reuse":  # the store is checkpointed: a resume drafts alike
+        drafts = DraftStore.from_state(host["spec_drafts"]) if "spec_drafts" in host else DraftStore()
+    costs = _speculative_costs(cfg, model_cfg, state.params, host, B)
 
     def spec_inputs(prompt_BxP, pmask_BxP):
         if not spec.enabled:
@@ -276,11 +266,10 @@ def _train(cfg: Config, workdir: pathlib.Path, run: RunRecord) -> list[dict]:
                 spec_prior, reuse_prior = float(spec_stats.acceptance), float(spec_stats.reuse_acceptance)
             elif spec.enabled:
                 row["spec/speculated_frac"] = 0.0
-            if drafts is not None:  # each process stores (and later drafts) only its own rows
-                tok = np.full((B, rc.max_new_tokens), tokenizer.pad_id, np.int32)
-                n, lp = np.zeros((B,), np.int32), np.zeros((B, rc.max_new_tokens), np.float32)
-                tok[rows], n[rows], lp[rows] = my_tokens_BxT, my_mask_BxT.sum(1), local_rows(out.logp_BxT)
-                drafts.update(prompt_BxP, pmask_BxP, tok, n, lp, G)
+            if drafts is not None:  # every process stores all rows, so process 0's checkpoint holds them
+                drafts.update(prompt_BxP, pmask_BxP, gather_rows(rows_sharding, my_tokens_BxT, B),
+                              mask_BxT.sum(1).astype(np.int32),
+                              gather_rows(rows_sharding, local_rows(out.logp_BxT), B), G)
             pending = (row, metrics, t0)
             if tc.eval_every and step % tc.eval_every == 0 or step == tc.steps:
                 last_eval = evaluate(state.params)
@@ -294,8 +283,12 @@ def _train(cfg: Config, workdir: pathlib.Path, run: RunRecord) -> list[dict]:
             if "eval/accuracy" in row and is_primary():
                 plot(log.rows, workdir / "progress.png", title=str(workdir.name))
             if save_now:
-                ckpt.save(manager, step, state, {"stream": stream._asdict(), "spec_prior": spec_prior,
-                                                 "spec_reuse_prior": reuse_prior}, force=True)
+                saved = {"stream": stream._asdict(), "spec_prior": spec_prior, "spec_reuse_prior": reuse_prior}
+                if costs is not None:
+                    saved["spec_costs"] = costs_to_json(costs)
+                if drafts is not None:
+                    saved["spec_drafts"] = drafts.to_state()
+                ckpt.save(manager, step, state, saved, force=True)
             if stopping:
                 print(f"jaxrl: SIGTERM received; saved step {step} to {workdir / 'checkpoints'}", file=sys.stderr)
                 break
@@ -312,6 +305,33 @@ def _train(cfg: Config, workdir: pathlib.Path, run: RunRecord) -> list[dict]:
     if tc.progress and is_primary():
         print(json.dumps(summary))
     return log.rows
+
+
+def _speculative_costs(cfg: Config, model_cfg, params, host: dict, n_rows: int):
+    """The step costs the speculation control uses (None: the configured constants): a resumed run's
+    checkpointed ones, else this machine's cached measurement for the rollout shape (measured now if
+    missing). Never re-timed within a run, so the wall clock does not pick the sampled tokens."""
+    spec = cfg.rollout.speculative
+    if not (spec.enabled and spec.calibrate):
+        return None
+    if "spec_costs" in host:
+        costs, where = costs_from_json(host["spec_costs"]), "from the checkpoint"
+    else:
+        cache_len = prompt_width(cfg.data) + cfg.rollout.max_new_tokens + widest_draft(spec) + 1
+        costs, where = constant_costs(spec), ""
+        if is_primary():  # the other processes take process 0's costs
+            costs, path, measured = cached_step_costs(params, model_cfg, spec, n_rows, cache_len,
+                                                      cache_root(cfg) / "speculative_costs")
+            where = f"{'measured now, saved to' if measured else 'cached in'} {path}"
+        if jax.process_count() > 1:  # every process must feed the rollout the same (replicated) costs
+            from jax.experimental import multihost_utils
+
+            costs = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, costs)))
+    if is_primary():
+        print(f"jaxrl: speculative costs on this machine ({where}), in plain decode steps: "
+              f"verify k=1..{widest_draft(spec)} drafts {[round(float(c), 2) for c in np.asarray(costs.verify_K)]}, "
+              f"one drafted token {float(costs.draft):.2f}", file=sys.stderr)
+    return costs
 
 
 def _emit(log: MetricsLog, bar, row: dict, metrics, t0: float) -> None:

@@ -4,7 +4,10 @@
 tokenizer.json) or the output of `jaxrl convert --from-hf` (the same tokenizer files, model_config.json
 and Orbax params). The architecture comes from the checkpoint; the run-time fields of `model` (dtype,
 max_seq_len, MoE dispatch and loss coefficients) from the run's config. Either way the params are
-placed straight into the mesh preset's shardings.
+placed straight into the mesh preset's shardings. The model config carries the checkpoint's own context
+length (`hf_max_position_embeddings`) and RoPE scaling, so exporting a run trained at 1,024 tokens
+writes the checkpoint's max_position_embeddings back, and it never holds the path (`hf_path` is ""):
+the jitted functions that take it as a static argument compile once per architecture.
 
     jaxrl convert --from-hf HF_DIR --to OUT          # -> Orbax params + model_config.json + tokenizer files
     jaxrl convert --from RUN_OR_OUT --to-hf HF_DIR   # a converted dir, or a run's latest checkpoint -> HF
@@ -29,7 +32,7 @@ MODEL_CONFIG = "model_config.json"
 # Files of a HF checkpoint that are not weights: copied along by `convert` in both directions.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 # ModelConfig fields a run chooses for itself, whatever the checkpoint says.
-RUNTIME_FIELDS = ("max_seq_len", "dtype", "moe_dispatch", "capacity_factor", "moe_aux_coef", "moe_z_coef", "hf_path")
+RUNTIME_FIELDS = ("max_seq_len", "dtype", "moe_dispatch", "capacity_factor", "moe_aux_coef", "moe_z_coef")
 
 
 def _shardings_fn(mesh, preset):
@@ -43,14 +46,16 @@ def _shardings_fn(mesh, preset):
 
 
 def checkpoint_config(model: ModelConfig) -> ModelConfig:
-    """The ModelConfig of `model.hf_path`: its architecture, `model`'s run-time fields."""
+    """The ModelConfig of `model.hf_path`: its architecture, `model`'s run-time fields, hf_path ""."""
     path = pathlib.Path(model.hf_path).expanduser()
     if not path.is_dir():
         raise ConfigError(f"model.hf_path: directory {str(path)!r} not found")
     if not (path / MODEL_CONFIG).is_file():
         return hf.model_config(hf.read_config(path), model, str(path / "config.json"))
     saved = json.loads((path / MODEL_CONFIG).read_text())
-    cfg = dataclasses.replace(ModelConfig(**saved), **{f: getattr(model, f) for f in RUNTIME_FIELDS})
+    if "hf_max_position_embeddings" not in saved and (path / "config.json").is_file():  # converted before it existed
+        saved["hf_max_position_embeddings"] = hf.read_config(path).get("max_position_embeddings") or 0
+    cfg = dataclasses.replace(ModelConfig(**saved), hf_path="", **{f: getattr(model, f) for f in RUNTIME_FIELDS})
     cfg.validate()
     return cfg
 
@@ -91,8 +96,7 @@ def _copy_side_files(src: pathlib.Path, dst: pathlib.Path) -> None:
 def convert_from_hf(src, dst) -> ModelConfig:
     """A HF checkpoint directory -> Orbax params + model_config.json + its tokenizer files."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
-    cfg, params = hf.load(src)
-    cfg = dataclasses.replace(cfg, hf_path="")
+    cfg, params = hf.load(src)  # max_seq_len: the checkpoint's; a run replaces it with its own
     if (dst / "params").exists():
         raise ConfigError(f"--to {str(dst)!r}: already holds converted params; choose a new directory")
     dst.mkdir(parents=True, exist_ok=True)

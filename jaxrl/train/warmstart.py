@@ -39,6 +39,7 @@ def _without_new_defaults(section, default) -> dict:
     so cache keys made before those fields existed stay valid."""
     later = ("qkv_bias", "qk_norm", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
              "rope_high_freq_factor", "rope_original_max_len", "router_norm_topk", "shared_expert_gate", "hf_path",
+             "dense_tail_layers", "hf_max_position_embeddings",
              "train_file", "test_file", "prompt_template")
     return {k: v for k, v in dataclasses.asdict(section).items()
             if k not in later or v != getattr(default, k)}
