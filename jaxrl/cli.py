@@ -1,4 +1,5 @@
-"""`jaxrl train|variants` — the command line. User mistakes exit with one line on stderr, code 2."""
+"""`jaxrl train|convert|variants` — the command line. User mistakes exit with one line on stderr, code 2; a
+run that cannot go on (no checkpoint restores, the loss went NaN) with one line, code 1."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pathlib
 import sys
 
 from jaxrl.config import ConfigError, load_config
+from jaxrl.errors import RunError
 
 
 class UserError(Exception):
@@ -19,9 +21,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train (or resume) a run from a config file")
     t.add_argument("config", help="a config file, e.g. configs/grpo_arithmetic.py")
-    t.add_argument("--workdir", default=None, help="run directory (default: runs/<config stem>/); resumes if it holds checkpoints")
+    t.add_argument("--workdir", default=None, help="run directory (default: runs/<config stem>/); resumes if it holds checkpoints (same config, "
+                        "see --allow-config-change)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
                    help="override a config field; may be repeated")
+    t.add_argument("--allow-config-change", action="store_true",
+                   help="resume a run whose config differs from its config.json (model.* excepted); the old "
+                        "config is kept in config_history.jsonl")
     t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="multi-process run: process 0's address (env JAXRL_COORDINATOR)")
     t.add_argument("--num-processes", type=int, default=None, metavar="N",
@@ -102,6 +108,11 @@ def variants_table(configs_dir: str | pathlib.Path | None = None) -> str:
     return "\n".join(rows)
 
 
+def _one_line(e: Exception) -> str:
+    """The message on one line (an exception quoted inside it may span several)."""
+    return " ".join(str(e).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 init_distributed(**dist)
             from jaxrl.train.loop import train  # heavy imports only once the config is known good
 
-            train(cfg, workdir)
+            train(cfg, workdir, allow_config_change=args.allow_config_change)
             return 0
         if args.command == "convert":
             from jaxrl.train import pretrained
@@ -132,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             print(variants_table(args.configs))
             return 0
     except (ConfigError, UserError) as e:
-        print(f"jaxrl: error: {e}", file=sys.stderr)
+        print(f"jaxrl: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except RunError as e:  # no checkpoint restores, the loss went NaN: nothing the user typed was wrong
+        print(f"jaxrl: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     return 1
 
 

@@ -8,6 +8,7 @@ names the field or file and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 
@@ -18,6 +19,22 @@ class ConfigError(ValueError):
 def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
     if not cond:
         raise ConfigError(f"{field}: got {value!r}, expected {allowed}")
+
+
+def _check_learning_rate(value: float, field: str) -> None:
+    # inf passes `> 0` and turns the first update into NaN parameters; NaN fails every comparison.
+    _check(math.isfinite(value) and value > 0, field, "a positive finite number", value)
+
+
+def _check_finite_floats(section: Any, prefix: str) -> None:
+    """inf / nan in any float field is a typo or an overflow, never a setting (loss.eps_low /
+    eps_high excepted: there inf means no clip on that side)."""
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if dataclasses.is_dataclass(v):
+            _check_finite_floats(v, f"{prefix}.{f.name}")
+        elif isinstance(v, float) and f"{prefix}.{f.name}" not in ("loss.eps_low", "loss.eps_high"):
+            _check(math.isfinite(v), f"{prefix}.{f.name}", "a finite number", v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +315,7 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def validate(self, prefix: str = "optim") -> None:
-        _check(self.learning_rate > 0, f"{prefix}.learning_rate", "a positive number", self.learning_rate)
+        _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
         _check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "a non-negative integer", self.warmup_steps)
         _check(self.decay_steps >= 0, f"{prefix}.decay_steps", "a non-negative integer", self.decay_steps)
         _check(0 <= self.end_lr_ratio <= 1, f"{prefix}.end_lr_ratio", "a number in [0, 1]", self.end_lr_ratio)
@@ -321,7 +338,7 @@ class WarmStartConfig:
     def validate(self, prefix: str = "warmstart") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer (0 = random init)", self.steps)
         _check(self.batch_size > 0, f"{prefix}.batch_size", "a positive integer", self.batch_size)
-        _check(self.learning_rate > 0, f"{prefix}.learning_rate", "a positive number", self.learning_rate)
+        _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
         _check(0 <= self.teacher_error <= 1, f"{prefix}.teacher_error", "a number in [0, 1]", self.teacher_error)
 
 
@@ -393,6 +410,7 @@ class Config:
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
+            _check_finite_floats(getattr(self, f.name), f.name)
             getattr(self, f.name).validate(f.name)
         b = self.rollout.prompts_per_step * self.rollout.group_size
         _check(b % self.train.microbatches == 0, "train.microbatches",

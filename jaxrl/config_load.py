@@ -136,8 +136,8 @@ def load_config(path: str | pathlib.Path, overrides: Optional[list[str]] = None)
         raise ConfigError(f"config file {str(path)!r} defines no get_config()")
     try:
         cfg = module.get_config()
-    except TypeError as e:
-        raise ConfigError(f"config file {str(path)!r}: {e}") from e
+    except Exception as e:  # any failure inside the user's get_config() is a mistake in that file
+        raise ConfigError(f"config file {str(path)!r}: get_config() raised {type(e).__name__}: {e}") from e
     if not isinstance(cfg, Config):
         raise ConfigError(f"config file {str(path)!r}: get_config() returned {type(cfg).__name__}, expected Config")
     cfg = apply_overrides(cfg, overrides or [])

@@ -38,7 +38,12 @@ def _read_lines(path: pathlib.Path, field: str) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"{field}: file {str(path)!r} not found")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # JSON text is UTF-8 (RFC 8259); name where it is not
+            raise ConfigError(f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                              "re-encode the file as UTF-8") from None
         if not line.strip():
             continue
         try:

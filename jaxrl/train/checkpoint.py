@@ -1,20 +1,28 @@
 """Asynchronous Orbax checkpoints of the whole run: train state, data position and host counters.
 
 One `CheckpointManager` holds, per step, the `TrainState` pytree (params, optimizer state, step, RNG,
-reference params with a KL term) and a JSON item with the data-stream position. A save returns after the device
-arrays are copied; writing continues in the background. A kill mid-save leaves a temporary folder
-that the manager ignores, so the last finished step is always restorable.
+reference params with a KL term) and a JSON item with the data-stream position. A save returns after
+the device arrays are copied; writing continues in the background. A kill mid-save leaves a temporary folder
+that the manager ignores, so the last finished step is always restorable. A finished checkpoint that
+no longer restores (a file truncated or lost later) is moved to `checkpoints.unreadable/` and the run
+resumes from the newest one that does; NaN/inf parameters are never saved.
 """
 
 from __future__ import annotations
 
 import pathlib
+import shutil
+import sys
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl.config import CheckpointConfig, ConfigError
+from jaxrl.errors import RunError
+from jaxrl.sharding import any_process, is_primary
 
 
 def make_manager(workdir: pathlib.Path, cfg: CheckpointConfig) -> ocp.CheckpointManager:
@@ -24,19 +32,95 @@ def make_manager(workdir: pathlib.Path, cfg: CheckpointConfig) -> ocp.Checkpoint
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, host: dict, *, force: bool = False) -> bool:
-    """Start saving `state` and the JSON-able `host` dict at `step`; returns whether a save started."""
+    """Start saving `state` and the JSON-able `host` dict at `step`; returns whether a save started.
+    Non-finite parameters are never saved (NonFiniteError): they would rotate the good checkpoints out."""
+    check_finite(state, step)
     return manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       host=ocp.args.JsonSave(host)), force=force)
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> Optional[tuple[int, Any, dict]]:
-    """(step, state, host) of the newest finished checkpoint, placed like `abstract_state`; None if none."""
-    step = manager.latest_step()
-    if step is None:
-        return None
+class CheckpointError(RunError):
+    """No checkpoint of the run can be restored; one line naming the directory and the newest's error."""
+
+
+class NonFiniteError(RunError):
+    """The run produced non-finite values; it stops rather than save them. One line naming the step."""
+
+
+UNREADABLE = "checkpoints.unreadable"  # next to checkpoints/: orbax neither lists nor rotates it
+
+
+def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[int, Any, dict]:
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                              host=ocp.args.JsonRestore()))
     return step, restored["state"], dict(restored["host"])
+
+
+def _first_line(e: BaseException) -> str:
+    """The root cause's first line: orbax wraps tensorstore's one-line reason in a page of spec."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    line = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {line[:300]}"
+
+
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> Optional[tuple[int, Any, dict]]:
+    """(step, state, host) of the newest checkpoint that restores, placed like `abstract_state`; None if
+    there is none. A newer one that fails (a truncated file) is moved aside to `checkpoints.unreadable/`
+    (never deleted), with a line on stderr, and the next older one is tried. If none restores, nothing
+    is moved (a config that does not fit the checkpoints fails on all of them): a CheckpointError."""
+    failed: list[tuple[int, str]] = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            result, error = _restore(manager, step, abstract_state), None
+        except Exception as e:  # noqa: BLE001 (tensorstore, orbax and JSON errors alike)
+            result, error = None, _first_line(e)
+        if any_process(error is not None):  # every process restores the same step, or none does
+            failed.append((step, error or "failed on another process"))
+            continue
+        if failed:
+            _set_aside(manager, failed, step)
+        return result
+    if failed:
+        step, error = failed[0]
+        raise CheckpointError(f"no checkpoint in {manager.directory} could be restored; the newest, step {step}: "
+                              f"{error}")
+    return None
+
+
+def _set_aside(manager: ocp.CheckpointManager, failed: list[tuple[int, str]], good: int) -> None:
+    """Move the unreadable steps out of the manager's directory, so that the run's next save of that
+    step number does not collide and checkpoint rotation never deletes them."""
+    directory = pathlib.Path(manager.directory)
+    aside = directory.parent / UNREADABLE
+    if is_primary():
+        aside.mkdir(exist_ok=True)
+        for step, error in failed:
+            target = aside / str(step)
+            n = 1
+            while target.exists():
+                target, n = aside / f"{step}-{n}", n + 1
+            shutil.move(str(directory / str(step)), target)
+            print(f"jaxrl: checkpoint step {step} could not be restored ({error}); moved to {target}; "
+                  f"resuming from step {good}", file=sys.stderr)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxrl: unreadable checkpoints set aside")
+    manager.reload()
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def check_finite(state: Any, step: int) -> None:
+    """NonFiniteError unless every parameter is finite: a checkpoint never holds NaN/inf weights."""
+    if not bool(np.asarray(_all_finite(state.params).addressable_data(0))):  # replicated: any process reads it
+        raise NonFiniteError(f"step {step}: the parameters hold NaN/inf values; stopped without saving them "
+                             "(the newest checkpoint is the last finite one). Lower optim.learning_rate, or "
+                             "check the rewards")
 
 
 def abstract_like(state: Any) -> Any:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl.config import Config, to_dict
+from jaxrl.config import Config
 from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
@@ -41,6 +41,7 @@ from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.warmstart import cache_root, load_or_train_base
+from jaxrl.train.workdir import RunRecord, open_run
 
 
 class _StopFlag:
@@ -84,12 +85,14 @@ def _placed(x, sharding):
     return put_global(sharding, np.asarray(x))
 
 
-def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
-    """Run (or resume) the job in `workdir`; returns the metric rows written."""
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    if is_primary():  # with several processes, only process 0 writes files other than checkpoints
-        (workdir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+def train(cfg: Config, workdir: pathlib.Path, allow_config_change: bool = False) -> list[dict]:
+    """Run (or resume) the job in `workdir`; returns the metric rows written. The workdir is checked
+    and locked first, and a config that differs from the run's is refused (jaxrl.train.workdir)."""
+    with open_run(cfg, pathlib.Path(workdir), allow_config_change) as run:
+        return _train(cfg, pathlib.Path(workdir), run)
+
+
+def _train(cfg: Config, workdir: pathlib.Path, run: RunRecord) -> list[dict]:
     tc, rc = cfg.train, cfg.rollout
     G, B = rc.group_size, rc.prompts_per_step * rc.group_size
     mesh, preset = make_mesh(cfg.mesh)
@@ -115,6 +118,7 @@ def train(cfg: Config, workdir: pathlib.Path) -> list[dict]:
         if not loss.needs_ref:  # a reference copy from a checkpoint written before it was optional
             state = state._replace(ref_params=None)
         stream = from_arrays(host["stream"])
+        run.commit(start)  # an allowed config change is recorded only once the checkpoint restored
     log = MetricsLog(workdir, resume_step=start if restored is not None else None, write=is_primary())
 
     logp_fn = make_logp_fn(model_cfg, rc.temperature, routing_replay=tc.routing_replay)
@@ -351,8 +355,19 @@ def _emit(log: MetricsLog, bar, row: dict, metrics, t0: float) -> None:
     row["clip_frac"] = row.get("clipped_low", 0.0) + row.get("clipped_high", 0.0)
     row["step_seconds"] = time.perf_counter() - t0
     log.write(row)
+    _stop_if_not_finite(row)
     bar.update(row["step"] - bar.n)
     post = {"reward": f"{row['reward/mean']:.3f}", "tok/s": f"{row['rollout/tokens_per_s']:.0f}"}
     if row.get("eval/accuracy") is not None:
         post["acc"] = f"{row['eval/accuracy']:.3f}"
     bar.set_postfix(post)
+
+
+def _stop_if_not_finite(row: dict) -> None:
+    """A NaN/inf loss or gradient norm stops the run before anything after it is saved (every save
+    first pulls its step's row): the newest checkpoint stays the last finite one."""
+    bad = {k: row.get(k) for k in ("loss", "grad_norm") if not np.isfinite(row.get(k, 0.0))}
+    if bad:
+        raise ckpt.NonFiniteError(f"step {row['step']}: " + ", ".join(f"{k} is {v}" for k, v in bad.items()) +
+                                  "; stopped without saving this or any later step (the newest checkpoint is the "
+                                  "last finite one). Lower optim.learning_rate, or check the rewards")

@@ -31,7 +31,7 @@ class MetricsLog:
         if not write:
             return
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
+            for line in self.path.read_text(errors="replace").splitlines():  # a garbled line is skipped
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:  # a torn last line from a kill

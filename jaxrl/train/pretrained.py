@@ -113,8 +113,9 @@ def convert_from_hf(src, dst) -> ModelConfig:
 def _run_params(run: pathlib.Path):
     """(model_cfg, params, source dir of tokenizer files or None) of a run's newest checkpoint."""
     from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.train.workdir import read_run_config
 
-    run_cfg = json.loads((run / "config.json").read_text())
+    run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
     model = ModelConfig(**{k: v for k, v in run_cfg["model"].items()
                            if k in {f.name for f in dataclasses.fields(ModelConfig)}})
     side = None
