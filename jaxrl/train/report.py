@@ -1,0 +1,37 @@
+"""A step's metrics row, once its update has run: pull the device metrics, write the row, stop on
+a non-finite loss, move the progress bar."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from jaxrl.train.checkpoint import NonFiniteError
+from jaxrl.train.metrics import MetricsLog
+
+
+def emit(log: MetricsLog, bar, row: dict, metrics, t0: float) -> None:
+    """Pull the device metrics of a dispatched step, write its row and update the progress bar."""
+    row = dict(row)
+    row.update({k: float(v) for k, v in jax.device_get(metrics).items()})
+    row["clip_frac"] = row.get("clipped_low", 0.0) + row.get("clipped_high", 0.0)
+    row["step_seconds"] = time.perf_counter() - t0
+    log.write(row)
+    stop_if_not_finite(row)
+    bar.update(row["step"] - bar.n)
+    post = {"reward": f"{row['reward/mean']:.3f}", "tok/s": f"{row['rollout/tokens_per_s']:.0f}"}
+    if row.get("eval/accuracy") is not None:
+        post["acc"] = f"{row['eval/accuracy']:.3f}"
+    bar.set_postfix(post)
+
+
+def stop_if_not_finite(row: dict) -> None:
+    """A NaN/inf loss or gradient norm stops the run before anything after it is saved (every save
+    first pulls its step's row): the newest checkpoint stays the last finite one."""
+    bad = {k: row.get(k) for k in ("loss", "grad_norm") if not np.isfinite(row.get(k, 0.0))}
+    if bad:
+        raise NonFiniteError(f"step {row['step']}: " + ", ".join(f"{k} is {v}" for k, v in bad.items()) +
+                             "; stopped without saving this or any later step (the newest checkpoint is the "
+                             "last finite one). Lower optim.learning_rate, or check the rewards")
