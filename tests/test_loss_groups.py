@@ -31,10 +31,11 @@ def _sizes(name):
 
 
 def _rows(n, rng):
-    """n live rows: lengths 1..T (the full ones truncated), binary + graded rewards, log-probs."""
+    """n live rows: lengths 1..T (the full ones truncated), K = 3 binary / graded rewards, log-probs."""
     lengths = rng.integers(1, T + 1, n)
     mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
-    rewards = np.stack([rng.integers(0, 2, n), rng.integers(0, 3, n) / 2.0], 1).astype(np.float32)
+    # K = 3 so that two reward functions can outvote one (GD2PO's conflict mask then drops rows)
+    rewards = np.stack([rng.integers(0, 2, n), rng.integers(0, 3, n) / 2.0, rng.integers(0, 2, n)], 1).astype(np.float32)
     old = -2.0 * rng.random((n, T), np.float32)
     return {"completion_mask_BxT": mask, "rewards_BxK": rewards, "truncated_B": (lengths == T).astype(np.float32),
             "old_logp_BxT": old, "rollout_logp_BxT": old + 0.5 * rng.standard_normal((n, T), np.float32),
@@ -45,8 +46,10 @@ def _unequal_batch(sizes, seed=0, n_pad=2):
     """Groups of `sizes`, rows shuffled, group ids arbitrary (not 0..N-1), `n_pad` padding rows (mask 0)."""
     rng = np.random.default_rng(seed)
     batch = _rows(sum(sizes) + n_pad, rng)
-    if sizes != ODD:  # a constant group (rewards equal in both columns): no signal
+    if sizes != ODD:  # a constant group (every reward column, and short rows: no overlong shaping): no signal
         batch["rewards_BxK"][:sizes[0]] = 1.0
+        batch["completion_mask_BxT"][:sizes[0], 1:] = 0.0
+        batch["truncated_B"][:sizes[0]] = 0.0
     ids = np.concatenate([np.full(n, 10 * g + 7, np.int32) for g, n in enumerate(sizes)] + [np.zeros(n_pad, np.int32)])
     ids[len(ids) - n_pad:] = ids[:n_pad]  # padding shares a real group's id: it must still count nowhere
     batch["completion_mask_BxT"][len(ids) - n_pad:] = 0.0
@@ -186,6 +189,26 @@ def test_a_negative_group_id_is_padding_whatever_its_rewards():
         np.testing.assert_allclose(out[[0, 1]], out[[3, 4]], rtol=1e-6)  # the two live groups alike
 
 
+def test_an_explicit_live_mask_keeps_a_padding_row_out_of_the_group_it_shares_an_id_with():
+    r = jnp.asarray([1.0, 0.0, 0.0, 9.0])
+    alone = adv_lib.group_mean_std()(r[:3], 3)
+    with_pad = adv_lib.group_mean_std()(r, segments.from_ids(jnp.asarray([4, 4, 4, 4]), live_B=jnp.asarray([1, 1, 1, 0])))
+    np.testing.assert_allclose(with_pad[:3], alone, rtol=1e-6)
+    assert float(with_pad[3]) == 0.0
+
+
+def test_dapo_drops_whole_constant_groups_and_keeps_zero_rows_of_informative_ones():
+    # ids 2: r [1, 0, .5] -> A = [1, -1, 0]: informative, its A = 0 row stays; ids 5: r [1, 1] constant -> dropped;
+    # ids 8: r [0, 1, 1, 0] informative. Short rows: no overlong shaping (L_max = 5, L_c = 1, |y| = 2).
+    ids = np.array([2, 5, 8, 2, 8, 5, 2, 8, 8], np.int32)
+    r = np.array([1, 1, 0, 0, 1, 1, .5, 1, 0], np.float32)
+    batch = {"completion_mask_BxT": (np.arange(T)[None, :] < 2).repeat(9, 0).astype(np.float32),
+             "rewards_BxK": r[:, None], "group_id_B": ids}
+    adv, mask = _prepared("dapo", batch)
+    assert adv[6] == 0.0
+    np.testing.assert_array_equal(mask[:, 0], (ids != 5).astype(np.float32))
+
+
 # ============================================================================= the oracle: each group alone
 
 
@@ -244,6 +267,8 @@ def test_every_preset_on_unequal_groups_equals_each_group_alone(name):
     np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(mask, want_mask)
     assert np.any(adv != 0)
+    if name in ("gd2po", "mc_grpo", "dapo"):  # the row filter does drop live rows here
+        assert np.any(batch["completion_mask_BxT"].any(1) & ~mask.any(1))
 
 
 # ============================================================================= the batch contract
