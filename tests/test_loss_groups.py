@@ -35,7 +35,8 @@ def _rows(n, rng):
     lengths = rng.integers(1, T + 1, n)
     mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
     # K = 3 so that two reward functions can outvote one (GD2PO's conflict mask then drops rows)
-    rewards = np.stack([rng.integers(0, 2, n), rng.integers(0, 3, n) / 2.0, rng.integers(0, 2, n)], 1).astype(np.float32)
+    rewards = np.stack([rng.integers(0, 2, n), rng.integers(0, 3, n) / 2.0, rng.integers(0, 2, n)], 1)
+    rewards = rewards.astype(np.float32)
     old = -2.0 * rng.random((n, T), np.float32)
     return {"completion_mask_BxT": mask, "rewards_BxK": rewards, "truncated_B": (lengths == T).astype(np.float32),
             "old_logp_BxT": old, "rollout_logp_BxT": old + 0.5 * rng.standard_normal((n, T), np.float32),
@@ -192,7 +193,8 @@ def test_a_negative_group_id_is_padding_whatever_its_rewards():
 def test_an_explicit_live_mask_keeps_a_padding_row_out_of_the_group_it_shares_an_id_with():
     r = jnp.asarray([1.0, 0.0, 0.0, 9.0])
     alone = adv_lib.group_mean_std()(r[:3], 3)
-    with_pad = adv_lib.group_mean_std()(r, segments.from_ids(jnp.asarray([4, 4, 4, 4]), live_B=jnp.asarray([1, 1, 1, 0])))
+    g = segments.from_ids(jnp.asarray([4, 4, 4, 4]), live_B=jnp.asarray([1, 1, 1, 0]))  # one id, row 3 padding
+    with_pad = adv_lib.group_mean_std()(r, g)
     np.testing.assert_allclose(with_pad[:3], alone, rtol=1e-6)
     assert float(with_pad[3]) == 0.0
 
@@ -296,7 +298,8 @@ def test_update_step_reads_group_id_B_across_microbatches():
         return logp_BxT, jnp.zeros_like(logp_BxT)
 
     params = {"w": jnp.linspace(-1.0, 1.0, V)}
-    batch = {"tokens_BxT": rng.integers(0, V, (6, T)).astype(np.int32), "completion_mask_BxT": np.ones((6, T), np.float32),
+    batch = {"tokens_BxT": rng.integers(0, V, (6, T)).astype(np.int32),
+             "completion_mask_BxT": np.ones((6, T), np.float32),
              "rewards_BxK": np.array([[1], [0], [1], [0], [0], [0]], np.float32),
              "group_id_B": np.array([0, 1, 1, 0, 0, 1], np.int32)}
     loss = PRESETS["grpo"]()
@@ -306,7 +309,8 @@ def test_update_step_reads_group_id_B_across_microbatches():
     applied = (params["w"] - state.params["w"]) / 0.1  # SGD: the update applied -0.1 * its gradient
 
     def grad(b):
-        return jax.grad(lambda p: evaluate_loss(loss, logp_fn(p, b)[0], b, group_size=2, max_new_tokens=T).loss)(params)["w"]
+        value = lambda p: evaluate_loss(loss, logp_fn(p, b)[0], b, group_size=2, max_new_tokens=T).loss  # noqa: E731
+        return jax.grad(value)(params)["w"]
 
     want, without_ids = grad(batch), grad({k: v for k, v in batch.items() if k != "group_id_B"})
     np.testing.assert_allclose(applied, want, rtol=1e-5, atol=1e-6)
