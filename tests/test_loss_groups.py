@@ -179,6 +179,7 @@ def test_padding_rows_get_zero_and_do_not_move_the_others(name):
     assert np.all(adv[~live] == 0) and np.all(mask[~live] == 0)
     np.testing.assert_allclose(adv[live], adv_live, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(mask[live], mask_live)
+    assert np.any(adv != 0)  # groups were read (group_size=1 alone would give all-0 group advantages)
 
 
 def test_a_negative_group_id_is_padding_whatever_its_rewards():
