@@ -2,8 +2,9 @@
 
 A `Loss` is
 
-    advantages(rewards_BxK, group_size) -> adv_B                  the advantage estimator (group_size static);
-                                                                  with `reward_shaping`, also takes bonus_B
+    advantages(rewards_BxK, groups) -> adv_B                      the advantage estimator; groups = a static
+                                                                  group_size or a `segments.Groups` (group
+                                                                  ids); with `reward_shaping`, also bonus_B
     prepare(batch, group_size, max_new_tokens) -> batch           ONCE on the whole update batch, inside
                                                                   the jitted update, after the advantages
                                                                   and old / ref log-probs, before weights
@@ -23,6 +24,11 @@ weights, token loss, `weighted_sum` -- and the update step calls the same functi
 `evaluate_loss(loss, logp_BxT, batch, group_size=G, max_new_tokens=T)` is the update's loss on a batch.
 The update minimises the sum over microbatches of `weighted_sum(weights_BxT, loss_BxT)`; since the
 advantages, prepare and weights see the whole batch, that is exactly the full-batch loss and gradient.
+
+Groups: a batch may carry `group_id_B` (int32 [B]; equal ids = one group of any size, rows anywhere,
+id < 0 or an all-0 completion mask = padding, advantage 0 and in no statistic). Without it the groups
+are group_size adjacent rows. The advantage step passes the estimator `segments.Groups` built from it;
+prepare parts read it with `segments.batch_groups(batch, group_size)` (see `evaluate.py`).
 
 `batch` keys read by token_loss: completion_mask_BxT, old_logp_BxT, advantages_B (or advantages_BxT),
 ref_logp_BxT (KL term), entropy_BxT (entropy bonus), rollout_logp_BxT (TIS / MIS), and whatever keys
@@ -49,7 +55,7 @@ from jaxrl.losses.prepare import no_prepare
 
 class Loss(NamedTuple):
     name: str
-    advantages: Callable  # (rewards_BxK, group_size: int[, bonus_B]) -> adv_B
+    advantages: Callable  # (rewards_BxK, groups: group_size int | segments.Groups[, bonus_B]) -> adv_B
     weights: Callable  # (completion_mask_BxT, max_new_tokens: int) -> weights_BxT
     token_loss: Callable  # (logp_BxT, batch: dict) -> (loss_BxT, stats)
     prepare: Callable = no_prepare  # (batch, group_size: int, max_new_tokens: int) -> batch

@@ -15,6 +15,14 @@ that produced logp_BxT is the update's gradient. `group_size` and `max_new_token
 here and passed on to every part; a batch they do not fit is an error naming both.
 
 The batch carries `rewards_BxK`, never `advantages_B`: the advantages are computed here, in one place.
+
+Groups: without `group_id_B`, the B rows are B / group_size groups of group_size ADJACENT rows (what
+the plain sampler makes). With `group_id_B` (int32 [B], one group id per row: rows with equal ids form
+one group, of any size, anywhere in the batch; id < 0 = a padding row) the groups are read from it and
+group_size only has to be a positive int; rows whose completion mask is all 0 are padding too
+(`segments.mark_padding`, once, before the advantages). A padding row gets advantage 0 and counts in no
+group or batch statistic. Every estimator and group-reading prepare part works on segments
+(`segments.py`); the equal form is the special case group_id_B = row // group_size.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrl.losses import segments as seg
 from jaxrl.losses.aggregation import reduce_stats, weighted_sum
 from jaxrl.losses.compose import Loss
 
@@ -36,9 +45,10 @@ class LossEvaluation(NamedTuple):
 
 
 def check_batch(batch: dict, group_size: int, max_new_tokens: int) -> None:
-    """ValueError naming group_size / max_new_tokens and the batch's shape when they do not fit it:
-    B rows are whole groups of `group_size` adjacent rows; completions are `max_new_tokens` wide (the
-    sampler's T). Shapes are static, so this runs once, at trace time."""
+    """ValueError naming group_size / max_new_tokens / group_id_B and the batch's shape when they do not
+    fit it: without group_id_B, B rows are whole groups of `group_size` adjacent rows; with it, it is
+    an int [B] array; completions are `max_new_tokens` wide (the sampler's T). Shapes are static, so
+    this runs once, at trace time."""
     if "completion_mask_BxT" not in batch:
         raise KeyError("the batch has no completion_mask_BxT")
     B, T = batch["completion_mask_BxT"].shape
@@ -49,9 +59,11 @@ def check_batch(batch: dict, group_size: int, max_new_tokens: int) -> None:
             ok = False
         if not ok:
             raise ValueError(f"{name}: got {value!r}, expected a positive (static) int")
-    if B % group_size:
+    if "group_id_B" in batch:
+        _check_group_ids(batch["group_id_B"], B, T)
+    elif B % group_size:
         raise ValueError(f"group_size={group_size} does not divide the batch's B={B} rows (completion_mask_BxT "
-                         f"{(B, T)}): a batch is whole groups of group_size adjacent rows")
+                         f"{(B, T)}): a batch is whole groups of group_size adjacent rows (or give group_id_B)")
     if T != max_new_tokens:
         raise ValueError(f"max_new_tokens={max_new_tokens} but the batch's completions are T={T} wide "
                          f"(completion_mask_BxT {(B, T)}); the rollout makes T = max_new_tokens")
@@ -62,27 +74,40 @@ def check_batch(batch: dict, group_size: int, max_new_tokens: int) -> None:
             raise ValueError(f"batch[{key!r}] has shape {tuple(x.shape)}, but completion_mask_BxT is {(B, T)}")
 
 
+def _check_group_ids(ids, B: int, T: int) -> None:
+    shape, dtype = tuple(getattr(ids, "shape", ())), getattr(ids, "dtype", None)
+    if shape != (B,):
+        raise ValueError(f"batch['group_id_B'] has shape {shape}, expected ({B},): one group id per row "
+                         f"(completion_mask_BxT is {(B, T)})")
+    if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
+        raise ValueError(f"batch['group_id_B'] has dtype {dtype}, expected int32 group ids (id < 0 = padding)")
+
+
 def batch_advantages(loss: Loss, batch: dict, group_size: int, max_new_tokens: int) -> jax.Array:
-    """adv_B of the batch: `loss.advantages(rewards_BxK, group_size)`, with the bonus_B of the loss's
-    reward shaping (DAPO's overlong penalty, KL in the reward) added to the combined reward first."""
+    """adv_B of the batch: `loss.advantages(rewards_BxK, groups)`, with the bonus_B of the loss's
+    reward shaping (DAPO's overlong penalty, KL in the reward) added to the combined reward first.
+    groups: `segments.Groups` from the batch's group_id_B (padding marked: run `segments.mark_padding`
+    first, as `prepare_batch` does), else the static group_size."""
     if "advantages_B" in batch:
         raise ValueError("the batch carries advantages_B, but the loss computes the advantages from rewards_BxK "
                          "(Loss.advantages with its reward shaping) inside the update; drop advantages_B")
     if "rewards_BxK" not in batch:
         raise KeyError("the batch has no rewards_BxK (B x K rewards, one column per reward function): the "
                        "advantages are computed from them")
-    rewards_BxK = batch["rewards_BxK"]
+    rewards_BxK, groups = batch["rewards_BxK"], seg.batch_groups(batch, group_size)
     if not loss.reward_shaping:
-        return jax.lax.stop_gradient(loss.advantages(rewards_BxK, group_size))
+        return jax.lax.stop_gradient(loss.advantages(rewards_BxK, groups))
     bonus_B = sum(shaper(batch, max_new_tokens) for shaper in loss.reward_shaping)
-    return jax.lax.stop_gradient(loss.advantages(rewards_BxK, group_size, bonus_B))
+    return jax.lax.stop_gradient(loss.advantages(rewards_BxK, groups, bonus_B))
 
 
 def prepare_batch(loss: Loss, batch: dict, *, group_size: int, max_new_tokens: int) -> dict:
     """The whole-batch stage of the update: check the shapes, then advantages_B, `loss.prepare`
     (row / token masks) and weights_BxT from the prepared mask. Needs the keys the loss reads
-    (old_logp_BxT / old_entropy_BxT with `needs_old_logp`, ref_logp_BxT with `needs_ref`)."""
+    (old_logp_BxT / old_entropy_BxT with `needs_old_logp`, ref_logp_BxT with `needs_ref`). With
+    group_id_B, the prepared batch's group_id_B is -1 on padding rows (`segments.mark_padding`)."""
     check_batch(batch, group_size, max_new_tokens)
+    batch = seg.mark_padding(batch)
     if loss.needs_ref and "ref_logp_BxT" not in batch:
         raise KeyError(f"loss {loss.name!r} needs_ref (a KL term) but the batch has no ref_logp_BxT")
     batch = dict(batch, advantages_B=batch_advantages(loss, batch, group_size, max_new_tokens))

@@ -2,12 +2,13 @@
 
 GRPO sums the K rewards and then normalises, so distinct reward combinations with the same sum get
 the same advantage. These estimators normalise each reward column within its group first
-(z_ik), then combine. They are whole estimators `(rewards_BxK, group_size) -> adv_B` (the same
+(z_ik), then combine. They are whole estimators `(rewards_BxK, groups) -> adv_B` (the same
 contract as `advantages.estimator(...)`'s result), because the combine step comes AFTER the group
 normalisation, the reverse of `estimator(reward_combine, normaliser)`.
 
-Rows of one group are adjacent; `group_size` is a static int. The final batch normalisation is over
-every row of the call: run the estimator on the whole update batch.
+`groups` is a static group_size int (contiguous equal groups) or a `segments.Groups` (a group id per
+row, any sizes, padding rows: A = 0 there, and they count in no statistic). The final batch
+normalisation is over every live row of the call: run the estimator on the whole update batch.
 
 Every std here (the per-reward group std and the batch std) follows `advantages.py`'s convention:
 unbiased (ddof=1) by default, `ddof=0` for the population std; eps is added to the std.
@@ -21,7 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import ConfigError
-from jaxrl.losses.advantages import Estimator, _batch_whiten_NxG, _by_group, _check_ddof, _std
+from jaxrl.losses import segments as seg
+from jaxrl.losses.advantages import Estimator, _check_ddof, batch_whiten
+from jaxrl.losses.segments import GroupsLike
 
 
 def _weights_K(weights: Optional[Sequence[float]], k: int) -> jax.Array:
@@ -34,25 +37,22 @@ def _weights_K(weights: Optional[Sequence[float]], k: int) -> jax.Array:
     return jnp.asarray(weights, jnp.float32)
 
 
-def group_z_scores(rewards_BxK: jax.Array, group_size: int, eps: float = 1e-6, ddof: int = 1) -> jax.Array:
+def group_z_scores(rewards_BxK: jax.Array, groups: GroupsLike, eps: float = 1e-6, ddof: int = 1) -> jax.Array:
     """z_BxK: z_ik = (r_ik - mean_G r_k) / (std_G r_k + eps), per reward function k within each group.
 
-    Unbiased std by default (ddof=1; 0 = population std), eps added to the std. A reward column that
-    is constant within a group (or a group of one) gets exactly 0 there (no float residue, no NaN).
+    Unbiased std by default (ddof=1; 0 = population std) over the row's own group, eps added to the
+    std. A reward column that is constant within a group (or a group of one) gets exactly 0 there (no
+    float residue, no NaN); a padding row gets 0.
     """
     if rewards_BxK.ndim != 2:
         raise ValueError(f"expected rewards_BxK of rank 2, got shape {rewards_BxK.shape}")
     if not eps > 0:
         raise ValueError(f"eps: got {eps!r}, expected a positive number")
     ddof = _check_ddof(ddof)
-    b, k = rewards_BxK.shape
-    _by_group(jnp.zeros((b,)), group_size)  # validates group_size against B
-    r_NxGxK = rewards_BxK.astype(jnp.float32).reshape(b // group_size, group_size, k)
-    mean_Nx1xK = jnp.mean(r_NxGxK, axis=1, keepdims=True)
-    std_Nx1xK = _std(r_NxGxK, ddof, axis=1)
-    z_NxGxK = (r_NxGxK - mean_Nx1xK) / (std_Nx1xK + eps)
-    constant_Nx1xK = jnp.max(r_NxGxK, axis=1, keepdims=True) == jnp.min(r_NxGxK, axis=1, keepdims=True)
-    return jnp.where(constant_Nx1xK, 0.0, z_NxGxK).reshape(b, k)
+    g = seg.as_groups(groups, rewards_BxK)
+    r_BxK = rewards_BxK.astype(jnp.float32)
+    z_BxK = (r_BxK - seg.mean_B(r_BxK, g)) / (seg.std_B(r_BxK, g, ddof) + eps)
+    return jnp.where(seg.constant_B(r_BxK, g) | ~g.live_B[:, None], 0.0, z_BxK)
 
 
 def gdpo(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6,
@@ -72,10 +72,11 @@ def gdpo(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps
         raise ValueError(f"batch_eps: got {batch_eps!r}, expected a positive number")
     ddof = _check_ddof(ddof)
 
-    def advantages(rewards_BxK: jax.Array, group_size: int) -> jax.Array:
-        z_BxK = group_z_scores(rewards_BxK, group_size, eps, ddof)
-        a_NxG = (z_BxK @ _weights_K(weights, z_BxK.shape[1])).reshape(-1, group_size)
-        return jax.lax.stop_gradient(_batch_whiten_NxG(a_NxG, batch_eps, ddof).reshape(-1))
+    def advantages(rewards_BxK: jax.Array, groups: GroupsLike) -> jax.Array:
+        g = seg.as_groups(groups, rewards_BxK)
+        z_BxK = group_z_scores(rewards_BxK, g, eps, ddof)
+        a_B = z_BxK @ _weights_K(weights, z_BxK.shape[1])
+        return jax.lax.stop_gradient(batch_whiten(a_B, g, batch_eps, ddof))
 
     return advantages
 
@@ -89,7 +90,7 @@ def _check_gd2po(batch_eps: float, conflict_threshold: float, consensus_power: f
         raise ValueError(f"batch_eps: got {batch_eps!r}, expected a positive number")
 
 
-def gd2po_parts(rewards_BxK: jax.Array, group_size: int, *, weights: Optional[Sequence[float]] = None,
+def gd2po_parts(rewards_BxK: jax.Array, groups: GroupsLike, *, weights: Optional[Sequence[float]] = None,
                 eps: float = 1e-6, batch_eps: float = 1e-6, conflict_threshold: float = 0.5,
                 consensus_power: float = 1.0, ddof: int = 1) -> dict:
     """GD2PO, OUR READING (PAPERS.md gives no formula): GDPO + conflict masking + query reweighting.
@@ -115,17 +116,17 @@ def gd2po_parts(rewards_BxK: jax.Array, group_size: int, *, weights: Optional[Se
     preset should also do completion_mask_BxT *= keep_B[:, None], like the MC-GRPO pivot.
     """
     _check_gd2po(batch_eps, conflict_threshold, consensus_power)
-    z_BxK = group_z_scores(rewards_BxK, group_size, eps, ddof)
+    g = seg.as_groups(groups, rewards_BxK)
+    z_BxK = group_z_scores(rewards_BxK, g, eps, ddof)
     w_K = _weights_K(weights, z_BxK.shape[1])
     a_B = z_BxK @ w_K
-    adv_B = _batch_whiten_NxG(a_B.reshape(-1, group_size), batch_eps, _check_ddof(ddof)).reshape(-1)
+    adv_B = batch_whiten(a_B, g, batch_eps, _check_ddof(ddof))
     against_BxK = jnp.sign(z_BxK * w_K[None, :]) == -jnp.sign(a_B)[:, None]
     against_BxK = against_BxK & (jnp.sign(a_B)[:, None] != 0)
     abs_w_K = jnp.abs(w_K)
     conflict_B = (against_BxK.astype(jnp.float32) @ abs_w_K) / jnp.maximum(jnp.sum(abs_w_K), 1e-12)
     keep_B = (conflict_B <= conflict_threshold).astype(jnp.float32)
-    consensus_N = 1.0 - jnp.mean(conflict_B.reshape(-1, group_size), axis=1)
-    consensus_B = jnp.repeat(consensus_N, group_size)
+    consensus_B = 1.0 - seg.mean_B(conflict_B, g)  # over the group's live rows
     scale_B = consensus_B ** consensus_power if consensus_power != 0 else jnp.ones_like(consensus_B)
     out = {"adv_B": jnp.where(keep_B > 0, scale_B * adv_B, 0.0), "keep_B": keep_B, "conflict_B": conflict_B,
            "consensus_B": consensus_B}
@@ -134,24 +135,24 @@ def gd2po_parts(rewards_BxK: jax.Array, group_size: int, *, weights: Optional[Se
 
 def gd2po(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6,
           conflict_threshold: float = 0.5, consensus_power: float = 1.0, ddof: int = 1) -> Estimator:
-    """GD2PO advantages, OUR READING (formula in `gd2po_parts`): (rewards_BxK, group_size) -> adv_B."""
+    """GD2PO advantages, OUR READING (formula in `gd2po_parts`): (rewards_BxK, groups) -> adv_B."""
     kw = dict(weights=weights, eps=eps, batch_eps=batch_eps, conflict_threshold=conflict_threshold,
               consensus_power=consensus_power, ddof=_check_ddof(ddof))
     _check_gd2po(batch_eps, conflict_threshold, consensus_power)  # bad values fail at build time
 
-    def advantages(rewards_BxK: jax.Array, group_size: int) -> jax.Array:
-        return gd2po_parts(rewards_BxK, group_size, **kw)["adv_B"]
+    def advantages(rewards_BxK: jax.Array, groups: GroupsLike) -> jax.Array:
+        return gd2po_parts(rewards_BxK, groups, **kw)["adv_B"]
 
     return advantages
 
 
 def gd2po_keep(weights: Optional[Sequence[float]] = None, eps: float = 1e-6,
-               conflict_threshold: float = 0.5) -> Callable[[jax.Array, int], jax.Array]:
-    """(rewards_BxK, group_size) -> keep_B (float 0/1): the GD2PO conflict mask (see `gd2po_parts`)."""
+               conflict_threshold: float = 0.5) -> Callable[[jax.Array, GroupsLike], jax.Array]:
+    """(rewards_BxK, groups) -> keep_B (float 0/1): the GD2PO conflict mask (see `gd2po_parts`)."""
     _check_gd2po(1e-6, conflict_threshold, 0.0)
 
-    def keep(rewards_BxK: jax.Array, group_size: int) -> jax.Array:
-        return gd2po_parts(rewards_BxK, group_size, weights=weights, eps=eps,
+    def keep(rewards_BxK: jax.Array, groups: GroupsLike) -> jax.Array:
+        return gd2po_parts(rewards_BxK, groups, weights=weights, eps=eps,
                            conflict_threshold=conflict_threshold)["keep_B"]
 
     return keep

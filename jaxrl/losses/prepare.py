@@ -17,7 +17,10 @@ step, which runs just before prepare on the same whole batch (`Loss.reward_shapi
 
 Keys it may read: every key of the rollout batch plus `advantages_B`, `old_logp_BxT` / `old_entropy_BxT`
 (recorded only when the Loss sets `needs_old_logp`) and `ref_logp_BxT` (when the Loss sets `needs_ref`).
-`group_size` and `max_new_tokens` are static Python ints.
+`group_size` and `max_new_tokens` are static Python ints. A part that reads groups takes them from
+`segments.batch_groups(batch, group_size)`: the batch's `group_id_B` when it has one (groups of any
+size, rows anywhere, id < 0 = padding, marked by `evaluate.prepare_batch` before any part runs), else
+contiguous groups of `group_size` rows.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ import jax.numpy as jnp
 
 from jaxrl.losses import advantages as adv_lib
 from jaxrl.losses import multi_reward
+from jaxrl.losses import segments as seg
 from jaxrl.losses.regularizers import KLEstimator, kl_k1
 
 Prepare = Callable[[dict, int, int], dict]  # (batch, group_size, max_new_tokens) -> batch
-RowKeep = Callable[[dict, int], jax.Array]  # (batch, group_size) -> keep_B (float 0/1)
+RowKeep = Callable[[dict, int], jax.Array]  # (batch, group_size) -> keep_B (float 0/1); groups: batch_groups
 Shaper = Callable[[dict, int], jax.Array]  # (batch, max_new_tokens) -> reward bonus_B
 
 
@@ -85,9 +89,9 @@ def mc_pivot_rows(batch: dict, group_size: int) -> jax.Array:
 
     Read from advantages_B, not the rewards: A = r - median (or / (MAD + eps)) is a monotone map of r
     within a group, so the stable sort -- hence `adv_lib.median_pivot` -- picks the same row, and the
-    pivot follows any reward shaping applied before it.
+    pivot follows any reward shaping applied before it. Padding rows are kept (their mask is 0 anyway).
     """
-    return 1.0 - adv_lib.median_pivot(batch["advantages_B"], group_size)
+    return 1.0 - adv_lib.median_pivot(batch["advantages_B"], seg.batch_groups(batch, group_size))
 
 
 def informative_rows(batch: dict, group_size: int) -> jax.Array:
@@ -95,9 +99,8 @@ def informative_rows(batch: dict, group_size: int) -> jax.Array:
     rewards: the group estimators return exact zeros there). Our reading of DAPO's dynamic sampling
     for a fixed-shape batch: such groups carry no policy gradient, so they leave the normaliser too
     (DAPO drops them and samples more; refilling the batch is rollout control, not a loss part)."""
-    a_NxG = adv_lib._by_group(batch["advantages_B"], group_size)
-    some_Nx1 = jnp.any(a_NxG != 0, axis=1, keepdims=True)
-    return jnp.broadcast_to(some_Nx1, a_NxG.shape).astype(jnp.float32).reshape(-1)
+    adv_B = batch["advantages_B"]
+    return seg.any_B(adv_B != 0, seg.as_groups(seg.batch_groups(batch, group_size), adv_B)).astype(jnp.float32)
 
 
 def not_truncated_rows(batch: dict, group_size: int = 1) -> jax.Array:
@@ -112,7 +115,7 @@ def gd2po_rows(weights: Optional[Sequence[float]] = None, eps: float = 1e-6,
     keep = multi_reward.gd2po_keep(weights=weights, eps=eps, conflict_threshold=conflict_threshold)
 
     def keep_fn(batch: dict, group_size: int) -> jax.Array:
-        return keep(batch["rewards_BxK"], group_size)
+        return keep(batch["rewards_BxK"], seg.batch_groups(batch, group_size))
 
     return keep_fn
 
@@ -177,18 +180,18 @@ def kl_reward(beta: float, estimator: KLEstimator = kl_k1, logp_key: str = "roll
 
 
 def shaped_estimator(reward_combine: adv_lib.RewardCombine, normaliser: adv_lib.Normaliser) -> Callable:
-    """The estimator of a loss with reward shaping: (rewards_BxK, group_size, bonus_B=None) -> adv_B
-    = normaliser(reward_combine(rewards_BxK) + bonus_B, group_size), without gradient.
+    """The estimator of a loss with reward shaping: (rewards_BxK, groups, bonus_B=None) -> adv_B
+    = normaliser(reward_combine(rewards_BxK) + bonus_B, groups), without gradient.
 
     bonus_B is the sum of the loss's `reward_shaping` functions on the batch; the advantage step
     (`jaxrl.losses.evaluate.batch_advantages`, run inside the update) passes it. Without it this is the
     unshaped estimator."""
 
-    def advantages(rewards_BxK: jax.Array, group_size: int, bonus_B: Optional[jax.Array] = None) -> jax.Array:
+    def advantages(rewards_BxK: jax.Array, groups: seg.GroupsLike, bonus_B: Optional[jax.Array] = None) -> jax.Array:
         r_B = reward_combine(rewards_BxK)
         if bonus_B is not None:
             r_B = r_B + bonus_B
-        return jax.lax.stop_gradient(normaliser(r_B, group_size))
+        return jax.lax.stop_gradient(normaliser(r_B, groups))
 
     return advantages
 

@@ -170,7 +170,7 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
     """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
 
     `batch`: the rollout's rows (rewards_BxK, not advantages: `prepare_batch` computes them), B a
-    multiple of `group_size` and completions `max_new_tokens` wide (a ValueError naming both
+    multiple of `group_size` (any B when the batch carries `group_id_B`: groups by id) and completions `max_new_tokens` wide (a ValueError naming both
     otherwise, at trace time). Old log-probs (and the old policy's entropies, `old_entropy_BxT`) are
     recorded for the whole batch before anything else when ppo_epochs > 1 or `loss.needs_old_logp`.
     The reference forward (on `state.ref_params`) runs when `use_ref`, by default `loss.needs_ref`;
