@@ -22,7 +22,7 @@ def get_config() -> Config:
         rollout=RolloutConfig(group_size=8, prompts_per_step=8, max_new_tokens=82, temperature=1.0),
         loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 0.0)),
         optim=OptimConfig(learning_rate=1e-4, warmup_steps=5),
-        warmstart=WarmStartConfig(steps=600, batch_size=64, learning_rate=1e-3),
+        warmstart=WarmStartConfig(steps=600, batch_size=64, learning_rate=1e-3, teacher_error=0.6),
         train=TrainConfig(steps=100, ppo_epochs=1, microbatches=1, eval_every=10, eval_prompts=200),
         checkpoint=CheckpointConfig(every=10, keep=3),
     )

@@ -12,6 +12,7 @@ from conftest import REPO, TINY
 from jaxrl.config import ConfigError, DataConfig, load_config
 from jaxrl.data import long_addition, tasks
 from jaxrl.data.rewards import VERIFIERS, score, verify_long_addition
+from jaxrl.data.teachers import fallible_answer
 from jaxrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 
 CONFIG = REPO / "configs" / "grpo_longtail.py"
@@ -29,7 +30,7 @@ def shipped():
 
 def _record(a: int, b: int) -> dict:
     return {"id": "t/0", "prompt": f"{a}+{b}=", "answer": long_addition.solution(a, b),
-            "info": json.dumps({"a": a, "b": b, "answer": a + b})}
+            "info": json.dumps({"a": a, "b": b, "op": "+", "answer": a + b})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,6 +94,25 @@ def test_reference_steps_add_up(shipped):
             carry, digits = total // 10, str(total % 10) + digits
         assert i + 1 == max(len(str(a)), len(str(b)))
         assert answer == (str(carry) if carry else "") + digits == str(a + b)
+
+
+def test_fallible_teacher_drops_every_carry():
+    rec = _record(4735, 968)
+    # 5+8=13 (write 3, carry forgotten); 3+6+0=9; 7+9+0=16 (write 6, forgotten); 4+0+0=4 -> 4693
+    assert fallible_answer(rec) == "5+8+0=13,3+6+0=9,7+9+0=16,4+0+0=4:4693"
+    assert verify_long_addition(fallible_answer(rec), True, rec) == (0.0, 1.0)  # well formed, wrong
+    assert fallible_answer(_record(50, 50)) == "0+0+0=0,5+5+0=10:0"  # the final carry is dropped too
+    assert fallible_answer(_record(123, 45)) == long_addition.solution(123, 45)  # no carry: nothing to forget
+
+
+def test_fallible_teacher_is_wrong_exactly_when_a_carry_is_due(shipped):
+    _, records = shipped
+    for r in records[:2000]:
+        column_sums = [int(step.split("=")[1]) for step in r["answer"].split(":")[0].split(",")]
+        carry_due = any(total >= 10 for total in column_sums)
+        correct, formatted = verify_long_addition(fallible_answer(r), True, r)
+        assert formatted == 1.0
+        assert correct == float(not carry_due), r
 
 
 def test_splits_are_distinct_and_deterministic():

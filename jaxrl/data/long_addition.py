@@ -30,20 +30,24 @@ LENGTH_DECAY = 0.75
 _PATIENCE = 20_000
 
 
-def column_steps(a: int, b: int) -> list[str]:
-    """The worked columns of a + b, ones first: 57+68 -> ['7+8+0=15', '5+6+1=12']."""
-    steps, carry = [], 0
+def column_steps(a: int, b: int, carries: bool = True) -> tuple[list[str], str]:
+    """The worked columns of a + b, ones first, and the answer they spell:
+    57+68 -> (['7+8+0=15', '5+6+1=12'], '125'). With carries=False every carry is dropped, as a
+    fallible teacher does: (['7+8+0=15', '5+6+0=11'], '15')."""
+    steps, digits, carry = [], "", 0
     for i in range(max(len(str(a)), len(str(b)))):
         da, db = a // 10**i % 10, b // 10**i % 10
         total = da + db + carry
         steps.append(f"{da}+{db}+{carry}={total}")
-        carry = total // 10
-    return steps
+        carry, digits = (total // 10 if carries else 0), str(total % 10) + digits
+    answer = (str(carry) if carry else "") + digits
+    return steps, str(int(answer))  # int(): a dropped carry may leave leading zeros ('0+0+0=0' is '0')
 
 
-def solution(a: int, b: int) -> str:
-    """The reference completion: 57+68 -> '7+8+0=15,5+6+1=12:125'."""
-    return ",".join(column_steps(a, b)) + f":{a + b}"
+def solution(a: int, b: int, carries: bool = True) -> str:
+    """The reference completion: 57+68 -> '7+8+0=15,5+6+1=12:125' (carries=False: '...5+6+0=11:15')."""
+    steps, answer = column_steps(a, b, carries)
+    return ",".join(steps) + f":{answer}"
 
 
 def format_prompt(a: int, b: int) -> str:
@@ -97,5 +101,5 @@ def generate_splits(digits: int, operations: str, num_train: int, num_test: int,
 
 
 def _record(record_id: str, a: int, b: int) -> dict:
-    info = json.dumps({"a": a, "b": b, "answer": a + b})
+    info = json.dumps({"a": a, "b": b, "op": "+", "answer": a + b})
     return {"id": record_id, "prompt": format_prompt(a, b), "answer": solution(a, b), "info": info}
