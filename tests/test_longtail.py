@@ -196,5 +196,6 @@ def test_config_trains_two_steps(tmp_path, in_process_cache, fast_compiles):  # 
     rows = train(load_config(CONFIG, tiny + ["train.steps=2", "train.eval_every=2", "train.eval_prompts=4",
                                              "checkpoint.every=0"]), tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["reward/failed"] == 0 and 0.0 <= rows[1]["reward/format"] <= 1.0  # the verifier ran
     assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
     assert rows[-1]["eval/response_len"] > 0
