@@ -157,13 +157,14 @@ class DataConfig:
     prompt_template: str = "{question}"
 
     def validate(self, prefix: str = "data") -> None:
-        _check(self.task in ("arithmetic", "countdown", "math_jsonl"), f"{prefix}.task",
-               "'arithmetic', 'countdown' or 'math_jsonl'", self.task)
+        _check(self.task in ("arithmetic", "countdown", "long_addition", "math_jsonl"), f"{prefix}.task",
+               "'arithmetic', 'countdown', 'long_addition' or 'math_jsonl'", self.task)
         _check(self.task != "math_jsonl" or bool(self.train_file), f"{prefix}.train_file",
                "a JSONL file when task='math_jsonl'", self.train_file)
         _check("{question}" in self.prompt_template, f"{prefix}.prompt_template", "a string containing '{question}'",
                self.prompt_template)
-        _check(1 <= self.digits <= 6, f"{prefix}.digits", "an integer in [1, 6]", self.digits)
+        max_digits = 8 if self.task == "long_addition" else 6  # long_addition: its longest-solution tail
+        _check(1 <= self.digits <= max_digits, f"{prefix}.digits", f"an integer in [1, {max_digits}]", self.digits)
         _check(len(self.operations) > 0 and set(self.operations) <= set("+-*"), f"{prefix}.operations",
                "a non-empty string over '+-*'", self.operations)
         _check(self.num_train > 0, f"{prefix}.num_train", "a positive integer", self.num_train)

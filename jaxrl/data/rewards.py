@@ -192,4 +192,22 @@ def verify_countdown(completion: str, finished: bool, record: Mapping[str, str])
     return float(value == info["target"]), well_formed
 
 
-VERIFIERS: dict[str, Verifier] = {"arithmetic": verify_arithmetic, "countdown": verify_countdown}
+# ---------------------------------------------------------------------------------------------
+# Long addition (jaxrl.data.long_addition): column steps `d+d+c=s`, ones first, then `:answer`.
+
+_COLUMN_STEP = r"[0-9]\+[0-9]\+[01]=(1[0-9]|[0-9])"
+_WORKED_SUM = re.compile(rf"{_COLUMN_STEP}(,{_COLUMN_STEP})*:(0|[1-9][0-9]*)")
+
+
+def verify_long_addition(completion: str, finished: bool, record: Mapping[str, str]) -> tuple[float, float]:
+    """Correct iff the text after the last ':' (spaces stripped) is the sum, written without leading
+    zeros; formatted iff the whole text is column steps then ':answer' (the grammar, not the
+    arithmetic of each step) and is terminated by EOS."""
+    _, colon, answer = completion.rpartition(":")
+    correct = bool(colon) and answer.strip() == str(json.loads(record["info"])["answer"])
+    well_formed = bool(_WORKED_SUM.fullmatch(completion.strip()))
+    return float(correct), float(well_formed and finished)
+
+
+VERIFIERS: dict[str, Verifier] = {"arithmetic": verify_arithmetic, "countdown": verify_countdown,
+                                  "long_addition": verify_long_addition}

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import tensorflow_datasets as tfds
 
 from jaxrl.config import ConfigError, DataConfig
-from jaxrl.data import arithmetic, countdown, math_jsonl
+from jaxrl.data import arithmetic, countdown, long_addition, math_jsonl
 from jaxrl.data.rewards import VERIFIERS, Verifier
 
 FEATURES = ("id", "prompt", "answer", "info")
@@ -73,12 +73,18 @@ class JaxrlCountdown(_TaskBuilder, skip_registration=True):
         return countdown.generate_splits
 
 
+class JaxrlLongAddition(_TaskBuilder, skip_registration=True):
+    def _generator(self):
+        return long_addition.generate_splits
+
+
 class JaxrlMathJsonl(_TaskBuilder, skip_registration=True):
     def _generator(self):
         return math_jsonl.generate_splits
 
 
-_BUILDERS = {"arithmetic": JaxrlArithmetic, "countdown": JaxrlCountdown, "math_jsonl": JaxrlMathJsonl}
+_BUILDERS = {"arithmetic": JaxrlArithmetic, "countdown": JaxrlCountdown, "long_addition": JaxrlLongAddition,
+             "math_jsonl": JaxrlMathJsonl}
 _VERIFIERS = {**VERIFIERS, "math_jsonl": math_jsonl.verify_math_answer}
 
 
@@ -127,8 +133,8 @@ def task_params(cfg: DataConfig) -> dict:
                 raise ConfigError(f"{field}: file {f!r} not found")
         return dict(train_file=files[0], test_file=files[1], prompt_template=cfg.prompt_template,
                     num_train=cfg.num_train, num_test=cfg.num_test, digest=math_jsonl.digest(*files))
-    allowed = countdown.OPERATIONS if cfg.task == "countdown" else arithmetic.OPERATIONS
-    ops = arithmetic.canonical_operations(cfg.operations, allowed)
+    allowed = {"countdown": countdown.OPERATIONS, "long_addition": long_addition.OPERATIONS}
+    ops = arithmetic.canonical_operations(cfg.operations, allowed.get(cfg.task, arithmetic.OPERATIONS))
     if cfg.task == "arithmetic":  # fail before TFDS creates any folder
         arithmetic.check_space(cfg.digits, ops, cfg.num_train + cfg.num_test)
     return dict(digits=cfg.digits, operations=ops, num_train=cfg.num_train, num_test=cfg.num_test, seed=cfg.seed)
