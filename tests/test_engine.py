@@ -87,19 +87,22 @@ def _check_same_rollout(batch, ref, cfg):
                                       np.asarray(ref.routing_BxSxLxK)[:, :P - 1 + T][live])
 
 
-@pytest.mark.parametrize("cfg,slots,chunk,admit_groups", [
-    (CFG, 4, 1, 1), (CFG, 4, 3, 2), (CFG, 6, 7, 1), (CFG, 10, 3, 5), (MOE, 4, 3, 1)],
-    ids=["S4-chunk1", "S4-chunk3-admit2", "S6-chunk7", "all-at-once", "moe-S4-chunk3"])
-def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, admit_groups):
+@pytest.mark.parametrize("cfg,slots,chunk,admit_groups,reverse", [
+    (CFG, 4, 1, 1, False), (CFG, 4, 3, 2, True), (CFG, 6, 7, 1, True), (CFG, 10, 3, 5, False), (MOE, 4, 3, 1, True)],
+    ids=["S4-chunk1", "S4-chunk3-admit2-reversed", "S6-chunk7-reversed", "all-at-once", "moe-S4-chunk3-reversed"])
+def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, admit_groups, reverse):
     """Five prompts of lengths 1..5, G=2: tokens, masks, truncation (and MoE routing) identical to
     `sampler.sample(greedy=True)`, log-probs to float32 noise, with slots reused and groups admitted
-    at different times (fewer slots than samples) or all at once."""
+    at different times (fewer slots than samples) or all at once. Admitted in prompt order, short
+    completions come first and long ones reuse their slots; reversed, a short completion lands in a
+    slot a long one left (nothing of the old sample may show through)."""
     eos = _eos(cfg)
     ref = _plain(cfg, eos)
     lengths = np.asarray(ref.length_B)
     assert len(set(lengths.tolist())) > 1 and lengths.max() == T  # groups finish at different steps
     engine = _engine(cfg, eos, slots, chunk, admit_groups)
-    groups = engine.collect(_params(cfg), 0, _items(), n_groups=len(LENGTHS))
+    items = _items()[::-1] if reverse else _items()
+    groups = engine.collect(_params(cfg), 0, items, n_groups=len(LENGTHS))
     assert sorted(g.tag for g in groups) == list(range(len(LENGTHS)))
     _check_same_rollout(assemble_batch(_by_tag(groups)), ref, cfg)
     if slots < len(LENGTHS) * G:  # slots really were reused: more prefills than fit at once
