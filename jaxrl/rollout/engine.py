@@ -151,9 +151,10 @@ class Engine:
         slots = np.flatnonzero(done_S & (self._owner_S >= 0))
         if not len(slots):
             return
-        R = min(1 << int(np.ceil(np.log2(len(slots)))), self.spec.slots)  # few distinct shapes to compile
-        out = jax.device_get(read_slots(self.spec, self.state, np.pad(slots, (0, R - len(slots)))))
-        for r, slot in enumerate(slots):
+        # Every slot is read (one compiled shape; the arrays are small), the finished ones kept.
+        out = jax.device_get(read_slots(self.spec, self.state, np.arange(self.spec.slots, dtype=np.int32)))
+        for slot in slots:
+            r = slot
             gid = int(self._owner_S[slot])
             flight = self._flight[gid]
             member = int(np.flatnonzero(flight.slots_G == slot)[0])
