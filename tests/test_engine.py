@@ -211,3 +211,20 @@ def test_prompt_errors():
     tokens, mask = left_pad([7, 8], P, PAD)
     np.testing.assert_array_equal(tokens, [0, 0, 0, 7, 8])
     np.testing.assert_array_equal(mask, [0, 0, 0, 1, 1])
+
+
+def test_benchmark_small_prints_json_last(capsys):
+    """benchmarks/engine.py --small runs both workloads and ends with the JSON line the issue names."""
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks import engine as bench
+
+    bench.main(["--small"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["speedup_long_tail"] > 0 and last["uniform_ratio"] > 0
+    # Same completed samples on both sides; uniform lengths: every sample runs exactly uniform_len tokens.
+    assert last["uniform"]["static_tokens"] == last["uniform"]["engine_tokens"] == 256 * 16
+    assert last["long_tail"]["engine_tokens"] < 256 * 64  # EOS really cut samples short
