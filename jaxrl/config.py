@@ -222,6 +222,27 @@ class SpeculativeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The slot-based decode engine (jaxrl.rollout.engine): samples with lifecycles instead of one
+    static B x T call. `slots` samples decode at once; between chunks of `chunk` decode steps the
+    host retires finished samples and admits new groups (`admit_groups` prompts per prefill call).
+    admission: exact (admit only the groups a collect still needs: no sample outlives its collect)
+    | fill (keep every free slot busy: unfinished samples stay in their slots for the next collect)."""
+
+    enabled: bool = False
+    slots: int = 64
+    chunk: int = 8
+    admit_groups: int = 4
+    admission: str = "exact"  # exact | fill
+
+    def validate(self, prefix: str = "rollout.engine") -> None:
+        _check(self.slots > 0, f"{prefix}.slots", "a positive integer", self.slots)
+        _check(self.chunk > 0, f"{prefix}.chunk", "a positive integer (decode steps between admissions)", self.chunk)
+        _check(self.admit_groups > 0, f"{prefix}.admit_groups", "a positive integer", self.admit_groups)
+        _check(self.admission in ("exact", "fill"), f"{prefix}.admission", "'exact' or 'fill'", self.admission)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     group_size: int = 8
     prompts_per_step: int = 16
@@ -230,6 +251,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     speculative: SpeculativeConfig = SpeculativeConfig()
+    engine: EngineConfig = EngineConfig()
 
     def validate(self, prefix: str = "rollout") -> None:
         _check(self.group_size > 0, f"{prefix}.group_size", "a positive integer", self.group_size)
@@ -239,6 +261,9 @@ class RolloutConfig:
         _check(self.top_k >= 0, f"{prefix}.top_k", "0 (off) or a positive integer", self.top_k)
         _check(0 < self.top_p <= 1, f"{prefix}.top_p", "a number in (0, 1]", self.top_p)
         self.speculative.validate(f"{prefix}.speculative")
+        self.engine.validate(f"{prefix}.engine")
+        _check(not self.engine.enabled or self.engine.slots >= self.group_size, f"{prefix}.engine.slots",
+               f"at least group_size={self.group_size} (a group is admitted into free slots at once)", self.engine.slots)
 
 
 def parse_loss_options(text: str, field: str = "loss.options") -> dict:

@@ -1,0 +1,120 @@
+"""Static sampler vs the slot engine: generated tokens/s for the same number of completed samples.
+
+Workloads (bench-small shape, random weights, vocab cut to --vocab; one prompt of --prompt-len tokens
+per group of G=8):
+  long tail  final-norm scale 0, so every logit is 0 and each step draws uniformly over the vocab:
+             EOS comes with probability 1/V per step and lengths are geometric (mean ~V), cut at
+             --max-new. The forward still does all of its work (only the values are degenerate).
+  uniform    EOS can never be drawn: every sample runs exactly --uniform-len tokens.
+The static sampler (`sampler.sample`) runs the samples in batches of --slots rows, each batch until its
+longest row is done; the engine keeps --slots slots busy, admitting a group whenever G slots are free
+(chunks of --chunk decode steps). Each is timed after an untimed warm-up run of the same workload.
+
+Last line: one JSON object with `speedup_long_tail` (engine / static tokens/s on the long tail) and
+`uniform_ratio` (the same on uniform lengths), plus the raw figures.
+
+    PYTHONPATH=. python benchmarks/engine.py            # bench-small
+    PYTHONPATH=. python benchmarks/engine.py --small    # tiny model, seconds (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+
+G = 8
+
+
+def _static(params, cfg, prompt_P, n_samples, slots, max_new, eos, rng):
+    """(tokens generated, seconds) for n_samples through `sampler.sample` in batches of `slots` rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl.rollout.sampler import sample
+
+    B = slots // G
+    prompt = jnp.asarray(np.repeat(prompt_P[None], B, 0))
+    mask = jnp.ones_like(prompt)
+    tokens, t0 = 0.0, time.perf_counter()
+    for i in range(n_samples // slots):
+        out = sample(params, cfg, prompt, mask, jax.random.fold_in(rng, i), group_size=G, max_new_tokens=max_new,
+                     temperature=1.0, eos_id=eos, pad_id=0)
+        tokens += float(jax.device_get(out.completion_mask_BxT).sum())
+    return tokens, time.perf_counter() - t0
+
+
+def _engine(params, cfg, prompt_P, n_samples, slots, chunk, max_new, eos, rng):
+    """(tokens generated, seconds) for n_samples through a fresh `Engine` with `slots` slots."""
+    from jaxrl.config import EngineConfig
+    from jaxrl.rollout.engine import Engine
+
+    ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=max(1, slots // G // 4))
+    engine = Engine(cfg, ecfg, group_size=G, prompt_len=len(prompt_P), max_new_tokens=max_new, temperature=1.0,
+                    eos_id=eos, pad_id=0, rng=rng)
+    t0 = time.perf_counter()
+    groups = engine.collect(params, 0, ((i, prompt_P) for i in range(n_samples // G)), n_groups=n_samples // G)
+    tokens = float(sum(g.completion_mask_GxT.sum() for g in groups))
+    return tokens, time.perf_counter() - t0
+
+
+def _compare(name, params, cfg, prompt_P, args, max_new, eos):
+    import jax
+
+    rng = jax.random.PRNGKey(0)
+    n = args.samples
+    _static(params, cfg, prompt_P, args.slots, args.slots, max_new, eos, rng)  # warm-up (compile)
+    _engine(params, cfg, prompt_P, 2 * args.slots, args.slots, args.chunk, max_new, eos, rng)
+    s_tok, s_sec = _static(params, cfg, prompt_P, n, args.slots, max_new, eos, jax.random.PRNGKey(1))
+    e_tok, e_sec = _engine(params, cfg, prompt_P, n, args.slots, args.chunk, max_new, eos, jax.random.PRNGKey(1))
+    row = {"workload": name, "samples": n, "static_tokens": s_tok, "static_s": round(s_sec, 3),
+           "static_tok_per_s": s_tok / s_sec, "engine_tokens": e_tok, "engine_s": round(e_sec, 3),
+           "engine_tok_per_s": e_tok / e_sec, "ratio": (e_tok / e_sec) / (s_tok / s_sec)}
+    print(f"{name:10s} static {s_tok:8.0f} tok in {s_sec:7.2f}s = {s_tok / s_sec:9.1f} tok/s | "
+          f"engine {e_tok:8.0f} tok in {e_sec:7.2f}s = {e_tok / e_sec:9.1f} tok/s | ratio {row['ratio']:.2f}",
+          flush=True)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--small", action="store_true", help="tiny model, few samples (smoke run)")
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=8)
+    p.add_argument("--samples", type=int, default=256, help="completed samples per workload (a multiple of slots)")
+    p.add_argument("--vocab", type=int, default=48, help="vocab size: EOS probability per step is 1/vocab")
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--uniform-len", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=16)
+    args = p.parse_args(argv)
+    if args.small:
+        args.slots, args.samples, args.max_new, args.uniform_len, args.vocab = 16, 256, 64, 16, 12
+    import jax
+    import numpy as np
+
+    from jaxrl.models import transformer as tf
+
+    base = common.tiny() if args.small else common.bench_small()
+    cfg = dataclasses.replace(base, vocab_size=args.vocab, max_seq_len=args.prompt_len + args.max_new)
+    params = tf.init_params(cfg, jax.random.PRNGKey(0))
+    params = dict(params, final_norm=jax.tree.map(lambda x: x * 0.0, params["final_norm"]))  # uniform next token
+    prompt_P = np.random.default_rng(0).integers(2, args.vocab, args.prompt_len, dtype=np.int32)
+    print(f"{'tiny' if args.small else 'bench-small'} (vocab {args.vocab}), {args.slots} slots / rows, G={G}, "
+          f"chunk {args.chunk}, {args.samples} samples, backend {jax.default_backend()}", flush=True)
+    long_tail = _compare("long_tail", params, cfg, prompt_P, args, args.max_new, eos=1)
+    uniform = _compare("uniform", params, cfg, prompt_P, args, args.uniform_len, eos=args.vocab)  # never drawn
+    print(json.dumps({"speedup_long_tail": long_tail["ratio"], "uniform_ratio": uniform["ratio"],
+                      "config": "tiny" if args.small else "bench-small", "slots": args.slots, "chunk": args.chunk,
+                      "backend": jax.default_backend(), "long_tail": long_tail, "uniform": uniform}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The decode engine's host driver: samples with lifecycles over S slots (`engine_state.py` is the
+jitted device side).
+
+    engine = Engine.from_config(cfg, prompt_len=P, eos_id=..., pad_id=..., rng=key)
+    groups = engine.collect(params, version, prompts, n_groups)   # prompts: iterable of (tag, tokens)
+    batch  = assemble_batch(groups)                                # the trainer's batch contract
+
+`collect` alternates, until n_groups groups are complete: admit prompts into free slots (each
+prompt's G samples share one prefill; `admit_groups` prompts per prefill call), run one chunk of
+`chunk` decode steps over all slots, retire the samples that finished (EOS or max_new_tokens) and
+free their slots. A group is returned once all G of its samples are retired.
+
+Admission (`rollout.engine.admission`):
+  exact  admit only the groups this collect still needs; every sample finishes inside the collect
+         that admitted it, so each token's version is that collect's version (synchronous RL).
+  fill   keep every free slot busy while prompts remain; samples still decoding when the collect
+         has its groups stay in their slots and continue in the next collect (drawn then under that
+         call's version: `version_BxT` says which tokens came from which), and groups that complete
+         beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
+         a new iterable: samples in flight carry their own prompts and tags.
+A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
+
+import jax
+import numpy as np
+
+from jaxrl.config import ConfigError, EngineConfig, ModelConfig
+from jaxrl.rollout.engine_state import EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots
+from jaxrl.rollout.sampler import check_temperature
+
+
+class Group(NamedTuple):
+    """All G samples of one prompt, in admission order."""
+
+    tag: Any  # what the caller paired with the prompt
+    prompt_P: np.ndarray  # int32, left-padded to the engine's prompt_len
+    prompt_mask_P: np.ndarray  # int32
+    tokens_GxT: np.ndarray  # int32; pad after each sample's last token
+    completion_mask_GxT: np.ndarray  # float32
+    logp_GxT: np.ndarray  # float32: log-prob under softmax(logits / temperature), 0 where masked
+    version_GxT: np.ndarray  # int32: version of the chunk that drew each token; -1 where masked
+    finished_G: np.ndarray  # bool: ended with EOS
+    truncated_G: np.ndarray  # bool: stopped at max_new_tokens without EOS
+    routing_GxSxLxK: Optional[np.ndarray]  # MoE only: experts per slot S = P + T (see sampler.py)
+
+
+@dataclasses.dataclass
+class _Flight:
+    tag: Any
+    prompt_P: np.ndarray
+    mask_P: np.ndarray
+    slots_G: np.ndarray
+    rows: dict  # member index -> that sample's readout row
+
+
+def left_pad(tokens, prompt_len: int, pad_id: int):
+    """A 1-D sequence of real tokens -> (tokens_P, mask_P), left-padded."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if not 0 < len(tokens) <= prompt_len:
+        raise ValueError(f"prompt: {len(tokens)} tokens, expected 1..prompt_len={prompt_len}")
+    out, mask = np.full(prompt_len, pad_id, np.int32), np.zeros(prompt_len, np.int32)
+    out[prompt_len - len(tokens):], mask[prompt_len - len(tokens):] = tokens, 1
+    return out, mask
+
+
+class Engine:
+    """Host side of the engine; `state` is the device state (`engine_state.EngineState`)."""
+
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, group_size: int, prompt_len: int,
+                 max_new_tokens: int, temperature: float, eos_id: int, pad_id: int, rng, top_k: int = 0,
+                 top_p: float = 1.0, greedy: bool = False):
+        engine_cfg.validate()
+        if engine_cfg.slots < group_size:
+            raise ConfigError(f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
+                              f"group_size={group_size} (a group is admitted into free slots at once)")
+        check_temperature(temperature)
+        self.ecfg, self.temperature = engine_cfg, float(temperature)
+        self.spec = EngineSpec(model_cfg, engine_cfg.slots, prompt_len, max_new_tokens, group_size, eos_id, pad_id,
+                               top_k, top_p, greedy)
+        self.state = init_state(self.spec, rng)
+        self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
+        self._flight: dict[int, _Flight] = {}
+        self._ready: list[Group] = []  # complete, not yet returned
+        self._next_id = 0
+        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0}
+
+    @classmethod
+    def from_config(cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False) -> "Engine":
+        """The engine a run's `Config` describes (model, rollout.* and rollout.engine.*)."""
+        rc = cfg.rollout
+        return cls(cfg.model, rc.engine, group_size=rc.group_size, prompt_len=prompt_len,
+                   max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, eos_id=eos_id, pad_id=pad_id,
+                   rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy)
+
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self._flight)
+
+    def collect(self, params, version: int, prompts: Iterable, n_groups: int) -> list[Group]:
+        """The next n_groups complete groups (fewer only when `prompts` runs out and nothing is left
+        in flight). `prompts` yields (tag, tokens) pairs: tokens a 1-D sequence of real tokens."""
+        prompts = iter(prompts)
+        while len(self._ready) < n_groups:
+            self._admit_free(params, prompts, n_groups)
+            if not self._flight:  # prompts ran out and every admitted group is back
+                break
+            self.state = decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
+            self.counts["chunks"] += 1
+            self._retire()
+        out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
+        return out
+
+    def _admit_free(self, params, prompts: Iterator, n_groups: int) -> None:
+        """Admit prompts into free slots as far as the admission policy allows."""
+        G, A, S = self.spec.group_size, self.ecfg.admit_groups, self.spec.slots
+        free = np.flatnonzero(self._owner_S < 0)
+        room = len(free) // G
+        if self.ecfg.admission == "exact":
+            room = min(room, n_groups - len(self._ready) - len(self._flight))
+        batch = []
+        for _ in range(max(room, 0)):
+            item = next(prompts, None)
+            if item is None:
+                break
+            tag, tokens = item
+            batch.append((tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id)))
+        for start in range(0, len(batch), A):
+            chunk = batch[start:start + A]
+            dest_N = np.full(A * G, S, np.int32)  # S: dropped (padding prompts)
+            for a, (tag, prompt_P, mask_P) in enumerate(chunk):
+                slots_G, free = free[:G], free[G:]
+                dest_N[a * G:(a + 1) * G] = slots_G
+                self._owner_S[slots_G] = self._next_id
+                self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_G, {})
+                self._next_id += 1
+            pad = [chunk[0]] * (A - len(chunk))
+            prompt_AxP = np.stack([c[1] for c in chunk + pad])
+            mask_AxP = np.stack([c[2] for c in chunk + pad])
+            self.state = admit(params, self.spec, self.state, prompt_AxP, mask_AxP, dest_N)
+            self.counts["prefill_calls"] += 1
+            self.counts["admitted_groups"] += len(chunk)
+
+    def _retire(self) -> None:
+        """Read the finished samples out, free their slots, move complete groups to `_ready`."""
+        done_S = np.asarray(jax.device_get(self.state.done_S))
+        slots = np.flatnonzero(done_S & (self._owner_S >= 0))
+        if not len(slots):
+            return
+        # Every slot is read (one compiled shape; the arrays are small), the finished ones kept.
+        out = jax.device_get(read_slots(self.spec, self.state, np.arange(self.spec.slots, dtype=np.int32)))
+        for slot in slots:
+            r = slot
+            gid = int(self._owner_S[slot])
+            flight = self._flight[gid]
+            member = int(np.flatnonzero(flight.slots_G == slot)[0])
+            flight.rows[member] = SlotReadout(*(None if x is None else x[r] for x in out))
+            self._owner_S[slot] = -1
+            if len(flight.rows) == self.spec.group_size:
+                self._ready.append(_group(flight))
+                del self._flight[gid]
+
+
+def _group(flight: _Flight) -> Group:
+    rows = [flight.rows[g] for g in range(len(flight.slots_G))]
+    col = lambda name: np.stack([getattr(r, name) for r in rows])
+    routing = None if rows[0].routing_RxCxLxK is None else col("routing_RxCxLxK")
+    return Group(flight.tag, flight.prompt_P, flight.mask_P, col("tokens_RxT"), col("completion_mask_RxT"),
+                 col("logp_RxT"), col("version_RxT"), col("finished_R"), col("truncated_R"), routing)
+
+
+def assemble_batch(groups: list[Group]) -> dict:
+    """Groups -> the trainer's batch contract (numpy; rows of group i are contiguous, group_id_B = i):
+    prompt_tokens_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT, rollout_logp_BxT,
+    truncated_B (float32, 1 = no EOS), group_id_B, version_BxT and, for MoE, routing_BxSxLxK."""
+    if not groups:
+        raise ValueError("assemble_batch: no groups")
+    sizes = [len(g.tokens_GxT) for g in groups]
+    cat = lambda f: np.concatenate([f(g) for g in groups])
+    batch = {
+        "prompt_tokens_BxP": cat(lambda g: np.repeat(g.prompt_P[None], len(g.tokens_GxT), 0)),
+        "prompt_mask_BxP": cat(lambda g: np.repeat(g.prompt_mask_P[None], len(g.tokens_GxT), 0)),
+        "tokens_BxT": cat(lambda g: g.tokens_GxT), "completion_mask_BxT": cat(lambda g: g.completion_mask_GxT),
+        "rollout_logp_BxT": cat(lambda g: g.logp_GxT), "version_BxT": cat(lambda g: g.version_GxT),
+        "truncated_B": cat(lambda g: (~g.finished_G).astype(np.float32)),
+        "group_id_B": np.repeat(np.arange(len(groups), dtype=np.int32), sizes),
+    }
+    if groups[0].routing_GxSxLxK is not None:
+        batch["routing_BxSxLxK"] = cat(lambda g: g.routing_GxSxLxK)
+    return batch

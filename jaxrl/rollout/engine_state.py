@@ -1,0 +1,198 @@
+"""The decode engine's device side: S slots, each one sample with its own cache fill level.
+
+Pure jitted functions over an explicit `EngineState` (static shapes; `EngineSpec` is static):
+
+    state = init_state(spec, rng)                                    # every slot free
+    state = admit(params, spec, state, prompt_AxP, mask_AxP, dest_N) # A prompts x G samples -> slots dest_N
+    state = decode_chunk(params, spec, state, n_steps, version, temperature)
+    out   = read_slots(spec, state, slot_R)                          # tokens, masks, log-probs, versions
+
+A slot's prompt is left-padded to the engine's P and prefilled as `sampler.prefill_groups` does
+(all but the last prompt token, once per prompt, copied to the G slots of its group); the last
+prompt token is the slot's first decode input. Completion token t of a slot is fed at cache slot
+P-1+t, so a slot's fill level is P-1 + (tokens generated so far) and differs between slots: decode
+steps use `decode.window_layers` (attention reads each row's cache below its own fill level, then
+the new token) and `decode.commit_window` writes each row's new keys/values at its own fill level,
+the read-only-cache form the speculative sampler uses. A slot that is not decoding (finished, or
+never admitted) still runs through the forward (static shapes) but records nothing, does not
+advance, and its window write lands at its fill level, which nobody reads.
+
+Recorded log-probs are under softmax(logits / temperature), untruncated, as `sampler.sample`
+records them; every token also records the `version` passed to the chunk that drew it. A version
+change between two chunks of one sample keeps the sample's KV cache (its prefix's keys/values stay
+those of the params that were current when they were fed).
+
+RNG: each decode step splits the state key once (`rng, key = split(rng)`) and draws the Gumbel
+noise of all S slots from `key` with `sampler.choose_tokens`. A token's draw therefore depends on
+the engine key, the number of decode steps the engine has run since `init_state`, and its slot; no
+two (step, slot) pairs share noise, so every sample is an independent draw from the plain
+sampler's distribution, whatever the admission pattern. Admission draws nothing. Greedy ignores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl.config import ModelConfig
+from jaxrl.models.decode import LayerCache, commit_window, empty_window, layer_params, window_layers
+from jaxrl.rollout.sampler import choose_tokens, prefill_groups, scaled_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Everything that fixes the engine's shapes and graph (a static jit argument)."""
+
+    cfg: ModelConfig
+    slots: int  # S
+    prompt_len: int  # P: prompts are left-padded to it
+    max_new_tokens: int  # T
+    group_size: int  # G: samples per admitted prompt
+    eos_id: int
+    pad_id: int
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+    @property
+    def cache_len(self) -> int:
+        # Fill levels reach P-1+T; a finished slot's (unread) window write lands at that slot.
+        return self.prompt_len + self.max_new_tokens
+
+
+class EngineState(NamedTuple):
+    cache: LayerCache  # S rows of cache_len slots; pos_B = each slot's next position id
+    last_S: jax.Array  # int32: the next decode input (the last prompt token, then the last drawn token)
+    col_S: jax.Array  # int32: completion tokens generated so far
+    done_S: jax.Array  # bool: not decoding (finished, or free since init)
+    eos_S: jax.Array  # bool: the sample ended with EOS (else, once done, it hit max_new_tokens)
+    tokens_SxT: jax.Array  # int32; pad after the sample's last token
+    logp_SxT: jax.Array  # float32; 0 where masked
+    mask_SxT: jax.Array  # float32; 1 on generated tokens (EOS included)
+    version_SxT: jax.Array  # int32: the version passed to the chunk that drew each token; -1 where masked
+    rng: jax.Array
+    routing_SxCxLxK: Optional[jax.Array]  # MoE: experts per cache slot (C = P + T) and MoE layer; else None
+
+
+class SlotReadout(NamedTuple):
+    tokens_RxT: jax.Array
+    completion_mask_RxT: jax.Array
+    logp_RxT: jax.Array
+    version_RxT: jax.Array
+    finished_R: jax.Array  # emitted EOS
+    truncated_R: jax.Array  # done without EOS (max_new_tokens reached)
+    length_R: jax.Array
+    routing_RxCxLxK: Optional[jax.Array]
+
+
+def _blank_rows(spec: EngineSpec, n: int, done: bool):
+    """Per-row fields of n freshly reset slots (not the cache): (last, col, done, eos, tokens, logp, mask, version)."""
+    T = spec.max_new_tokens
+    return (jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32), jnp.full((n,), done), jnp.zeros((n,), bool),
+            jnp.full((n, T), spec.pad_id, jnp.int32), jnp.zeros((n, T), jnp.float32), jnp.zeros((n, T), jnp.float32),
+            jnp.full((n, T), -1, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def init_state(spec: EngineSpec, rng) -> EngineState:
+    """Every slot free (done, nothing recorded); an empty cache."""
+    cfg, S, C = spec.cfg, spec.slots, spec.cache_len
+    dtype = jnp.dtype(cfg.dtype)
+    buf = lambda: jnp.zeros((S, cfg.n_kv_heads, C, cfg.head_dim), dtype)
+    cache = LayerCache(tuple((buf(), buf()) for _ in range(cfg.n_layers)), jnp.zeros((S, C), bool),
+                       jnp.zeros((S,), jnp.int32))
+    routing = None
+    if cfg.n_experts:
+        routing = jnp.zeros((S, C, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
+    return EngineState(cache, *_blank_rows(spec, S, True), rng, routing)
+
+
+@functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
+def admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_AxP, dest_N) -> EngineState:
+    """Prefill A left-padded prompts once each and copy each prompt's cache to G slots: prompt a's
+    samples go to slots dest_N[a*G .. a*G+G-1]. A dest of S (or more) drops that row, so a caller
+    with fewer than A prompts pads the batch (any prompt, e.g. a copy) and points it at S. The
+    admitted slots are reset and start decoding; every other slot is left as it was."""
+    cfg, P = spec.cfg, spec.prompt_len
+    if prompt_AxP.shape[1] != P:
+        raise ValueError(f"prompt_AxP has {prompt_AxP.shape[1]} columns, expected the engine's prompt_len={P}")
+    cache, _, routing_NxCxLxK, last_N = prefill_groups(params, cfg, prompt_AxP, prompt_mask_AxP, spec.group_size,
+                                                       spec.cache_len, spec.cache_len)
+    # Slots from P-1 on hold decoded tokens: what a row reads of them is bounded by its fill level.
+    cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1:].set(True))
+    N = last_N.shape[0]
+    put = lambda old, new: old.at[dest_N].set(new.astype(old.dtype), mode="drop")
+    kv = tuple((put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, cache.kv))
+    new_cache = LayerCache(kv, put(state.cache.valid_BxS, cache.valid_BxS), put(state.cache.pos_B, cache.pos_B))
+    last, col, done, eos, tokens, logp, mask, version = _blank_rows(spec, N, False)
+    return state._replace(
+        cache=new_cache, last_S=put(state.last_S, last_N), col_S=put(state.col_S, col), done_S=put(state.done_S, done),
+        eos_S=put(state.eos_S, eos), tokens_SxT=put(state.tokens_SxT, tokens), logp_SxT=put(state.logp_SxT, logp),
+        mask_SxT=put(state.mask_SxT, mask), version_SxT=put(state.version_SxT, version),
+        routing_SxCxLxK=None if routing_NxCxLxK is None else put(state.routing_SxCxLxK, routing_NxCxLxK))
+
+
+def _put_column(buf_SxT, col_S, value_S, write_S):
+    """buf[s, col_s] = value_s where write_s."""
+    at_SxT = write_S[:, None] & (jnp.arange(buf_SxT.shape[1]) == col_S[:, None])
+    return jnp.where(at_SxT, value_S[:, None].astype(buf_SxT.dtype), buf_SxT)
+
+
+def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature) -> EngineState:
+    """One decode step of every slot; only the decoding ones (not done) record and advance."""
+    cfg, P, T = spec.cfg, spec.prompt_len, spec.max_new_tokens
+    fill_S = P - 1 + s.col_S
+    window = empty_window(s.cache, 1, cfg.n_layers)
+    logits_Sx1xV, window, experts_Sx1xLxK = window_layers(lparams, cfg, s.last_S[:, None], s.cache, fill_S, window, 0)
+    active_S = ~s.done_S
+    cache = commit_window(s.cache, window, fill_S, active_S.astype(jnp.int32))
+    logits_SxV = logits_Sx1xV[:, 0].astype(jnp.float32)
+    rng, key = jax.random.split(s.rng)
+    tok_S = choose_tokens(key, logits_SxV, temperature, spec.top_k, spec.top_p, spec.greedy).astype(jnp.int32)
+    logp_all_SxV = jax.nn.log_softmax(scaled_logits(logits_SxV, temperature), axis=-1)
+    logp_S = jnp.take_along_axis(logp_all_SxV, tok_S[:, None], axis=-1)[:, 0]
+    routing = s.routing_SxCxLxK
+    if experts_Sx1xLxK is not None:  # the input fed at cache slot fill_S used these experts
+        at_SxC = active_S[:, None] & (jnp.arange(routing.shape[1]) == fill_S[:, None])
+        routing = jnp.where(at_SxC[:, :, None, None], experts_Sx1xLxK.astype(routing.dtype), routing)
+    eos_S = active_S & (tok_S == spec.eos_id)
+    col_S = s.col_S + active_S
+    return s._replace(
+        cache=cache, last_S=jnp.where(active_S, tok_S, s.last_S), col_S=col_S,
+        done_S=s.done_S | eos_S | (col_S >= T), eos_S=s.eos_S | eos_S,
+        tokens_SxT=_put_column(s.tokens_SxT, s.col_S, tok_S, active_S),
+        logp_SxT=_put_column(s.logp_SxT, s.col_S, logp_S, active_S),
+        mask_SxT=_put_column(s.mask_SxT, s.col_S, jnp.ones_like(logp_S), active_S),
+        version_SxT=_put_column(s.version_SxT, s.col_S, jnp.broadcast_to(version, col_S.shape), active_S),
+        rng=rng, routing_SxCxLxK=routing)
+
+
+@functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
+def decode_chunk(params, spec: EngineSpec, state: EngineState, n_steps, version, temperature) -> EngineState:
+    """Up to n_steps decode steps (traced: any chunk length, one compile) over all slots, stopping
+    early once no slot is decoding. `version` (int32 scalar) is recorded on every token drawn."""
+    lparams = layer_params(params, spec.cfg)  # split once per chunk, not per step
+    version = jnp.asarray(version, jnp.int32)
+
+    def body(carry):
+        i, s = carry
+        return i + 1, _decode_step(lparams, spec, s, version, temperature)
+
+    cond = lambda carry: (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
+    _, state = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return state
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def read_slots(spec: EngineSpec, state: EngineState, slot_R) -> SlotReadout:
+    """What the slots slot_R hold (meaningful once they are done)."""
+    take = lambda x: None if x is None else jnp.take(x, slot_R, axis=0)
+    mask = take(state.mask_SxT)
+    done, eos = take(state.done_S), take(state.eos_S)
+    return SlotReadout(take(state.tokens_SxT), mask, take(state.logp_SxT), take(state.version_SxT), eos,
+                       done & ~eos, jnp.sum(mask, axis=-1).astype(jnp.int32), take(state.routing_SxCxLxK))
