@@ -8,33 +8,10 @@ names the field or file and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
-
-class ConfigError(ValueError):
-    """A user mistake in a config file or override; the message is one line naming the field."""
-
-
-def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{field}: got {value!r}, expected {allowed}")
-
-
-def _check_learning_rate(value: float, field: str) -> None:
-    # inf passes `> 0` and turns the first update into NaN parameters; NaN fails every comparison.
-    _check(math.isfinite(value) and value > 0, field, "a positive finite number", value)
-
-
-def _check_finite_floats(section: Any, prefix: str) -> None:
-    """inf / nan in any float field is a typo or an overflow, never a setting (loss.eps_low /
-    eps_high excepted: there inf means no clip on that side)."""
-    for f in dataclasses.fields(section):
-        v = getattr(section, f.name)
-        if dataclasses.is_dataclass(v):
-            _check_finite_floats(v, f"{prefix}.{f.name}")
-        elif isinstance(v, float) and f"{prefix}.{f.name}" not in ("loss.eps_low", "loss.eps_high"):
-            _check(math.isfinite(v), f"{prefix}.{f.name}", "a finite number", v)
+from jaxrl.config_checks import ConfigError, _check, _check_finite_floats, _check_learning_rate  # noqa: F401
+from jaxrl.config_rollout import EngineConfig, RolloutConfig, SpeculativeConfig  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,100 +147,6 @@ class DataConfig:
         _check(self.num_train > 0, f"{prefix}.num_train", "a positive integer", self.num_train)
         _check(self.num_test > 0, f"{prefix}.num_test", "a positive integer", self.num_test)
         _check(self.max_prompt_len > 0, f"{prefix}.max_prompt_len", "a positive integer", self.max_prompt_len)
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative rollouts (jaxrl.rollout.speculative): same sampled distribution, fewer policy steps.
-
-    drafter: early_exit (the policy's first `draft_layers` blocks), int8 (the policy with int8
-    weights), or reuse (the previous completion of the same prompt, verified as a point mass; rows
-    without one use the self-drafter `fallback`, or plain decoding when it is "none").
-    """
-
-    enabled: bool = False
-    drafter: str = "early_exit"  # early_exit | int8 | reuse
-    draft_layers: int = 1  # early_exit: blocks the drafter runs
-    max_draft: int = 4  # most tokens drafted per verification (the verify forward's static width - 1)
-    adaptive: bool = True  # pick the draft length from the measured acceptance (else always max_draft)
-    # Costs relative to one plain decode step, for the adaptive choice: a verify forward and each
-    # drafted token. calibrate=True times both on this machine for the rollout's shape before the
-    # first rollout (rollout/calibrate.py) and the constants below are unused; 1.0 / 0.5 suit
-    # memory-bound decoding (accelerators, big models). On a small CPU a verify costs far more
-    # (benchmarks/README.md), and the measured costs then keep speculation off where it would lose.
-    calibrate: bool = True
-    verify_cost: float = 1.0
-    draft_cost: float = 0.5
-    initial_acceptance: float = 0.7  # the acceptance estimate before any is measured
-    max_active_rows: int = 1024  # speculate only while at most this many rows are still decoding
-    # adaptive: a rollout that the costs and acceptance estimates say cannot gain runs the plain
-    # sampler instead; every probe_every-th rollout speculates anyway, to re-measure acceptance.
-    probe_every: int = 10
-    reuse_width: int = 8  # reuse: drafted tokens verified per forward
-    reuse_rule: str = "exact"  # reuse: exact (point-mass rejection) | spec_rl (APPROXIMATE: min(1, p/q_old))
-    fallback: str = "none"  # reuse: self-drafter for rows without a live reused draft (none | early_exit | int8)
-
-    def validate(self, prefix: str = "rollout.speculative") -> None:
-        _check(self.drafter in ("early_exit", "int8", "reuse"), f"{prefix}.drafter",
-               "'early_exit', 'int8' or 'reuse'", self.drafter)
-        _check(self.draft_layers > 0, f"{prefix}.draft_layers", "a positive integer", self.draft_layers)
-        _check(self.max_draft > 0, f"{prefix}.max_draft", "a positive integer", self.max_draft)
-        _check(self.draft_cost > 0, f"{prefix}.draft_cost", "a positive number", self.draft_cost)
-        _check(self.verify_cost > 0, f"{prefix}.verify_cost", "a positive number", self.verify_cost)
-        _check(0 < self.initial_acceptance < 1, f"{prefix}.initial_acceptance", "a number in (0, 1)",
-               self.initial_acceptance)
-        _check(self.max_active_rows > 0, f"{prefix}.max_active_rows", "a positive integer", self.max_active_rows)
-        _check(self.probe_every > 0, f"{prefix}.probe_every", "a positive integer", self.probe_every)
-        _check(self.reuse_width > 0, f"{prefix}.reuse_width", "a positive integer", self.reuse_width)
-        _check(self.reuse_rule in ("exact", "spec_rl"), f"{prefix}.reuse_rule", "'exact' or 'spec_rl'",
-               self.reuse_rule)
-        _check(self.fallback in ("none", "early_exit", "int8"), f"{prefix}.fallback",
-               "'none', 'early_exit' or 'int8'", self.fallback)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """The slot-based decode engine (jaxrl.rollout.engine): samples with lifecycles instead of one
-    static B x T call. `slots` samples decode at once; between chunks of `chunk` decode steps the
-    host retires finished samples and admits new groups (`admit_groups` prompts per prefill call).
-    admission: exact (admit only the groups a collect still needs: no sample outlives its collect)
-    | fill (keep every free slot busy: unfinished samples stay in their slots for the next collect)."""
-
-    enabled: bool = False
-    slots: int = 64
-    chunk: int = 8
-    admit_groups: int = 4
-    admission: str = "exact"  # exact | fill
-
-    def validate(self, prefix: str = "rollout.engine") -> None:
-        _check(self.slots > 0, f"{prefix}.slots", "a positive integer", self.slots)
-        _check(self.chunk > 0, f"{prefix}.chunk", "a positive integer (decode steps between admissions)", self.chunk)
-        _check(self.admit_groups > 0, f"{prefix}.admit_groups", "a positive integer", self.admit_groups)
-        _check(self.admission in ("exact", "fill"), f"{prefix}.admission", "'exact' or 'fill'", self.admission)
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    group_size: int = 8
-    prompts_per_step: int = 16
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    speculative: SpeculativeConfig = SpeculativeConfig()
-    engine: EngineConfig = EngineConfig()
-
-    def validate(self, prefix: str = "rollout") -> None:
-        _check(self.group_size > 0, f"{prefix}.group_size", "a positive integer", self.group_size)
-        _check(self.prompts_per_step > 0, f"{prefix}.prompts_per_step", "a positive integer", self.prompts_per_step)
-        _check(self.max_new_tokens > 0, f"{prefix}.max_new_tokens", "a positive integer", self.max_new_tokens)
-        _check(self.temperature > 0, f"{prefix}.temperature", "a positive number", self.temperature)
-        _check(self.top_k >= 0, f"{prefix}.top_k", "0 (off) or a positive integer", self.top_k)
-        _check(0 < self.top_p <= 1, f"{prefix}.top_p", "a number in (0, 1]", self.top_p)
-        self.speculative.validate(f"{prefix}.speculative")
-        self.engine.validate(f"{prefix}.engine")
-        _check(not self.engine.enabled or self.engine.slots >= self.group_size, f"{prefix}.engine.slots",
-               f"at least group_size={self.group_size} (a group is admitted into free slots at once)", self.engine.slots)
 
 
 def parse_loss_options(text: str, field: str = "loss.options") -> dict:
