@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from chi_square import chi_square_pvalue
 from jaxrl.config import EngineConfig, ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout import acceptance, engine_state
@@ -46,21 +47,6 @@ def _exact_distribution(prompt, temperature, top_k):
     return dist
 
 
-def _chi_square_pvalue(completions, dist):
-    counts = {}
-    for key in completions:
-        assert key in dist, f"sampled {key}, impossible under the target"
-        counts[key] = counts.get(key, 0) + 1
-    n = len(completions)
-    big = [k for k, p in dist.items() if p * n >= 5]
-    obs = np.array([counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)], np.float64)
-    exp = np.array([dist[k] * n for k in big] + [n - sum(dist[k] * n for k in big)], np.float64)
-    keep = exp > 0
-    chi2 = float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep]))
-    df = int(keep.sum()) - 1
-    return float(jax.scipy.special.gammaincc(df / 2.0, chi2 / 2.0)), df
-
-
 def _engine_samples(temperature, top_k, seed):
     """All samples of 2 x N_GROUPS groups (the two prompts alternating), through 64 slots."""
     ecfg = EngineConfig(enabled=True, slots=64, chunk=2, admit_groups=8)
@@ -80,7 +66,7 @@ def test_sampled_distribution_equals_enumeration(temperature, top_k):
     """6,000 samples per prompt against the exact distribution: chi-square p-value > 1e-3 (fixed seed)."""
     samples = _engine_samples(temperature, top_k, seed=11)
     for tag, prompt in enumerate(PROMPTS):
-        pvalue, df = _chi_square_pvalue(samples[tag], _exact_distribution(prompt, temperature, top_k))
+        pvalue, df = chi_square_pvalue(samples[tag], _exact_distribution(prompt, temperature, top_k))
         assert df >= 8
         assert pvalue > 1e-3, (prompt, pvalue)
 
@@ -101,5 +87,5 @@ def test_chi_square_catches_noise_reused_across_steps(monkeypatch):
     finally:
         monkeypatch.undo()
         jax.clear_caches()
-    pvalue, _ = _chi_square_pvalue(samples[0], _exact_distribution(PROMPTS[0], 1.0, 0))
+    pvalue, _ = chi_square_pvalue(samples[0], _exact_distribution(PROMPTS[0], 1.0, 0))
     assert pvalue < 1e-6, pvalue

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from chi_square import chi_square_pvalue
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout import acceptance
@@ -154,19 +155,8 @@ def _exact_distribution(params, temperature, top_k):
 
 
 def _chi_square_pvalue(tokens, mask, dist):
-    counts = {}
-    for row, m in zip(np.asarray(tokens), np.asarray(mask)):
-        key = tuple(int(t) for t in row[m > 0])
-        assert key in dist, f"sampled {key}, impossible under the target"
-        counts[key] = counts.get(key, 0) + 1
-    n = len(tokens)
-    big = [k for k, p in dist.items() if p * n >= 5]
-    obs = np.array([counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)], np.float64)
-    exp = np.array([dist[k] * n for k in big] + [n - sum(dist[k] * n for k in big)], np.float64)
-    keep = exp > 0
-    chi2 = float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep]))
-    df = int(keep.sum()) - 1
-    return float(jax.scipy.special.gammaincc(df / 2.0, chi2 / 2.0)), df
+    return chi_square_pvalue([tuple(int(t) for t in row[m > 0]) for row, m in zip(np.asarray(tokens), np.asarray(mask))],
+                             dist)
 
 
 def _sample_small(params, spec, temperature, top_k, seed, draft=None):
