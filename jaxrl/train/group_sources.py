@@ -12,6 +12,8 @@ Two sources:
                 samples still decoding stay in their slots and finish under the next policy
                 version (partial rollouts): each token keeps the log-prob it was drawn with and the
                 version that drew it, and the loss's rollout corrections use those log-probs.
+                Optional policies on which groups and prompts a step uses: DAPO dynamic sampling
+                (group_filters.py) and a Beta / Thompson online difficulty filter (prompt_filter.py).
 Both return the same batch contract (jaxrl.train.scoring); the engine's also carries `group_id_B`.
 """
 
