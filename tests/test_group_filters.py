@@ -122,6 +122,7 @@ def test_engine_source_with_dynamic_sampling_yields_only_informative_groups(in_p
         assert m["engine/dyn_cap_hit"] == 0 and m["engine/dyn_filled"] == 0
         # exact admission: one prompt per group drawn; every group drawn beyond N replaced a dropped one
         assert produced.stream.index - stream.index == N + m["engine/dyn_extra"]
+        assert m["rollout/samples"] == (N + m["engine/dyn_extra"]) * cfg.rollout.group_size  # dropped ones count
         assert m["engine/dyn_dropped"] == m["engine/dyn_extra"]
         assert m["reward/mean"] == pytest.approx(batch["rewards_BxK"][:, 0].mean())  # the kept batch
         stream, dropped = produced.stream, dropped + m["engine/dyn_dropped"]

@@ -104,8 +104,8 @@ class EngineSource:
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), _ENGINE_KEY_SALT)
         # model_cfg: the resolved model (the tokenizer's vocabulary, or the HF checkpoint's architecture)
-        self.engine = Engine.from_config(dataclasses.replace(cfg, model=model_cfg), prompt_len=prompt_width(cfg.data), eos_id=tokenizer.eos_id,
-                                         pad_id=tokenizer.pad_id, rng=rng)
+        self.engine = Engine.from_config(dataclasses.replace(cfg, model=model_cfg), prompt_len=prompt_width(cfg.data),
+                                         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, rng=rng)
         self.prompt_filter = BetaPromptFilter.from_config(cfg.rollout.engine, cfg.train.seed, host.get(_FILTER_KEY))
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
@@ -132,21 +132,23 @@ class EngineSource:
         return Produced(host_batch, None, metrics, feed.stream)
 
     def _draw(self, params, version: int, prompts) -> tuple[int, list[ScoredGroup], dict]:
-        """(verifier failures, the step's scored groups, engine/dyn_* metrics): the first
-        prompts_per_step groups, or with dynamic sampling the informative ones (group_filters.py)."""
-        cfg, n_failed = self.cfg, [0]
+        """(verifier failures, the step's scored groups, metrics: rollout/samples = completions drawn
+        and scored, dropped ones included, and engine/dyn_*): the first prompts_per_step groups, or
+        with dynamic sampling the informative ones (group_filters.py)."""
+        cfg, n_failed, n_samples = self.cfg, [0], [0]
 
         def draw(n: int) -> list[ScoredGroup]:
             scored, failed = self._scored(self.engine.collect(params, version, prompts, n))
             n_failed[0] += failed
+            n_samples[0] += sum(len(s.rewards_GxK) for s in scored)
             return scored
 
         if not cfg.rollout.engine.dynamic_sampling:
             picked = draw(cfg.rollout.prompts_per_step)
-            return n_failed[0], picked, {}
+            return n_failed[0], picked, {"rollout/samples": n_samples[0]}
         sel = select_informative(draw, cfg.rollout.prompts_per_step, cfg.rollout.engine.max_extra_groups,
                                  cfg.loss.reward_weights)
-        return n_failed[0], sel.groups, selection_metrics(sel)
+        return n_failed[0], sel.groups, {"rollout/samples": n_samples[0], **selection_metrics(sel)}
 
     def _scored(self, groups: list[Group]) -> tuple[list[ScoredGroup], int]:
         """Each group with its rewards (one verifier call for all), and the verifier's failures; the
