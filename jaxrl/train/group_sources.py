@@ -13,6 +13,8 @@ Two sources:
                 version (partial rollouts): each token keeps the log-prob it was drawn with and the
                 version that drew it, and the loss's rollout corrections use those log-probs.
 Both return the same batch contract (jaxrl.train.scoring); the engine's also carries `group_id_B`.
+The engine's state (samples in flight with their records, KV caches and RNG) is checkpointed:
+a resumed run continues them exactly as an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from jaxrl.config import Config, ConfigError
 from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
 from jaxrl.rollout.engine import Engine, Group, assemble_batch
+from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.batching import decode_completions, next_prompts, prompt_width
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.scoring import RowLayout, reward_metrics, score_groups
+
+_ENGINE_ITEM = "engine"  # its key in the checkpoint's JSON item and in the arrays item
 
 # Bumps the engine's key away from the state's (both start from train.seed).
 _ENGINE_KEY_SALT = 0x656E67
@@ -100,6 +105,8 @@ class EngineSource:
         # model_cfg: the resolved model (the tokenizer's vocabulary, or the HF checkpoint's architecture)
         self.engine = Engine.from_config(dataclasses.replace(cfg, model=model_cfg), prompt_len=prompt_width(cfg.data), eos_id=tokenizer.eos_id,
                                          pad_id=tokenizer.pad_id, rng=rng)
+        if _ENGINE_ITEM in host:  # resumed: the samples in flight continue where the save left them
+            self.engine.load_state(host[_ENGINE_ITEM], host.get(ckpt.ARRAYS, {}).get(_ENGINE_ITEM))
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
         """`rng` is unused: the engine draws with its own key (its state), so that samples carried
@@ -129,7 +136,10 @@ class EngineSource:
         return batch, (rewards_BxK, n_failed)
 
     def checkpoint_state(self) -> dict:
-        return {}
+        """The engine's bookkeeping (JSON; tags are the data records) and its device state copied to
+        the host (the checkpoint's arrays item): slots in flight, ready groups, counters, RNG."""
+        host, arrays = self.engine.to_state()
+        return {_ENGINE_ITEM: host, ckpt.ARRAYS: {_ENGINE_ITEM: arrays}}
 
 
 def engine_metrics(engine: Engine, counts_before: dict, groups: list[Group], version: int) -> dict:
