@@ -43,9 +43,9 @@ def _warm(cfg):
     return model_cfg, tok, task, params
 
 
-def _saved(source) -> dict:
-    """What a checkpoint gives back: the JSON part through JSON, the arrays as copies."""
-    state = source.checkpoint_state()
+def _saved(state: dict) -> dict:
+    """What a checkpoint of `checkpoint_state()` gives back: the JSON part through JSON, the arrays as copies."""
+    state = dict(state)
     arrays = state.pop(ckpt.ARRAYS)
     return {**json.loads(json.dumps(state)), ckpt.ARRAYS: copy.deepcopy(arrays)}
 
@@ -66,16 +66,16 @@ def test_restored_engine_continues_like_the_original(in_process_cache):
     stream = StreamState(0, 0)
     for step in (1, 2):
         stream = source.produce(params, stream, None, step).stream
-    saved = _saved(source)
+    as_given = source.checkpoint_state()  # what the loop hands to the (asynchronous) save
+    saved = _saved(as_given)
     host = saved["engine"]
     # The save is meaningful: groups in flight, some with finished members read out (parked rows).
     assert host["flights"] and any(f["members"] for f in host["flights"])
     assert len(saved[ckpt.ARRAYS]["engine"]["parked"]["tokens_RxT"]) > 0
-    snapshot = copy.deepcopy(saved[ckpt.ARRAYS])
 
     straight = [source.produce(params, stream, None, 3)]  # donates (and on CPU may reuse) the state buffers
-    # The snapshot does not alias the device state: the chunks that ran since left it as it was.
-    jax.tree.map(np.testing.assert_array_equal, saved[ckpt.ARRAYS], snapshot)
+    # The arrays given to the save do not alias the device state: the chunks that ran since left them as they were.
+    jax.tree.map(np.testing.assert_array_equal, as_given[ckpt.ARRAYS], saved[ckpt.ARRAYS])
 
     resumed_source = EngineSource(cfg, model_cfg, tok, task, saved)
     resumed = [resumed_source.produce(params, stream, None, 3)]
@@ -91,7 +91,7 @@ def test_engine_state_of_another_shape_is_a_config_error(in_process_cache):
     model_cfg, tok, task, params = _warm(cfg)
     source = EngineSource(cfg, model_cfg, tok, task, {})
     source.produce(params, StreamState(0, 0), None, 1)
-    saved = _saved(source)
+    saved = _saved(source.checkpoint_state())
     other = _cfg("rollout.engine.slots=16")
     with pytest.raises(ConfigError, match=r"rollout.engine.slots: .* slots=32, this run 16"):
         EngineSource(other, model_cfg, tok, task, saved)
