@@ -21,7 +21,7 @@ from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.group_sources import EngineSource
 from jaxrl.train.warmstart import load_or_train_base
-from preset_configs import config_path, overrides
+from preset_configs import config_path, fast_compiles, overrides  # noqa: F401  (fixture)
 from test_resume import _finished_checkpoints, _rows, _wait_for
 
 # Slots for 8 groups, 4 a step, one decode step a chunk: groups are in flight at every step boundary,
@@ -107,3 +107,56 @@ def test_save_refuses_device_arrays_in_the_arrays_item(tmp_path):
     with pytest.raises(TypeError, match=r"rollout_arrays: \['engine'\]\['x'\] is not a numpy array"):
         ckpt.save(manager, 1, State(), {ckpt.ARRAYS: {"engine": {"x": jax.numpy.ones(2)}}})
     manager.close()
+
+
+STEPS = 10
+RUN_ARGS = [str(config_path("grpo")), *sum((["--set", t] for t in overrides("grpo") + FILL), []),
+            "--set", f"train.steps={STEPS}", "--set", "checkpoint.every=1"]
+
+
+def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_path, cache_env):
+    straight = tmp_path / "straight"
+    subprocess.run(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(straight)), env=cache_env, check=True, timeout=600)
+    reference = _rows(straight)
+    assert sorted(reference) == list(range(STEPS + 1))
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(killed)), env=cache_env)
+    try:
+        _wait_for(lambda: any(s >= 4 for s in _finished_checkpoints(killed)), proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    restored = max(_finished_checkpoints(killed))
+    assert restored < STEPS, "the kill came too late to test resumption"
+    before = _rows(killed)
+    subprocess.run(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(killed)), env=cache_env, check=True, timeout=600)
+    resumed = _rows(killed)
+    assert sorted(resumed) == list(range(STEPS + 1))
+    for step in range(restored + 1):  # a resume, not a fresh start: the rows it restored from are kept as written
+        assert resumed[step] == before[step]
+    # Groups were in flight at the checkpoint the run resumed from, and the next step used carried samples.
+    assert reference[restored]["engine/in_flight_groups"] > 0
+    assert reference[restored + 1]["engine/partial_frac"] > 0
+    for step in range(1, STEPS + 1):
+        untimed = lambda row: {k: v for k, v in row.items() if k not in TIMING}
+        assert untimed(resumed[step]) == untimed(reference[step]), step
+
+
+def test_checkpoint_without_engine_state_resumes_with_the_engine(tmp_path, in_process_cache, fast_compiles):  # noqa: F811
+    """A run switched to the engine (an allowed config change) starts the engine empty at the
+    restored stream position; switched back, the engine's saved state is ignored."""
+    from jaxrl.train.loop import train
+
+    workdir = tmp_path / "run"
+    static = load_config(config_path("grpo"), overrides("grpo") + ["train.steps=1", "checkpoint.every=1"])
+    train(static, workdir)
+    rows = train(_cfg("train.steps=2", "checkpoint.every=1"), workdir, allow_config_change=True)
+    assert [r["step"] for r in rows] == [0, 1, 2] and "engine/chunks" not in rows[1]
+    assert rows[2]["engine/chunks"] > 0 and rows[2]["engine/partial_frac"] == 0  # nothing was carried in
+    host = json.loads((workdir / "checkpoints" / "2" / "host" / "metadata").read_text())
+    assert host["engine"]["flights"]  # the engine's samples in flight were saved
+    rows = train(dataclasses.replace(static, train=dataclasses.replace(static.train, steps=3)), workdir,
+                 allow_config_change=True)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "engine/chunks" not in rows[3]
