@@ -19,6 +19,7 @@ Admission (`rollout.engine.admission`):
          beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
          a new iterable: samples in flight carry their own prompts and tags.
 A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it.
+`to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
 """
 
 from __future__ import annotations
