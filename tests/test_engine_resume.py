@@ -136,9 +136,10 @@ def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_pat
     assert sorted(resumed) == list(range(STEPS + 1))
     for step in range(restored + 1):  # a resume, not a fresh start: the rows it restored from are kept as written
         assert resumed[step] == before[step]
-    # Groups were in flight at the checkpoint the run resumed from, and the next step used carried samples.
+    # Groups were in flight at the checkpoint the run resumed from, and the next step used samples
+    # drawn before it (tokens a version old: carried groups; partial_frac > 0 only on alternate steps here).
     assert reference[restored]["engine/in_flight_groups"] > 0
-    assert reference[restored + 1]["engine/partial_frac"] > 0
+    assert reference[restored + 1]["engine/staleness_max"] >= 1
     for step in range(1, STEPS + 1):
         untimed = lambda row: {k: v for k, v in row.items() if k not in TIMING}
         assert untimed(resumed[step]) == untimed(reference[step]), step
