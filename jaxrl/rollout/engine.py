@@ -19,6 +19,7 @@ Admission (`rollout.engine.admission`):
          beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
          a new iterable: samples in flight carry their own prompts and tags.
 A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it.
+`to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig
+from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine_state import EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots
 from jaxrl.rollout.sampler import check_temperature
 
@@ -96,6 +98,14 @@ class Engine:
         return cls(cfg.model, rc.engine, group_size=rc.group_size, prompt_len=prompt_len,
                    max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, eos_id=eos_id, pad_id=pad_id,
                    rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy)
+
+    def to_state(self) -> tuple[dict, dict]:
+        """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (engine_checkpoint.py)."""
+        return engine_to_state(self)
+
+    def load_state(self, host: dict, arrays: dict) -> None:
+        """Continue from `to_state()`'s output: samples in flight, ready groups, counters, RNG."""
+        load_engine_state(self, host, arrays)
 
     @property
     def groups_in_flight(self) -> int:
