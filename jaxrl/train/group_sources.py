@@ -12,12 +12,15 @@ Two sources:
                 samples still decoding stay in their slots and finish under the next policy
                 version (partial rollouts): each token keeps the log-prob it was drawn with and the
                 version that drew it, and the loss's rollout corrections use those log-probs.
+                With `rollout.engine.allocation=vigor` the step's samples are allocated to its
+                prompts by reward variance instead (jaxrl.train.vigor): groups of unequal size.
 Both return the same batch contract (jaxrl.train.scoring); the engine's also carries `group_id_B`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Iterator, NamedTuple, Optional
 
@@ -31,6 +34,7 @@ from jaxrl.rollout.engine import Engine, Group, assemble_batch
 from jaxrl.train.batching import decode_completions, next_prompts, prompt_width
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.scoring import RowLayout, reward_metrics, score_groups
+from jaxrl.train.vigor import collect_vigor, group_rewards
 
 # Bumps the engine's key away from the state's (both start from train.seed).
 _ENGINE_KEY_SALT = 0x656E67
@@ -108,7 +112,12 @@ class EngineSource:
         cfg, t0, counts0 = self.cfg, time.perf_counter(), dict(self.engine.counts)
         version = step - 1  # the number of updates the policy has had
         feed = PromptFeed(self.task.train, stream, self.tokenizer, cfg)
-        groups = self.engine.collect(params, version, feed, cfg.rollout.prompts_per_step)
+        if cfg.rollout.engine.allocation == "vigor":  # groups of unequal size, B samples in all
+            rewards_of = functools.partial(group_rewards, tokenizer=self.tokenizer, verifier=self.task.verifier,
+                                           reward_weights=cfg.loss.reward_weights)
+            groups, allocated = collect_vigor(self.engine, params, version, feed, cfg.rollout, rewards_of)
+        else:
+            groups, allocated = self.engine.collect(params, version, feed, cfg.rollout.prompts_per_step), {}
         seconds = time.perf_counter() - t0
         host_batch, scores = self._scored(groups)
         mask_BxT, finished_B = host_batch["completion_mask_BxT"], host_batch["truncated_B"] == 0
@@ -116,6 +125,7 @@ class EngineSource:
         metrics.update({"rollout/tokens_per_s": float(mask_BxT.sum()) / max(seconds, 1e-9),
                         "rollout/seconds": seconds})
         metrics.update(engine_metrics(self.engine, counts0, groups, version))
+        metrics.update(allocated)
         return Produced(host_batch, None, metrics, feed.stream)
 
     def _scored(self, groups: list[Group]) -> tuple[dict, tuple]:
