@@ -41,7 +41,7 @@ def test_vigor_step_has_b_rows_one_group_per_prompt_and_unequal_sizes(in_process
     assert ids.tolist() == list(range(N)) and np.all(np.diff(batch["group_id_B"]) >= 0)  # contiguous groups
     assert sizes.min() >= 2 and sizes.max() <= 2 * G and sizes.min() < sizes.max()
     assert (m["engine/vigor_min_group"], m["engine/vigor_max_group"]) == (sizes.min(), sizes.max())
-    assert m["engine/vigor_draws"] == 3  # phase 1 + 2 rounds
+    assert m["engine/vigor_draws"] == 3 and m["rollout/samples"] == N * G  # phase 1 + 2 rounds; B drawn in all
     # Every row of a group carries its prompt; groups are distinct stream records, rescored alike.
     prompts = [tok.decode(p[k > 0].tolist()) for p, k in zip(batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"])]
     by_group = [{prompts[r] for r in np.flatnonzero(batch["group_id_B"] == g)} for g in ids]
@@ -80,6 +80,8 @@ def test_grpo_trains_with_vigor(tmp_path, in_process_cache, fast_compiles):  # n
      "rollout.engine.max_group_samples: got 4, expected 0 (2 * group_size) or at least group_size=8"),
     (VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.admission=fill"],
      "rollout.engine.admission: got 'fill', expected 'exact' with allocation=vigor"),
+    (VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.dynamic_sampling=true"],
+     "rollout.engine.dynamic_sampling: got True, expected false with allocation=vigor"),
     (["rollout.engine.allocation_rounds=0"], "rollout.engine.allocation_rounds: got 0"),
 ])
 def test_vigor_config_errors_name_the_field(items, needle):

@@ -12,6 +12,8 @@ Two sources:
                 samples still decoding stay in their slots and finish under the next policy
                 version (partial rollouts): each token keeps the log-prob it was drawn with and the
                 version that drew it, and the loss's rollout corrections use those log-probs.
+                Optional policies on which groups and prompts a step uses: DAPO dynamic sampling
+                (group_filters.py) and a Beta / Thompson online difficulty filter (prompt_filter.py).
                 With `rollout.engine.allocation=vigor` the step's samples are allocated to its
                 prompts by reward variance instead (jaxrl.train.vigor): groups of unequal size.
 Both return the same batch contract (jaxrl.train.scoring); the engine's also carries `group_id_B`.
@@ -32,12 +34,16 @@ from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
 from jaxrl.rollout.engine import Engine, Group, assemble_batch
 from jaxrl.train.batching import decode_completions, next_prompts, prompt_width
+from jaxrl.train.group_filters import ScoredGroup, select_informative, selection_metrics
+from jaxrl.train.prompt_filter import BetaPromptFilter
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.scoring import RowLayout, reward_metrics, score_groups
 from jaxrl.train.vigor import collect_vigor, group_rewards
 
 # Bumps the engine's key away from the state's (both start from train.seed).
 _ENGINE_KEY_SALT = 0x656E67
+# The prompt filter's state in the checkpoint's JSON item (posteriors, generator, counters).
+_FILTER_KEY = "prompt_filter"
 
 
 class Produced(NamedTuple):
@@ -102,44 +108,84 @@ class EngineSource:
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), _ENGINE_KEY_SALT)
         # model_cfg: the resolved model (the tokenizer's vocabulary, or the HF checkpoint's architecture)
-        self.engine = Engine.from_config(dataclasses.replace(cfg, model=model_cfg), prompt_len=prompt_width(cfg.data), eos_id=tokenizer.eos_id,
-                                         pad_id=tokenizer.pad_id, rng=rng)
+        self.engine = Engine.from_config(dataclasses.replace(cfg, model=model_cfg), prompt_len=prompt_width(cfg.data),
+                                         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, rng=rng)
+        self.prompt_filter = BetaPromptFilter.from_config(cfg.rollout.engine, cfg.train.seed, host.get(_FILTER_KEY))
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
         """`rng` is unused: the engine draws with its own key (its state), so that samples carried
-        between steps keep one stream of noise."""
+        between steps keep one stream of noise. With dynamic sampling the reward/* metrics describe
+        the groups in the batch; engine/dyn_* count the ones drawn and dropped."""
         del rng
         cfg, t0, counts0 = self.cfg, time.perf_counter(), dict(self.engine.counts)
         version = step - 1  # the number of updates the policy has had
         feed = PromptFeed(self.task.train, stream, self.tokenizer, cfg)
+        pf = self.prompt_filter
+        filter0 = pf and (pf.n_filtered, pf.n_forced)
+        prompts = pf.admitted(feed) if pf else feed  # the engine sees only the prompts the filter admits
+        n_failed, picked, extra_metrics = self._draw(params, version, prompts)
+        seconds = time.perf_counter() - t0
+        host_batch = _batch_of(picked)
+        mask_BxT, finished_B = host_batch["completion_mask_BxT"], host_batch["truncated_B"] == 0
+        metrics = reward_metrics(host_batch["rewards_BxK"], mask_BxT, finished_B, n_failed, feed.skipped,
+                                 cfg.loss.reward_weights)
+        metrics.update({"rollout/tokens_per_s": float(mask_BxT.sum()) / max(seconds, 1e-9),
+                        "rollout/seconds": seconds})
+        metrics.update(engine_metrics(self.engine, counts0, [s.group for s in picked], version))
+        metrics.update({**extra_metrics, **(pf.metrics(filter0) if pf else {})})
+        return Produced(host_batch, None, metrics, feed.stream)
+
+    def _draw(self, params, version: int, prompts) -> tuple[int, list[ScoredGroup], dict]:
+        """(verifier failures, the step's scored groups, metrics: rollout/samples = completions drawn
+        and scored, dropped ones included, and engine/dyn_* or engine/vigor_*): the first
+        prompts_per_step groups, with dynamic sampling the informative ones (group_filters.py), or
+        with allocation=vigor one group per prompt, of unequal sizes (vigor.py)."""
+        cfg, n_failed, n_samples = self.cfg, [0], [0]
+
+        def draw(n: int) -> list[ScoredGroup]:
+            scored, failed = self._scored(self.engine.collect(params, version, prompts, n))
+            n_failed[0] += failed
+            n_samples[0] += sum(len(s.rewards_GxK) for s in scored)
+            return scored
+
         if cfg.rollout.engine.allocation == "vigor":  # groups of unequal size, B samples in all
             rewards_of = functools.partial(group_rewards, tokenizer=self.tokenizer, verifier=self.task.verifier,
                                            reward_weights=cfg.loss.reward_weights)
-            groups, allocated = collect_vigor(self.engine, params, version, feed, cfg.rollout, rewards_of)
-        else:
-            groups, allocated = self.engine.collect(params, version, feed, cfg.rollout.prompts_per_step), {}
-        seconds = time.perf_counter() - t0
-        host_batch, scores = self._scored(groups)
-        mask_BxT, finished_B = host_batch["completion_mask_BxT"], host_batch["truncated_B"] == 0
-        metrics = reward_metrics(scores[0], mask_BxT, finished_B, scores[1], feed.skipped, cfg.loss.reward_weights)
-        metrics.update({"rollout/tokens_per_s": float(mask_BxT.sum()) / max(seconds, 1e-9),
-                        "rollout/seconds": seconds})
-        metrics.update(engine_metrics(self.engine, counts0, groups, version))
-        metrics.update(allocated)
-        return Produced(host_batch, None, metrics, feed.stream)
+            groups, allocated = collect_vigor(self.engine, params, version, prompts, cfg.rollout, rewards_of)
+            picked, failed = self._scored(groups)
+            return failed, picked, {"rollout/samples": sum(len(g.tokens_GxT) for g in groups), **allocated}
+        if not cfg.rollout.engine.dynamic_sampling:
+            picked = draw(cfg.rollout.prompts_per_step)
+            return n_failed[0], picked, {"rollout/samples": n_samples[0]}
+        sel = select_informative(draw, cfg.rollout.prompts_per_step, cfg.rollout.engine.max_extra_groups,
+                                 cfg.loss.reward_weights)
+        return n_failed[0], sel.groups, {"rollout/samples": n_samples[0], **selection_metrics(sel)}
 
-    def _scored(self, groups: list[Group]) -> tuple[dict, tuple]:
-        """The groups' batch (the update's fields, group_id_B included) and (rewards_BxK, n_failed)."""
-        batch = assemble_batch(groups)
+    def _scored(self, groups: list[Group]) -> tuple[list[ScoredGroup], int]:
+        """Each group with its rewards (one verifier call for all), and the verifier's failures; the
+        prompt filter, if any, learns from every group scored."""
+        if not groups:
+            return [], 0
         records = [g.tag for g in groups for _ in range(len(g.tokens_GxT))]
-        texts = decode_completions(self.tokenizer, batch["tokens_BxT"])
-        rewards_BxK, n_failed = score(self.task.verifier, texts, list(batch["truncated_B"] == 0), records)
-        batch["rewards_BxK"] = rewards_BxK
-        del batch["version_BxT"]  # host-side only (staleness metrics)
-        return batch, (rewards_BxK, n_failed)
+        texts = decode_completions(self.tokenizer, np.concatenate([g.tokens_GxT for g in groups]))
+        finished = np.concatenate([g.finished_G for g in groups])
+        rewards_BxK, n_failed = score(self.task.verifier, texts, list(finished), records)
+        splits = np.cumsum([len(g.tokens_GxT) for g in groups])[:-1]
+        scored = [ScoredGroup(g, r_GxK) for g, r_GxK in zip(groups, np.split(rewards_BxK, splits))]
+        for s in scored if self.prompt_filter else ():
+            self.prompt_filter.update(s.group.tag["id"], s.rewards_GxK)
+        return scored, n_failed
 
     def checkpoint_state(self) -> dict:
-        return {}
+        return {_FILTER_KEY: self.prompt_filter.to_state()} if self.prompt_filter else {}
+
+
+def _batch_of(picked: list[ScoredGroup]) -> dict:
+    """The update's fields of the step's groups (group_id_B included), rewards_BxK from their scores."""
+    batch = assemble_batch([s.group for s in picked])
+    batch["rewards_BxK"] = np.concatenate([s.rewards_GxK for s in picked])
+    del batch["version_BxT"]  # host-side only (staleness metrics)
+    return batch
 
 
 def engine_metrics(engine: Engine, counts_before: dict, groups: list[Group], version: int) -> dict:

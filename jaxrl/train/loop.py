@@ -100,7 +100,7 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
     try:
         if start == 0 and tc.steps >= 0:
             last_eval = run.evaluate(state.params)
-            run.log.write({"step": 0, **last_eval})
+            run.log.write({"step": 0, **last_eval, "wall_time": time.time()})
             if is_primary():
                 plot(run.log.rows, workdir / "progress.png", title=str(workdir.name))
         pending = None  # (row, device metrics, t0) of the step dispatched last: pulled after the next dispatch
