@@ -56,6 +56,8 @@ def engine_to_state(engine) -> tuple[dict, dict]:
 
     flights = []
     for gid, f in engine._flight.items():
+        if f.sink is not None:  # `Engine.sample` runs its flights to the end inside one call
+            raise RuntimeError("engine_to_state: an `Engine.sample` call is still in progress")
         members = sorted(f.rows)
         flights.append({"id": int(gid), "tag": f.tag, "prompt_P": f.prompt_P.tolist(), "mask_P": f.mask_P.tolist(),
                         "slots_G": f.slots_G.tolist(), "members": members,
@@ -100,12 +102,12 @@ def load_engine_state(engine, host: dict, arrays: Optional[dict]) -> None:
         rows = {int(m): row(i) for m, i in zip(f["members"], f["rows"])}
         engine._flight[int(f["id"])] = _Flight(f["tag"], np.asarray(f["prompt_P"], np.int32),
                                                np.asarray(f["mask_P"], np.int32), np.asarray(f["slots_G"], np.int64),
-                                               rows)
+                                               rows, None)
     engine._ready = []
     for g in host["ready"]:
         rows = {m: row(i) for m, i in enumerate(g["rows"])}
         engine._ready.append(_group(_Flight(g["tag"], np.asarray(g["prompt_P"], np.int32),
-                                            np.asarray(g["mask_P"], np.int32), np.arange(len(rows)), rows)))
+                                            np.asarray(g["mask_P"], np.int32), np.arange(len(rows)), rows, None)))
 
 
 def _check_shapes(engine, host: dict) -> None:
