@@ -18,7 +18,17 @@ Admission (`rollout.engine.admission`):
          call's version: `version_BxT` says which tokens came from which), and groups that complete
          beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
          a new iterable: samples in flight carry their own prompts and tags.
-A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it.
+A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it,
+unless `reprefill` is set: then, when a collect's version differs from the previous collect's, the
+caches of the samples carried over are recomputed under the new params before they continue
+(`engine_partial.reprefill`). Their drawn tokens keep their recorded log-probs and versions.
+
+Bounded staleness (`max_staleness` >= 0): a collect at version v returns no sample whose first token
+was drawn before version v - max_staleness. At the start of a collect, every group that would break
+the bound (in flight, or complete and waiting to be returned) is dropped and restarted whole from its
+prompt, ahead of new prompts: all G samples of a group are redrawn together, so they stay samples of
+one policy mix and comparable within the group. (A group's samples are admitted together, so they
+share their first token's version.) -1: no bound.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig
+from jaxrl.rollout.engine_partial import release_slots, reprefill
 from jaxrl.rollout.engine_state import EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots
 from jaxrl.rollout.sampler import check_temperature
 
@@ -56,6 +67,7 @@ class _Flight:
     mask_P: np.ndarray
     slots_G: np.ndarray
     rows: dict  # member index -> that sample's readout row
+    born: int = 0  # the version of the collect that admitted it (its first token's version)
 
 
 def left_pad(tokens, prompt_len: int, pad_id: int):
@@ -87,7 +99,10 @@ class Engine:
         self._flight: dict[int, _Flight] = {}
         self._ready: list[Group] = []  # complete, not yet returned
         self._next_id = 0
-        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0}
+        self._restart: list = []  # (tag, prompt_P, mask_P) of groups to re-admit before new prompts
+        self._version: Optional[int] = None  # the previous collect's version
+        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0, "restarted_groups": 0,
+                       "restarted_samples": 0, "reprefilled_samples": 0}
 
     @classmethod
     def from_config(cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False) -> "Engine":
@@ -105,8 +120,11 @@ class Engine:
         """The next n_groups complete groups (fewer only when `prompts` runs out and nothing is left
         in flight). `prompts` yields (tag, tokens) pairs: tokens a 1-D sequence of real tokens."""
         prompts = iter(prompts)
+        self._restart_stale(version)
+        self._reprefill_carried(params, version)
+        self._version = version
         while len(self._ready) < n_groups:
-            self._admit_free(params, prompts, n_groups)
+            self._admit_free(params, prompts, n_groups, version)
             if not self._flight:  # prompts ran out and every admitted group is back
                 break
             self.state = decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
@@ -115,7 +133,54 @@ class Engine:
         out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
         return out
 
-    def _admit_free(self, params, prompts: Iterator, n_groups: int) -> None:
+    def _restart_stale(self, version: int) -> None:
+        """Drop the groups whose first token is more than max_staleness versions older than
+        `version` (in flight: their slots are released) and queue them for re-admission."""
+        bound = self.ecfg.max_staleness
+        if bound < 0:
+            return
+        stale = lambda first: version - first > bound
+        n_queued = len(self._restart)
+        restart = [g for g in self._ready if stale(_first_version(g))]
+        self._ready = [g for g in self._ready if not stale(_first_version(g))]
+        self._restart.extend((g.tag, g.prompt_P, g.prompt_mask_P) for g in restart)
+        free_S = np.zeros(self.spec.slots, bool)
+        for gid in [gid for gid, f in self._flight.items() if stale(f.born)]:
+            flight = self._flight.pop(gid)
+            mine = self._owner_S == gid  # members already retired left their slots (maybe to others)
+            free_S |= mine
+            self._owner_S[mine] = -1
+            self._restart.append((flight.tag, flight.prompt_P, flight.mask_P))
+        if free_S.any():
+            self.state = release_slots(self.spec, self.state, free_S)
+        n_restarted = len(self._restart) - n_queued
+        self.counts["restarted_groups"] += n_restarted
+        self.counts["restarted_samples"] += n_restarted * self.spec.group_size
+
+    def _reprefill_carried(self, params, version: int) -> None:
+        """reprefill: at a version change, recompute the caches of the samples still decoding."""
+        if not self.ecfg.reprefill or version == self._version or not self._flight:
+            return
+        S, P = self.spec.slots, self.spec.prompt_len
+        prompt_SxP, mask_SxP = np.full((S, P), self.spec.pad_id, np.int32), np.zeros((S, P), np.int32)
+        for gid, flight in self._flight.items():
+            mine = self._owner_S == gid
+            prompt_SxP[mine], mask_SxP[mine] = flight.prompt_P, flight.mask_P
+        redo_S = self._owner_S >= 0
+        self.state = reprefill(params, self.spec, self.state, prompt_SxP, mask_SxP, redo_S)
+        self.counts["reprefilled_samples"] += int(redo_S.sum())
+
+    def _next_prompt(self, prompts: Iterator):
+        """(tag, prompt_P, mask_P): a restarted group first, else the next prompt (None: none left)."""
+        if self._restart:
+            return self._restart.pop(0)
+        item = next(prompts, None)
+        if item is None:
+            return None
+        tag, tokens = item
+        return (tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id))
+
+    def _admit_free(self, params, prompts: Iterator, n_groups: int, version: int = 0) -> None:
         """Admit prompts into free slots as far as the admission policy allows."""
         G, A, S = self.spec.group_size, self.ecfg.admit_groups, self.spec.slots
         free = np.flatnonzero(self._owner_S < 0)
@@ -124,11 +189,10 @@ class Engine:
             room = min(room, n_groups - len(self._ready) - len(self._flight))
         batch = []
         for _ in range(max(room, 0)):
-            item = next(prompts, None)
+            item = self._next_prompt(prompts)
             if item is None:
                 break
-            tag, tokens = item
-            batch.append((tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id)))
+            batch.append(item)
         for start in range(0, len(batch), A):
             chunk = batch[start:start + A]
             dest_N = np.full(A * G, S, np.int32)  # S: dropped (padding prompts)
@@ -136,7 +200,7 @@ class Engine:
                 slots_G, free = free[:G], free[G:]
                 dest_N[a * G:(a + 1) * G] = slots_G
                 self._owner_S[slots_G] = self._next_id
-                self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_G, {})
+                self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_G, {}, version)
                 self._next_id += 1
             pad = [chunk[0]] * (A - len(chunk))
             prompt_AxP = np.stack([c[1] for c in chunk + pad])
@@ -163,6 +227,12 @@ class Engine:
             if len(flight.rows) == self.spec.group_size:
                 self._ready.append(_group(flight))
                 del self._flight[gid]
+
+
+def _first_version(group: Group) -> int:
+    """The version that drew the group's oldest token."""
+    drawn = group.version_GxT[group.version_GxT >= 0]
+    return int(drawn.min()) if drawn.size else 0
 
 
 def _group(flight: _Flight) -> Group:
