@@ -13,7 +13,8 @@ from jaxrl.config import ConfigError, EngineConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout import engine_state as es
 from jaxrl.rollout.engine import Engine, assemble_batch, left_pad
-from jaxrl.rollout.engine_partial import fed_mask, reprefill
+from jaxrl.rollout.engine_partial import fed_mask, release_slots, reprefill
+from preset_configs import fast_compiles  # noqa: F401  (fixture)
 from test_engine import CFG, G, NEVER, P, PAD, T, _eos, _items, _params, _plain, _prompts
 
 
@@ -84,7 +85,23 @@ def test_staleness_bound_sampled_returns_valid_versions():
     engine = _engine(max_staleness=1, greedy=False, seed=5)
     rows, groups = _one_group_per_version(engine)
     assert sorted(tag for _, tag, _, _ in rows) == list(range(5))
-    assert all(v - first <= 1 for v, _, first, _ in rows)
+    assert all(v - first <= 1 for v, _, first, _ in rows) and engine.counts["restarted_groups"] > 0
+    for g in groups:  # every sample ran to its end: EOS, or T tokens (none was cut off by a release)
+        lengths_G = g.completion_mask_GxT.sum(1)
+        assert np.all(g.finished_G | (lengths_G == T)) and np.all(g.finished_G != g.truncated_G)
+
+
+def test_release_slots_stops_only_the_marked_slots():
+    spec = es.EngineSpec(CFG, slots=4, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD,
+                         greedy=True)
+    prompt, mask = _prompts()
+    state = es.init_state(spec, jax.random.PRNGKey(0))
+    state = es.admit(_params(), spec, state, prompt[[0, 1]], mask[[0, 1]], np.arange(4, dtype=np.int32))
+    state = es.decode_chunk(_params(), spec, state, 2, 0, 1.0)
+    state = release_slots(spec, state, np.asarray([0, 1, 1, 0], bool))
+    state = es.decode_chunk(_params(), spec, state, 2, 0, 1.0)
+    assert np.asarray(state.col_S).tolist() == [4, 2, 2, 4]  # released slots drew nothing more
+    assert np.asarray(state.done_S).tolist() == [False, True, True, False] and not np.asarray(state.eos_S).any()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,3 +219,80 @@ def test_partial_config_errors_name_the_field(item, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
     cfg = C.apply_overrides(C.Config(), ["rollout.engine.max_staleness=1", "rollout.engine.reprefill=true"])
     assert dataclasses.astuple(cfg.rollout.engine)[-2:] == (1, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The behaviour / trainer log-prob mismatch split by staleness (the update's metrics)
+
+
+def test_update_splits_the_logprob_mismatch_by_staleness():
+    """stale_BxT marks tokens an older version drew: the update reports mean |rollout - old logp|
+    over those and over the rest, and their share; the overall mean is their mix."""
+    from test_preset_numbers import PRESETS, _toy_batch, _toy_logp, _update
+
+    batch = _toy_batch(8, seed=1)
+    live = batch["completion_mask_BxT"] > 0
+    stale = np.zeros_like(live)
+    stale[:3, :2] = True  # the first three rows' first two tokens (some may be masked: live & stale count)
+    batch["stale_BxT"] = stale.astype(np.float32)
+    (_, m), params = _update(PRESETS["m2po"](tau=0.01), 2, batch, 2, 1)
+    gap = np.abs(batch["rollout_logp_BxT"] - np.asarray(_toy_logp(params, batch)[0]))
+    old, fresh = live & stale, live & ~stale
+    assert 0 < old.sum() < live.sum()
+    np.testing.assert_allclose(float(m["mismatch_abs_logp_stale"]), gap[old].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["mismatch_abs_logp_fresh"]), gap[fresh].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["stale_tokens"]), old.sum() / live.sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(m["mismatch_abs_logp"]), gap[live].mean(), rtol=1e-5)
+    del batch["stale_BxT"]  # a batch without it: no split reported
+    (_, m), _ = _update(PRESETS["m2po"](tau=0.01), 2, batch, 2, 1)
+    assert "mismatch_abs_logp_stale" not in m and "stale_tokens" not in m
+
+
+# ---------------------------------------------------------------------------------------------
+# In the training loop's EngineSource
+
+
+def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_process_cache):
+    from jaxrl.data.stream import StreamState
+    from test_engine_train import _cfg, _source
+
+    fill = ["rollout.engine.slots=32", "rollout.engine.chunk=1", "rollout.engine.admission=fill"]
+    for extra, bound in ((["rollout.engine.max_staleness=0"], 0), (["rollout.engine.reprefill=true"], None)):
+        source, _, _, params = _source(_cfg(*fill, *extra), in_process_cache, warm=True)
+        stream, totals = StreamState(0, 0), {"restarted_samples": 0, "reprefilled_samples": 0, "partial_frac": 0}
+        for step in (1, 2, 3):
+            produced = source.produce(params, stream, None, step)
+            stream, m, batch = produced.stream, produced.metrics, produced.host_batch
+            for k in totals:
+                totals[k] += m[f"engine/{k}"]
+            # stale_BxT marks exactly the tokens older than the step's version (staleness_0 is their complement)
+            live = batch["completion_mask_BxT"] > 0
+            assert batch["stale_BxT"][live].mean() == pytest.approx(1 - m["engine/staleness_0"])
+            if bound == 0:
+                assert m["engine/staleness_max"] == 0 and not batch["stale_BxT"].any()
+        if bound == 0:  # groups carried over were restarted: nothing spans a step
+            assert totals["restarted_samples"] > 0 and totals["partial_frac"] == 0 and totals["reprefilled_samples"] == 0
+        else:  # unbounded, re-prefilled: carried samples span steps and their caches were recomputed
+            assert totals["restarted_samples"] == 0 and totals["partial_frac"] > 0 and totals["reprefilled_samples"] > 0
+
+
+def test_grpo_trains_with_partial_rollouts_and_reports_the_split_mismatch(tmp_path, in_process_cache, fast_compiles):
+    from jaxrl.train.loop import train
+    from test_engine_train import _cfg
+
+    # 24 slots hold 6 groups of 4; a step needs 4: the 2 groups over are returned by step 2, drawn
+    # by version 0 (1 version old, within the bound): about half of step 2's tokens.
+    cfg = _cfg("rollout.engine.slots=24", "rollout.engine.admission=fill", "rollout.engine.max_staleness=1",
+               "rollout.engine.reprefill=true")
+    rows = train(cfg, tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        for key in ("engine/restarted_samples", "engine/reprefilled_samples", "mismatch_abs_logp_stale",
+                    "mismatch_abs_logp_fresh", "stale_tokens"):
+            assert key in row and np.isfinite(row[key]), key
+        mix = row["stale_tokens"] * row["mismatch_abs_logp_stale"] + (1 - row["stale_tokens"]) * row["mismatch_abs_logp_fresh"]
+        assert mix == pytest.approx(row["mismatch_abs_logp"], rel=1e-4, abs=1e-6)
+        assert row["mismatch_abs_logp_fresh"] < 0.05  # tokens of the current version: the trainer's log-probs
+    assert rows[1]["stale_tokens"] == 0  # the first step has nothing older
+    assert 0 < rows[2]["stale_tokens"] < 1  # (the tiny run's rewards are flat: its update barely moves,
+    # so the stale tokens' mismatch is small too; the split's arithmetic is checked by hand above)

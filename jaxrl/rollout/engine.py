@@ -113,6 +113,11 @@ class Engine:
                    rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy)
 
     @property
+    def version(self) -> Optional[int]:
+        """The version of the latest collect (None before the first)."""
+        return self._version
+
+    @property
     def groups_in_flight(self) -> int:
         return len(self._flight)
 

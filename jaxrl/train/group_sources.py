@@ -125,7 +125,9 @@ class EngineSource:
         texts = decode_completions(self.tokenizer, batch["tokens_BxT"])
         rewards_BxK, n_failed = score(self.task.verifier, texts, list(batch["truncated_B"] == 0), records)
         batch["rewards_BxK"] = rewards_BxK
-        del batch["version_BxT"]  # host-side only (staleness metrics)
+        # 1 on tokens an older version drew: the update splits its log-prob mismatch by it.
+        version_BxT = batch.pop("version_BxT")
+        batch["stale_BxT"] = ((version_BxT >= 0) & (version_BxT < self.engine.version)).astype(np.float32)
         return batch, (rewards_BxK, n_failed)
 
     def checkpoint_state(self) -> dict:
@@ -139,7 +141,10 @@ def engine_metrics(engine: Engine, counts_before: dict, groups: list[Group], ver
     drawn_BxT = version_BxT >= 0
     stale = (version - version_BxT)[drawn_BxT]
     spans_B = [len(np.unique(v[v >= 0])) > 1 for v in version_BxT]
-    out = {f"engine/{k}": engine.counts[k] - counts_before.get(k, 0) for k in ("chunks", "prefill_calls")}
+    # restarted_samples: samples dropped by the staleness bound and redrawn from their prompt;
+    # reprefilled_samples: carried samples whose caches were recomputed under the new params.
+    out = {f"engine/{k}": engine.counts.get(k, 0) - counts_before.get(k, 0)
+           for k in ("chunks", "prefill_calls", "restarted_samples", "reprefilled_samples")}
     out.update({"engine/in_flight_groups": engine.groups_in_flight,
                 "engine/partial_frac": float(np.mean(spans_B)),
                 "engine/staleness_mean": float(stale.mean()) if stale.size else 0.0,
