@@ -2,6 +2,7 @@
 prompt) and the re-prefill of carried samples under new params (jaxrl.rollout.engine_partial)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jaxrl.rollout import engine_state as es
 from jaxrl.rollout.engine import Engine, assemble_batch, left_pad
 from jaxrl.rollout.engine_partial import fed_mask, release_slots, reprefill
 from preset_configs import fast_compiles  # noqa: F401  (fixture)
-from test_engine import CFG, G, NEVER, P, PAD, T, _eos, _items, _params, _plain, _prompts
+from test_engine import CFG, MOE, G, NEVER, P, PAD, T, _eos, _items, _params, _plain, _prompts
 
 
 def _engine(max_staleness=-1, reprefill=False, slots=6, chunk=1, eos=None, greedy=True, seed=0, temperature=1.0):
@@ -110,46 +111,48 @@ def test_release_slots_stops_only_the_marked_slots():
 K = 3  # tokens drawn under params A before the switch to B
 
 
-def _params_b():
-    return tf.init_params(CFG, jax.random.PRNGKey(1))
+@functools.lru_cache(maxsize=None)
+def _params_b(cfg=CFG):
+    return tf.init_params(cfg, jax.random.PRNGKey(1))
 
 
-def _spec(prompt_len=P, max_new_tokens=T, greedy=True):
-    return es.EngineSpec(CFG, slots=4, prompt_len=prompt_len, max_new_tokens=max_new_tokens, group_size=G,
+def _spec(prompt_len=P, max_new_tokens=T, greedy=True, cfg=CFG):
+    return es.EngineSpec(cfg, slots=4, prompt_len=prompt_len, max_new_tokens=max_new_tokens, group_size=G,
                          eos_id=NEVER, pad_id=PAD, greedy=greedy)
 
 
-def _after_k_under_a(greedy=True, redo=True):
+def _after_k_under_a(greedy=True, redo=True, cfg=CFG):
     """Prompt 0 (2 real tokens) admitted into slots 1, 2 under params A, K steps at version 0, then
     (redo) re-prefilled under B. -> (spec, state, prompt_SxP, mask_SxP)."""
     prompt, mask = _prompts()
-    spec = _spec(greedy=greedy)
+    spec = _spec(greedy=greedy, cfg=cfg)
     state = es.init_state(spec, jax.random.PRNGKey(7))
-    state = es.admit(_params(), spec, state, prompt[[0]], mask[[0]], np.asarray([1, 2], np.int32))
-    state = es.decode_chunk(_params(), spec, state, K, 0, 1.0)
+    state = es.admit(_params(cfg), spec, state, prompt[[0]], mask[[0]], np.asarray([1, 2], np.int32))
+    state = es.decode_chunk(_params(cfg), spec, state, K, 0, 1.0)
     prompt_SxP, mask_SxP = np.full((4, P), PAD, np.int32), np.zeros((4, P), np.int32)
     prompt_SxP[1:3], mask_SxP[1:3] = prompt[0], mask[0]
     if redo:
-        state = reprefill(_params_b(), spec, state, prompt_SxP, mask_SxP, np.asarray([0, 1, 1, 0], bool))
+        state = reprefill(_params_b(cfg), spec, state, prompt_SxP, mask_SxP, np.asarray([0, 1, 1, 0], bool))
     return spec, state, prompt_SxP, mask_SxP
 
 
-def _fresh_under_b(prefix_2xK, rng, greedy=True):
+def _fresh_under_b(prefix_2xK, rng, greedy=True, cfg=CFG):
     """A fresh engine (prompt_len P+K, T-K new tokens) that admits prompt 0 + slot 1's (slot 2's)
     prefix as its prompt under B into slot 1 (2): the same cache layout as the re-prefilled engine."""
     prompt, mask = _prompts()
-    spec = _spec(P + K, T - K, greedy)
-    state = es.init_state(spec, jax.random.PRNGKey(0))._replace(rng=jnp.copy(rng))  # the same key stream (admit donates)
+    spec = _spec(P + K, T - K, greedy, cfg)
+    # The same key stream from here (a copy: admit donates its state).
+    state = es.init_state(spec, jax.random.PRNGKey(0))._replace(rng=jnp.copy(rng))
     for slot, prefix_K in zip((1, 2), prefix_2xK):
         tokens, pmask = left_pad(np.concatenate([prompt[0][mask[0] > 0], prefix_K]), P + K, PAD)
-        state = es.admit(_params_b(), spec, state, tokens[None], pmask[None], np.asarray([slot, 4], np.int32))
+        state = es.admit(_params_b(cfg), spec, state, tokens[None], pmask[None], np.asarray([slot, 4], np.int32))
     return spec, state
 
 
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
-def test_reprefill_equals_a_clean_prefill_under_the_new_params(greedy):
-    spec, state, prompt_SxP, mask_SxP = _after_k_under_a(greedy)
-    spec_b, fresh = _fresh_under_b(np.asarray(state.tokens_SxT)[1:3, :K], state.rng, greedy)
+@pytest.mark.parametrize("cfg,greedy", [(CFG, True), (CFG, False), (MOE, True)], ids=["greedy", "sampled", "moe"])
+def test_reprefill_equals_a_clean_prefill_under_the_new_params(cfg, greedy):
+    spec, state, prompt_SxP, mask_SxP = _after_k_under_a(greedy, cfg=cfg)
+    spec_b, fresh = _fresh_under_b(np.asarray(state.tokens_SxT)[1:3, :K], state.rng, greedy, cfg)
     # The caches agree on every slot fed so far (prompt + K-1 tokens; the K-th is the next input).
     fed_SxC = np.asarray(fed_mask(spec, state, mask_SxP))[1:3]
     assert fed_SxC.sum(1).tolist() == [2 + K - 1] * 2
@@ -158,14 +161,17 @@ def test_reprefill_equals_a_clean_prefill_under_the_new_params(greedy):
             ours, theirs = np.asarray(ours)[1:3].transpose(0, 2, 1, 3), np.asarray(theirs)[1:3].transpose(0, 2, 1, 3)
             np.testing.assert_allclose(ours[fed_SxC], theirs[fed_SxC], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(state.last_S)[1:3], np.asarray(fresh.last_S)[1:3])
+    if cfg.n_experts:  # the recorded routing of the fed slots is the re-prefill's, as a fresh prefill's
+        np.testing.assert_array_equal(np.asarray(state.routing_SxCxLxK)[1:3][fed_SxC],
+                                      np.asarray(fresh.routing_SxCxLxK)[1:3][fed_SxC])
     # Continuing under B draws what the fresh engine draws (same key stream, same slots).
-    state = es.decode_chunk(_params_b(), spec, state, T, 1, 1.0)
-    fresh = es.decode_chunk(_params_b(), spec_b, fresh, T, 1, 1.0)
+    state = es.decode_chunk(_params_b(cfg), spec, state, T, 1, 1.0)
+    fresh = es.decode_chunk(_params_b(cfg), spec_b, fresh, T, 1, 1.0)
     np.testing.assert_array_equal(np.asarray(state.tokens_SxT)[1:3, K:], np.asarray(fresh.tokens_SxT)[1:3])
     np.testing.assert_allclose(np.asarray(state.logp_SxT)[1:3, K:], np.asarray(fresh.logp_SxT)[1:3], atol=1e-5)
     # The tokens drawn before the switch keep their A log-probs and version 0.
     np.testing.assert_array_equal(np.asarray(state.version_SxT)[1:3], [[0] * K + [1] * (T - K)] * 2)
-    _, under_a, _, _ = _after_k_under_a(greedy, redo=False)
+    _, under_a, _, _ = _after_k_under_a(greedy, redo=False, cfg=cfg)
     np.testing.assert_array_equal(np.asarray(state.logp_SxT)[1:3, :K], np.asarray(under_a.logp_SxT)[1:3, :K])
 
 
@@ -197,7 +203,8 @@ def test_engine_reprefill_option_makes_continued_logprobs_the_new_params(redo):
     assert carried > 0 and engine.counts["reprefilled_samples"] == (carried * G if redo else 0)
     batch = assemble_batch(first + rest)
     mask, version = batch["completion_mask_BxT"] > 0, batch["version_BxT"]
-    args = (batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"], batch["completion_mask_BxT"], 0.7)
+    args = (batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"], batch["completion_mask_BxT"],
+            0.7)
     logp_a, logp_b = (np.asarray(tf.token_logprobs(p, CFG, *args)[0]) for p in (_params(), _params_b()))
     spans_B = np.any(mask & (version == 0), 1) & np.any(mask & (version == 1), 1)
     assert spans_B.any()
@@ -211,7 +218,8 @@ def test_engine_reprefill_option_makes_continued_logprobs_the_new_params(redo):
 
 
 @pytest.mark.parametrize("item, needle", [
-    ("rollout.engine.max_staleness=-2", "rollout.engine.max_staleness: got -2, expected -1 (no bound) or an integer >= 0"),
+    ("rollout.engine.max_staleness=-2",
+     "rollout.engine.max_staleness: got -2, expected -1 (no bound) or an integer >= 0"),
 ])
 def test_partial_config_errors_name_the_field(item, needle):
     with pytest.raises(ConfigError) as e:
@@ -271,7 +279,8 @@ def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_proc
             if bound == 0:
                 assert m["engine/staleness_max"] == 0 and not batch["stale_BxT"].any()
         if bound == 0:  # groups carried over were restarted: nothing spans a step
-            assert totals["restarted_samples"] > 0 and totals["partial_frac"] == 0 and totals["reprefilled_samples"] == 0
+            assert totals["restarted_samples"] > 0 and totals["partial_frac"] == 0
+            assert totals["reprefilled_samples"] == 0
         else:  # unbounded, re-prefilled: carried samples span steps and their caches were recomputed
             assert totals["restarted_samples"] == 0 and totals["partial_frac"] > 0 and totals["reprefilled_samples"] > 0
 
@@ -290,7 +299,8 @@ def test_grpo_trains_with_partial_rollouts_and_reports_the_split_mismatch(tmp_pa
         for key in ("engine/restarted_samples", "engine/reprefilled_samples", "mismatch_abs_logp_stale",
                     "mismatch_abs_logp_fresh", "stale_tokens"):
             assert key in row and np.isfinite(row[key]), key
-        mix = row["stale_tokens"] * row["mismatch_abs_logp_stale"] + (1 - row["stale_tokens"]) * row["mismatch_abs_logp_fresh"]
+        share = row["stale_tokens"]
+        mix = share * row["mismatch_abs_logp_stale"] + (1 - share) * row["mismatch_abs_logp_fresh"]
         assert mix == pytest.approx(row["mismatch_abs_logp"], rel=1e-4, abs=1e-6)
         assert row["mismatch_abs_logp_fresh"] < 0.05  # tokens of the current version: the trainer's log-probs
     assert rows[1]["stale_tokens"] == 0  # the first step has nothing older

@@ -172,7 +172,8 @@ def mismatch_by_staleness(metrics: dict) -> dict:
     """Token means over all live tokens (sum / n) -> the mismatch split: mismatch_abs_logp_stale /
     _fresh = mean |rollout - old logp| over the tokens an older (the current) version drew, 0 where
     there are none, and stale_tokens = their share."""
-    share, stale_mean, all_mean = metrics["stale_tokens"], metrics["mismatch_abs_logp_stale"], metrics["mismatch_abs_logp"]
+    share, all_mean = metrics["stale_tokens"], metrics["mismatch_abs_logp"]
+    stale_mean = metrics["mismatch_abs_logp_stale"]
     safe = lambda num, den: jnp.where(den > 0, num / jnp.maximum(den, 1e-12), 0.0)  # noqa: E731
     return {"mismatch_abs_logp_stale": safe(stale_mean, share),
             "mismatch_abs_logp_fresh": safe(all_mean - stale_mean, 1.0 - share), "stale_tokens": share}
