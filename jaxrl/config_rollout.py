@@ -63,13 +63,21 @@ class EngineConfig:
     static B x T call. `slots` samples decode at once; between chunks of `chunk` decode steps the
     host retires finished samples and admits new groups (`admit_groups` prompts per prefill call).
     admission: exact (admit only the groups a collect still needs: no sample outlives its collect)
-    | fill (keep every free slot busy: unfinished samples stay in their slots for the next collect)."""
+    | fill (keep every free slot busy: unfinished samples stay in their slots for the next collect).
+    max_staleness (fill only; -1 = no bound): how many versions older than the collect's version a
+    returned sample's first token may be. A group that would break it (in flight, or complete and
+    waiting) is restarted whole from its prompt; 0 = no sample spans an update.
+    reprefill: at a version change, recompute the KV caches of the samples carried over (prompt +
+    tokens so far) under the new params before they continue; their drawn tokens keep their
+    recorded log-probs and versions."""
 
     enabled: bool = False
     slots: int = 64
     chunk: int = 8
     admit_groups: int = 4
     admission: str = "exact"  # exact | fill
+    max_staleness: int = -1  # -1: unbounded; else the most versions a returned sample's first token may lag
+    reprefill: bool = False  # recompute carried samples' caches under new params at a version change
     # Which groups and prompts a step uses (jaxrl/train/group_filters.py, prompt_filter.py):
     # dynamic_sampling (DAPO) drops groups whose combined rewards are all equal and draws up to
     # max_extra_groups more per step to replace them; prompt_filter=beta (DEPO/HIVE) skips a prompt
@@ -94,6 +102,8 @@ class EngineConfig:
         _check(self.chunk > 0, f"{prefix}.chunk", "a positive integer (decode steps between admissions)", self.chunk)
         _check(self.admit_groups > 0, f"{prefix}.admit_groups", "a positive integer", self.admit_groups)
         _check(self.admission in ("exact", "fill"), f"{prefix}.admission", "'exact' or 'fill'", self.admission)
+        _check(self.max_staleness >= -1, f"{prefix}.max_staleness", "-1 (no bound) or an integer >= 0",
+               self.max_staleness)
         _check(self.max_extra_groups >= 0, f"{prefix}.max_extra_groups", "0 or a positive integer",
                self.max_extra_groups)
         _check(self.prompt_filter in ("none", "beta"), f"{prefix}.prompt_filter", "'none' or 'beta'",

@@ -59,12 +59,16 @@ def _same_step(a, b):
            {k: v for k, v in b.metrics.items() if k not in TIMING}
 
 
-def test_restored_engine_continues_like_the_original(in_process_cache):
-    cfg = _cfg()
+@pytest.mark.parametrize("extra, saved_at", [((), 2), (("rollout.engine.max_staleness=1", "rollout.engine.reprefill=true"), 5)],
+                         ids=["unbounded", "bounded-reprefill"])
+def test_restored_engine_continues_like_the_original(in_process_cache, extra, saved_at):
+    # bounded-reprefill: the version that admitted each flight is part of the state (a restore
+    # without it restarts different groups).
+    cfg = _cfg(*extra)
     model_cfg, tok, task, params = _warm(cfg)
     source = EngineSource(cfg, model_cfg, tok, task, {})
     stream = StreamState(0, 0)
-    for step in (1, 2):
+    for step in range(1, saved_at + 1):
         stream = source.produce(params, stream, None, step).stream
     as_given = source.checkpoint_state()  # what the loop hands to the (asynchronous) save
     saved = _saved(as_given)
@@ -72,18 +76,25 @@ def test_restored_engine_continues_like_the_original(in_process_cache):
     # The save is meaningful: groups in flight, some with finished members read out (parked rows).
     assert host["flights"] and any(f["members"] for f in host["flights"])
     assert len(saved[ckpt.ARRAYS]["engine"]["parked"]["tokens_RxT"]) > 0
+    if extra:
+        assert any(f["born"] > 0 for f in host["flights"])
 
-    straight = [source.produce(params, stream, None, 3)]  # donates (and on CPU may reuse) the state buffers
+    nxt = saved_at + 1
+    straight = [source.produce(params, stream, None, nxt)]  # donates (and on CPU may reuse) the state buffers
     # The arrays given to the save do not alias the device state: the chunks that ran since left them as they were.
     jax.tree.map(np.testing.assert_array_equal, as_given[ckpt.ARRAYS], saved[ckpt.ARRAYS])
 
     resumed_source = EngineSource(cfg, model_cfg, tok, task, saved)
-    resumed = [resumed_source.produce(params, stream, None, 3)]
-    straight.append(source.produce(params, straight[0].stream, None, 4))
-    resumed.append(resumed_source.produce(params, resumed[0].stream, None, 4))
+    resumed = [resumed_source.produce(params, stream, None, nxt)]
+    straight.append(source.produce(params, straight[0].stream, None, nxt + 1))
+    resumed.append(resumed_source.produce(params, resumed[0].stream, None, nxt + 1))
     for a, b in zip(straight, resumed):
         _same_step(a, b)
-    assert resumed[0].metrics["engine/partial_frac"] > 0  # the step used samples carried over the save
+    if not extra:
+        assert resumed[0].metrics["engine/partial_frac"] > 0  # the step used samples carried over the save
+    else:  # carried samples were re-prefilled under a new version and stale groups restarted
+        assert sum(r.metrics["engine/reprefilled_samples"] for r in resumed) > 0
+        assert sum(r.metrics["engine/restarted_samples"] for r in resumed) > 0
 
 
 def test_engine_state_of_another_shape_is_a_config_error(in_process_cache):

@@ -15,6 +15,7 @@ from jaxrl.data.stream import StreamState
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params
+from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import prompt_filter as prompt_filter_module
 from jaxrl.train.group_filters import ScoredGroup, informative, select_informative
 from jaxrl.train.group_sources import EngineSource
@@ -245,8 +246,10 @@ def test_engine_source_learns_the_filter_and_checkpoints_it(in_process_cache):
     correct = produced.host_batch["rewards_BxK"][:, 0] > 0.5
     assert sum(a - 1 for a, _ in post.values()) == correct.sum()
     assert produced.metrics["engine/filtered_prompts"] == 0  # unseen prompts always pass
-    host = json.loads(json.dumps(source.checkpoint_state()))
-    resumed, *_ = _source(cfg, _first_char_verifier, host={"stream": {}, **host})
+    saved = source.checkpoint_state()
+    arrays = saved.pop(ckpt.ARRAYS)  # the engine's arrays: their own orbax item, not JSON
+    host = json.loads(json.dumps(saved))
+    resumed, *_ = _source(cfg, _first_char_verifier, host={"stream": {}, **host, ckpt.ARRAYS: arrays})
     assert resumed.prompt_filter.to_state() == source.prompt_filter.to_state()
 
 

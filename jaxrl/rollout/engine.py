@@ -18,12 +18,22 @@ Admission (`rollout.engine.admission`):
          call's version: `version_BxT` says which tokens came from which), and groups that complete
          beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
          a new iterable: samples in flight carry their own prompts and tags.
-A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it.
-`to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
-
 `sample(params, version, [(tag, tokens, k), ...])` draws k samples of each prompt (any k, also more
 samples of a prompt already drawn: it is prefilled again) and decodes them to the end: the
 allocation policies (jaxrl.train.allocation) build groups of unequal size from several calls.
+
+A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it,
+unless `reprefill` is set: then, when a collect's version differs from the previous collect's, the
+caches of the samples carried over are recomputed under the new params before they continue
+(`engine_partial.reprefill`). Their drawn tokens keep their recorded log-probs and versions.
+
+Bounded staleness (`max_staleness` >= 0): a collect at version v returns no sample whose first token
+was drawn before version v - max_staleness. At the start of a collect, every group that would break
+the bound (in flight, or complete and waiting to be returned) is dropped and restarted whole from its
+prompt, ahead of new prompts: all G samples of a group are redrawn together, so they stay samples of
+one policy mix and comparable within the group. (A group's samples are admitted together, so they
+share their first token's version.) -1: no bound.
+`to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig
 from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
+from jaxrl.rollout.engine_partial import release_slots, reprefill
 from jaxrl.rollout.engine_state import EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots
 from jaxrl.rollout.sampler import check_temperature
 
@@ -63,6 +74,7 @@ class _Flight:
     slots_G: np.ndarray  # its samples' slots: G, or fewer for `sample`'s pieces
     rows: dict  # member index -> that sample's readout row
     sink: Optional[list]  # where its Group goes once all samples are retired: a `sample` call's list; None: `_ready`
+    born: int = 0  # the version of the call that admitted it (its first token's version)
 
 
 def left_pad(tokens, prompt_len: int, pad_id: int):
@@ -94,7 +106,10 @@ class Engine:
         self._flight: dict[int, _Flight] = {}
         self._ready: list[Group] = []  # complete, not yet returned
         self._next_id = 0
-        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0}
+        self._restart: list = []  # (tag, prompt_P, mask_P) of groups to re-admit before new prompts
+        self._version: Optional[int] = None  # the previous collect's version
+        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0, "restarted_groups": 0,
+                       "restarted_samples": 0, "reprefilled_samples": 0}
 
     @classmethod
     def from_config(cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False) -> "Engine":
@@ -113,6 +128,11 @@ class Engine:
         load_engine_state(self, host, arrays)
 
     @property
+    def version(self) -> Optional[int]:
+        """The version of the latest collect (None before the first)."""
+        return self._version
+
+    @property
     def groups_in_flight(self) -> int:
         return len(self._flight)
 
@@ -120,8 +140,11 @@ class Engine:
         """The next n_groups complete groups (fewer only when `prompts` runs out and nothing is left
         in flight). `prompts` yields (tag, tokens) pairs: tokens a 1-D sequence of real tokens."""
         prompts = iter(prompts)
+        self._restart_stale(version)
+        self._reprefill_carried(params, version)
+        self._version = version
         while len(self._ready) < n_groups:
-            self._admit_free(params, prompts, n_groups)
+            self._admit_free(params, prompts, n_groups, version)
             if not self._flight:  # prompts ran out and every admitted group is back
                 break
             self.state = decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
@@ -130,7 +153,54 @@ class Engine:
         out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
         return out
 
-    def _admit_free(self, params, prompts: Iterator, n_groups: int) -> None:
+    def _restart_stale(self, version: int) -> None:
+        """Drop the groups whose first token is more than max_staleness versions older than
+        `version` (in flight: their slots are released) and queue them for re-admission."""
+        bound = self.ecfg.max_staleness
+        if bound < 0:
+            return
+        stale = lambda first: version - first > bound
+        n_queued = len(self._restart)
+        restart = [g for g in self._ready if stale(_first_version(g))]
+        self._ready = [g for g in self._ready if not stale(_first_version(g))]
+        self._restart.extend((g.tag, g.prompt_P, g.prompt_mask_P) for g in restart)
+        free_S = np.zeros(self.spec.slots, bool)
+        for gid in [gid for gid, f in self._flight.items() if stale(f.born)]:
+            flight = self._flight.pop(gid)
+            mine = self._owner_S == gid  # members already retired left their slots (maybe to others)
+            free_S |= mine
+            self._owner_S[mine] = -1
+            self._restart.append((flight.tag, flight.prompt_P, flight.mask_P))
+        if free_S.any():
+            self.state = release_slots(self.spec, self.state, free_S)
+        n_restarted = len(self._restart) - n_queued
+        self.counts["restarted_groups"] += n_restarted
+        self.counts["restarted_samples"] += n_restarted * self.spec.group_size
+
+    def _reprefill_carried(self, params, version: int) -> None:
+        """reprefill: at a version change, recompute the caches of the samples still decoding."""
+        if not self.ecfg.reprefill or version == self._version or not self._flight:
+            return
+        S, P = self.spec.slots, self.spec.prompt_len
+        prompt_SxP, mask_SxP = np.full((S, P), self.spec.pad_id, np.int32), np.zeros((S, P), np.int32)
+        for gid, flight in self._flight.items():
+            mine = self._owner_S == gid
+            prompt_SxP[mine], mask_SxP[mine] = flight.prompt_P, flight.mask_P
+        redo_S = self._owner_S >= 0
+        self.state = reprefill(params, self.spec, self.state, prompt_SxP, mask_SxP, redo_S)
+        self.counts["reprefilled_samples"] += int(redo_S.sum())
+
+    def _next_prompt(self, prompts: Iterator):
+        """(tag, prompt_P, mask_P): a restarted group first, else the next prompt (None: none left)."""
+        if self._restart:
+            return self._restart.pop(0)
+        item = next(prompts, None)
+        if item is None:
+            return None
+        tag, tokens = item
+        return (tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id))
+
+    def _admit_free(self, params, prompts: Iterator, n_groups: int, version: int = 0) -> None:
         """Admit prompts into free slots as far as the admission policy allows."""
         G = self.spec.group_size
         free = np.flatnonzero(self._owner_S < 0)
@@ -139,16 +209,16 @@ class Engine:
             room = min(room, n_groups - len(self._ready) - len(self._flight))
         batch = []
         for _ in range(max(room, 0)):
-            item = next(prompts, None)
+            item = self._next_prompt(prompts)
             if item is None:
                 break
-            tag, tokens = item
-            batch.append((tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id)))
-        self._admit_rows(params, [(tag, prompt_P, mask_P, G, None) for tag, prompt_P, mask_P in batch], free)
+            batch.append(item)
+        self._admit_rows(params, [(tag, prompt_P, mask_P, G, None) for tag, prompt_P, mask_P in batch], free, version)
 
-    def _admit_rows(self, params, rows: list, free: np.ndarray) -> None:
+    def _admit_rows(self, params, rows: list, free: np.ndarray, version: int) -> None:
         """Admit rows (tag, prompt_P, mask_P, n <= G samples, sink or None) into the free slots `free` (enough
-        for all), `admit_groups` rows per prefill call; each row becomes one flight of n samples."""
+        for all), `admit_groups` rows per prefill call; each row becomes one flight of n samples, born
+        at `version`."""
         G, A, S = self.spec.group_size, self.ecfg.admit_groups, self.spec.slots
         for start in range(0, len(rows), A):
             chunk = rows[start:start + A]
@@ -157,7 +227,7 @@ class Engine:
                 slots_n, free = free[:n], free[n:]
                 dest_N[a * G:a * G + n] = slots_n
                 self._owner_S[slots_n] = self._next_id
-                self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_n, {}, sink)
+                self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_n, {}, sink, version)
                 self._next_id += 1
             pad = [chunk[0]] * (A - len(chunk))
             prompt_AxP = np.stack([c[1] for c in chunk + pad])
@@ -187,7 +257,7 @@ class Engine:
                 rows.append(((next_j, i), *prompts[i], n, done))
                 room -= n
                 next_j += 1
-            self._admit_rows(params, rows, free)
+            self._admit_rows(params, rows, free, version)
             self.state = decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
             self.counts["chunks"] += 1
             self._retire()
@@ -213,6 +283,12 @@ class Engine:
             if len(flight.rows) == len(flight.slots_G):
                 (self._ready if flight.sink is None else flight.sink).append(_group(flight))
                 del self._flight[gid]
+
+
+def _first_version(group: Group) -> int:
+    """The version that drew the group's oldest token."""
+    drawn = group.version_GxT[group.version_GxT >= 0]
+    return int(drawn.min()) if drawn.size else 0
 
 
 def _group(flight: _Flight) -> Group:

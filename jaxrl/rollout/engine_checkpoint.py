@@ -11,8 +11,9 @@ tokens / log-probs / versions / masks so far, fill levels, routing, and the RNG 
 key data), and "parked", the rows the host has already read out: finished members of groups still
 in flight and the complete groups not yet returned (one row per sample, stacked; absent when
 there are none, as orbax refuses empty arrays). `host` holds the slot owners, the groups in flight
-(tag, prompt, slots, which parked row is which member), the ready groups, the next group id, the
-counters and the shapes. Tags are stored as given: the caller's tags must be JSON-able (the
+(tag, prompt, slots, the version that admitted them, which parked row is which member), the ready
+groups, the groups queued for a restart (bounded staleness), the latest collect's version, the next
+group id, the counters and the shapes. Tags are stored as given: the caller's tags must be JSON-able (the
 training loop's are the data records, dicts of strings).
 """
 
@@ -60,13 +61,15 @@ def engine_to_state(engine) -> tuple[dict, dict]:
             raise RuntimeError("engine_to_state: an `Engine.sample` call is still in progress")
         members = sorted(f.rows)
         flights.append({"id": int(gid), "tag": f.tag, "prompt_P": f.prompt_P.tolist(), "mask_P": f.mask_P.tolist(),
-                        "slots_G": f.slots_G.tolist(), "members": members,
+                        "slots_G": f.slots_G.tolist(), "members": members, "born": int(f.born),
                         "rows": park([f.rows[m] for m in members])})
     ready = [{"tag": g.tag, "prompt_P": g.prompt_P.tolist(), "mask_P": g.prompt_mask_P.tolist(),
               "rows": park(_group_rows(g))} for g in engine._ready]
     spec = engine.spec
     host = {"shape": {k: getattr(spec, k) for k in _SHAPE_FIELDS}, "owner_S": engine._owner_S.tolist(),
-            "next_id": int(engine._next_id), "counts": dict(engine.counts), "flights": flights, "ready": ready}
+            "next_id": int(engine._next_id), "counts": dict(engine.counts), "flights": flights, "ready": ready,
+            "version": engine._version,  # the latest collect's: a re-prefill runs when the next one differs
+            "restart": [{"tag": t, "prompt_P": p.tolist(), "mask_P": m.tolist()} for t, p, m in engine._restart]}
     arrays = {"state": state}
     if parked:
         arrays["parked"] = {name: np.stack([np.asarray(getattr(r, name)) for r in parked])
@@ -96,13 +99,16 @@ def load_engine_state(engine, host: dict, arrays: Optional[dict]) -> None:
     row = lambda i: SlotReadout(*(parked[n][i] if n in parked else None for n in SlotReadout._fields))
     engine._owner_S = np.asarray(host["owner_S"], np.int64)
     engine._next_id = int(host["next_id"])
-    engine.counts = {k: int(v) for k, v in host["counts"].items()}
+    engine.counts = {**engine.counts, **{k: int(v) for k, v in host["counts"].items()}}
+    engine._version = host.get("version")
+    engine._restart = [(r["tag"], np.asarray(r["prompt_P"], np.int32), np.asarray(r["mask_P"], np.int32))
+                       for r in host.get("restart", [])]
     engine._flight = {}
     for f in host["flights"]:
         rows = {int(m): row(i) for m, i in zip(f["members"], f["rows"])}
         engine._flight[int(f["id"])] = _Flight(f["tag"], np.asarray(f["prompt_P"], np.int32),
                                                np.asarray(f["mask_P"], np.int32), np.asarray(f["slots_G"], np.int64),
-                                               rows, None)
+                                               rows, None, int(f.get("born", 0)))
     engine._ready = []
     for g in host["ready"]:
         rows = {m: row(i) for m, i in enumerate(g["rows"])}

@@ -132,7 +132,7 @@ class EngineSource:
         prompts = pf.admitted(feed) if pf else feed  # the engine sees only the prompts the filter admits
         n_failed, picked, extra_metrics = self._draw(params, version, prompts)
         seconds = time.perf_counter() - t0
-        host_batch = _batch_of(picked)
+        host_batch = _batch_of(picked, version)
         mask_BxT, finished_B = host_batch["completion_mask_BxT"], host_batch["truncated_B"] == 0
         metrics = reward_metrics(host_batch["rewards_BxK"], mask_BxT, finished_B, n_failed, feed.skipped,
                                  cfg.loss.reward_weights)
@@ -194,11 +194,14 @@ class EngineSource:
         return out
 
 
-def _batch_of(picked: list[ScoredGroup]) -> dict:
-    """The update's fields of the step's groups (group_id_B included), rewards_BxK from their scores."""
+def _batch_of(picked: list[ScoredGroup], version: int) -> dict:
+    """The update's fields of the step's groups (group_id_B included), rewards_BxK from their scores,
+    stale_BxT from their tokens' versions (`version`: the step's)."""
     batch = assemble_batch([s.group for s in picked])
     batch["rewards_BxK"] = np.concatenate([s.rewards_GxK for s in picked])
-    del batch["version_BxT"]  # host-side only (staleness metrics)
+    # 1 on tokens an older version drew: the update splits its log-prob mismatch by it.
+    version_BxT = batch.pop("version_BxT")
+    batch["stale_BxT"] = ((version_BxT >= 0) & (version_BxT < version)).astype(np.float32)
     return batch
 
 
@@ -209,7 +212,10 @@ def engine_metrics(engine: Engine, counts_before: dict, groups: list[Group], ver
     drawn_BxT = version_BxT >= 0
     stale = (version - version_BxT)[drawn_BxT]
     spans_B = [len(np.unique(v[v >= 0])) > 1 for v in version_BxT]
-    out = {f"engine/{k}": engine.counts[k] - counts_before.get(k, 0) for k in ("chunks", "prefill_calls")}
+    # restarted_samples: samples dropped by the staleness bound and redrawn from their prompt;
+    # reprefilled_samples: carried samples whose caches were recomputed under the new params.
+    out = {f"engine/{k}": engine.counts.get(k, 0) - counts_before.get(k, 0)
+           for k in ("chunks", "prefill_calls", "restarted_samples", "reprefilled_samples")}
     out.update({"engine/in_flight_groups": engine.groups_in_flight,
                 "engine/partial_frac": float(np.mean(spans_B)),
                 "engine/staleness_mean": float(stale.mean()) if stale.size else 0.0,

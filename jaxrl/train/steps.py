@@ -139,6 +139,10 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
             if "rollout_logp_BxT" in mb:  # sampler vs trainer (old) policy on the sampled tokens
                 gap_BxT = jnp.abs(mb["rollout_logp_BxT"] - lax.stop_gradient(mb["old_logp_BxT"]))
                 sums["mismatch_abs_logp"] = jnp.sum(jnp.where(live_BxT, gap_BxT, 0.0))
+                if "stale_BxT" in mb:  # partial rollouts: the same sum over tokens drawn by an older version
+                    stale_BxT = live_BxT & (mb["stale_BxT"] > 0)
+                    sums["mismatch_abs_logp_stale"] = jnp.sum(jnp.where(stale_BxT, gap_BxT, 0.0))
+                    sums["stale_tokens"] = jnp.sum(stale_BxT.astype(jnp.float32))
         if extras:  # MoE router losses: the mean over microbatches joins the loss
             value = value + extras["penalty"] / microbatches
             sums.update({k: lax.stop_gradient(extras[k]) for k in MOE_SCALARS})
@@ -164,6 +168,17 @@ def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_rec
     return grad_fn
 
 
+def mismatch_by_staleness(metrics: dict) -> dict:
+    """Token means over all live tokens (sum / n) -> the mismatch split: mismatch_abs_logp_stale /
+    _fresh = mean |rollout - old logp| over the tokens an older (the current) version drew, 0 where
+    there are none, and stale_tokens = their share."""
+    share, all_mean = metrics["stale_tokens"], metrics["mismatch_abs_logp"]
+    stale_mean = metrics["mismatch_abs_logp_stale"]
+    safe = lambda num, den: jnp.where(den > 0, num / jnp.maximum(den, 1e-12), 0.0)  # noqa: E731
+    return {"mismatch_abs_logp_stale": safe(stale_mean, share),
+            "mismatch_abs_logp_fresh": safe(all_mean - stale_mean, 1.0 - share), "stale_tokens": share}
+
+
 def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTransformation, *,
                      ppo_epochs: int, microbatches: int, max_new_tokens: int, group_size: int,
                      use_ref: bool | None = None):
@@ -179,7 +194,8 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
     metrics: loss, grad_norm, entropy, kl (with a reference), every per-token loss stat as a masked
     token mean (clipped_low / clipped_high, m2po_masked, mis_masked, vetoed, is_weight, ...), their
     `_min` / `_max` for ratio / is_ratio / is_weight, mismatch_abs_logp (mean |rollout - old logp|,
-    when the batch has rollout_logp_BxT), rows_dropped (share of live rows `prepare` removed) and for
+    when the batch has rollout_logp_BxT; with stale_BxT also its split mismatch_abs_logp_stale / _fresh and
+    stale_tokens, see `mismatch_by_staleness`), rows_dropped (share of live rows `prepare` removed) and for
     MoE moe/aux_loss, moe/z_loss, moe/dropped_frac (and moe/routing_mismatch with a recorded routing). Means
     are over the live tokens of the PREPARED mask, averaged over epochs; min / max are over all epochs.
     """
@@ -227,6 +243,8 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
                 metrics[k] = jnp.mean(v) / microbatches
             else:  # masked token means, averaged over epochs
                 metrics[_stat_name(k)] = jnp.mean(v) / n_tokens
+        if "stale_tokens" in metrics:
+            metrics.update(mismatch_by_staleness(metrics))
         live_after_B = jnp.any(mask_BxT > 0, axis=1)
         metrics["rows_dropped"] = (jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32))
                                    / jnp.maximum(jnp.sum(live_before_B.astype(jnp.float32)), 1.0))
