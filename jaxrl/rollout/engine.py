@@ -7,8 +7,10 @@ jitted device side).
 
 `collect` alternates, until n_groups groups are complete: admit prompts into free slots (each
 prompt's G samples share one prefill; `admit_groups` prompts per prefill call), run one chunk of
-`chunk` decode steps over all slots, retire the samples that finished (EOS or max_new_tokens) and
-free their slots. A group is returned once all G of its samples are retired.
+at most `chunk` decode steps over all slots, retire the samples that finished (EOS or max_new_tokens)
+and free their slots. A chunk ends early once no slot is decoding and, under `exact` while
+another group may still be admitted, once G slots are free (so they need not idle for the rest of
+the chunk). A group is returned once all G of its samples are retired.
 
 Admission (`rollout.engine.admission`):
   exact  admit only the groups this collect still needs; every sample finishes inside the collect
@@ -30,7 +32,8 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig
-from jaxrl.rollout.engine_state import EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots
+from jaxrl.rollout.engine_state import (EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots,
+                                       split_params)
 from jaxrl.rollout.sampler import check_temperature
 
 
@@ -105,27 +108,33 @@ class Engine:
         """The next n_groups complete groups (fewer only when `prompts` runs out and nothing is left
         in flight). `prompts` yields (tag, tokens) pairs: tokens a 1-D sequence of real tokens."""
         prompts = iter(prompts)
+        lparams = split_params(params, self.spec.cfg)  # once per collect, not once per chunk
         while len(self._ready) < n_groups:
-            self._admit_free(params, prompts, n_groups)
+            more = self._admit_free(params, prompts, n_groups)
             if not self._flight:  # prompts ran out and every admitted group is back
                 break
-            self.state = decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
+            # While another group may still be admitted, the chunk ends as soon as G slots are free.
+            stop_at = self.spec.group_size if more else self.spec.slots
+            self.state = decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature,
+                                      stop_at)
             self.counts["chunks"] += 1
             self._retire()
         out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
         return out
 
-    def _admit_free(self, params, prompts: Iterator, n_groups: int) -> None:
-        """Admit prompts into free slots as far as the admission policy allows."""
+    def _admit_free(self, params, prompts: Iterator, n_groups: int) -> bool:
+        """Admit prompts into free slots as far as the admission policy allows. -> whether the next
+        chunk should end as soon as G slots are free (`exact`, with prompts and room left)."""
         G, A, S = self.spec.group_size, self.ecfg.admit_groups, self.spec.slots
         free = np.flatnonzero(self._owner_S < 0)
         room = len(free) // G
         if self.ecfg.admission == "exact":
             room = min(room, n_groups - len(self._ready) - len(self._flight))
-        batch = []
+        batch, exhausted = [], False
         for _ in range(max(room, 0)):
             item = next(prompts, None)
             if item is None:
+                exhausted = True
                 break
             tag, tokens = item
             batch.append((tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id)))
@@ -144,6 +153,9 @@ class Engine:
             self.state = admit(params, self.spec, self.state, prompt_AxP, mask_AxP, dest_N)
             self.counts["prefill_calls"] += 1
             self.counts["admitted_groups"] += len(chunk)
+        # Only `exact` ends chunks early: there chunk boundaries are invisible in what a collect
+        # returns, while under `fill` they decide which samples a collect leaves in flight.
+        return self.ecfg.admission == "exact" and not exhausted and n_groups - len(self._ready) - len(self._flight) > 0
 
     def _retire(self) -> None:
         """Read the finished samples out, free their slots, move complete groups to `_ready`."""

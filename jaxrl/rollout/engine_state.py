@@ -4,7 +4,7 @@ Pure jitted functions over an explicit `EngineState` (static shapes; `EngineSpec
 
     state = init_state(spec, rng)                                    # every slot free
     state = admit(params, spec, state, prompt_AxP, mask_AxP, dest_N) # A prompts x G samples -> slots dest_N
-    state = decode_chunk(params, spec, state, n_steps, version, temperature)
+    state = decode_chunk(params, spec, state, n_steps, version, temperature, stop_at=None)
     out   = read_slots(spec, state, slot_R)                          # tokens, masks, log-probs, versions
 
 A slot's prompt is left-padded to the engine's P and prefilled as `sampler.prefill_groups` does
@@ -170,18 +170,30 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
         rng=rng, routing_SxCxLxK=routing)
 
 
+# The per-layer form of params that `decode_chunk` runs on; splitting copies every weight.
+split_params = jax.jit(layer_params, static_argnames="cfg")
+
+
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
-def decode_chunk(params, spec: EngineSpec, state: EngineState, n_steps, version, temperature) -> EngineState:
+def decode_chunk(params, spec: EngineSpec, state: EngineState, n_steps, version, temperature, stop_at=None
+                 ) -> EngineState:
     """Up to n_steps decode steps (traced: any chunk length, one compile) over all slots, stopping
-    early once no slot is decoding. `version` (int32 scalar) is recorded on every token drawn."""
-    lparams = layer_params(params, spec.cfg)  # split once per chunk, not per step
+    early once no slot is decoding or, with `stop_at` (traced), once at least stop_at slots are done
+    (finished or free: the host can then admit a group). `version` (int32 scalar) is recorded on
+    every token drawn. `params` are the model's, or `split_params(params, cfg)`: a host that runs
+    many chunks on the same params splits them once instead of once per chunk."""
+    lparams = params if isinstance(params["blocks"], tuple) else layer_params(params, spec.cfg)
     version = jnp.asarray(version, jnp.int32)
+    stop_at = jnp.asarray(spec.slots if stop_at is None else stop_at, jnp.int32)
 
     def body(carry):
         i, s = carry
         return i + 1, _decode_step(lparams, spec, s, version, temperature)
 
-    cond = lambda carry: (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
+    def cond(carry):
+        n_done = jnp.sum(carry[1].done_S.astype(jnp.int32))
+        return (carry[0] < n_steps) & (n_done < jnp.minimum(stop_at, spec.slots))
+
     _, state = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return state
 
