@@ -11,7 +11,8 @@ longest row is done; the engine keeps --slots slots busy, admitting a group when
 (chunks of --chunk decode steps). Each is timed after an untimed warm-up run of the same workload.
 
 Last line: one JSON object with `speedup_long_tail` (engine / static tokens/s on the long tail) and
-`uniform_ratio` (the same on uniform lengths), plus the raw figures.
+`uniform_ratio` (the same on uniform lengths), plus the raw figures: per workload also the CPU
+seconds of each side and `ratio_cpu` (the ratio in tokens per CPU-second), and the load average.
 
     PYTHONPATH=. python benchmarks/engine.py            # bench-small
     PYTHONPATH=. python benchmarks/engine.py --small    # tiny model, seconds (smoke run)
@@ -73,13 +74,20 @@ def _compare(name, params, cfg, prompt_P, args, max_new, eos):
     n = args.samples
     _static(params, cfg, prompt_P, args.slots, args.slots, max_new, eos, rng)  # warm-up (compile)
     _engine(params, cfg, prompt_P, 2 * args.slots, args.slots, args.chunk, max_new, eos, rng)
+    cpu0 = time.process_time()
     s_tok, s_sec = _static(params, cfg, prompt_P, n, args.slots, max_new, eos, jax.random.PRNGKey(1))
+    cpu1 = time.process_time()
     e_tok, e_sec = _engine(params, cfg, prompt_P, n, args.slots, args.chunk, max_new, eos, jax.random.PRNGKey(1))
+    s_cpu, e_cpu = cpu1 - cpu0, time.process_time() - cpu1
+    # CPU seconds (all threads) as well as wall: on a shared machine the CPU ratio is the steadier one.
     row = {"workload": name, "samples": n, "static_tokens": s_tok, "static_s": round(s_sec, 3),
            "static_tok_per_s": s_tok / s_sec, "engine_tokens": e_tok, "engine_s": round(e_sec, 3),
-           "engine_tok_per_s": e_tok / e_sec, "ratio": (e_tok / e_sec) / (s_tok / s_sec)}
+           "engine_tok_per_s": e_tok / e_sec, "ratio": (e_tok / e_sec) / (s_tok / s_sec),
+           "static_cpu_s": round(s_cpu, 3), "engine_cpu_s": round(e_cpu, 3),
+           "ratio_cpu": (e_tok / e_cpu) / (s_tok / s_cpu), "load_average": common.load_average()}
     print(f"{name:10s} static {s_tok:8.0f} tok in {s_sec:7.2f}s = {s_tok / s_sec:9.1f} tok/s | "
-          f"engine {e_tok:8.0f} tok in {e_sec:7.2f}s = {e_tok / e_sec:9.1f} tok/s | ratio {row['ratio']:.2f}",
+          f"engine {e_tok:8.0f} tok in {e_sec:7.2f}s = {e_tok / e_sec:9.1f} tok/s | ratio {row['ratio']:.2f} "
+          f"(CPU-time ratio {row['ratio_cpu']:.2f}, load {(row['load_average'] or [float('nan')])[0]:.2f})",
           flush=True)
     return row
 

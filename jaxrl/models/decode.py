@@ -7,8 +7,9 @@ much as the matmuls themselves. The functions below do the same math with the la
 per-layer params (sliced once, outside the loop) and per-layer kv-head-major cache buffers that
 attention reads in place and `dynamic_update_slice` writes in place.
 
-Two ways to add tokens:
+Three ways to add tokens:
   decode_layers   writes T tokens of every row at the same cache slots (the sampler's step);
+  decode_rows     writes one token per row at that row's own slot (the slot engine's step);
   window_layers   leaves the cache untouched: the tokens' keys/values go to a small per-call window
                   that attention reads after the cache, and `commit_window` later writes each row's
                   window at that row's own fill level. Speculative rollouts use it: rows keep
@@ -123,6 +124,22 @@ def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, inde
     logits_BxTxV, kv_out, experts = _run_layers(lparams, cfg, tokens_BxT, cache.kv[:n_layers], positions_BxT,
                                                 valid_BxS, index, n_layers)
     return logits_BxTxV, LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + T), experts
+
+
+def decode_rows(lparams, cfg: ModelConfig, token_B, cache: LayerCache, fill_B, advance_B):
+    """One token per row, each fed at its own cache slot fill_B (position pos_B): the slot engine's
+    step, whose rows fill at different rates. Like `decode_layers` (T = 1) the keys/values are
+    written in place first and attention then reads slots 0..fill_B of the row, so a row at fill
+    level f gets the sampler's logits for a step at index f, and XLA copies no cache buffer.
+    Positions advance by advance_B; a row with advance 0 still writes at fill_B (its caller never
+    reads that slot). -> (logits_BxV, cache, experts_BxLxK or None)."""
+    B = token_B.shape[0]
+    fill_B = jnp.asarray(fill_B, jnp.int32)
+    valid_BxS = cache.valid_BxS.at[jnp.arange(B), fill_B].set(True)
+    logits_Bx1xV, kv_out, experts_Bx1xLxK = _run_layers(lparams, cfg, token_B[:, None], cache.kv, cache.pos_B[:, None],
+                                                        valid_BxS, fill_B, cfg.n_layers)
+    experts_BxLxK = None if experts_Bx1xLxK is None else experts_Bx1xLxK[:, 0]
+    return logits_Bx1xV[:, 0], LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + advance_B), experts_BxLxK
 
 
 def empty_window(cache: LayerCache, width: int, n_layers: int):

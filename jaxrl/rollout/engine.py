@@ -7,8 +7,10 @@ jitted device side).
 
 `collect` alternates, until n_groups groups are complete: admit prompts into free slots (each
 prompt's G samples share one prefill; `admit_groups` prompts per prefill call), run one chunk of
-`chunk` decode steps over all slots, retire the samples that finished (EOS or max_new_tokens) and
-free their slots. A group is returned once all G of its samples are retired.
+at most `chunk` decode steps over all slots, retire the samples that finished (EOS or max_new_tokens)
+and free their slots. A chunk ends early once no slot is decoding and, under `exact` while
+another group may still be admitted, once G slots are free (so they need not idle for the rest of
+the chunk). A group is returned once all G of its samples are retired.
 
 Admission (`rollout.engine.admission`):
   exact  admit only the groups this collect still needs; every sample finishes inside the collect
@@ -47,7 +49,8 @@ import numpy as np
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig
 from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine_partial import release_slots, reprefill
-from jaxrl.rollout.engine_state import EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots
+from jaxrl.rollout.engine_state import (EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots,
+                                       split_params)
 from jaxrl.rollout.sampler import check_temperature
 
 
@@ -143,11 +146,15 @@ class Engine:
         self._restart_stale(version)
         self._reprefill_carried(params, version)
         self._version = version
+        lparams = split_params(params, self.spec.cfg)  # once per collect, not once per chunk
         while len(self._ready) < n_groups:
-            self._admit_free(params, prompts, n_groups, version)
+            more = self._admit_free(params, prompts, n_groups, version)
             if not self._flight:  # prompts ran out and every admitted group is back
                 break
-            self.state = decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
+            # While another group may still be admitted, the chunk ends as soon as G slots are free.
+            stop_at = self.spec.group_size if more else self.spec.slots
+            self.state = decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature,
+                                      stop_at)
             self.counts["chunks"] += 1
             self._retire()
         out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
@@ -200,20 +207,26 @@ class Engine:
         tag, tokens = item
         return (tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id))
 
-    def _admit_free(self, params, prompts: Iterator, n_groups: int, version: int = 0) -> None:
-        """Admit prompts into free slots as far as the admission policy allows."""
+    def _admit_free(self, params, prompts: Iterator, n_groups: int, version: int) -> bool:
+        """Admit prompts into free slots as far as the admission policy allows (flights born at
+        `version`). -> whether the next chunk should end as soon as G slots are free (`exact`, with
+        prompts and room left)."""
         G = self.spec.group_size
         free = np.flatnonzero(self._owner_S < 0)
         room = len(free) // G
         if self.ecfg.admission == "exact":
             room = min(room, n_groups - len(self._ready) - len(self._flight))
-        batch = []
+        batch, exhausted = [], False
         for _ in range(max(room, 0)):
             item = self._next_prompt(prompts)
             if item is None:
+                exhausted = True
                 break
             batch.append(item)
         self._admit_rows(params, [(tag, prompt_P, mask_P, G, None) for tag, prompt_P, mask_P in batch], free, version)
+        # Only `exact` ends chunks early: there chunk boundaries are invisible in what a collect
+        # returns, while under `fill` they decide which samples a collect leaves in flight.
+        return self.ecfg.admission == "exact" and not exhausted and n_groups - len(self._ready) - len(self._flight) > 0
 
     def _admit_rows(self, params, rows: list, free: np.ndarray, version: int) -> None:
         """Admit rows (tag, prompt_P, mask_P, n <= G samples, sink or None) into the free slots `free` (enough
@@ -249,6 +262,7 @@ class Engine:
         pieces = [(i, min(G, k - start)) for i, (_, _, k) in enumerate(requests) for start in range(0, k, G)]
         done: list[Group] = []
         next_j = 0
+        lparams = split_params(params, self.spec.cfg)  # once per call, not once per chunk
         while len(done) < len(pieces):
             free, rows = np.flatnonzero(self._owner_S < 0), []
             room = len(free)
@@ -258,7 +272,7 @@ class Engine:
                 room -= n
                 next_j += 1
             self._admit_rows(params, rows, free, version)
-            self.state = decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
+            self.state = decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
             self.counts["chunks"] += 1
             self._retire()
         by_piece = sorted(done, key=lambda g: g.tag[0])

@@ -4,18 +4,18 @@ Pure jitted functions over an explicit `EngineState` (static shapes; `EngineSpec
 
     state = init_state(spec, rng)                                    # every slot free
     state = admit(params, spec, state, prompt_AxP, mask_AxP, dest_N) # A prompts x G samples -> slots dest_N
-    state = decode_chunk(params, spec, state, n_steps, version, temperature)
+    state = decode_chunk(params, spec, state, n_steps, version, temperature, stop_at=None)
     out   = read_slots(spec, state, slot_R)                          # tokens, masks, log-probs, versions
 
 A slot's prompt is left-padded to the engine's P and prefilled as `sampler.prefill_groups` does
 (all but the last prompt token, once per prompt, copied to the G slots of its group); the last
 prompt token is the slot's first decode input. Completion token t of a slot is fed at cache slot
 P-1+t, so a slot's fill level is P-1 + (tokens generated so far) and differs between slots: decode
-steps use `decode.window_layers` (attention reads each row's cache below its own fill level, then
-the new token) and `decode.commit_window` writes each row's new keys/values at its own fill level,
-the read-only-cache form the speculative sampler uses. A slot that is not decoding (finished, or
-never admitted) still runs through the forward (static shapes) but records nothing, does not
-advance, and its window write lands at its fill level, which nobody reads.
+steps use `decode.decode_rows` (each row's new keys/values are written in place at its own fill
+level, then attention reads the row's slots up to it: the sampler's step, per row). A slot that is
+not decoding (finished, or never admitted) still runs through the forward (static shapes) but
+records nothing, does not advance, and its write lands at its fill level, which nobody reads
+(admission rewrites the whole row).
 
 Recorded log-probs are under softmax(logits / temperature), untruncated, as `sampler.sample`
 records them; every token also records the `version` passed to the chunk that drew it. A version
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.decode import LayerCache, commit_window, empty_window, layer_params, window_layers
+from jaxrl.models.decode import LayerCache, decode_rows, layer_params
 from jaxrl.rollout.sampler import choose_tokens, prefill_groups, scaled_logits
 
 
@@ -147,19 +147,17 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
     """One decode step of every slot; only the decoding ones (not done) record and advance."""
     cfg, P, T = spec.cfg, spec.prompt_len, spec.max_new_tokens
     fill_S = P - 1 + s.col_S
-    window = empty_window(s.cache, 1, cfg.n_layers)
-    logits_Sx1xV, window, experts_Sx1xLxK = window_layers(lparams, cfg, s.last_S[:, None], s.cache, fill_S, window, 0)
     active_S = ~s.done_S
-    cache = commit_window(s.cache, window, fill_S, active_S.astype(jnp.int32))
-    logits_SxV = logits_Sx1xV[:, 0].astype(jnp.float32)
+    logits_SxV, cache, experts_SxLxK = decode_rows(lparams, cfg, s.last_S, s.cache, fill_S, active_S.astype(jnp.int32))
+    logits_SxV = logits_SxV.astype(jnp.float32)
     rng, key = jax.random.split(s.rng)
     tok_S = choose_tokens(key, logits_SxV, temperature, spec.top_k, spec.top_p, spec.greedy).astype(jnp.int32)
     logp_all_SxV = jax.nn.log_softmax(scaled_logits(logits_SxV, temperature), axis=-1)
     logp_S = jnp.take_along_axis(logp_all_SxV, tok_S[:, None], axis=-1)[:, 0]
     routing = s.routing_SxCxLxK
-    if experts_Sx1xLxK is not None:  # the input fed at cache slot fill_S used these experts
+    if experts_SxLxK is not None:  # the input fed at cache slot fill_S used these experts
         at_SxC = active_S[:, None] & (jnp.arange(routing.shape[1]) == fill_S[:, None])
-        routing = jnp.where(at_SxC[:, :, None, None], experts_Sx1xLxK.astype(routing.dtype), routing)
+        routing = jnp.where(at_SxC[:, :, None, None], experts_SxLxK[:, None].astype(routing.dtype), routing)
     eos_S = active_S & (tok_S == spec.eos_id)
     col_S = s.col_S + active_S
     return s._replace(
@@ -172,18 +170,30 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
         rng=rng, routing_SxCxLxK=routing)
 
 
+# The per-layer form of params that `decode_chunk` runs on; splitting copies every weight.
+split_params = jax.jit(layer_params, static_argnames="cfg")
+
+
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
-def decode_chunk(params, spec: EngineSpec, state: EngineState, n_steps, version, temperature) -> EngineState:
+def decode_chunk(params, spec: EngineSpec, state: EngineState, n_steps, version, temperature, stop_at=None
+                 ) -> EngineState:
     """Up to n_steps decode steps (traced: any chunk length, one compile) over all slots, stopping
-    early once no slot is decoding. `version` (int32 scalar) is recorded on every token drawn."""
-    lparams = layer_params(params, spec.cfg)  # split once per chunk, not per step
+    early once no slot is decoding or, with `stop_at` (traced), once at least stop_at slots are done
+    (finished or free: the host can then admit a group). `version` (int32 scalar) is recorded on
+    every token drawn. `params` are the model's, or `split_params(params, cfg)`: a host that runs
+    many chunks on the same params splits them once instead of once per chunk."""
+    lparams = params if isinstance(params["blocks"], tuple) else layer_params(params, spec.cfg)
     version = jnp.asarray(version, jnp.int32)
+    stop_at = jnp.asarray(spec.slots if stop_at is None else stop_at, jnp.int32)
 
     def body(carry):
         i, s = carry
         return i + 1, _decode_step(lparams, spec, s, version, temperature)
 
-    cond = lambda carry: (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
+    def cond(carry):
+        n_done = jnp.sum(carry[1].done_S.astype(jnp.int32))
+        return (carry[0] < n_steps) & (n_done < jnp.minimum(stop_at, spec.slots))
+
     _, state = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return state
 
