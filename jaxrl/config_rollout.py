@@ -98,5 +98,8 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, f"{prefix}.top_p", "a number in (0, 1]", self.top_p)
         self.speculative.validate(f"{prefix}.speculative")
         self.engine.validate(f"{prefix}.engine")
+        _check(not (self.engine.enabled and self.speculative.enabled) or self.speculative.drafter == "early_exit",
+               f"{prefix}.speculative.drafter", f"'early_exit' with {prefix}.engine.enabled=true (the engine's only "
+               "drafter)", self.speculative.drafter)
         _check(not self.engine.enabled or self.engine.slots >= self.group_size, f"{prefix}.engine.slots",
                f"at least group_size={self.group_size} (a group is admitted into free slots at once)", self.engine.slots)

@@ -29,7 +29,8 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional
 import jax
 import numpy as np
 
-from jaxrl.config import ConfigError, EngineConfig, ModelConfig
+from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from jaxrl.rollout import engine_speculative
 from jaxrl.rollout.engine_state import EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots
 from jaxrl.rollout.sampler import check_temperature
 
@@ -73,7 +74,7 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, group_size: int, prompt_len: int,
                  max_new_tokens: int, temperature: float, eos_id: int, pad_id: int, rng, top_k: int = 0,
-                 top_p: float = 1.0, greedy: bool = False):
+                 top_p: float = 1.0, greedy: bool = False, speculative: Optional[SpeculativeConfig] = None):
         engine_cfg.validate()
         if engine_cfg.slots < group_size:
             raise ConfigError(f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
@@ -82,12 +83,16 @@ class Engine:
         self.ecfg, self.temperature = engine_cfg, float(temperature)
         self.spec = EngineSpec(model_cfg, engine_cfg.slots, prompt_len, max_new_tokens, group_size, eos_id, pad_id,
                                top_k, top_p, greedy)
+        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0}
+        self._decode_chunk = decode_chunk
+        if speculative is not None and speculative.enabled:  # early-exit drafting: engine_speculative.py
+            self.spec = engine_speculative.speculative_spec(self.spec, speculative)
+            self._decode_chunk = engine_speculative.counting_chunk(self.counts)
         self.state = init_state(self.spec, rng)
         self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
         self._flight: dict[int, _Flight] = {}
         self._ready: list[Group] = []  # complete, not yet returned
         self._next_id = 0
-        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0}
 
     @classmethod
     def from_config(cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False) -> "Engine":
@@ -95,7 +100,7 @@ class Engine:
         rc = cfg.rollout
         return cls(cfg.model, rc.engine, group_size=rc.group_size, prompt_len=prompt_len,
                    max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, eos_id=eos_id, pad_id=pad_id,
-                   rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy)
+                   rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy, speculative=rc.speculative)
 
     @property
     def groups_in_flight(self) -> int:
@@ -109,7 +114,7 @@ class Engine:
             self._admit_free(params, prompts, n_groups)
             if not self._flight:  # prompts ran out and every admitted group is back
                 break
-            self.state = decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
+            self.state = self._decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
             self.counts["chunks"] += 1
             self._retire()
         out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
