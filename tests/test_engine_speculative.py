@@ -90,35 +90,45 @@ def test_recorded_logprobs_and_versions_equal_trainer_recomputation():
 def _perfect_drafter_params():
     """Layer 2 of te.CFG made the identity (attention and MLP outputs zeroed): the early-exit drafter
     (layer 1, final norm, head) then equals the policy, and every greedy draft is accepted."""
-    params = te._params(te.CFG, 3.0)
+    params = te._params(te.CFG, 1.5)
     blocks = params["blocks"]
     attn = dict(blocks["attn"], o=blocks["attn"]["o"].at[1].set(0.0))
     mlp = dict(blocks["mlp"], down=blocks["mlp"]["down"].at[1].set(0.0))
     return dict(params, blocks=dict(blocks, attn=attn, mlp=mlp))
 
 
+def _first(row, token):
+    return next((i for i, t in enumerate(row) if t == token), None)
+
+
 def test_eos_inside_an_accepted_draft_ends_the_sample():
-    """With a perfect drafter every step keeps K drafts + 1 bonus token, so tokens 0..K-1 of a sample
-    are accepted drafts. EOS is chosen as a token that some row emits first at column 1: that row
-    must end there (length 2, pad and mask 0 after it, finished) although the drafts after EOS were
-    accepted too, and the batch equals `sampler.sample`'s."""
+    """With a perfect drafter every step keeps K=3 drafts + 1 bonus token: step 1 emits columns 0..3
+    (0..2 accepted drafts), step 2 columns 4..7 (4..6 drafts; 6 and 7 lie past T=6). EOS is a token
+    that one prompt's greedy completion first emits at column 1 and another's at column 6 or 7:
+    the first must end at column 1 (length 2, pad and mask 0 after it, finished) although the drafts
+    after its EOS were accepted too; the second must end truncated at T, not finished by an EOS that
+    was never kept. The whole batch equals `sampler.sample`'s."""
     params = _perfect_drafter_params()
     prompt, mask = te._prompts()
-    never = sample(params, te.CFG, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(0), group_size=te.G,
-                   max_new_tokens=te.T, temperature=1.0, eos_id=te.NEVER, pad_id=te.PAD, greedy=True)
-    toks = np.asarray(never.tokens_BxT)
-    row = next(r for r in range(len(toks)) if toks[r, 1] != toks[r, 0])
-    eos = int(toks[row, 1])
-    ref = sample(params, te.CFG, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(0), group_size=te.G,
-                 max_new_tokens=te.T, temperature=1.0, eos_id=eos, pad_id=te.PAD, greedy=True)
+    run = lambda eos, t: sample(params, te.CFG, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(0),
+                                group_size=te.G, max_new_tokens=t, temperature=1.0, eos_id=eos, pad_id=te.PAD,
+                                greedy=True)
+    toks = np.asarray(run(te.NEVER, te.T + 2).tokens_BxT)  # two columns past T: the second window's end
+    eos = next(e for e in range(te.CFG.vocab_size)
+               if {1} <= {_first(r, e) for r in toks} and {6, 7} & {_first(r, e) for r in toks})
+    early = next(r for r in range(len(toks)) if _first(toks[r], eos) == 1)
+    late = next(r for r in range(len(toks)) if _first(toks[r], eos) in (6, 7))
+    ref = run(eos, te.T)
     engine = _engine(te.CFG, eos, slots=10, chunk=8, admit_groups=5)
     batch = assemble_batch(te._by_tag(engine.collect(params, 0, te._items(), n_groups=len(te.LENGTHS))))
     assert engine.counts["accepted"] == engine.counts["drafted"] > 0  # every draft accepted, EOS's included
-    np.testing.assert_array_equal(batch["tokens_BxT"][row], [toks[row, 0], eos] + [te.PAD] * (te.T - 2))
-    np.testing.assert_array_equal(batch["completion_mask_BxT"][row], [1, 1] + [0] * (te.T - 2))
-    assert batch["truncated_B"][row] == 0
-    np.testing.assert_array_equal(batch["tokens_BxT"], np.asarray(ref.tokens_BxT))
-    np.testing.assert_array_equal(batch["completion_mask_BxT"], np.asarray(ref.completion_mask_BxT))
+    np.testing.assert_array_equal(batch["tokens_BxT"][early], [toks[early, 0], eos] + [te.PAD] * (te.T - 2))
+    np.testing.assert_array_equal(batch["completion_mask_BxT"][early], [1, 1] + [0] * (te.T - 2))
+    assert batch["truncated_B"][early] == 0 and batch["truncated_B"][late] == 1
+    np.testing.assert_array_equal(batch["tokens_BxT"][late], toks[late, :te.T])
+    for name, want in (("tokens_BxT", ref.tokens_BxT), ("completion_mask_BxT", ref.completion_mask_BxT),
+                       ("truncated_B", (~np.asarray(ref.finished_B)).astype(np.float32))):
+        np.testing.assert_array_equal(batch[name], np.asarray(want))
 
 
 # --- the sampled distribution, against enumeration --------------------------------------------
