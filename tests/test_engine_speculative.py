@@ -54,6 +54,8 @@ def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups,
     groups = te._by_tag(engine.collect(te._params(cfg), 0, items, n_groups=len(te.LENGTHS)))
     batch = assemble_batch(groups)
     te._check_same_rollout(batch, ref, cfg)
+    if cfg.n_experts:  # the trainer's replay contract: one entry per prompt + completion slot, not per cache slot
+        assert batch["routing_BxSxLxK"].shape[1] == te.P + te.T < engine.spec.cache_len
     _check_drafts_tested(engine.counts)
     if slots < len(te.LENGTHS) * te.G:
         assert engine.counts["admitted_groups"] == len(te.LENGTHS) > slots // te.G
