@@ -138,13 +138,13 @@ def test_eos_inside_an_accepted_draft_ends_the_sample():
 N_GROUPS = 750  # per prompt: 3,000 samples each
 
 
-def _speculative_samples(seed):
+def _speculative_samples(seed, n_groups=N_GROUPS):
     ecfg = EngineConfig(enabled=True, slots=64, chunk=2, admit_groups=8)
     engine = Engine(td.SMALL, ecfg, group_size=td.G, prompt_len=td.P, max_new_tokens=td.T, temperature=1.0,
                     eos_id=td.EOS, pad_id=td.PAD, rng=jax.random.PRNGKey(seed), speculative=_spec(max_draft=2))
-    items = ((i % 2, td.PROMPTS[i % 2]) for i in range(2 * N_GROUPS))
-    groups = engine.collect(td._params(), 0, items, n_groups=2 * N_GROUPS)
-    assert len(groups) == 2 * N_GROUPS and engine.counts["chunks"] > 50  # 64 slots reused many times
+    items = ((i % 2, td.PROMPTS[i % 2]) for i in range(2 * n_groups))
+    groups = engine.collect(td._params(), 0, items, n_groups=2 * n_groups)
+    assert len(groups) == 2 * n_groups and engine.counts["chunks"] > n_groups // 20  # 64 slots reused many times
     out = {0: [], 1: []}
     for g in groups:
         out[g.tag] += [tuple(int(t) for t in row[m > 0]) for row, m in zip(g.tokens_GxT, g.completion_mask_GxT)]
@@ -172,11 +172,11 @@ def _accept_every_draft(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None
 
 def test_chi_square_catches_accepting_every_draft(monkeypatch):
     """The test above fails an engine that accepts every draft (the drafter's distribution then
-    leaks into the samples) by a wide margin."""
+    leaks into the samples) by a wide margin, even with a third of the samples (p == 0.0 in float64)."""
     monkeypatch.setattr(acceptance, "verify_sampled", _accept_every_draft)
     jax.clear_caches()  # speculative_chunk is jitted: retrace with the broken rule
     try:
-        samples, counts = _speculative_samples(seed=11)
+        samples, counts = _speculative_samples(seed=11, n_groups=N_GROUPS // 3)
     finally:
         monkeypatch.undo()
         jax.clear_caches()
