@@ -15,6 +15,8 @@ class SpeculativeConfig:
     drafter: early_exit (the policy's first `draft_layers` blocks), int8 (the policy with int8
     weights), or reuse (the previous completion of the same prompt, verified as a point mass; rows
     without one use the self-drafter `fallback`, or plain decoding when it is "none").
+    With rollout.engine.enabled only early_exit is available (jaxrl.rollout.engine_speculative: a
+    fixed draft length of max_draft; adaptive, calibrate and the costs are unused there).
     """
 
     enabled: bool = False

@@ -19,6 +19,11 @@ Admission (`rollout.engine.admission`):
          beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
          a new iterable: samples in flight carry their own prompts and tags.
 A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it.
+
+Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): each
+decode step drafts `max_draft` tokens per slot with the policy's first `draft_layers` blocks and
+verifies them with one policy forward (`engine_speculative.py`); same distribution, same recorded
+fields, several tokens per step; counts["drafted"] / counts["accepted"] say how many drafts were kept.
 """
 
 from __future__ import annotations
