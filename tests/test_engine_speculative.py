@@ -210,3 +210,23 @@ def test_from_config_picks_the_speculative_chunk_only_when_enabled():
         assert isinstance(engine.spec, SpeculativeEngineSpec) == speculative
         assert ("drafted" in engine.counts) == speculative
         assert engine.spec.cache_len == 4 + cfg.rollout.max_new_tokens + (2 if speculative else 0)
+
+
+def test_benchmark_speculative_row():
+    """benchmarks/engine.py --speculative: with the workloads' zeroed final norm the drafter's and the
+    policy's distributions are both uniform, so every draft is accepted (the ceiling the docstring
+    claims); a uniform workload of 16 samples x 6 tokens generates exactly 96 tokens."""
+    import argparse
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks import engine as bench
+
+    params = te._params(te.CFG)
+    params = dict(params, final_norm=jax.tree.map(lambda x: x * 0.0, params["final_norm"]))
+    args = argparse.Namespace(slots=8, chunk=2, samples=16, max_draft=2, draft_layers=1)
+    row = bench._speculative(params, te.CFG, np.arange(1, 5, dtype=np.int32), args, te.T, te.NEVER, 1.0)
+    assert row["tokens"] == 16 * te.T and row["acceptance"] == 1.0 and row["drafted"] > 0
+    # 6 tokens per sample at 3 per step: 2 steps per sample, 2 batches of 8 slots.
+    assert row["drafted"] == 16 * 2 * 2
