@@ -243,12 +243,14 @@ class WarmStartConfig:
     learning_rate: float = 1e-3
     teacher_error: float = 0.0  # share of demonstrations from a fallible teacher (jaxrl.data.teachers)
     cache_dir: str = ""  # "" -> $JAXRL_CACHE_DIR or ~/.cache/jaxrl/warmstart
+    seed: int = -1  # -1: train.seed. Set it to share one base policy between runs of different train.seed
 
     def validate(self, prefix: str = "warmstart") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer (0 = random init)", self.steps)
         _check(self.batch_size > 0, f"{prefix}.batch_size", "a positive integer", self.batch_size)
         _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
         _check(0 <= self.teacher_error <= 1, f"{prefix}.teacher_error", "a number in [0, 1]", self.teacher_error)
+        _check(self.seed >= -1, f"{prefix}.seed", "-1 (train.seed) or a non-negative integer", self.seed)
 
 
 @dataclasses.dataclass(frozen=True)

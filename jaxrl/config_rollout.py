@@ -72,12 +72,31 @@ class EngineConfig:
     chunk: int = 8
     admit_groups: int = 4
     admission: str = "exact"  # exact | fill
+    # Which groups and prompts a step uses (jaxrl/train/group_filters.py, prompt_filter.py):
+    # dynamic_sampling (DAPO) drops groups whose combined rewards are all equal and draws up to
+    # max_extra_groups more per step to replace them; prompt_filter=beta (DEPO/HIVE) skips a prompt
+    # when a Thompson draw from its Beta(filter_prior + successes/failures) lies outside
+    # [filter_low, filter_high].
+    dynamic_sampling: bool = False
+    max_extra_groups: int = 64
+    prompt_filter: str = "none"  # none | beta
+    filter_low: float = 0.05
+    filter_high: float = 0.95
+    filter_prior: tuple = (1.0, 1.0)  # Beta(a, b) for a prompt never scored
 
     def validate(self, prefix: str = "rollout.engine") -> None:
         _check(self.slots > 0, f"{prefix}.slots", "a positive integer", self.slots)
         _check(self.chunk > 0, f"{prefix}.chunk", "a positive integer (decode steps between admissions)", self.chunk)
         _check(self.admit_groups > 0, f"{prefix}.admit_groups", "a positive integer", self.admit_groups)
         _check(self.admission in ("exact", "fill"), f"{prefix}.admission", "'exact' or 'fill'", self.admission)
+        _check(self.max_extra_groups >= 0, f"{prefix}.max_extra_groups", "0 or a positive integer",
+               self.max_extra_groups)
+        _check(self.prompt_filter in ("none", "beta"), f"{prefix}.prompt_filter", "'none' or 'beta'",
+               self.prompt_filter)
+        _check(0 <= self.filter_low < self.filter_high <= 1, f"{prefix}.filter_low/filter_high",
+               "0 <= filter_low < filter_high <= 1", (self.filter_low, self.filter_high))
+        _check(len(self.filter_prior) == 2 and min(self.filter_prior) > 0, f"{prefix}.filter_prior",
+               "two positive numbers (a, b)", self.filter_prior)
 
 
 @dataclasses.dataclass(frozen=True)

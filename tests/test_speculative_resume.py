@@ -14,7 +14,7 @@ from jaxrl.rollout import calibrate
 from preset_configs import config_path, fast_compiles, overrides  # noqa: F401  (fixture)
 
 STEPS = 4
-TIMING = ("rollout/tokens_per_s", "rollout/seconds", "step_seconds")
+TIMING = ("rollout/tokens_per_s", "rollout/seconds", "step_seconds", "wall_time")
 SPEC = ["rollout.speculative.enabled=true", "rollout.speculative.reuse_width=4", "rollout.speculative.max_draft=2",
         "rollout.speculative.draft_layers=1", "rollout.speculative.probe_every=1", "rollout.speculative.calibrate=true"]
 

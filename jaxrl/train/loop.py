@@ -7,12 +7,14 @@ uninterrupted run would (same state, RNG and data position); SIGTERM saves and e
 The loop is a sequence of named stages, each step:
   build_run               (once) mesh, loss, model and task, state, restore, jitted steps, evaluator,
                           checkpoint manager and the rollout source -> `Run`
-  produce_scored_groups   prompts -> the rollout source's completions -> scores: host batch + metrics
+  produce_scored_groups   the rollout source: prompts from the stream -> completions -> scored groups
+                          (host batch + metrics); the static sampler, or the slot engine
   assemble_batch          the host batch -> global arrays laid out by field name (scoring.py)
   run.update              the jitted update (advantages, loss, gradient)
   log_and_checkpoint      eval cadence, the row on disk (one step late), checkpoint, SIGTERM
-The rollout side (sampler, speculative drafters, draft store, speculation control) sits behind
-`RolloutSource` (rollout_source.py): the loop calls its `produce` and `checkpoint_state` only.
+The rollout side sits behind one interface (group_sources.py): the loop calls the source's
+`produce` and `checkpoint_state` only. `StaticSource` wraps the static sampler (`SamplerSource`:
+speculative drafters, draft store, speculation control); `EngineSource` the slot engine.
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ from jaxrl.models.transformer import init_params, param_logical_axes
 from jaxrl.sharding import (any_process, batch_sharding, check_batch_divides, is_primary, make_mesh,
                             param_shardings, process_rows, put_global, replicated)
 from jaxrl.train import checkpoint as ckpt
-from jaxrl.train.batching import next_prompts
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.metrics import MetricsLog, plot
 from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.report import emit
-from jaxrl.train.rollout_source import RolloutSource, SamplerSource
-from jaxrl.train.scoring import RowLayout, assemble_batch, score_groups
+from jaxrl.train.group_sources import EngineSource, StaticSource
+from jaxrl.train.rollout_source import SamplerSource
+from jaxrl.train.scoring import RowLayout, assemble_batch
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.warmstart import cache_root, load_or_train_base
@@ -72,7 +74,7 @@ class Run(NamedTuple):
     tokenizer: Any
     task: Any
     rows: RowLayout  # the step's completion rows: their sharding and this process's share
-    source: RolloutSource
+    source: Any  # StaticSource | EngineSource (group_sources.py): produce(params, stream, rng, step)
     update: Callable  # (state, batch) -> (state, device metrics), the jitted update
     evaluate: Callable  # params -> the eval/* metrics
     manager: Any  # the orbax checkpoint manager
@@ -98,14 +100,15 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
     try:
         if start == 0 and tc.steps >= 0:
             last_eval = run.evaluate(state.params)
-            run.log.write({"step": 0, **last_eval})
+            run.log.write({"step": 0, **last_eval, "wall_time": time.time()})
             if is_primary():
                 plot(run.log.rows, workdir / "progress.png", title=str(workdir.name))
         pending = None  # (row, device metrics, t0) of the step dispatched last: pulled after the next dispatch
         for step in range(start + 1, tc.steps + 1):
             t0 = time.perf_counter()
-            state, stream, rollout, host_batch, row = produce_scored_groups(run, state, stream, step, t0)
-            batch = assemble_batch(host_batch, rollout, run.mesh, run.preset, run.rows.n)
+            state, produced = produce_scored_groups(run, state, stream, step)
+            stream, row = produced.stream, {"step": step, **produced.metrics}
+            batch = assemble_batch(produced.host_batch, produced.routing_BxSxLxK, run.mesh, run.preset, run.rows.n)
             state, metrics = run.update(state, batch)
             if pending is not None:
                 emit(run.log, bar, *pending)
@@ -152,13 +155,17 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
     update_fn = make_update_step(logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs, microbatches=tc.microbatches,
                                  max_new_tokens=rc.max_new_tokens, group_size=G, use_ref=loss.needs_ref)
-    # host: the restored checkpoint's JSON item, whose speculation state the source takes back.
-    source = SamplerSource(cfg, model_cfg, tokenizer, mesh, preset, param_sh, state.params, state.rng, host,
-                           cache_root(cfg) / "speculative_costs")
+    rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
+    # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
+    if rc.engine.enabled:
+        source = EngineSource(cfg, model_cfg, tokenizer, task, host)
+    else:
+        source = StaticSource(cfg, SamplerSource(cfg, model_cfg, tokenizer, mesh, preset, param_sh, state.params,
+                                                 state.rng, host, cache_root(cfg) / "speculative_costs"),
+                              task, tokenizer, rows)
     evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier,
                               out_sharding=rep)
-    run = Run(cfg, workdir, mesh, preset, tokenizer, task, RowLayout(rows_sharding, process_rows(rows_sharding, B), B),
-              source, _lazily_jitted_update(update_fn, state_sh, rep, mesh), evaluate, manager, log, base_path)
+    run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, state_sh, rep, mesh), evaluate, manager, log, base_path)
     return run, state, stream, resumed_step or 0
 
 
@@ -189,23 +196,12 @@ def _lazily_jitted_update(update_fn, state_sh, rep, mesh) -> Callable:
     return update
 
 
-def produce_scored_groups(run: Run, state: TrainState, stream: StreamState, step: int, t0: float):
-    """The step's prompts -> completions from the rollout source -> scores. -> (state with its RNG
-    advanced, stream, Rollout, this process's host batch, the step's metrics row so far)."""
-    cfg = run.cfg
-    records, prompt_BxP, pmask_BxP, stream, n_skipped = next_prompts(
-        run.task.train, stream, cfg.rollout.prompts_per_step, run.tokenizer, cfg.data, cfg.data.seed)
+def produce_scored_groups(run: Run, state: TrainState, stream: StreamState, step: int):
+    """The step's scored groups from the rollout source (prompts from `stream`). -> (state with its
+    RNG advanced, `Produced`: this process's host batch, the metrics row so far, the stream after)."""
     rng, k_sample = jax.random.split(state.rng)
     state = state._replace(rng=rng)
-    # Every process walks the same stream; each scores only its own completion rows (run.rows).
-    rollout, rollout_row = run.source.produce(state.params, prompt_BxP, pmask_BxP, k_sample, step)
-    t_rollout = time.perf_counter() - t0
-    scored = score_groups(rollout, records, prompt_BxP, pmask_BxP, n_skipped, tokenizer=run.tokenizer,
-                          verifier=run.task.verifier, rows=run.rows, group_size=cfg.rollout.group_size,
-                          reward_weights=cfg.loss.reward_weights)
-    row = {"step": step, **scored.metrics, "rollout/tokens_per_s": scored.n_tokens / max(t_rollout, 1e-9),
-           "rollout/seconds": t_rollout, **rollout_row}
-    return state, stream, rollout, scored.host_batch, row
+    return state, run.source.produce(state.params, stream, k_sample, step)
 
 
 def log_and_checkpoint(run: Run, state: TrainState, stream: StreamState, step: int, pending: tuple, stop: _StopFlag,

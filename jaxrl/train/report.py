@@ -17,7 +17,8 @@ def emit(log: MetricsLog, bar, row: dict, metrics, t0: float) -> None:
     row = dict(row)
     row.update({k: float(v) for k, v in jax.device_get(metrics).items()})
     row["clip_frac"] = row.get("clipped_low", 0.0) + row.get("clipped_high", 0.0)
-    row["step_seconds"] = time.perf_counter() - t0
+    row["step_seconds"] = time.perf_counter() - t0  # to this row's pull: it includes the next step's dispatch
+    row["wall_time"] = time.time()  # when the row was written; differences between rows time whole steps
     log.write(row)
     stop_if_not_finite(row)
     bar.update(row["step"] - bar.n)

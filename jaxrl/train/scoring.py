@@ -51,20 +51,26 @@ def score_groups(rollout: Rollout, records: list, prompt_BxP, prompt_mask_BxP, n
         "rollout_logp_BxT": rollout.logp_BxT, "rewards_BxK": my_rewards_BxK,
         "truncated_B": (~rollout.finished_B).astype(np.float32),
     }
-    r_B = combined_reward(rewards_BxK, reward_weights)
-    metrics = {"reward/mean": float(r_B.mean()), "reward/std": float(r_B.std()),
-               "reward/correctness": float(rewards_BxK[:, 0].mean()),
-               "reward/format": float(rewards_BxK[:, 1].mean()) if rewards_BxK.shape[1] > 1 else None,
-               "reward/failed": int(n_failed), "data/skipped_prompts": int(n_skipped),
-               "response_len/mean": float(mask_BxT.sum(1).mean()), "response/truncated": float((~finished_B).mean())}
+    metrics = reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed, n_skipped, reward_weights)
     return ScoredGroups(host_batch, metrics, float(mask_BxT.sum()))
 
 
-def assemble_batch(host_batch: dict, rollout: Rollout, mesh, preset, n_rows: int) -> dict:
-    """The update's batch: global arrays, each field laid out by its name."""
+def reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed: int, n_skipped: int, reward_weights) -> dict:
+    """The step's reward / length metrics over all of its rows, in logged order."""
+    r_B = combined_reward(rewards_BxK, reward_weights)
+    return {"reward/mean": float(r_B.mean()), "reward/std": float(r_B.std()),
+            "reward/correctness": float(rewards_BxK[:, 0].mean()),
+            "reward/format": float(rewards_BxK[:, 1].mean()) if rewards_BxK.shape[1] > 1 else None,
+            "reward/failed": int(n_failed), "data/skipped_prompts": int(n_skipped),
+            "response_len/mean": float(mask_BxT.sum(1).mean()), "response/truncated": float((~finished_B).mean())}
+
+
+def assemble_batch(host_batch: dict, routing_BxSxLxK, mesh, preset, n_rows: int) -> dict:
+    """The update's batch: global arrays, each field laid out by its name. `routing_BxSxLxK` (MoE,
+    else None) is a global array already laid out by its name: replayed in the update."""
     batch = {k: put_rows(named_sharding(mesh, preset, k), v, n_rows) for k, v in host_batch.items()}
-    if rollout.routing_BxSxLxK is not None:  # MoE: replayed in the update, and the mismatch metric
-        batch["routing_BxSxLxK"] = rollout.routing_BxSxLxK  # already laid out by its name
+    if routing_BxSxLxK is not None:
+        batch["routing_BxSxLxK"] = routing_BxSxLxK
     return batch
 
 

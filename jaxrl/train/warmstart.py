@@ -50,6 +50,11 @@ def cache_root(cfg: Config) -> pathlib.Path:
     return pathlib.Path(root).expanduser()
 
 
+def warmstart_seed(cfg: Config) -> int:
+    """The seed of the warm start: warmstart.seed, or train.seed when it is -1."""
+    return cfg.train.seed if cfg.warmstart.seed < 0 else cfg.warmstart.seed
+
+
 def cache_key(cfg: Config, model_cfg: ModelConfig, vocab: str) -> str:
     model = _without_new_defaults(model_cfg, ModelConfig())
     if not model_cfg.n_experts:  # a dense model's key must not change when MoE fields are added
@@ -57,9 +62,9 @@ def cache_key(cfg: Config, model_cfg: ModelConfig, vocab: str) -> str:
     what = {
         "model": model,
         "data": {k: v for k, v in _without_new_defaults(cfg.data, DataConfig()).items() if k != "data_dir"},
-        "warmstart": {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k != "cache_dir"},
+        "warmstart": {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k not in ("cache_dir", "seed")},
         "answer_width": cfg.rollout.max_new_tokens,
-        "seed": cfg.train.seed,
+        "seed": warmstart_seed(cfg),
         "vocab": vocab,
         "version": 1,
     }
@@ -85,14 +90,14 @@ def make_sft_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformatio
 def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, progress: bool = True):
     """Supervised next-token training on the reference answers of the train split."""
     ws = cfg.warmstart
-    rng = jax.random.key(cfg.train.seed)
+    rng = jax.random.key(warmstart_seed(cfg))
     params = init_params(model_cfg, jax.random.fold_in(rng, 1))
     optimizer = optax.adam(optax.warmup_cosine_decay_schedule(0.0, ws.learning_rate, min(20, ws.steps),
                                                               max(ws.steps, 21), ws.learning_rate * 0.1))
     opt_state = optimizer.init(params)
     sft_step = make_sft_step(model_cfg, optimizer)
     stream = StreamState(0, 0)
-    teacher_rng = np.random.default_rng(cfg.train.seed + 104729)
+    teacher_rng = np.random.default_rng(warmstart_seed(cfg) + 104729)
     bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
     for _ in bar:
         records, prompt_BxP, pmask_BxP, stream, _ = next_prompts(train_source, stream, ws.batch_size, tokenizer,
