@@ -163,29 +163,7 @@ def test_sampled_distribution_equals_enumeration():
     assert 0.2 < counts["accepted"] / counts["drafted"] < 0.9, counts
 
 
-def _accept_every_draft(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None):
-    """A broken rule: keep every draft, then draw the bonus token from the last p."""
-    a = jnp.sum(drafted[:, 1:], axis=1, dtype=jnp.int32)
-    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
-    return acceptance.Verdict(a, acceptance.categorical(rng, p_a))
-
-
-def test_chi_square_catches_accepting_every_draft(monkeypatch):
-    """The test above fails an engine that accepts every draft (the drafter's distribution then
-    leaks into the samples) by a wide margin, even with a third of the samples (p == 0.0 in float64)."""
-    monkeypatch.setattr(acceptance, "verify_sampled", _accept_every_draft)
-    jax.clear_caches()  # speculative_chunk is jitted: retrace with the broken rule
-    try:
-        samples, counts = _speculative_samples(seed=11, n_groups=N_GROUPS // 3)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    assert counts["accepted"] == counts["drafted"]
-    pvalue, _ = chi_square_pvalue(samples[0], td._exact_distribution(td.PROMPTS[0], 1.0, 0))
-    assert pvalue < 1e-6, pvalue
-
-
-# --- configuration ----------------------------------------------------------------------------
+# --- configuration, the training loop's source, the benchmark -------------------------------------
 
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError) as e:
@@ -212,10 +190,10 @@ def test_from_config_picks_the_speculative_chunk_only_when_enabled():
         assert engine.spec.cache_len == 4 + cfg.rollout.max_new_tokens + (2 if speculative else 0)
 
 
-def test_benchmark_speculative_row():
+def test_benchmark_speculative_row(monkeypatch):
     """benchmarks/engine.py --speculative: with the workloads' zeroed final norm the drafter's and the
     policy's distributions are both uniform, so every draft is accepted (the ceiling the docstring
-    claims); a uniform workload of 16 samples x 6 tokens generates exactly 96 tokens."""
+    claims). Run at the shapes of the log-prob test above (G=2, 4 slots, K=3), so nothing recompiles."""
     import argparse
     import pathlib
     import sys
@@ -223,10 +201,64 @@ def test_benchmark_speculative_row():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from benchmarks import engine as bench
 
+    monkeypatch.setattr(bench, "G", te.G)
     params = te._params(te.CFG)
     params = dict(params, final_norm=jax.tree.map(lambda x: x * 0.0, params["final_norm"]))
-    args = argparse.Namespace(slots=8, chunk=2, samples=16, max_draft=2, draft_layers=1)
-    row = bench._speculative(params, te.CFG, np.arange(1, 5, dtype=np.int32), args, te.T, te.NEVER, 1.0)
-    assert row["tokens"] == 16 * te.T and row["acceptance"] == 1.0 and row["drafted"] > 0
-    # 6 tokens per sample at 3 per step: 2 steps per sample, 2 batches of 8 slots.
-    assert row["drafted"] == 16 * 2 * 2
+    args = argparse.Namespace(slots=4, chunk=2, samples=16, max_draft=K, draft_layers=1)
+    prompt_P = np.arange(1, te.P + 1, dtype=np.int32)
+    row = bench._speculative(params, te.CFG, prompt_P, args, te.T, te._eos(te.CFG), 1.0)
+    assert row["acceptance"] == 1.0 and row["drafted"] > 0
+    assert 16 <= row["tokens"] <= 16 * te.T and row["chunks"] > 0
+
+
+def test_training_source_uses_the_speculative_engine(in_process_cache):
+    """EngineSource (the training loop's rollout source) built from a config with speculation on runs
+    the speculative engine and logs engine/drafted and engine/accepted for the step; a 1-layer policy
+    is a config error naming draft_layers."""
+    import dataclasses
+
+    from jaxrl.data.stream import StreamState
+    from jaxrl.data.tasks import load_task
+    from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.train.group_sources import EngineSource
+    from preset_configs import config_path, overrides
+
+    on = ["rollout.engine.enabled=true", "rollout.engine.slots=8", "rollout.speculative.enabled=true",
+          "rollout.speculative.max_draft=2"]
+    cfg = C.load_config(config_path("grpo"), overrides("grpo") + on + ["model.n_layers=2"])
+    tok = CharTokenizer()
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    source = EngineSource(cfg, model_cfg, tok, load_task(cfg.data), {})
+    assert isinstance(source.engine.spec, SpeculativeEngineSpec)
+    produced = source.produce(tf.init_params(model_cfg, jax.random.key(0)), StreamState(0, 0), None, step=1)
+    m = produced.metrics
+    assert m["engine/drafted"] > 0 and 0 <= m["engine/accepted"] <= m["engine/drafted"]
+    assert m["engine/drafted"] == source.engine.counts["drafted"]  # the step's own drafts (the first step)
+    one_layer = dataclasses.replace(model_cfg, n_layers=1)
+    with pytest.raises(ConfigError, match=r"^rollout.speculative.draft_layers: got 1, expected fewer than "):
+        EngineSource(cfg, one_layer, tok, None, {})
+
+
+# --- last: it clears jax's compile caches ------------------------------------------------------
+
+def _accept_every_draft(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None):
+    """A broken rule: keep every draft, then draw the bonus token from the last p."""
+    a = jnp.sum(drafted[:, 1:], axis=1, dtype=jnp.int32)
+    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
+    return acceptance.Verdict(a, acceptance.categorical(rng, p_a))
+
+
+def test_chi_square_catches_accepting_every_draft(monkeypatch):
+    """test_sampled_distribution_equals_enumeration fails an engine that accepts every draft (the
+    drafter's distribution then leaks into the samples) by a wide margin, even with a third of the
+    samples (p == 0.0 in float64)."""
+    monkeypatch.setattr(acceptance, "verify_sampled", _accept_every_draft)
+    jax.clear_caches()  # speculative_chunk is jitted: retrace with the broken rule
+    try:
+        samples, counts = _speculative_samples(seed=11, n_groups=N_GROUPS // 3)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert counts["accepted"] == counts["drafted"]
+    pvalue, _ = chi_square_pvalue(samples[0], td._exact_distribution(td.PROMPTS[0], 1.0, 0))
+    assert pvalue < 1e-6, pvalue

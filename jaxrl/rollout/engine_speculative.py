@@ -66,12 +66,16 @@ def check_engine_drafter(speculative: SpeculativeConfig, model_cfg: ModelConfig)
     if speculative.drafter != "early_exit":
         raise ConfigError(f"rollout.speculative.drafter: got {speculative.drafter!r}, expected 'early_exit' "
                           f"with rollout.engine.enabled=true (the engine's only drafter)")
-    if not 0 < speculative.draft_layers < model_cfg.n_layers:
-        raise ConfigError(f"rollout.speculative.draft_layers: got {speculative.draft_layers}, expected "
-                          f"1..{model_cfg.n_layers - 1} (fewer than model.n_layers={model_cfg.n_layers})")
+    n = model_cfg.n_layers
+    if not 0 < speculative.draft_layers < n:
+        allowed = f"1..{n - 1} (fewer than model.n_layers={n})" if n > 1 else "fewer than model.n_layers=1: " \
+            "early exit needs a policy of 2 or more layers"
+        raise ConfigError(f"rollout.speculative.draft_layers: got {speculative.draft_layers}, expected {allowed}")
 
 
 def speculative_spec(spec: EngineSpec, speculative: SpeculativeConfig) -> SpeculativeEngineSpec:
+    """`spec` with the drafter's shape and the room the verify window needs."""
+    speculative.validate()
     check_engine_drafter(speculative, spec.cfg)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(EngineSpec)}
     return SpeculativeEngineSpec(**fields, draft_layers=speculative.draft_layers, max_draft=speculative.max_draft)

@@ -184,7 +184,8 @@ def engine_metrics(engine: Engine, counts_before: dict, groups: list[Group], ver
     drawn_BxT = version_BxT >= 0
     stale = (version - version_BxT)[drawn_BxT]
     spans_B = [len(np.unique(v[v >= 0])) > 1 for v in version_BxT]
-    out = {f"engine/{k}": engine.counts[k] - counts_before.get(k, 0) for k in ("chunks", "prefill_calls")}
+    out = {f"engine/{k}": engine.counts[k] - counts_before.get(k, 0)
+           for k in ("chunks", "prefill_calls", "drafted", "accepted") if k in engine.counts}  # drafts: speculation
     out.update({"engine/in_flight_groups": engine.groups_in_flight,
                 "engine/partial_frac": float(np.mean(spans_B)),
                 "engine/staleness_mean": float(stale.mean()) if stale.size else 0.0,
