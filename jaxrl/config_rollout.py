@@ -83,6 +83,13 @@ class EngineConfig:
     filter_low: float = 0.05
     filter_high: float = 0.95
     filter_prior: tuple = (1.0, 1.0)  # Beta(a, b) for a prompt never scored
+    # allocation=vigor (jaxrl.train.allocation): every prompt starts with initial_samples samples;
+    # the rest of the step's prompts_per_step * group_size samples go, over allocation_rounds rounds,
+    # to the prompts whose rewards vary most, at most max_group_samples each (0: 2 * group_size).
+    allocation: str = "uniform"  # uniform | vigor
+    initial_samples: int = 2
+    allocation_rounds: int = 2
+    max_group_samples: int = 0
 
     def validate(self, prefix: str = "rollout.engine") -> None:
         _check(self.slots > 0, f"{prefix}.slots", "a positive integer", self.slots)
@@ -97,6 +104,23 @@ class EngineConfig:
                "0 <= filter_low < filter_high <= 1", (self.filter_low, self.filter_high))
         _check(len(self.filter_prior) == 2 and min(self.filter_prior) > 0, f"{prefix}.filter_prior",
                "two positive numbers (a, b)", self.filter_prior)
+        _check(self.allocation in ("uniform", "vigor"), f"{prefix}.allocation", "'uniform' or 'vigor'", self.allocation)
+        _check(self.allocation_rounds > 0, f"{prefix}.allocation_rounds", "a positive integer", self.allocation_rounds)
+
+    def check_allocation(self, group_size: int, prefix: str = "rollout.engine") -> None:
+        """allocation=vigor against the group size: n0 < G <= cap, and synchronous admission."""
+        if self.allocation != "vigor":
+            return
+        _check(self.enabled, f"{prefix}.allocation", "'uniform' unless rollout.engine.enabled=true (vigor "
+               "allocates the engine's samples)", self.allocation)
+        _check(0 < self.initial_samples < group_size, f"{prefix}.initial_samples",
+               f"1..group_size-1={group_size - 1} (allocation=vigor)", self.initial_samples)
+        _check(self.max_group_samples == 0 or self.max_group_samples >= group_size, f"{prefix}.max_group_samples",
+               f"0 (2 * group_size) or at least group_size={group_size}", self.max_group_samples)
+        _check(self.admission == "exact", f"{prefix}.admission", "'exact' with allocation=vigor (its samples "
+               "are drawn and scored within the step)", self.admission)
+        _check(not self.dynamic_sampling, f"{prefix}.dynamic_sampling", "false with allocation=vigor (vigor "
+               "gives uninformative prompts fewer samples instead of dropping them)", self.dynamic_sampling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +143,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, f"{prefix}.top_p", "a number in (0, 1]", self.top_p)
         self.speculative.validate(f"{prefix}.speculative")
         self.engine.validate(f"{prefix}.engine")
+        self.engine.check_allocation(self.group_size, f"{prefix}.engine")
         _check(not (self.engine.enabled and self.speculative.enabled) or self.speculative.drafter == "early_exit",
                f"{prefix}.speculative.drafter", f"'early_exit' with {prefix}.engine.enabled=true (the engine's only "
                "drafter)", self.speculative.drafter)

@@ -67,6 +67,11 @@ def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups,
             np.testing.assert_array_equal(batch[name], plain_batch[name])
         # Fewer policy forwards than tokens: 4 slots x 1 step per chunk.
         assert engine.counts["chunks"] < plain.counts["chunks"]
+        # Engine.sample (the allocation policies' call) drafts too: 3 more greedy samples of prompt 0.
+        drafted = engine.counts["drafted"]
+        (more,) = engine.sample(te._params(cfg), 1, [(0, te._items()[0][1], 3)])
+        np.testing.assert_array_equal(more.tokens_GxT, np.repeat(np.asarray(ref.tokens_BxT)[:1], 3, 0))
+        assert engine.counts["drafted"] > drafted and np.all(more.version_GxT[more.completion_mask_GxT > 0] == 1)
 
 
 def test_recorded_logprobs_and_versions_equal_trainer_recomputation():

@@ -19,6 +19,11 @@ Admission (`rollout.engine.admission`):
          beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
          a new iterable: samples in flight carry their own prompts and tags.
 A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it.
+`to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
+
+`sample(params, version, [(tag, tokens, k), ...])` draws k samples of each prompt (any k, also more
+samples of a prompt already drawn: it is prefilled again) and decodes them to the end: the
+allocation policies (jaxrl.train.allocation) build groups of unequal size from several calls.
 
 Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): each
 decode step drafts `max_draft` tokens per slot with the policy's first `draft_layers` blocks and
@@ -36,12 +41,13 @@ import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from jaxrl.rollout import engine_speculative
+from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine_state import EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots
 from jaxrl.rollout.sampler import check_temperature
 
 
 class Group(NamedTuple):
-    """All G samples of one prompt, in admission order."""
+    """The samples of one prompt, in admission order: G from `collect`, k from `sample`."""
 
     tag: Any  # what the caller paired with the prompt
     prompt_P: np.ndarray  # int32, left-padded to the engine's prompt_len
@@ -60,8 +66,9 @@ class _Flight:
     tag: Any
     prompt_P: np.ndarray
     mask_P: np.ndarray
-    slots_G: np.ndarray
+    slots_G: np.ndarray  # its samples' slots: G, or fewer for `sample`'s pieces
     rows: dict  # member index -> that sample's readout row
+    sink: Optional[list]  # where its Group goes once all samples are retired: a `sample` call's list; None: `_ready`
 
 
 def left_pad(tokens, prompt_len: int, pad_id: int):
@@ -107,6 +114,14 @@ class Engine:
                    max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, eos_id=eos_id, pad_id=pad_id,
                    rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy, speculative=rc.speculative)
 
+    def to_state(self) -> tuple[dict, dict]:
+        """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (engine_checkpoint.py)."""
+        return engine_to_state(self)
+
+    def load_state(self, host: dict, arrays: dict) -> None:
+        """Continue from `to_state()`'s output: samples in flight, ready groups, counters, RNG."""
+        load_engine_state(self, host, arrays)
+
     @property
     def groups_in_flight(self) -> int:
         return len(self._flight)
@@ -127,7 +142,7 @@ class Engine:
 
     def _admit_free(self, params, prompts: Iterator, n_groups: int) -> None:
         """Admit prompts into free slots as far as the admission policy allows."""
-        G, A, S = self.spec.group_size, self.ecfg.admit_groups, self.spec.slots
+        G = self.spec.group_size
         free = np.flatnonzero(self._owner_S < 0)
         room = len(free) // G
         if self.ecfg.admission == "exact":
@@ -139,14 +154,20 @@ class Engine:
                 break
             tag, tokens = item
             batch.append((tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id)))
-        for start in range(0, len(batch), A):
-            chunk = batch[start:start + A]
-            dest_N = np.full(A * G, S, np.int32)  # S: dropped (padding prompts)
-            for a, (tag, prompt_P, mask_P) in enumerate(chunk):
-                slots_G, free = free[:G], free[G:]
-                dest_N[a * G:(a + 1) * G] = slots_G
-                self._owner_S[slots_G] = self._next_id
-                self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_G, {})
+        self._admit_rows(params, [(tag, prompt_P, mask_P, G, None) for tag, prompt_P, mask_P in batch], free)
+
+    def _admit_rows(self, params, rows: list, free: np.ndarray) -> None:
+        """Admit rows (tag, prompt_P, mask_P, n <= G samples, sink or None) into the free slots `free` (enough
+        for all), `admit_groups` rows per prefill call; each row becomes one flight of n samples."""
+        G, A, S = self.spec.group_size, self.ecfg.admit_groups, self.spec.slots
+        for start in range(0, len(rows), A):
+            chunk = rows[start:start + A]
+            dest_N = np.full(A * G, S, np.int32)  # S: dropped (padding prompts, or a row's unused samples)
+            for a, (tag, prompt_P, mask_P, n, sink) in enumerate(chunk):
+                slots_n, free = free[:n], free[n:]
+                dest_N[a * G:a * G + n] = slots_n
+                self._owner_S[slots_n] = self._next_id
+                self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_n, {}, sink)
                 self._next_id += 1
             pad = [chunk[0]] * (A - len(chunk))
             prompt_AxP = np.stack([c[1] for c in chunk + pad])
@@ -155,8 +176,37 @@ class Engine:
             self.counts["prefill_calls"] += 1
             self.counts["admitted_groups"] += len(chunk)
 
+    def sample(self, params, version: int, requests: list) -> list[Group]:
+        """`requests`: (tag, tokens, k) triples -> one Group of k samples per request, in order (k = 0:
+        an empty Group), decoded to the end. A request is admitted in pieces of at most G samples
+        (one prefill each), as free slots allow; asking again for a prompt already sampled prefills it
+        again. Every sample is drawn by the same kernels as `collect`'s, with its own noise (its
+        slot and decode steps), so samples from different calls are independent draws of the policy.
+        Flights of an earlier `collect` still decoding (admission=fill) keep decoding meanwhile."""
+        G = self.spec.group_size
+        prompts = [left_pad(tokens, self.spec.prompt_len, self.spec.pad_id) for _, tokens, _ in requests]
+        # piece j: (request i, n samples); its flight's tag is (j, i)
+        pieces = [(i, min(G, k - start)) for i, (_, _, k) in enumerate(requests) for start in range(0, k, G)]
+        done: list[Group] = []
+        next_j = 0
+        while len(done) < len(pieces):
+            free, rows = np.flatnonzero(self._owner_S < 0), []
+            room = len(free)
+            while next_j < len(pieces) and pieces[next_j][1] <= room:
+                i, n = pieces[next_j]
+                rows.append(((next_j, i), *prompts[i], n, done))
+                room -= n
+                next_j += 1
+            self._admit_rows(params, rows, free)
+            self.state = self._decode_chunk(params, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
+            self.counts["chunks"] += 1
+            self._retire()
+        by_piece = sorted(done, key=lambda g: g.tag[0])
+        return [concat_groups([g for g in by_piece if g.tag[1] == i], tag, *prompts[i])
+                for i, (tag, _, _) in enumerate(requests)]
+
     def _retire(self) -> None:
-        """Read the finished samples out, free their slots, move complete groups to `_ready`."""
+        """Read the finished samples out, free their slots, move complete flights to their sink."""
         done_S = np.asarray(jax.device_get(self.state.done_S))
         slots = np.flatnonzero(done_S & (self._owner_S >= 0))
         if not len(slots):
@@ -170,8 +220,8 @@ class Engine:
             member = int(np.flatnonzero(flight.slots_G == slot)[0])
             flight.rows[member] = SlotReadout(*(None if x is None else x[r] for x in out))
             self._owner_S[slot] = -1
-            if len(flight.rows) == self.spec.group_size:
-                self._ready.append(_group(flight))
+            if len(flight.rows) == len(flight.slots_G):
+                (self._ready if flight.sink is None else flight.sink).append(_group(flight))
                 del self._flight[gid]
 
 
@@ -181,6 +231,14 @@ def _group(flight: _Flight) -> Group:
     routing = None if rows[0].routing_RxCxLxK is None else col("routing_RxCxLxK")
     return Group(flight.tag, flight.prompt_P, flight.mask_P, col("tokens_RxT"), col("completion_mask_RxT"),
                  col("logp_RxT"), col("version_RxT"), col("finished_R"), col("truncated_R"), routing)
+
+
+def concat_groups(parts: list[Group], tag, prompt_P, prompt_mask_P) -> Group:
+    """One Group of a prompt from samples drawn in several admissions (its rows in `parts` order)."""
+    if not parts:
+        return Group(tag, prompt_P, prompt_mask_P, *[None] * 7)
+    cat = lambda name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
+    return Group(tag, prompt_P, prompt_mask_P, *(cat(f) for f in Group._fields[3:]))
 
 
 def assemble_batch(groups: list[Group]) -> dict:

@@ -1,7 +1,9 @@
 """Asynchronous Orbax checkpoints of the whole run: train state, data position and host counters.
 
 One `CheckpointManager` holds, per step, the `TrainState` pytree (params, optimizer state, step, RNG,
-reference params with a KL term) and a JSON item with the data-stream position. A save returns after
+reference params with a KL term), a JSON item with the data-stream position and the rollout source's
+host state, and, when the source has device state (the slot engine's samples in flight), an item of
+numpy arrays (`ARRAYS`). A save returns after
 the device arrays are copied; writing continues in the background. A kill mid-save leaves a temporary folder
 that the manager ignores, so the last finished step is always restorable. A finished checkpoint that
 no longer restores (a file truncated or lost later) is moved to `checkpoints.unreadable/` and the run
@@ -31,12 +33,29 @@ def make_manager(workdir: pathlib.Path, cfg: CheckpointConfig) -> ocp.Checkpoint
     return ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints", options=options)
 
 
+# A key of the host dict given to `save` whose value (a pytree of numpy arrays: a rollout source's
+# device state, copied to the host) is saved as its own orbax item, next to the train state, and
+# given back under the same key by `restore_latest`. Checkpoints without the item restore as before.
+ARRAYS = "rollout_arrays"
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: Any, host: dict, *, force: bool = False) -> bool:
     """Start saving `state` and the JSON-able `host` dict at `step`; returns whether a save started.
-    Non-finite parameters are never saved (NonFiniteError): they would rotate the good checkpoints out."""
+    `host[ARRAYS]`, if any, is saved as the arrays item: numpy only, since a device array could be
+    donated and overwritten while the asynchronous save still writes it. Non-finite parameters are
+    never saved (NonFiniteError): they would rotate the good checkpoints out."""
     check_finite(state, step)
-    return manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      host=ocp.args.JsonSave(host)), force=force)
+    host = dict(host)
+    items = {"state": ocp.args.StandardSave(state)}
+    arrays = host.pop(ARRAYS, None)
+    if arrays:
+        bad = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(arrays)[0]
+               if not isinstance(x, np.ndarray)]
+        if bad:
+            raise TypeError(f"checkpoint item {ARRAYS}: {bad[0]} is not a numpy array (copy device arrays to the host "
+                            "before saving)")
+        items[ARRAYS] = ocp.args.StandardSave(arrays)
+    return manager.save(step, args=ocp.args.Composite(host=ocp.args.JsonSave(host), **items), force=force)
 
 
 class CheckpointError(RunError):
@@ -51,9 +70,15 @@ UNREADABLE = "checkpoints.unreadable"  # next to checkpoints/: orbax neither lis
 
 
 def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[int, Any, dict]:
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                             host=ocp.args.JsonRestore()))
-    return step, restored["state"], dict(restored["host"])
+    items = {"state": ocp.args.StandardRestore(abstract_state), "host": ocp.args.JsonRestore()}
+    with_arrays = (pathlib.Path(manager.directory) / str(step) / ARRAYS).is_dir()
+    if with_arrays:  # restored as saved (numpy); its owner checks the shapes
+        items[ARRAYS] = ocp.args.StandardRestore()
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
+    host = dict(restored["host"])
+    if with_arrays:
+        host[ARRAYS] = restored[ARRAYS]
+    return step, restored["state"], host
 
 
 def _first_line(e: BaseException) -> str:

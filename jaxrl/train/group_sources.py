@@ -14,12 +14,17 @@ Two sources:
                 version that drew it, and the loss's rollout corrections use those log-probs.
                 Optional policies on which groups and prompts a step uses: DAPO dynamic sampling
                 (group_filters.py) and a Beta / Thompson online difficulty filter (prompt_filter.py).
+                With `rollout.engine.allocation=vigor` the step's samples are allocated to its
+                prompts by reward variance instead (jaxrl.train.vigor): groups of unequal size.
 Both return the same batch contract (jaxrl.train.scoring); the engine's also carries `group_id_B`.
+The engine's state (samples in flight with their records, KV caches and RNG) is checkpointed:
+a resumed run continues them exactly as an uninterrupted run would.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Iterator, NamedTuple, Optional
 
@@ -30,11 +35,15 @@ from jaxrl.config import Config, ConfigError
 from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
 from jaxrl.rollout.engine import Engine, Group, assemble_batch
+from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.batching import decode_completions, next_prompts, prompt_width
 from jaxrl.train.group_filters import ScoredGroup, select_informative, selection_metrics
 from jaxrl.train.prompt_filter import BetaPromptFilter
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.scoring import RowLayout, reward_metrics, score_groups
+from jaxrl.train.vigor import collect_vigor, group_rewards
+
+_ENGINE_ITEM = "engine"  # its key in the checkpoint's JSON item and in the arrays item
 
 # Bumps the engine's key away from the state's (both start from train.seed).
 _ENGINE_KEY_SALT = 0x656E67
@@ -106,6 +115,8 @@ class EngineSource:
         # model_cfg: the resolved model (the tokenizer's vocabulary, or the HF checkpoint's architecture)
         self.engine = Engine.from_config(dataclasses.replace(cfg, model=model_cfg), prompt_len=prompt_width(cfg.data),
                                          eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, rng=rng)
+        if _ENGINE_ITEM in host:  # resumed: the samples in flight continue where the save left them
+            self.engine.load_state(host[_ENGINE_ITEM], host.get(ckpt.ARRAYS, {}).get(_ENGINE_ITEM))
         self.prompt_filter = BetaPromptFilter.from_config(cfg.rollout.engine, cfg.train.seed, host.get(_FILTER_KEY))
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
@@ -133,8 +144,9 @@ class EngineSource:
 
     def _draw(self, params, version: int, prompts) -> tuple[int, list[ScoredGroup], dict]:
         """(verifier failures, the step's scored groups, metrics: rollout/samples = completions drawn
-        and scored, dropped ones included, and engine/dyn_*): the first prompts_per_step groups, or
-        with dynamic sampling the informative ones (group_filters.py)."""
+        and scored, dropped ones included, and engine/dyn_* or engine/vigor_*): the first
+        prompts_per_step groups, with dynamic sampling the informative ones (group_filters.py), or
+        with allocation=vigor one group per prompt, of unequal sizes (vigor.py)."""
         cfg, n_failed, n_samples = self.cfg, [0], [0]
 
         def draw(n: int) -> list[ScoredGroup]:
@@ -143,6 +155,12 @@ class EngineSource:
             n_samples[0] += sum(len(s.rewards_GxK) for s in scored)
             return scored
 
+        if cfg.rollout.engine.allocation == "vigor":  # groups of unequal size, B samples in all
+            rewards_of = functools.partial(group_rewards, tokenizer=self.tokenizer, verifier=self.task.verifier,
+                                           reward_weights=cfg.loss.reward_weights)
+            groups, allocated = collect_vigor(self.engine, params, version, prompts, cfg.rollout, rewards_of)
+            picked, failed = self._scored(groups)
+            return failed, picked, {"rollout/samples": sum(len(g.tokens_GxT) for g in groups), **allocated}
         if not cfg.rollout.engine.dynamic_sampling:
             picked = draw(cfg.rollout.prompts_per_step)
             return n_failed[0], picked, {"rollout/samples": n_samples[0]}
@@ -166,7 +184,14 @@ class EngineSource:
         return scored, n_failed
 
     def checkpoint_state(self) -> dict:
-        return {_FILTER_KEY: self.prompt_filter.to_state()} if self.prompt_filter else {}
+        """The engine's bookkeeping (JSON; tags are the data records) and its device state copied to
+        the host (the checkpoint's arrays item): slots in flight, ready groups, counters, RNG; and the
+        prompt filter's posteriors and generator."""
+        host, arrays = self.engine.to_state()
+        out = {_ENGINE_ITEM: host, ckpt.ARRAYS: {_ENGINE_ITEM: arrays}}
+        if self.prompt_filter:
+            out[_FILTER_KEY] = self.prompt_filter.to_state()
+        return out
 
 
 def _batch_of(picked: list[ScoredGroup]) -> dict:
