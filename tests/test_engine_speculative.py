@@ -67,7 +67,9 @@ def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups,
             np.testing.assert_array_equal(batch[name], plain_batch[name])
         # Fewer policy forwards than tokens: 4 slots x 1 step per chunk.
         assert engine.counts["chunks"] < plain.counts["chunks"]
-        # Engine.sample (the allocation policies' call) drafts too: 3 more greedy samples of prompt 0.
+        # Engine.sample (the allocation policies' call) drafts too: 3 more greedy samples of prompt 0,
+        # after a checkpoint round trip (which replaces engine.counts: the new dict must count on).
+        engine.load_state(*engine.to_state())
         drafted = engine.counts["drafted"]
         (more,) = engine.sample(te._params(cfg), 1, [(0, te._items()[0][1], 3)])
         np.testing.assert_array_equal(more.tokens_GxT, np.repeat(np.asarray(ref.tokens_BxT)[:1], 3, 0))

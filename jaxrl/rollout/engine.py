@@ -99,7 +99,7 @@ class Engine:
         self._decode_chunk = decode_chunk
         if speculative is not None and speculative.enabled:  # early-exit drafting: engine_speculative.py
             self.spec = engine_speculative.speculative_spec(self.spec, speculative)
-            self._decode_chunk = engine_speculative.counting_chunk(self.counts)
+            self._decode_chunk = engine_speculative.counting_chunk(self)
         self.state = init_state(self.spec, rng)
         self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
         self._flight: dict[int, _Flight] = {}

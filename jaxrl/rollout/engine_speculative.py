@@ -81,17 +81,19 @@ def speculative_spec(spec: EngineSpec, speculative: SpeculativeConfig) -> Specul
     return SpeculativeEngineSpec(**fields, draft_layers=speculative.draft_layers, max_draft=speculative.max_draft)
 
 
-def counting_chunk(counts: dict):
+def counting_chunk(engine):
     """`engine_state.decode_chunk`'s signature over a `SpeculativeEngineSpec`; adds the chunk's
-    drafted / accepted token counts to counts["drafted"] / counts["accepted"]."""
-    counts.setdefault("drafted", 0)
-    counts.setdefault("accepted", 0)
+    drafted / accepted token counts to engine.counts["drafted"] / ["accepted"] (looked up at each
+    call: restoring a checkpoint replaces the dict)."""
+    engine.counts.setdefault("drafted", 0)
+    engine.counts.setdefault("accepted", 0)
 
     def chunk(params, spec, state, n_steps, version, temperature):
         state, drafted, accepted = speculative_chunk(params, spec, state, n_steps, version, temperature)
         # A host sync, but the driver reads done_S right after every chunk anyway.
-        counts["drafted"] += int(drafted)
-        counts["accepted"] += int(accepted)
+        counts = engine.counts
+        counts["drafted"] = counts.get("drafted", 0) + int(drafted)
+        counts["accepted"] = counts.get("accepted", 0) + int(accepted)
         return state
 
     return chunk
