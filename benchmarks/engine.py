@@ -10,12 +10,19 @@ The static sampler (`sampler.sample`) runs the samples in batches of --slots row
 longest row is done; the engine keeps --slots slots busy, admitting a group whenever G slots are free
 (chunks of --chunk decode steps). Each is timed after an untimed warm-up run of the same workload.
 
+--speculative also times the engine with early-exit drafting (`rollout.speculative`, drafter
+early_exit: --draft-layers blocks draft --max-draft tokens per step) and reports its tokens/s and
+acceptance rate. With these workloads' zeroed final norm the drafter's distribution IS the policy's
+(both uniform), so every draft is accepted: the figure is the ceiling of early exit at this shape,
+not what a trained policy would get.
+
 Last line: one JSON object with `speedup_long_tail` (engine / static tokens/s on the long tail) and
 `uniform_ratio` (the same on uniform lengths), plus the raw figures: per workload also the CPU
 seconds of each side and `ratio_cpu` (the ratio in tokens per CPU-second), and the load average.
 
     PYTHONPATH=. python benchmarks/engine.py            # bench-small
     PYTHONPATH=. python benchmarks/engine.py --small    # tiny model, seconds (smoke run)
+    PYTHONPATH=. python benchmarks/engine.py --small --speculative   # plus the engine with early exit
 """
 
 from __future__ import annotations
@@ -53,18 +60,42 @@ def _static(params, cfg, prompt_P, n_samples, slots, max_new, eos, rng):
     return tokens, time.perf_counter() - t0
 
 
-def _engine(params, cfg, prompt_P, n_samples, slots, chunk, max_new, eos, rng):
-    """(tokens generated, seconds) for n_samples through a fresh `Engine` with `slots` slots."""
+def _engine(params, cfg, prompt_P, n_samples, slots, chunk, max_new, eos, rng, speculative=None, counts=None):
+    """(tokens generated, seconds) for n_samples through a fresh `Engine` with `slots` slots
+    (`speculative`: a SpeculativeConfig; the engine's counts are copied into `counts`)."""
     from jaxrl.config import EngineConfig
     from jaxrl.rollout.engine import Engine
 
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=max(1, slots // G // 4))
     engine = Engine(cfg, ecfg, group_size=G, prompt_len=len(prompt_P), max_new_tokens=max_new, temperature=1.0,
-                    eos_id=eos, pad_id=0, rng=rng)
+                    eos_id=eos, pad_id=0, rng=rng, speculative=speculative)
     t0 = time.perf_counter()
     groups = engine.collect(params, 0, ((i, prompt_P) for i in range(n_samples // G)), n_groups=n_samples // G)
     tokens = float(sum(g.completion_mask_GxT.sum() for g in groups))
+    if counts is not None:
+        counts.update(engine.counts)
     return tokens, time.perf_counter() - t0
+
+
+def _speculative(params, cfg, prompt_P, args, max_new, eos, plain_tok_per_s):
+    """The engine with early-exit drafting on the same workload: tokens/s, acceptance, ratio to the plain engine."""
+    import jax
+
+    from jaxrl.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=args.draft_layers,
+                             max_draft=args.max_draft)
+    run = lambda n, key, counts=None: _engine(params, cfg, prompt_P, n, args.slots, args.chunk, max_new, eos, key,
+                                              spec, counts)
+    run(2 * args.slots, jax.random.PRNGKey(0))  # warm-up (compile)
+    counts = {}
+    tok, sec = run(args.samples, jax.random.PRNGKey(1), counts)
+    row = {"tokens": tok, "s": round(sec, 3), "tok_per_s": tok / sec, "drafted": counts["drafted"],
+           "accepted": counts["accepted"], "acceptance": counts["accepted"] / max(counts["drafted"], 1),
+           "chunks": counts["chunks"], "ratio_to_plain_engine": (tok / sec) / plain_tok_per_s}
+    print(f"{'':10s} engine + early exit (k={args.max_draft}) {tok:8.0f} tok in {sec:7.2f}s = {tok / sec:9.1f} tok/s"
+          f" | acceptance {row['acceptance']:.2f} | vs plain engine {row['ratio_to_plain_engine']:.2f}", flush=True)
+    return row
 
 
 def _compare(name, params, cfg, prompt_P, args, max_new, eos):
@@ -89,6 +120,8 @@ def _compare(name, params, cfg, prompt_P, args, max_new, eos):
           f"engine {e_tok:8.0f} tok in {e_sec:7.2f}s = {e_tok / e_sec:9.1f} tok/s | ratio {row['ratio']:.2f} "
           f"(CPU-time ratio {row['ratio_cpu']:.2f}, load {(row['load_average'] or [float('nan')])[0]:.2f})",
           flush=True)
+    if args.speculative:
+        row["speculative"] = _speculative(params, cfg, prompt_P, args, max_new, eos, row["engine_tok_per_s"])
     return row
 
 
@@ -102,6 +135,9 @@ def main(argv=None):
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--uniform-len", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--speculative", action="store_true", help="also time the engine with early-exit drafting")
+    p.add_argument("--max-draft", type=int, default=4, help="--speculative: tokens drafted per step")
+    p.add_argument("--draft-layers", type=int, default=1, help="--speculative: blocks the drafter runs")
     args = p.parse_args(argv)
     if args.small:
         args.slots, args.samples, args.max_new, args.uniform_len, args.vocab = 16, 256, 64, 16, 12

@@ -15,6 +15,8 @@ class SpeculativeConfig:
     drafter: early_exit (the policy's first `draft_layers` blocks), int8 (the policy with int8
     weights), or reuse (the previous completion of the same prompt, verified as a point mass; rows
     without one use the self-drafter `fallback`, or plain decoding when it is "none").
+    With rollout.engine.enabled only early_exit is available (jaxrl.rollout.engine_speculative: a
+    fixed draft length of max_draft; adaptive, calibrate and the costs are unused there).
     """
 
     enabled: bool = False
@@ -152,5 +154,8 @@ class RolloutConfig:
         self.speculative.validate(f"{prefix}.speculative")
         self.engine.validate(f"{prefix}.engine")
         self.engine.check_allocation(self.group_size, f"{prefix}.engine")
+        _check(not (self.engine.enabled and self.speculative.enabled) or self.speculative.drafter == "early_exit",
+               f"{prefix}.speculative.drafter", f"'early_exit' with {prefix}.engine.enabled=true (the engine's only "
+               "drafter)", self.speculative.drafter)
         _check(not self.engine.enabled or self.engine.slots >= self.group_size, f"{prefix}.engine.slots",
                f"at least group_size={self.group_size} (a group is admitted into free slots at once)", self.engine.slots)

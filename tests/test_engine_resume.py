@@ -110,6 +110,21 @@ def test_engine_state_of_another_shape_is_a_config_error(in_process_cache):
         EngineSource(cfg, model_cfg, tok, task, {"engine": saved["engine"]})
 
 
+def test_engine_state_without_drafting_does_not_load_into_a_drafting_engine():
+    # Speculation lengthens each slot's cache by max_draft: the error names the switch, not the model.
+    from jaxrl.config import EngineConfig, ModelConfig, SpeculativeConfig
+    from jaxrl.rollout.engine import Engine
+
+    model = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
+    make = lambda spec: Engine(model, EngineConfig(enabled=True, slots=4), group_size=2, prompt_len=4,
+                               max_new_tokens=5, temperature=1.0, eos_id=1, pad_id=0, rng=jax.random.key(0),
+                               speculative=spec)
+    host, arrays = make(None).to_state()
+    drafting = make(SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=1))
+    with pytest.raises(ConfigError, match=r"rollout.speculative.enabled/max_draft: .* caches hold \d+ positions"):
+        drafting.load_state(json.loads(json.dumps(host)), arrays)
+
+
 def test_save_refuses_device_arrays_in_the_arrays_item(tmp_path):
     class State:  # check_finite reads state.params
         params = {"w": jax.numpy.ones(2)}

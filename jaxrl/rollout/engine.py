@@ -36,6 +36,11 @@ prompt, ahead of new prompts: all G samples of a group are redrawn together, so 
 one policy mix and comparable within the group. (A group's samples are admitted together, so they
 share their first token's version.) -1: no bound.
 `to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
+
+Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): each
+decode step drafts `max_draft` tokens per slot with the policy's first `draft_layers` blocks and
+verifies them with one policy forward (`engine_speculative.py`); same distribution, same recorded
+fields, several tokens per step; counts["drafted"] / counts["accepted"] say how many drafts were kept.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional
 import jax
 import numpy as np
 
-from jaxrl.config import ConfigError, EngineConfig, ModelConfig
+from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from jaxrl.rollout import engine_speculative
 from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine_partial import release_slots, reprefill
 from jaxrl.rollout.engine_state import (EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots,
@@ -95,7 +101,7 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, group_size: int, prompt_len: int,
                  max_new_tokens: int, temperature: float, eos_id: int, pad_id: int, rng, top_k: int = 0,
-                 top_p: float = 1.0, greedy: bool = False):
+                 top_p: float = 1.0, greedy: bool = False, speculative: Optional[SpeculativeConfig] = None):
         engine_cfg.validate()
         if engine_cfg.slots < group_size:
             raise ConfigError(f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
@@ -104,6 +110,13 @@ class Engine:
         self.ecfg, self.temperature = engine_cfg, float(temperature)
         self.spec = EngineSpec(model_cfg, engine_cfg.slots, prompt_len, max_new_tokens, group_size, eos_id, pad_id,
                                top_k, top_p, greedy)
+        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0, "restarted_groups": 0,
+                       "restarted_samples": 0, "reprefilled_samples": 0}
+        # The chunk kernel and the weights it takes (split into layers once per collect, or stacked).
+        self._decode_chunk, self._chunk_params = decode_chunk, split_params
+        if speculative is not None and speculative.enabled:  # early-exit drafting: engine_speculative.py
+            self.spec = engine_speculative.speculative_spec(self.spec, speculative)
+            self._decode_chunk, self._chunk_params = engine_speculative.counting_chunk(self), lambda p, cfg: p
         self.state = init_state(self.spec, rng)
         self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
         self._flight: dict[int, _Flight] = {}
@@ -111,8 +124,6 @@ class Engine:
         self._next_id = 0
         self._restart: list = []  # (tag, prompt_P, mask_P) of groups to re-admit before new prompts
         self._version: Optional[int] = None  # the previous collect's version
-        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0, "restarted_groups": 0,
-                       "restarted_samples": 0, "reprefilled_samples": 0}
 
     @classmethod
     def from_config(cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False) -> "Engine":
@@ -120,7 +131,7 @@ class Engine:
         rc = cfg.rollout
         return cls(cfg.model, rc.engine, group_size=rc.group_size, prompt_len=prompt_len,
                    max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, eos_id=eos_id, pad_id=pad_id,
-                   rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy)
+                   rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy, speculative=rc.speculative)
 
     def to_state(self) -> tuple[dict, dict]:
         """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (engine_checkpoint.py)."""
@@ -146,15 +157,15 @@ class Engine:
         self._restart_stale(version)
         self._reprefill_carried(params, version)
         self._version = version
-        lparams = split_params(params, self.spec.cfg)  # once per collect, not once per chunk
+        lparams = self._chunk_params(params, self.spec.cfg)  # once per collect, not once per chunk
         while len(self._ready) < n_groups:
             more = self._admit_free(params, prompts, n_groups, version)
             if not self._flight:  # prompts ran out and every admitted group is back
                 break
             # While another group may still be admitted, the chunk ends as soon as G slots are free.
             stop_at = self.spec.group_size if more else self.spec.slots
-            self.state = decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature,
-                                      stop_at)
+            self.state = self._decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version,
+                                            self.temperature, stop_at)
             self.counts["chunks"] += 1
             self._retire()
         out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
@@ -262,7 +273,7 @@ class Engine:
         pieces = [(i, min(G, k - start)) for i, (_, _, k) in enumerate(requests) for start in range(0, k, G)]
         done: list[Group] = []
         next_j = 0
-        lparams = split_params(params, self.spec.cfg)  # once per call, not once per chunk
+        lparams = self._chunk_params(params, self.spec.cfg)  # once per call, not once per chunk
         while len(done) < len(pieces):
             free, rows = np.flatnonzero(self._owner_S < 0), []
             room = len(free)
@@ -272,7 +283,7 @@ class Engine:
                 room -= n
                 next_j += 1
             self._admit_rows(params, rows, free, version)
-            self.state = decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
+            self.state = self._decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
             self.counts["chunks"] += 1
             self._retire()
         by_piece = sorted(done, key=lambda g: g.tag[0])

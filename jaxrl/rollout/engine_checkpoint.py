@@ -29,7 +29,8 @@ from jaxrl.rollout.engine_state import EngineState, SlotReadout, init_state
 
 # host["shape"] key -> the config field that sets it (named by the error when a resume changes it).
 _SHAPE_FIELDS = {"slots": "rollout.engine.slots", "prompt_len": "data.max_prompt_len",
-                 "max_new_tokens": "rollout.max_new_tokens", "group_size": "rollout.group_size"}
+                 "max_new_tokens": "rollout.max_new_tokens", "group_size": "rollout.group_size",
+                 "cache_len": "rollout.speculative.enabled/max_draft"}  # speculation lengthens the cache
 
 
 def _is_key(x) -> bool:
@@ -118,7 +119,11 @@ def load_engine_state(engine, host: dict, arrays: Optional[dict]) -> None:
 
 def _check_shapes(engine, host: dict) -> None:
     for key, field in _SHAPE_FIELDS.items():
-        saved, now = host["shape"][key], getattr(engine.spec, key)
+        saved, now = host["shape"].get(key, getattr(engine.spec, key)), getattr(engine.spec, key)
+        if saved != now and key == "cache_len":
+            raise ConfigError(f"{field}: the checkpoint's engine caches hold {saved} positions per sample, this "
+                              f"run's {now} (speculative drafting adds max_draft); resume with the saved "
+                              "rollout.speculative settings, or use a new --workdir")
         if saved != now:
             raise ConfigError(f"{field}: the checkpoint's engine state has {key}={saved}, this run {now}; samples "
                               f"in flight cannot move to another shape (resume with {field}={saved}, or use a new "

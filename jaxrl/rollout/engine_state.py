@@ -204,5 +204,7 @@ def read_slots(spec: EngineSpec, state: EngineState, slot_R) -> SlotReadout:
     take = lambda x: None if x is None else jnp.take(x, slot_R, axis=0)
     mask = take(state.mask_SxT)
     done, eos = take(state.done_S), take(state.eos_S)
+    routing = take(state.routing_SxCxLxK)  # C = P + T slots (a speculative engine's cache has more)
+    routing = None if routing is None else routing[:, :spec.prompt_len + spec.max_new_tokens]
     return SlotReadout(take(state.tokens_SxT), mask, take(state.logp_SxT), take(state.version_SxT), eos,
-                       done & ~eos, jnp.sum(mask, axis=-1).astype(jnp.int32), take(state.routing_SxCxLxK))
+                       done & ~eos, jnp.sum(mask, axis=-1).astype(jnp.int32), routing)

@@ -213,9 +213,11 @@ def engine_metrics(engine: Engine, counts_before: dict, groups: list[Group], ver
     stale = (version - version_BxT)[drawn_BxT]
     spans_B = [len(np.unique(v[v >= 0])) > 1 for v in version_BxT]
     # restarted_samples: samples dropped by the staleness bound and redrawn from their prompt;
-    # reprefilled_samples: carried samples whose caches were recomputed under the new params.
-    out = {f"engine/{k}": engine.counts.get(k, 0) - counts_before.get(k, 0)
-           for k in ("chunks", "prefill_calls", "restarted_samples", "reprefilled_samples")}
+    # reprefilled_samples: carried samples whose caches were recomputed under the new params;
+    # drafted / accepted: speculation's draft tokens offered and kept.
+    out = {f"engine/{k}": engine.counts[k] - counts_before.get(k, 0)
+           for k in ("chunks", "prefill_calls", "restarted_samples", "reprefilled_samples", "drafted", "accepted")
+           if k in engine.counts}
     out.update({"engine/in_flight_groups": engine.groups_in_flight,
                 "engine/partial_frac": float(np.mean(spans_B)),
                 "engine/staleness_mean": float(stale.mean()) if stale.size else 0.0,

@@ -1,0 +1,206 @@
+"""Self-speculative early-exit drafting on the decode engine: several tokens per slot per policy forward.
+
+The engine's chunk function with speculation (`engine.Engine` picks it when `rollout.speculative.enabled`
+and `drafter=early_exit`). Same `EngineState`, same meaning of every field, so `engine_state.admit`,
+`read_slots` and the host's retirement are unchanged. Each loop step, for all S slots at once:
+
+  draft   the first `draft_layers` blocks of the policy, then its own final norm and head
+          (`drafters.draft_view`), draft k = `max_draft` tokens one by one. They read the slot's KV
+          cache for those layers and write only a small window (`decode.window_layers`).
+  verify  ONE forward of the full policy over [last token, k drafts] (a window of W = k + 1).
+  accept  `acceptance.verify_sampled` (exact speculative rejection sampling: every token keeps the
+          plain sampler's distribution) or `verify_greedy` (identical greedy tokens): a_S leading
+          drafts kept, then one new token (the correction, or the bonus after a full accept).
+  commit  the kept tokens (a_S + 1, cut after EOS and at max_new_tokens) are recorded at the slot's
+          own column with their log-probs under softmax(logits / temperature) (untruncated, as the
+          plain engine records them) and the chunk's version; the verify window's keys/values are
+          written at the slot's own fill level and the fill level advances by the kept count
+          (`decode.commit_window`). Rejected drafts leave no holes.
+
+A step is one verify forward: `rollout.engine.chunk` counts those. The draft length is always
+`max_draft` (the engine does not run the static sampler's adaptive control: `adaptive`, `calibrate`,
+the costs and `max_active_rows` are unused here); on a small CPU a verify of width W costs several
+plain steps and early exit does not pay (benchmarks/README.md).
+
+The cache needs W - 1 slots of room past P + T (a window written at the last fill level), so a
+speculative engine's spec is a `SpeculativeEngineSpec` with that larger `cache_len`.
+
+RNG: each step splits the state key once, as the plain engine does; the step's key is split into
+the drafts' key (folded with the draft index) and the verification's. No two (step, slot) pairs share
+noise, so samples stay independent draws whatever the admission pattern; they are not the plain
+engine's draws for the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
+from jaxrl.models.decode import commit_window, empty_window, layer_params, window_layers
+from jaxrl.rollout import acceptance
+from jaxrl.rollout.drafters import draft_view
+from jaxrl.rollout.engine_state import EngineSpec, EngineState
+from jaxrl.rollout.sampler import first_argmax, scaled_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeEngineSpec(EngineSpec):
+    """An `EngineSpec` plus the drafter's shape (a static jit argument)."""
+
+    draft_layers: int = 1  # blocks the early-exit drafter runs
+    max_draft: int = 4  # k: tokens drafted per step (the verify window is k + 1 wide)
+
+    @property
+    def cache_len(self) -> int:
+        # A window of k + 1 written at fill level P-1+T (a finished slot's) ends at P+T+k-1.
+        return self.prompt_len + self.max_new_tokens + self.max_draft
+
+
+def check_engine_drafter(speculative: SpeculativeConfig, model_cfg: ModelConfig) -> None:
+    """The engine drafts with early exit only, from fewer layers than the policy has."""
+    if speculative.drafter != "early_exit":
+        raise ConfigError(f"rollout.speculative.drafter: got {speculative.drafter!r}, expected 'early_exit' "
+                          f"with rollout.engine.enabled=true (the engine's only drafter)")
+    n = model_cfg.n_layers
+    if not 0 < speculative.draft_layers < n:
+        allowed = f"1..{n - 1} (fewer than model.n_layers={n})" if n > 1 else "fewer than model.n_layers=1: " \
+            "early exit needs a policy of 2 or more layers"
+        raise ConfigError(f"rollout.speculative.draft_layers: got {speculative.draft_layers}, expected {allowed}")
+
+
+def speculative_spec(spec: EngineSpec, speculative: SpeculativeConfig) -> SpeculativeEngineSpec:
+    """`spec` with the drafter's shape and the room the verify window needs."""
+    speculative.validate()
+    check_engine_drafter(speculative, spec.cfg)
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(EngineSpec)}
+    return SpeculativeEngineSpec(**fields, draft_layers=speculative.draft_layers, max_draft=speculative.max_draft)
+
+
+def counting_chunk(engine):
+    """`engine_state.decode_chunk`'s signature over a `SpeculativeEngineSpec`; adds the chunk's
+    drafted / accepted token counts to engine.counts["drafted"] / ["accepted"] (looked up at each
+    call: restoring a checkpoint replaces the dict)."""
+    engine.counts.setdefault("drafted", 0)
+    engine.counts.setdefault("accepted", 0)
+
+    def chunk(params, spec, state, n_steps, version, temperature, stop_at=None):
+        del stop_at  # a speculative chunk runs until n_steps or no slot decodes
+        state, drafted, accepted = speculative_chunk(params, spec, state, n_steps, version, temperature)
+        # A host sync, but the driver reads done_S right after every chunk anyway.
+        counts = engine.counts
+        counts["drafted"] = counts.get("drafted", 0) + int(drafted)
+        counts["accepted"] = counts.get("accepted", 0) + int(accepted)
+        return state
+
+    return chunk
+
+
+def _put_window(buf_SxT, col_S, vals_SxW, write_SxW):
+    """buf[s, col_s + i] = vals[s, i] where write[s, i] (written columns must lie inside T)."""
+    W = vals_SxW.shape[1]
+    i_SxT = jnp.arange(buf_SxT.shape[1])[None, :] - col_S[:, None]
+    inside_SxT = (i_SxT >= 0) & (i_SxT < W)
+    i_SxT = jnp.clip(i_SxT, 0, W - 1)
+    write_SxT = inside_SxT & jnp.take_along_axis(write_SxW, i_SxT, axis=1)
+    return jnp.where(write_SxT, jnp.take_along_axis(vals_SxW, i_SxT, axis=1).astype(buf_SxT.dtype), buf_SxT)
+
+
+def _draft(lparams, spec: SpeculativeEngineSpec, s: EngineState, fill_S, key, temperature):
+    """k early-exit drafts per slot -> (fed_SxW: [last, d_1..d_k], q_SxWxV: each draft's distribution
+    at column i (column 0 unused), None for greedy)."""
+    cfg, S, K = spec.cfg, spec.slots, spec.max_draft
+    W = K + 1
+    dparams, d_layers = draft_view(lparams, "early_exit", spec.draft_layers, cfg.n_layers)
+    fed0_SxW = jnp.zeros((S, W), jnp.int32).at[:, 0].set(s.last_S)
+    q0_SxWxV = None if spec.greedy else jnp.zeros((S, W, cfg.vocab_size), jnp.float32)
+
+    def one(i, c):
+        window, fed_SxW, q_SxWxV = c
+        tok_S = lax.dynamic_index_in_dim(fed_SxW, i, axis=1, keepdims=False)
+        logits_Sx1xV, window, _ = window_layers(dparams, cfg, tok_S[:, None], s.cache, fill_S, window, i, d_layers)
+        if spec.greedy:
+            d_S = first_argmax(logits_Sx1xV[:, 0])
+        else:
+            q_SxV = acceptance.target_probs(logits_Sx1xV, temperature, spec.top_k, spec.top_p)[:, 0]
+            d_S = acceptance.categorical(jax.random.fold_in(key, i), q_SxV)
+            q_SxWxV = lax.dynamic_update_slice(q_SxWxV, q_SxV[:, None], (0, i + 1, 0))
+        fed_SxW = lax.dynamic_update_slice(fed_SxW, d_S[:, None].astype(jnp.int32), (0, i + 1))
+        return window, fed_SxW, q_SxWxV
+
+    # The drafter's window is dropped afterwards: the verify forward computes the policy's own keys/values.
+    _, fed_SxW, q_SxWxV = lax.fori_loop(0, K, one, (empty_window(s.cache, W, d_layers), fed0_SxW, q0_SxWxV))
+    return fed_SxW, q_SxWxV
+
+
+def _speculative_step(lparams, spec: SpeculativeEngineSpec, s: EngineState, version, temperature):
+    """Draft, verify, accept and commit for every slot; only decoding slots record and advance.
+    -> (state, drafted, accepted) with the step's token counts over decoding slots."""
+    cfg, P, T, S, K = spec.cfg, spec.prompt_len, spec.max_new_tokens, spec.slots, spec.max_draft
+    W = K + 1
+    fill_S = P - 1 + s.col_S
+    active_S = ~s.done_S
+    rng, key = jax.random.split(s.rng)
+    key_draft, key_verify = jax.random.split(key)
+    fed_SxW, q_SxWxV = _draft(lparams, spec, s, fill_S, key_draft, temperature)
+    window = empty_window(s.cache, W, cfg.n_layers)
+    logits_SxWxV, window, experts_SxWxLxK = window_layers(lparams, cfg, fed_SxW, s.cache, fill_S, window, 0)
+    drafted_SxW = jnp.broadcast_to(jnp.arange(W) >= 1, (S, W))
+    if spec.greedy:
+        a_S, new_S = acceptance.verify_greedy(logits_SxWxV, fed_SxW, drafted_SxW)
+    else:
+        p_SxWxV = acceptance.target_probs(logits_SxWxV, temperature, spec.top_k, spec.top_p)
+        a_S, new_S = acceptance.verify_sampled(key_verify, p_SxWxV, fed_SxW, drafted_SxW, q_SxWxV)
+    # Emitted column i: the accepted draft fed at i + 1 (i < a), the new token (i == a), nothing after.
+    iota_W = jnp.arange(W)
+    next_SxW = jnp.concatenate([fed_SxW[:, 1:], jnp.zeros((S, 1), jnp.int32)], axis=1)
+    e_SxW = jnp.where(iota_W < a_S[:, None], next_SxW, new_S[:, None].astype(jnp.int32))
+    logp_all_SxWxV = jax.nn.log_softmax(scaled_logits(logits_SxWxV, temperature), axis=-1)
+    logp_SxW = jnp.take_along_axis(logp_all_SxWxV, e_SxW[..., None], axis=-1)[..., 0]
+    is_eos_SxW = e_SxW == spec.eos_id
+    eos_before_SxW = (jnp.cumsum(is_eos_SxW, axis=1) - is_eos_SxW) > 0
+    emit_SxW = (active_S[:, None] & (iota_W <= a_S[:, None]) & ~eos_before_SxW
+                & (s.col_S[:, None] + iota_W < T))
+    kept_S = jnp.sum(emit_SxW, axis=1, dtype=jnp.int32)  # fed tokens 0..kept-1 enter the cache
+    cache = commit_window(s.cache, window, fill_S, kept_S)
+    routing = s.routing_SxCxLxK
+    if experts_SxWxLxK is not None:  # fed token i sits at cache slot fill + i
+        i_SxC = jnp.arange(routing.shape[1])[None, :] - fill_S[:, None]
+        at_SxC = (i_SxC >= 0) & (i_SxC < kept_S[:, None])
+        new_SxCxLxK = jnp.take_along_axis(experts_SxWxLxK, jnp.clip(i_SxC, 0, W - 1)[:, :, None, None], axis=1)
+        routing = jnp.where(at_SxC[:, :, None, None], new_SxCxLxK.astype(routing.dtype), routing)
+    eos_S = jnp.any(emit_SxW & is_eos_SxW, axis=1)
+    col_S = s.col_S + kept_S
+    state = s._replace(
+        cache=cache, last_S=jnp.where(active_S, new_S.astype(jnp.int32), s.last_S), col_S=col_S,
+        done_S=s.done_S | eos_S | (col_S >= T), eos_S=s.eos_S | eos_S,
+        tokens_SxT=_put_window(s.tokens_SxT, s.col_S, e_SxW, emit_SxW),
+        logp_SxT=_put_window(s.logp_SxT, s.col_S, logp_SxW, emit_SxW),
+        mask_SxT=_put_window(s.mask_SxT, s.col_S, jnp.ones((S, W), jnp.float32), emit_SxW),
+        version_SxT=_put_window(s.version_SxT, s.col_S, jnp.broadcast_to(version, (S, W)), emit_SxW),
+        rng=rng, routing_SxCxLxK=routing)
+    live_i = active_S.astype(jnp.int32)
+    return state, K * jnp.sum(live_i), jnp.sum(live_i * a_S)
+
+
+@functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
+def speculative_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, n_steps, version, temperature):
+    """Up to n_steps speculative steps (traced: one compile) over all slots, stopping early once no
+    slot is decoding -> (state, drafted, accepted): draft tokens offered to decoding slots and how
+    many of them were accepted (int32 scalars)."""
+    lparams = layer_params(params, spec.cfg)
+    version = jnp.asarray(version, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+
+    def body(carry):
+        i, s, drafted, accepted = carry
+        s, d, a = _speculative_step(lparams, spec, s, version, temperature)
+        return i + 1, s, drafted + d, accepted + a
+
+    cond = lambda carry: (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
+    _, state, drafted, accepted = lax.while_loop(cond, body, (zero, state, zero, zero))
+    return state, drafted, accepted
