@@ -10,7 +10,8 @@ so the spread between seeds is the RL's own (sampling) noise. Arms (`ARMS`):
   sync           the static sampler (engine off): the step's B x T block, the longest sample sets it
   engine_sync    the engine, `admission=exact`: slots refilled as samples finish, none outlives its step
   partial        the engine, `admission=fill` over-provisioned: unfinished samples carry over into the
-                 next step (APRIL), at most `max_staleness` versions old, per-token behaviour log-probs
+                 next step (APRIL), at most 1 version old, with truncated IS (cap 2) on the per-token
+                 behaviour log-probs (CoPRIS-style correction)
   dynamic        engine_sync + DAPO dynamic sampling (all-equal groups dropped, more drawn)
   vigor          engine_sync + VIGOR allocation (n0 samples per prompt, the rest to high-variance prompts)
 Figures per arm: final held-out accuracy (mean ± std over seeds), RL wall time (from the step-1 row
@@ -46,7 +47,7 @@ ARMS = {
     "sync": (),
     "engine_sync": ENGINE + ("rollout.engine.admission=exact",),
     "partial": ("rollout.engine.enabled=true", "rollout.engine.slots=96", "rollout.engine.chunk=8",
-                "rollout.engine.admission=fill", "rollout.engine.max_staleness=1"),
+                "rollout.engine.admission=fill", "rollout.engine.max_staleness=1", "loss.options=tis_cap=2"),
     "dynamic": ENGINE + ("rollout.engine.admission=exact", "rollout.engine.dynamic_sampling=true"),
     "vigor": ENGINE + ("rollout.engine.admission=exact", "rollout.engine.allocation=vigor",
                        "rollout.engine.initial_samples=4"),
