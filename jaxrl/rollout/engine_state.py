@@ -138,9 +138,10 @@ def admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_
 
 
 def _put_column(buf_SxT, col_S, value_S, write_S):
-    """buf[s, col_s] = value_s where write_s."""
-    at_SxT = write_S[:, None] & (jnp.arange(buf_SxT.shape[1]) == col_S[:, None])
-    return jnp.where(at_SxT, value_S[:, None].astype(buf_SxT.dtype), buf_SxT)
+    """buf[s, col_s] = value_s where write_s: a scatter of S elements (a row that does not write
+    aims past the last column and is dropped), not a select over the whole S x T buffer."""
+    S, T = buf_SxT.shape[:2]
+    return buf_SxT.at[jnp.arange(S), jnp.where(write_S, col_S, T)].set(value_S.astype(buf_SxT.dtype), mode="drop")
 
 
 def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature) -> EngineState:
@@ -156,8 +157,7 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
     logp_S = jnp.take_along_axis(logp_all_SxV, tok_S[:, None], axis=-1)[:, 0]
     routing = s.routing_SxCxLxK
     if experts_SxLxK is not None:  # the input fed at cache slot fill_S used these experts
-        at_SxC = active_S[:, None] & (jnp.arange(routing.shape[1]) == fill_S[:, None])
-        routing = jnp.where(at_SxC[:, :, None, None], experts_SxLxK[:, None].astype(routing.dtype), routing)
+        routing = _put_column(routing, fill_S, experts_SxLxK, active_S)
     eos_S = active_S & (tok_S == spec.eos_id)
     col_S = s.col_S + active_S
     return s._replace(
