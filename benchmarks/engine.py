@@ -1,11 +1,14 @@
 """Static sampler vs the slot engine: generated tokens/s for the same number of completed samples.
 
 Workloads (bench-small shape, random weights, vocab cut to --vocab; one prompt of --prompt-len tokens
-per group of G=8):
+per group of G=8), then the long-tail task's own:
   long tail  final-norm scale 0, so every logit is 0 and each step draws uniformly over the vocab:
              EOS comes with probability 1/V per step and lengths are geometric (mean ~V), cut at
              --max-new. The forward still does all of its work (only the values are degenerate).
   uniform    EOS can never be drawn: every sample runs exactly --uniform-len tokens.
+  policy     `configs/grpo_longtail.py`'s policy after its warm start (cached; trained first if
+             missing) on the task's train prompts, one per group: worked long additions of 9-81
+             tokens (skipped by --small and --no-policy).
 The static sampler (`sampler.sample`) runs the samples in batches of --slots rows, each batch until its
 longest row is done; the engine keeps --slots slots busy, admitting a group whenever G slots are free
 (chunks of --chunk decode steps). Each is timed after an untimed warm-up run of the same workload.
@@ -16,8 +19,9 @@ acceptance rate. With these workloads' zeroed final norm the drafter's distribut
 (both uniform), so every draft is accepted: the figure is the ceiling of early exit at this shape,
 not what a trained policy would get.
 
-Last line: one JSON object with `speedup_long_tail` (engine / static tokens/s on the long tail) and
-`uniform_ratio` (the same on uniform lengths), plus the raw figures: per workload also the CPU
+Last line: one JSON object with `speedup_long_tail` (engine / static tokens/s on the long tail),
+`uniform_ratio` (the same on uniform lengths) and `speedup_long_tail_policy` (the task's policy), plus
+the raw figures: per workload also the CPU
 seconds of each side and `ratio_cpu` (the ratio in tokens per CPU-second), and the load average.
 
     PYTHONPATH=. python benchmarks/engine.py            # bench-small
@@ -41,36 +45,51 @@ from benchmarks import common  # noqa: E402
 G = 8
 
 
-def _static(params, cfg, prompt_P, n_samples, slots, max_new, eos, rng):
+def _prompt_at(prompts, i: int):
+    """Group i's prompt (1-D real tokens): `prompts` is one array (every group's) or a list, cycled."""
+    return prompts if not isinstance(prompts, list) else prompts[i % len(prompts)]
+
+
+def _prompt_width(prompts) -> int:
+    """The width every run pads prompts to: the longest of the whole list, so that the warm-up run
+    (fewer groups) compiles the same shapes as the timed one and no compile is timed."""
+    return len(prompts) if not isinstance(prompts, list) else max(len(p) for p in prompts)
+
+
+def _static(params, cfg, prompts, n_samples, slots, max_new, eos, rng):
     """(tokens generated, seconds) for n_samples through `sampler.sample` in batches of `slots` rows."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxrl.rollout.engine import left_pad
     from jaxrl.rollout.sampler import sample
 
     B = slots // G
-    prompt = jnp.asarray(np.repeat(prompt_P[None], B, 0))
-    mask = jnp.ones_like(prompt)
+    width = _prompt_width(prompts)
     tokens, t0 = 0.0, time.perf_counter()
     for i in range(n_samples // slots):
+        padded = [left_pad(_prompt_at(prompts, i * B + b), width, 0) for b in range(B)]
+        prompt, mask = (jnp.asarray(np.stack(x)) for x in zip(*padded))
         out = sample(params, cfg, prompt, mask, jax.random.fold_in(rng, i), group_size=G, max_new_tokens=max_new,
                      temperature=1.0, eos_id=eos, pad_id=0)
         tokens += float(jax.device_get(out.completion_mask_BxT).sum())
     return tokens, time.perf_counter() - t0
 
 
-def _engine(params, cfg, prompt_P, n_samples, slots, chunk, max_new, eos, rng, speculative=None, counts=None):
+def _engine(params, cfg, prompts, n_samples, slots, chunk, max_new, eos, rng, speculative=None, counts=None):
     """(tokens generated, seconds) for n_samples through a fresh `Engine` with `slots` slots
     (`speculative`: a SpeculativeConfig; the engine's counts are copied into `counts`)."""
     from jaxrl.config import EngineConfig
     from jaxrl.rollout.engine import Engine
 
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=max(1, slots // G // 4))
-    engine = Engine(cfg, ecfg, group_size=G, prompt_len=len(prompt_P), max_new_tokens=max_new, temperature=1.0,
+    n_groups = n_samples // G
+    width = _prompt_width(prompts)
+    engine = Engine(cfg, ecfg, group_size=G, prompt_len=width, max_new_tokens=max_new, temperature=1.0,
                     eos_id=eos, pad_id=0, rng=rng, speculative=speculative)
     t0 = time.perf_counter()
-    groups = engine.collect(params, 0, ((i, prompt_P) for i in range(n_samples // G)), n_groups=n_samples // G)
+    groups = engine.collect(params, 0, ((i, _prompt_at(prompts, i)) for i in range(n_groups)), n_groups=n_groups)
     tokens = float(sum(g.completion_mask_GxT.sum() for g in groups))
     if counts is not None:
         counts.update(engine.counts)
@@ -125,6 +144,27 @@ def _compare(name, params, cfg, prompt_P, args, max_new, eos):
     return row
 
 
+def _longtail_policy():
+    """(params, model cfg, prompts, max_new, eos) of `configs/grpo_longtail.py`: its warm-started policy
+    (trained first if not cached, ~6 min) and the train split's prompts, one per group."""
+    import numpy as np
+
+    from jaxrl.config import load_config
+    from jaxrl.data.tasks import load_task
+    from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.train.warmstart import load_or_train_base
+
+    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                                   "grpo_longtail.py"), [])
+    tok = CharTokenizer()
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    task = load_task(cfg.data)
+    params, _ = load_or_train_base(cfg, model_cfg, tok, task.train, tok.alphabet, progress=True)
+    prompts = [np.asarray(tok.encode(task.train[i]["prompt"]), np.int32) for i in range(512)]
+    assert tok.pad_id == 0, "the benchmark pads prompts with 0"
+    return params, model_cfg, prompts, cfg.rollout.max_new_tokens, tok.eos_id
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--small", action="store_true", help="tiny model, few samples (smoke run)")
@@ -138,6 +178,7 @@ def main(argv=None):
     p.add_argument("--speculative", action="store_true", help="also time the engine with early-exit drafting")
     p.add_argument("--max-draft", type=int, default=4, help="--speculative: tokens drafted per step")
     p.add_argument("--draft-layers", type=int, default=1, help="--speculative: blocks the drafter runs")
+    p.add_argument("--no-policy", action="store_true", help="skip the long-tail task's warm-started policy")
     args = p.parse_args(argv)
     if args.small:
         args.slots, args.samples, args.max_new, args.uniform_len, args.vocab = 16, 256, 64, 16, 12
@@ -155,7 +196,14 @@ def main(argv=None):
           f"chunk {args.chunk}, {args.samples} samples, backend {jax.default_backend()}", flush=True)
     long_tail = _compare("long_tail", params, cfg, prompt_P, args, args.max_new, eos=1)
     uniform = _compare("uniform", params, cfg, prompt_P, args, args.uniform_len, eos=args.vocab)  # never drawn
+    policy = None
+    if not (args.small or args.no_policy):
+        lt_params, lt_cfg, prompts, max_new, eos = _longtail_policy()
+        print(f"long-tail task policy (configs/grpo_longtail.py after its warm start, d_model {lt_cfg.d_model}, "
+              f"{lt_cfg.n_layers} layers), real prompts, max_new {max_new}", flush=True)
+        policy = _compare("policy", lt_params, lt_cfg, prompts, args, max_new, eos)
     print(json.dumps({"speedup_long_tail": long_tail["ratio"], "uniform_ratio": uniform["ratio"],
+                      "speedup_long_tail_policy": policy and policy["ratio"], "policy": policy,
                       "config": "tiny" if args.small else "bench-small", "slots": args.slots, "chunk": args.chunk,
                       "backend": jax.default_backend(), "long_tail": long_tail, "uniform": uniform}))
 
