@@ -50,6 +50,12 @@ def _prompt_at(prompts, i: int):
     return prompts if not isinstance(prompts, list) else prompts[i % len(prompts)]
 
 
+def _prompt_width(prompts) -> int:
+    """The width every run pads prompts to: the longest of the whole list, so that the warm-up run
+    (fewer groups) compiles the same shapes as the timed one and no compile is timed."""
+    return len(prompts) if not isinstance(prompts, list) else max(len(p) for p in prompts)
+
+
 def _static(params, cfg, prompts, n_samples, slots, max_new, eos, rng):
     """(tokens generated, seconds) for n_samples through `sampler.sample` in batches of `slots` rows."""
     import jax
@@ -60,7 +66,7 @@ def _static(params, cfg, prompts, n_samples, slots, max_new, eos, rng):
     from jaxrl.rollout.sampler import sample
 
     B = slots // G
-    width = max(len(_prompt_at(prompts, i)) for i in range(n_samples // G))
+    width = _prompt_width(prompts)
     tokens, t0 = 0.0, time.perf_counter()
     for i in range(n_samples // slots):
         padded = [left_pad(_prompt_at(prompts, i * B + b), width, 0) for b in range(B)]
@@ -79,7 +85,7 @@ def _engine(params, cfg, prompts, n_samples, slots, chunk, max_new, eos, rng, sp
 
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=max(1, slots // G // 4))
     n_groups = n_samples // G
-    width = max(len(_prompt_at(prompts, i)) for i in range(n_groups))
+    width = _prompt_width(prompts)
     engine = Engine(cfg, ecfg, group_size=G, prompt_len=width, max_new_tokens=max_new, temperature=1.0,
                     eos_id=eos, pad_id=0, rng=rng, speculative=speculative)
     t0 = time.perf_counter()

@@ -54,3 +54,28 @@ def test_engine_admits_as_soon_as_a_group_of_slots_is_free(monkeypatch):
     _check_same_rollout(assemble_batch(_by_tag(groups)), _plain(CFG, eos), CFG)
     assert any(0 < n < 2 * G for n in seen), seen  # a chunk ended with slots still decoding
     assert seen[-1] == 2 * G
+
+
+def test_host_readout_equals_device_readout_and_outlives_the_next_chunk():
+    """The host's one-round-trip readout (`host_slots` then `read_host_slots`, what `Engine._retire`
+    uses) gives exactly `read_slots`'s arrays for any slot order, and stays put when the next chunk
+    donates (reuses) the device buffers it was copied from."""
+    prompt, mask = _prompts()
+    spec = es.EngineSpec(CFG, slots=6, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=_eos(CFG), pad_id=PAD)
+    params = _params()
+    state = es.init_state(spec, jax.random.PRNGKey(3))
+    state = es.admit(params, spec, state, prompt[:2], mask[:2], np.asarray([0, 1, 4, 5], np.int32))
+    state = es.decode_chunk(params, spec, state, 3, 7, 1.0)  # sampled: logp and versions differ per slot
+    slot_R = np.asarray([5, 2, 0, 4, 1, 3], np.int32)
+    want = jax.device_get(es.read_slots(spec, state, slot_R))
+    host = es.host_slots(state)
+    assert host.cache is None and host.rng is None  # the cache never comes back to the host
+    got = es.read_host_slots(spec, host, slot_R)
+    state = es.decode_chunk(params, spec, state, 100, 8, 1.0)  # donates `state`'s buffers
+    for name, w, g in zip(want._fields, want, es.read_host_slots(spec, host, slot_R)):
+        assert (w is None) == (g is None), name
+        if w is not None:
+            np.testing.assert_array_equal(g, w, err_msg=name)
+            assert g.dtype == w.dtype, name
+    np.testing.assert_array_equal(got.version_RxT[:, :3], [[7] * 3, [-1] * 3, [7] * 3, [7] * 3, [7] * 3, [-1] * 3])
+    assert int(np.asarray(state.version_SxT).max()) == 8  # the second chunk did write the device buffers

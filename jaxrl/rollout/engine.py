@@ -48,15 +48,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
-import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from jaxrl.rollout import engine_speculative
 from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine_partial import release_slots, reprefill
-from jaxrl.rollout.engine_state import (EngineSpec, SlotReadout, admit, decode_chunk, init_state, read_slots,
-                                       split_params)
+from jaxrl.rollout.engine_state import (EngineSpec, SlotReadout, admit, decode_chunk, host_slots, init_state,
+                                       read_host_slots, split_params)
 from jaxrl.rollout.sampler import check_temperature
 
 
@@ -292,12 +291,13 @@ class Engine:
 
     def _retire(self) -> None:
         """Read the finished samples out, free their slots, move complete flights to their sink."""
-        done_S = np.asarray(jax.device_get(self.state.done_S))
-        slots = np.flatnonzero(done_S & (self._owner_S >= 0))
+        # One round trip per chunk: every slot's fields come back (the arrays are small), the
+        # finished ones are kept.
+        host = host_slots(self.state)
+        slots = np.flatnonzero(host.done_S & (self._owner_S >= 0))
         if not len(slots):
             return
-        # Every slot is read (one compiled shape; the arrays are small), the finished ones kept.
-        out = jax.device_get(read_slots(self.spec, self.state, np.arange(self.spec.slots, dtype=np.int32)))
+        out = read_host_slots(self.spec, host, np.arange(self.spec.slots))
         for slot in slots:
             r = slot
             gid = int(self._owner_S[slot])

@@ -6,6 +6,7 @@ Pure jitted functions over an explicit `EngineState` (static shapes; `EngineSpec
     state = admit(params, spec, state, prompt_AxP, mask_AxP, dest_N) # A prompts x G samples -> slots dest_N
     state = decode_chunk(params, spec, state, n_steps, version, temperature, stop_at=None)
     out   = read_slots(spec, state, slot_R)                          # tokens, masks, log-probs, versions
+    out   = read_host_slots(spec, host_slots(state), slot_R)         # the same from one host copy
 
 A slot's prompt is left-padded to the engine's P and prefilled as `sampler.prefill_groups` does
 (all but the last prompt token, once per prompt, copied to the G slots of its group); the last
@@ -37,6 +38,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrl.config import ModelConfig
@@ -138,9 +140,10 @@ def admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_
 
 
 def _put_column(buf_SxT, col_S, value_S, write_S):
-    """buf[s, col_s] = value_s where write_s."""
-    at_SxT = write_S[:, None] & (jnp.arange(buf_SxT.shape[1]) == col_S[:, None])
-    return jnp.where(at_SxT, value_S[:, None].astype(buf_SxT.dtype), buf_SxT)
+    """buf[s, col_s] = value_s where write_s: a scatter of S elements (a row that does not write
+    aims past the last column and is dropped), not a select over the whole S x T buffer."""
+    S, T = buf_SxT.shape[:2]
+    return buf_SxT.at[jnp.arange(S), jnp.where(write_S, col_S, T)].set(value_S.astype(buf_SxT.dtype), mode="drop")
 
 
 def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature) -> EngineState:
@@ -156,8 +159,7 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
     logp_S = jnp.take_along_axis(logp_all_SxV, tok_S[:, None], axis=-1)[:, 0]
     routing = s.routing_SxCxLxK
     if experts_SxLxK is not None:  # the input fed at cache slot fill_S used these experts
-        at_SxC = active_S[:, None] & (jnp.arange(routing.shape[1]) == fill_S[:, None])
-        routing = jnp.where(at_SxC[:, :, None, None], experts_SxLxK[:, None].astype(routing.dtype), routing)
+        routing = _put_column(routing, fill_S, experts_SxLxK, active_S)
     eos_S = active_S & (tok_S == spec.eos_id)
     col_S = s.col_S + active_S
     return s._replace(
@@ -198,13 +200,30 @@ def decode_chunk(params, spec: EngineSpec, state: EngineState, n_steps, version,
     return state
 
 
-@functools.partial(jax.jit, static_argnames="spec")
-def read_slots(spec: EngineSpec, state: EngineState, slot_R) -> SlotReadout:
-    """What the slots slot_R hold (meaningful once they are done)."""
-    take = lambda x: None if x is None else jnp.take(x, slot_R, axis=0)
+def _readout(spec: EngineSpec, state: EngineState, slot_R, xp) -> SlotReadout:
+    """What the slots slot_R hold, with array module xp (jnp on device, np on a host copy)."""
+    take = lambda x: None if x is None else xp.take(x, slot_R, axis=0)
     mask = take(state.mask_SxT)
     done, eos = take(state.done_S), take(state.eos_S)
     routing = take(state.routing_SxCxLxK)  # C = P + T slots (a speculative engine's cache has more)
     routing = None if routing is None else routing[:, :spec.prompt_len + spec.max_new_tokens]
     return SlotReadout(take(state.tokens_SxT), mask, take(state.logp_SxT), take(state.version_SxT), eos,
-                       done & ~eos, jnp.sum(mask, axis=-1).astype(jnp.int32), routing)
+                       done & ~eos, xp.sum(mask, axis=-1).astype(xp.int32), routing)
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def read_slots(spec: EngineSpec, state: EngineState, slot_R) -> SlotReadout:
+    """What the slots slot_R hold (meaningful once they are done)."""
+    return _readout(spec, state, slot_R, jnp)
+
+
+def host_slots(state: EngineState) -> EngineState:
+    """A host (numpy) copy of every per-slot field, without the cache and the key: one round trip,
+    after which `read_host_slots` reads any slots with no further device call. Copies, not views:
+    the next chunk donates (reuses) the device buffers."""
+    return jax.tree.map(np.array, jax.device_get(state._replace(cache=None, rng=None)))
+
+
+def read_host_slots(spec: EngineSpec, host: EngineState, slot_R) -> SlotReadout:
+    """`read_slots` on `host_slots(state)`: the same readout, in numpy."""
+    return _readout(spec, host, np.asarray(slot_R), np)
