@@ -1,20 +1,19 @@
-"""The rollout side of the training loop, behind one interface: `RolloutSource`.
-
-The loop asks a source for one step's completions and for the host state to checkpoint, nothing
-else. How the completions are drawn (the sampler, speculative drafters, the reuse draft store, the
-speculation control and its measured costs) and the host state that needs between steps belong to
-the source: `checkpoint_state()` returns it for the checkpoint's JSON item, and the source's
-constructor takes that item back (`host`, {} for a fresh run) when the run resumes.
+"""The static sampler's side of the training loop: `SamplerSource`.
 
 `SamplerSource` draws a step's B x T block with one jitted call of the static sampler
-(jaxrl.rollout.sampler, or jaxrl.rollout.speculative when rollout.speculative.enabled). A decode
-engine with per-sample lifecycles can be a second implementation of the same interface.
+(jaxrl.rollout.sampler, or jaxrl.rollout.speculative when rollout.speculative.enabled) for the
+step's prompts. How the completions are drawn (the sampler, speculative drafters, the reuse draft
+store, the speculation control and its measured costs) and the host state that needs between steps
+belong to it: `checkpoint_state()` returns that state for the checkpoint's JSON item, and the
+constructor takes it back (`host`, {} for a fresh run) when the run resumes. The loop reaches it
+through `group_sources.StaticSource` (prompts from the stream, scoring); the slot engine is the
+other source there (`EngineSource`).
 """
 
 from __future__ import annotations
 
 import pathlib
-from typing import NamedTuple, Optional, Protocol
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,20 +41,10 @@ class Rollout(NamedTuple):
     routing_BxSxLxK: Optional[jax.Array] = None  # MoE only: the global array, laid out by its name
 
 
-class RolloutSource(Protocol):
-    def produce(self, params, prompt_BxP: np.ndarray, prompt_mask_BxP: np.ndarray, rng: jax.Array,
-                step: int) -> tuple[Rollout, dict]:
-        """Completions for the step's prompts (every process passes all prompt rows) under `params`,
-        drawn with `rng`, and the rollout's part of the step's metrics row (in logged order)."""
-        ...
-
-    def checkpoint_state(self) -> dict:
-        """The source's host state as JSON-able items of the checkpoint (read back by its constructor)."""
-        ...
-
-
 class SamplerSource:
-    """RolloutSource of the static sampler; speculative (with its host-side control) when configured."""
+    """The static sampler; speculative (with its host-side control) when configured.
+    `produce(params, prompt_BxP, prompt_mask_BxP, rng, step) -> (Rollout, metrics)`: completions for
+    the step's prompts (every process passes all prompt rows) and the rollout's metrics, in order."""
 
     def __init__(self, cfg: Config, model_cfg, tokenizer, mesh, preset, param_sh, params, rng, host: dict,
                  cost_cache_dir: pathlib.Path):
