@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Optional
 
 from jaxrl.config_checks import ConfigError, _check, _check_finite_floats, _check_learning_rate  # noqa: F401
+from jaxrl.config_agent import AgentConfig  # noqa: F401  (re-exported)
 from jaxrl.config_rollout import EngineConfig, RolloutConfig, SpeculativeConfig  # noqa: F401  (re-exported)
 
 
@@ -134,8 +135,8 @@ class DataConfig:
     prompt_template: str = "{question}"
 
     def validate(self, prefix: str = "data") -> None:
-        _check(self.task in ("arithmetic", "countdown", "long_addition", "math_jsonl"), f"{prefix}.task",
-               "'arithmetic', 'countdown', 'long_addition' or 'math_jsonl'", self.task)
+        tasks = ("arithmetic", "countdown", "long_addition", "math_jsonl", "agent_calculator", "agent_gridworld")
+        _check(self.task in tasks, f"{prefix}.task", " or ".join(map(repr, tasks)), self.task)
         _check(self.task != "math_jsonl" or bool(self.train_file), f"{prefix}.train_file",
                "a JSONL file when task='math_jsonl'", self.train_file)
         _check("{question}" in self.prompt_template, f"{prefix}.prompt_template", "a string containing '{question}'",
@@ -318,6 +319,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
+    agent: AgentConfig = AgentConfig()
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

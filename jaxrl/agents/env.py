@@ -1,0 +1,76 @@
+"""The environment protocol of multi-turn episodes, and what an embedded environment brings.
+
+An episode: `observation = env.reset(record, rng)` is the prompt text; then, turn after turn, the
+policy writes an action (its text up to and including the end-of-turn string, or up to EOS) and
+`env.step(action)` answers with a `StepResult`: the observation text appended after the action (the
+policy's context for its next turn; no loss, no log-prob), a reward, and whether the episode is
+over. The model's EOS ends the episode after that last step (the environment sees the final text,
+e.g. to score an answer); so do `agent.max_turns` and the completion budget
+(`rollout.max_new_tokens`, observation tokens included).
+
+Environments are plain Python objects, one per episode, run side by side from a thread pool (an
+environment that waits on a tool subprocess or a remote service releases the GIL meanwhile). An
+environment must not raise for anything the model writes: malformed or failing tool calls become
+error observations (`info["tool_errors"]`). If `step` raises anyway, the episode ends with reward
+0 and `agent/env_errors` counts it; the run goes on.
+
+Resume: every episode of a step finishes inside that step, and checkpoints are taken between steps,
+so no episode is ever in flight at a checkpoint. A run killed mid-step resumes from the previous
+step and replays that step's episodes from scratch: environments are re-created by `reset` with the
+same record and the same rng (derived from the run's seed, the step and the episode's index), and the
+episode's token noise is keyed the same way, so the replay draws the same episodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Protocol
+
+import numpy as np
+
+from jaxrl.data.tokenizer import DEFAULT_ALPHABET
+
+# The character alphabet of the embedded environments' models: the arithmetic characters, lower-case
+# letters and a few marks for tool tags and rendered grids ("]" ends a turn).
+AGENT_ALPHABET = DEFAULT_ALPHABET + "abcdefghijklmnopqrstuvwxyz[]<>_.#\n"
+
+
+class StepResult(NamedTuple):
+    observation: str  # appended after the action ("" for none); the episode's next turn reads it
+    reward: float  # this step's reward; the trajectory's return is the sum over its steps
+    done: bool  # the episode is over (the policy writes no more turns)
+    # Counters and extras, all optional: "tool_calls" / "tool_errors" (ints, this step's),
+    # "shaping" (float: a per-turn shaping reward, weighted by agent.shaping_weight), "success" (bool).
+    info: dict
+
+
+class Environment(Protocol):
+    def reset(self, record: dict, rng: np.random.Generator) -> str:
+        """Start an episode for a task record; -> the first observation (the prompt text)."""
+
+    def step(self, action: str) -> StepResult:
+        """The policy's turn (its text, end-of-turn string included when it ended the turn) -> the answer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSuite:
+    """An embedded environment: how to make its episodes, its task records and its warm-start teacher.
+
+    make() -> a fresh Environment (one per episode).
+    records(split, n, seed) -> n task records (dicts of str, with "id"), deterministic in (split, seed).
+    teacher(record, rng, error_rate) -> one demonstration episode as segments [(text, by_model), ...] in order,
+        starting with the first model turn (the prompt is reset()'s observation): by_model=True segments
+        are trained on, the observations between them are context (the teacher plays a real
+        environment, so they are what `step` answers). A fallible teacher (error_rate =
+        warmstart.teacher_error) leaves RL room to improve.
+    alphabet: the character tokenizer's alphabet for the embedded models (every observation and every
+        action the teacher writes must use only these characters).
+    end_of_turn: the string that ends a model turn; one token of the run's tokenizer.
+    """
+
+    name: str
+    make: Callable[[], Environment]
+    records: Callable[[str, int, int], list]
+    teacher: Callable[[dict, np.random.Generator, float], list]
+    alphabet: str
+    end_of_turn: str
