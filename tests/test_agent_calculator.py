@@ -96,6 +96,14 @@ def test_teacher_transcripts_replay_to_the_right_reward():
         tok.encode(guess[0][0])
 
 
+def test_wrong_guesses_are_plausible_and_never_right():
+    rng = np.random.default_rng(0)
+    guesses = [teacher(RECORD, rng, error_rate=1.0)[0][0] for _ in range(5000)]
+    # 5000 draws of 3 digits: about 5 would hit "088" if a guess could equal the answer
+    assert all(g != "56088" and len(g) == 5 and g.startswith("56") for g in guesses)
+    assert len(set(guesses)) > 900  # the last three digits vary
+
+
 def test_teacher_error_rate():
     rng = np.random.default_rng(0)
     record = records("train", 1, seed=0)[0]

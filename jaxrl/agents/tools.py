@@ -7,7 +7,8 @@
 
 Formats:
 - `TagFormat`, for the embedded char-level models (every character in AGENT_ALPHABET): a call is
-  `[name argument]` (or `[name]`) at the end of the turn; `]` ends the turn. The observation is
+  `[name argument]` (or `[name]`) at the end of the turn; `]` ends the turn, so an argument holds no
+  brackets (and one space separates it from the name). The observation is
   `>` + the result + newline, e.g. `[calc 123*456]` -> `>56088\n`: eight tokens the model copies
   its answer from. An error reads `>error: what went wrong\n`. Text outside the alphabet (a tool's
   upper-case or unicode output) is lower-cased, and what still does not fit becomes `_`.
