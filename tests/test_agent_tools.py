@@ -143,7 +143,8 @@ def test_hermes_observation_matches_the_chat_template_transcript():
 
 
 def test_hermes_template_without_tool_messages_is_a_config_error():
-    plain = "{% for m in messages %}{% if m.role != 'tool' %}{{ m.role + ': ' + m.content + '\\n' }}{% endif %}{% endfor %}"
+    plain = ("{% for m in messages %}{% if m.role != 'tool' %}{{ m.role + ': ' + m.content + '\\n' }}{% endif %}"
+             "{% endfor %}")
     with pytest.raises(ConfigError, match="tool"):
         HermesFormat(plain)
 
