@@ -6,7 +6,10 @@
 An episode leaves its slot whenever a turn ends (episodes.py runs its environment step on the host
 meanwhile) and comes back through `place` with everything it has so far: n_R tokens of history
 (model tokens and observation tokens) after its left-padded prompt. Row r goes to slot slot_R[r]
-(a slot of S or more drops the row: callers pad R up to a bucket size to bound compiles). The slot
+(a slot of S or more drops the row: callers pad to a fixed R). Callers keep R fixed, not only to
+compile once: XLA's matmul blocking depends on the row count, so a row's keys/values (and then its
+log-probs) would differ in the last bits with the number of rows it was placed with, which depends
+on environment timing; with a fixed R they are bit-identical wherever and with whomever it is placed. The slot
 gets the row's buffers (tokens, log-probs, loss mask, versions), col = n, last = the last history
 token (the last prompt token when n = 0: a new episode), its own noise key, done = eos = False, and
 the cache of everything fed before `last`: prompt + history[:n-1], computed by one causal forward
@@ -29,14 +32,6 @@ import jax.numpy as jnp
 from jaxrl.models.decode import LayerCache, _run_layers, layer_params
 from jaxrl.models.transformer import positions_from_mask
 from jaxrl.rollout.engine_state import EngineSpec, EngineState
-
-
-def bucket(n: int, slots: int) -> int:
-    """The row count `place` is called with for n rows: the next power of two, at most `slots`."""
-    size = 1
-    while size < n:
-        size *= 2
-    return min(size, slots)
 
 
 def _history_cache(params, spec: EngineSpec, prompt_RxP, prompt_mask_RxP, tokens_RxT, n_R):

@@ -23,7 +23,8 @@ next ready episode (a new one, or one whose observation came back), placed with 
 prefilled (episode_state.place). The engine blocks on the environment only when no slot can decode
 (stats["env_exposed_seconds"]); with more episodes than slots the environments' latency is hidden.
 A chunk of decode steps ends as soon as `park_batch` more slots have parked, so their environment
-steps start early.
+steps start early. `place` always runs on `place_rows` rows (padded), so an episode's numbers are
+bit-identical whichever episodes it was placed with.
 
 Turn text = the tokens of that turn decoded (from the end of the last observation), end-of-turn
 string included, EOS excluded. EOS: the text goes to a final env.step, then the episode ends
@@ -54,7 +55,7 @@ from jaxrl.config_agent import AgentConfig
 from jaxrl.config_rollout import EngineConfig
 from jaxrl.rollout.engine import left_pad
 from jaxrl.rollout.engine_state import EngineSpec, decode_chunk, host_slots, init_state, split_params
-from jaxrl.rollout.episode_state import bucket, place
+from jaxrl.rollout.episode_state import place
 from jaxrl.rollout.sampler import check_temperature
 
 
@@ -144,7 +145,7 @@ class EpisodeEngine:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, agent_cfg: AgentConfig, *,
                  make_env: Callable, tokenizer, end_of_turn: str, prompt_len: int, max_new_tokens: int,
                  temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False, speculative=None,
-                 park_batch: int = 1):
+                 park_batch: int = 1, place_rows: int = 4):
         engine_cfg.validate()
         agent_cfg.validate()
         if speculative is not None and speculative.enabled:
@@ -160,6 +161,7 @@ class EpisodeEngine:
         check_temperature(temperature)
         self.ecfg, self.agent, self.tokenizer, self.make_env = engine_cfg, agent_cfg, tokenizer, make_env
         self.temperature, self.eot_id, self.park_batch = float(temperature), eot[0], max(1, int(park_batch))
+        self.place_rows = min(int(place_rows), engine_cfg.slots)
         self.spec = EngineSpec(model_cfg, engine_cfg.slots, prompt_len, max_new_tokens, 1, tokenizer.eos_id,
                                tokenizer.pad_id, top_k, top_p, greedy, stop_ids=(eot[0],), slot_keys=True)
         self.stats = dict(chunks=0, place_calls=0, env_steps=0, env_seconds=0.0, env_exposed_seconds=0.0,
@@ -240,10 +242,11 @@ class EpisodeEngine:
     # ---- device
 
     def _place(self, run: "_Run", episodes: list) -> None:
-        """Place episodes into free slots (enough of them), padded to a power-of-two bucket."""
+        """Place episodes into free slots (enough of them), `place_rows` per call (padded): a fixed row
+        count keeps each row's arithmetic, and so its log-probs, independent of the batch it came in."""
         start = time.perf_counter()
         S, P, T = self.spec.slots, self.spec.prompt_len, self.spec.max_new_tokens
-        R = bucket(len(episodes), S)
+        R = self.place_rows
         for lo in range(0, len(episodes), R):
             part = episodes[lo:lo + R]
             free = np.flatnonzero([o is None for o in run.owner])[:len(part)]
