@@ -145,8 +145,8 @@ def main(argv=None):
                  "speedup_async_env": round(over["episodes_per_s"] / sync["episodes_per_s"], 2),
                  "overlap": over, "turn_sync": sync, "same_episodes": bool(same), "slots": args.slots,
                  "episodes": args.episodes, "turns": args.turns, "env_ms": args.env_ms, "max_new": args.max_new,
-                 "park_batch": args.park_batch, "place_rows": args.place_rows, "chunk": args.chunk, "backend": jax.default_backend(),
-                 "load_average": common.load_average()})
+                 "park_batch": args.park_batch, "place_rows": args.place_rows, "chunk": args.chunk,
+                 "backend": jax.default_backend(), "load_average": common.load_average()})
 
 
 if __name__ == "__main__":

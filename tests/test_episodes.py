@@ -11,6 +11,7 @@ import pytest
 from episode_helpers import CFG, MOE, P, RECORDS, T, TOK, CountEnv, engine, params, reference_episode, requests
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.episodes import EpisodeGroup
+from jaxrl.rollout.sampler import sample
 
 EOT_GREEDY = "1"  # with params(), greedy episodes of RECORDS take 3, 1, 2, 1, 1 turns (checked below)
 
@@ -121,3 +122,33 @@ def test_group_fields_are_numpy_with_g_rows():
     for name in EpisodeGroup._fields[3:-1]:
         assert getattr(g, name).shape[0] == 3, name
     assert g.tokens_GxT.shape == (3, T) and g.prompt_P.shape == (P,)
+
+
+def test_an_end_of_turn_token_ends_decoding_without_eos_and_place_starts_like_the_sampler():
+    """Kernel level: a new episode placed with n=0 decodes the plain sampler's greedy tokens; the
+    stop id ends the slot (done) with eos_S False, its column recorded; other slots go on."""
+    import jax
+
+    from jaxrl.rollout import engine_state as es
+    from jaxrl.rollout.episode_state import place
+
+    eot = TOK.encode(EOT_GREEDY)[0]
+    prompt, mask = np.zeros((2, P), np.int32), np.zeros((2, P), np.int32)
+    for r, rec in enumerate([RECORDS[0], RECORDS[2]]):
+        ids = [TOK.bos_id] + TOK.encode(rec["prompt"])
+        prompt[r, P - len(ids):], mask[r, P - len(ids):] = ids, 1
+    spec = es.EngineSpec(CFG, 3, P, T, 1, TOK.eos_id, TOK.pad_id, greedy=True, stop_ids=(eot,), slot_keys=True)
+    state = es.init_state(spec, jax.random.PRNGKey(0))
+    blank = lambda fill, dtype: np.full((2, T), fill, dtype)
+    keys = np.zeros((2, 2), np.uint32)
+    state = place(params(), spec, state, np.array([2, 0], np.int32), prompt, mask, blank(0, np.int32),
+                  blank(0, np.float32), blank(0, np.float32), blank(-1, np.int32), np.zeros(2, np.int32), keys)
+    state = es.decode_chunk(params(), spec, state, 4, 0, 1.0, None)
+    host = es.host_slots(state)
+    # Greedy with eot "1": record 0 writes "1" first (one token), record 2 writes "2222..." (no "1" yet).
+    assert host.done_S[2] and not host.eos_S[2] and host.col_S[2] == 1 and host.tokens_SxT[2, 0] == eot
+    assert not host.done_S[0] and host.col_S[0] == 4 and host.done_S[1]  # slot 1 was never placed
+    ref = sample(params(), CFG, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(0), group_size=1,
+                 max_new_tokens=4, temperature=1.0, eos_id=TOK.eos_id, pad_id=TOK.pad_id, greedy=True)
+    np.testing.assert_array_equal(host.tokens_SxT[0, :4], np.asarray(ref.tokens_BxT[1]))
+    assert int(ref.tokens_BxT[0, 0]) == eot

@@ -25,8 +25,9 @@ prefilled (episode_state.place). The engine blocks on the environment only when 
 A chunk of decode steps ends as soon as `park_batch` more slots have parked, so their environment
 steps start early and the freed slots are refilled by one `place` call (benchmarks/agents.py on the
 2-core CPU, 16 slots, 128 episodes: park_batch 4 ran 1.9x faster than 1, whose extra chunk round
-trips and one-row place calls cost more than the slots it refills sooner; 8 was slower than 4). `place` always runs on `place_rows` rows (padded), so an episode's numbers are
-bit-identical whichever episodes it was placed with.
+trips and one-row place calls cost more than the slots it refills sooner; 8 was slower than 4).
+`place` always runs on `place_rows` rows (padded), so an episode's numbers are bit-identical
+whichever episodes it was placed with.
 
 Turn text = the tokens of that turn decoded (from the end of the last observation), end-of-turn
 string included, EOS excluded. EOS: the text goes to a final env.step, then the episode ends
