@@ -8,6 +8,7 @@ from jaxrl.agents import load_suite
 from jaxrl.agents.calculator import SUITE, CalculatorEnv, calculate, records, teacher
 from jaxrl.agents.env import AGENT_ALPHABET
 from jaxrl.agents.tools import ToolError
+from jaxrl.config import AgentConfig
 from jaxrl.data.tokenizer import CharTokenizer
 
 RECORD = {"id": "123*456", "prompt": "123*456=", "expression": "123*456", "answer": "56088"}
@@ -129,4 +130,4 @@ def test_records_are_deterministic_distinct_and_the_splits_disjoint():
 def test_suite_is_registered():
     suite = load_suite("agent_calculator")
     assert suite is SUITE and suite.end_of_turn == "]" and suite.alphabet == AGENT_ALPHABET
-    assert isinstance(suite.make(), CalculatorEnv)
+    assert isinstance(suite.make(AgentConfig()), CalculatorEnv)

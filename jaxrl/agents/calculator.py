@@ -153,5 +153,5 @@ def teacher(record: dict, rng: np.random.Generator, error_rate: float) -> list:
     return [(call, True), (observation, False), (observation[1:].strip(), True)]
 
 
-SUITE = EnvSuite(name="agent_calculator", make=CalculatorEnv, records=records, teacher=teacher,
+SUITE = EnvSuite(name="agent_calculator", make=lambda agent_cfg: CalculatorEnv(agent_cfg.tool_max_output), records=records, teacher=teacher,
                  alphabet=AGENT_ALPHABET, end_of_turn="]")

@@ -184,7 +184,7 @@ def _result(returncode: int, output: str, errors: str, timed_out: bool, seconds:
 
 def python_tool(timeout_s: float = 2.0, memory_mb: int = 512, max_output: int = 2000, name: str = "python") -> Tool:
     """A Tool running its argument (code) in the sandbox; a failed run is an error observation.
-    The limits come from agent.tool_timeout_s / tool_memory_mb / tool_max_output."""
+    An environment that offers it passes its limits (max_output: e.g. agent.tool_max_output)."""
 
     def run(code: str) -> str:
         result = run_python(code, timeout_s, memory_mb, max_output)
