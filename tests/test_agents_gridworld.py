@@ -8,6 +8,7 @@ from jaxrl.agents import load_suite
 from jaxrl.agents.env import AGENT_ALPHABET
 from jaxrl.agents.gridworld import (INVALID, MAX_TURNS, MIN_DISTANCE, MAX_DISTANCE, GridWorld, best_move,
                                     goal_distances, parse_map, records, split_of, teacher)
+from jaxrl.config import ConfigError
 
 # 0123
 # ....   row 0
@@ -165,3 +166,11 @@ def test_teacher_error_rate_makes_random_moves():
                 total += 1
                 env.step(text)
     assert abs(off / total - 0.3) < 0.05, (off, total)
+
+
+def test_asking_for_more_maps_than_exist_names_the_field(monkeypatch):
+    import jaxrl.agents.gridworld as gw
+
+    monkeypatch.setattr(gw, "split_of", lambda map_text, start: "train")  # no test map exists at all
+    with pytest.raises(ConfigError, match="data.num_test=1"):
+        gw.records("test", 1, 0)

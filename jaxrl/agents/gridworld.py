@@ -30,6 +30,7 @@ import hashlib
 import numpy as np
 
 from jaxrl.agents.env import AGENT_ALPHABET, EnvSuite, StepResult
+from jaxrl.config import ConfigError
 
 FLOOR, HOLE, GOAL, PLAYER = ".", "#", "g", "p"
 END_OF_TURN = "]"
@@ -166,14 +167,20 @@ def records(split: str, n: int, seed: int) -> list[dict]:
     if split not in ("train", "test"):
         raise ValueError(f"gridworld records: split must be 'train' or 'test', got {split!r}")
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
-    out, seen = [], set()
-    while len(out) < n:
+    out, seen, misses = [], set(), 0
+    while len(out) < n and misses <= 20_000:  # 20k draws without a new one: the split is (nearly) exhausted
         map_text, (r, c) = random_map(rng)
         start = f"{r},{c}"
-        if split_of(map_text, start) == split and (map_text, start) not in seen:
-            seen.add((map_text, start))
-            out.append({"id": f"gridworld-{split}-{len(out)}", "map": map_text, "start": start})
-    return out
+        if split_of(map_text, start) != split or (map_text, start) in seen:
+            misses += 1
+            continue
+        misses = 0
+        seen.add((map_text, start))
+        out.append({"id": f"gridworld-{split}-{len(out)}", "map": map_text, "start": start})
+    if len(out) == n:
+        return out
+    field = "data.num_train" if split == "train" else "data.num_test"
+    raise ConfigError(f"{field}={n}: found only {len(out)} distinct gridworld {split} maps; ask for fewer")
 
 
 def teacher(record: dict, rng: np.random.Generator, error_rate: float, max_turns: int = MAX_TURNS) -> list:
