@@ -22,8 +22,10 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
+from jaxrl.agents import is_agent_task, load_suite
+from jaxrl.agents.warmstart import suite_fingerprint, teacher_batch
 from jaxrl.config import Config, DataConfig, ModelConfig
-from jaxrl.data.stream import StreamState
+from jaxrl.data.stream import StreamState, next_batch
 from jaxrl.data.teachers import fallible_answer
 from jaxrl.models.transformer import init_params, token_logprobs
 from jaxrl.train.batching import completion_targets, next_prompts
@@ -68,15 +70,22 @@ def cache_key(cfg: Config, model_cfg: ModelConfig, vocab: str) -> str:
         "vocab": vocab,
         "version": 1,
     }
+    if is_agent_task(cfg.data.task):  # the demonstrations come from the suite's environment and teacher
+        what["agent_suite"] = suite_fingerprint(load_suite(cfg.data.task))
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sft_loss(logp_BxT, mask_BxT):
+    """Mean negative log-likelihood over the masked-in tokens; a masked-out token (an observation of a
+    multi-turn episode, padding) gets exactly zero gradient."""
+    return -jnp.sum(jnp.where(mask_BxT > 0, logp_BxT, 0.0)) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
 
 
 def make_sft_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
     def loss_fn(params, batch):
         logp_BxT, _ = token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
                                      batch["tokens_BxT"], batch["completion_mask_BxT"], 1.0)
-        mask_BxT = batch["completion_mask_BxT"]
-        return -jnp.sum(logp_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
+        return sft_loss(logp_BxT, batch["completion_mask_BxT"])
 
     @jax.jit
     def sft_step(params, opt_state, batch):
@@ -88,7 +97,8 @@ def make_sft_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformatio
 
 
 def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, progress: bool = True):
-    """Supervised next-token training on the reference answers of the train split."""
+    """Supervised next-token training on the reference answers of the train split (on the suite's
+    teacher episodes for an agent task: jaxrl.agents.warmstart)."""
     ws = cfg.warmstart
     rng = jax.random.key(warmstart_seed(cfg))
     params = init_params(model_cfg, jax.random.fold_in(rng, 1))
@@ -99,18 +109,29 @@ def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, pro
     stream = StreamState(0, 0)
     teacher_rng = np.random.default_rng(warmstart_seed(cfg) + 104729)
     bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
+    suite = load_suite(cfg.data.task) if is_agent_task(cfg.data.task) else None
     for _ in bar:
-        records, prompt_BxP, pmask_BxP, stream, _ = next_prompts(train_source, stream, ws.batch_size, tokenizer,
-                                                                 cfg.data, cfg.data.seed + 7919)
-        fallible = teacher_rng.random(len(records)) < ws.teacher_error
-        answers = [fallible_answer(r) if f else r["answer"] for r, f in zip(records, fallible)]
-        tok_BxT, mask_BxT = completion_targets(tokenizer, answers,
-                                               cfg.rollout.max_new_tokens, [r["id"] for r in records])
-        batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": tok_BxT,
-                 "completion_mask_BxT": mask_BxT}
+        if suite is not None:
+            records, stream = next_batch(train_source, stream, ws.batch_size, cfg.data.seed + 7919)
+            batch, _ = teacher_batch(suite, records, tokenizer, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens,
+                                     ws.teacher_error, teacher_rng)
+        else:
+            batch, stream = _answer_batch(cfg, tokenizer, train_source, stream, teacher_rng)
         params, opt_state, loss = sft_step(params, opt_state, batch)
         bar.set_postfix(loss=f"{float(loss):.3f}")
     return params
+
+
+def _answer_batch(cfg: Config, tokenizer, train_source, stream: StreamState, teacher_rng: np.random.Generator):
+    """The next SFT batch of single-turn reference answers (a fallible one with warmstart.teacher_error)."""
+    records, prompt_BxP, pmask_BxP, stream, _ = next_prompts(train_source, stream, cfg.warmstart.batch_size, tokenizer,
+                                                             cfg.data, cfg.data.seed + 7919)
+    fallible = teacher_rng.random(len(records)) < cfg.warmstart.teacher_error
+    answers = [fallible_answer(r) if f else r["answer"] for r, f in zip(records, fallible)]
+    tok_BxT, mask_BxT = completion_targets(tokenizer, answers, cfg.rollout.max_new_tokens, [r["id"] for r in records])
+    batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": tok_BxT,
+             "completion_mask_BxT": mask_BxT}
+    return batch, stream
 
 
 def load_or_train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, vocab: str,

@@ -1,0 +1,211 @@
+"""A small slippery grid game in the style of RAGEN's FrozenLake: walk from the start to the goal, avoid holes.
+
+The observation is the rendered grid, one text row per map row, each row ended by a newline:
+
+    ....
+    .#p.
+    ...#
+    #..g
+
+(`.` floor, `#` hole, `g` goal, `p` the player). The policy answers with a move word ended by the
+end-of-turn mark, e.g. `left]`. A move goes the intended way with probability 1 - slip and to either
+perpendicular side with probability slip / 2 each (drawn from the episode's rng); a move into the edge
+leaves the player in place. Stepping on the goal ends the episode with reward 1 (info["success"]);
+stepping into a hole ends it with reward 0. Once the episode is over the observation is empty (the
+policy writes no more turns, so a final grid would only cost tokens). Anything but a move word is an
+error observation (`info["tool_errors"]`) and a wasted turn. info["shaping"] is +0.1 when the
+shortest-path distance to the goal (around holes) shrinks and -0.1 when it grows (a hole counts as
+growing); it is used only with agent.shaping_weight > 0.
+
+Budget, for the default 4x4 maps: the prompt is the first grid (20 characters + BOS = 21 <= 24), and a
+turn is at most 6 action characters + a 20-character grid, so the teacher's MAX_TURNS = 6 turns fit in
+6 * 6 + 5 * 20 = 136 completion tokens (the last turn's observation is empty: the episode is over).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+
+import numpy as np
+
+from jaxrl.agents.env import AGENT_ALPHABET, EnvSuite, StepResult
+from jaxrl.config import ConfigError
+
+FLOOR, HOLE, GOAL, PLAYER = ".", "#", "g", "p"
+END_OF_TURN = "]"
+MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+PERPENDICULAR = {"up": ("left", "right"), "down": ("left", "right"), "left": ("up", "down"), "right": ("up", "down")}
+INVALID = "invalid\n"  # the error observation of an action that is not a move word
+SHAPING = 0.1
+
+# The defaults of the embedded suite (chosen so a warm-started tiny model succeeds sometimes but
+# clearly below the teacher: see the module's learnability note in README.md).
+SIZE, HOLES, SLIP = 4, 3, 0.2
+MIN_DISTANCE, MAX_DISTANCE = 2, 5  # the start's shortest-path distance to the goal
+MAX_TURNS = 6  # the teacher's episode length limit (it fits rollout.max_new_tokens=136, see above)
+TEST_SHARE = 4  # one (map, start) in TEST_SHARE belongs to the test split, by a hash of its text
+
+
+def parse_map(text: str) -> list[str]:
+    rows = text.split("\n")
+    if not rows or any(len(r) != len(rows[0]) for r in rows) or set("".join(rows)) - {FLOOR, HOLE, GOAL}:
+        raise ValueError(f"gridworld map {text!r}: expected equal rows of {FLOOR!r}, {HOLE!r}, {GOAL!r}")
+    if "".join(rows).count(GOAL) != 1:
+        raise ValueError(f"gridworld map {text!r}: expected exactly one goal {GOAL!r}")
+    return rows
+
+
+def render(rows: list[str], pos: tuple[int, int]) -> str:
+    r, c = pos
+    shown = [row if i != r else row[:c] + PLAYER + row[c + 1:] for i, row in enumerate(rows)]
+    return "".join(row + "\n" for row in shown)
+
+
+def goal_distances(rows: list[str]) -> dict:
+    """Shortest-path distance to the goal of every floor cell that can reach it (holes are walls)."""
+    (goal,) = [(r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch == GOAL]
+    dist, queue = {goal: 0}, collections.deque([goal])
+    while queue:
+        cell = queue.popleft()
+        for dr, dc in MOVES.values():
+            nxt = (cell[0] + dr, cell[1] + dc)
+            if _inside(rows, nxt) and rows[nxt[0]][nxt[1]] != HOLE and nxt not in dist:
+                dist[nxt] = dist[cell] + 1
+                queue.append(nxt)
+    return dist
+
+
+def best_move(rows: list[str], pos: tuple[int, int]) -> str:
+    """The move (first in MOVES order on ties) whose target is closest to the goal."""
+    dist = goal_distances(rows)
+    far = len(rows) * len(rows[0]) + 1
+    return min(MOVES, key=lambda m: dist.get(_moved(rows, pos, m), far))
+
+
+def _inside(rows, cell) -> bool:
+    return 0 <= cell[0] < len(rows) and 0 <= cell[1] < len(rows[0])
+
+
+def _moved(rows, pos, move: str) -> tuple[int, int]:
+    dr, dc = MOVES[move]
+    nxt = (pos[0] + dr, pos[1] + dc)
+    return nxt if _inside(rows, nxt) else pos
+
+
+def parse_action(action: str) -> str | None:
+    """`left]` (or `left` when the policy ended with EOS) -> "left"; anything else -> None."""
+    word = action.strip()
+    word = word[:-len(END_OF_TURN)] if word.endswith(END_OF_TURN) else word
+    return word if word in MOVES else None
+
+
+class GridWorld:
+    """One episode of the slippery grid game (see the module docstring)."""
+
+    def __init__(self, slip: float = SLIP):
+        if not 0 <= slip <= 1:
+            raise ValueError(f"gridworld slip: expected a probability in [0, 1], got {slip}")
+        self.slip = slip
+        self.rows, self.pos, self.rng, self.done = None, None, None, True
+
+    def reset(self, record: dict, rng: np.random.Generator) -> str:
+        self.rows = parse_map(record["map"])
+        self.pos = tuple(int(x) for x in record["start"].split(","))
+        if not _inside(self.rows, self.pos) or self.rows[self.pos[0]][self.pos[1]] != FLOOR:
+            raise ValueError(f"gridworld record {record.get('id')!r}: start {record['start']!r} is not a floor cell")
+        self.rng, self.done = rng, False
+        self._dist = goal_distances(self.rows)
+        return render(self.rows, self.pos)
+
+    def step(self, action: str) -> StepResult:
+        if self.done:  # nothing left to play; never raise for what the policy writes
+            return StepResult("", 0.0, True, {"success": False})
+        move = parse_action(action)
+        if move is None:
+            return StepResult(INVALID, 0.0, False, {"tool_errors": 1, "success": False, "shaping": 0.0})
+        u = self.rng.random()  # one draw per move: slip to one side, the other side, or go as intended
+        if u < self.slip / 2:
+            move = PERPENDICULAR[move][0]
+        elif u < self.slip:
+            move = PERPENDICULAR[move][1]
+        before, self.pos = self.pos, _moved(self.rows, self.pos, move)
+        cell = self.rows[self.pos[0]][self.pos[1]]
+        far = len(self.rows) * len(self.rows[0]) + 1  # a hole is farther than any floor cell
+        d_before, d_after = self._dist[before], self._dist.get(self.pos, far)
+        shaping = SHAPING * float(np.sign(d_before - d_after))
+        self.done = cell in (GOAL, HOLE)
+        success = cell == GOAL
+        observation = "" if self.done else render(self.rows, self.pos)
+        return StepResult(observation, float(success), self.done,
+                          {"tool_errors": 0, "success": success, "shaping": shaping})
+
+
+def random_map(rng: np.random.Generator, size: int = SIZE, holes: int = HOLES) -> tuple[str, tuple[int, int]]:
+    """A (map text, start) whose start reaches the goal in MIN_DISTANCE..MAX_DISTANCE moves around the holes."""
+    while True:
+        cells = rng.permutation(size * size)[:holes + 2]  # goal, start, then the holes
+        grid = [[FLOOR] * size for _ in range(size)]
+        goal, start = divmod(int(cells[0]), size), divmod(int(cells[1]), size)
+        grid[goal[0]][goal[1]] = GOAL
+        for cell in cells[2:]:
+            r, c = divmod(int(cell), size)
+            grid[r][c] = HOLE
+        rows = ["".join(row) for row in grid]
+        if MIN_DISTANCE <= goal_distances(rows).get(start, -1) <= MAX_DISTANCE:
+            return "\n".join(rows), start
+
+
+def split_of(map_text: str, start: str) -> str:
+    """"test" for one (map, start) in TEST_SHARE, by a stable hash of its text: the splits never share one."""
+    digest = hashlib.sha256(f"{map_text}|{start}".encode()).digest()
+    return "test" if digest[0] % TEST_SHARE == 0 else "train"
+
+
+def records(split: str, n: int, seed: int) -> list[dict]:
+    """n distinct task records {"id", "map", "start"} of `split`, deterministic in (split, n, seed)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"gridworld records: split must be 'train' or 'test', got {split!r}")
+    rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+    out, seen, misses = [], set(), 0
+    while len(out) < n and misses <= 20_000:  # 20k draws without a new one: the split is (nearly) exhausted
+        map_text, (r, c) = random_map(rng)
+        start = f"{r},{c}"
+        if split_of(map_text, start) != split or (map_text, start) in seen:
+            misses += 1
+            continue
+        misses = 0
+        seen.add((map_text, start))
+        out.append({"id": f"gridworld-{split}-{len(out)}", "map": map_text, "start": start})
+    if len(out) == n:
+        return out
+    field = "data.num_train" if split == "train" else "data.num_test"
+    raise ConfigError(f"{field}={n}: found only {len(out)} distinct gridworld {split} maps; ask for fewer")
+
+
+def teacher(record: dict, rng: np.random.Generator, error_rate: float, max_turns: int = MAX_TURNS) -> list:
+    """A shortest-path player that makes a uniformly random move with probability error_rate per turn,
+    played against a real (slippery) GridWorld until it says done or max_turns moves.
+
+    The environment is reset with `rng` itself (so the prompt is `reset(record, rng)` of a generator
+    seeded alike) and draws only its slips from it; the teacher's choices come from a child generator
+    (spawning leaves `rng`'s stream alone). So replaying the moves against a GridWorld reset with a
+    generator seeded like `rng` reproduces the episode's observations exactly."""
+    (choice_rng,) = rng.spawn(1)
+    env = GridWorld()
+    env.reset(record, rng)
+    segments = []
+    for _ in range(max_turns):
+        explore = choice_rng.random() < error_rate
+        move = str(choice_rng.choice(list(MOVES))) if explore else best_move(env.rows, env.pos)
+        result = env.step(move + END_OF_TURN)
+        segments.append((move + END_OF_TURN, True))
+        if result.observation:
+            segments.append((result.observation, False))
+        if result.done:
+            break
+    return segments
+
+
+SUITE = EnvSuite(name="gridworld", make=GridWorld, records=records, teacher=teacher, alphabet=AGENT_ALPHABET,
+                 end_of_turn=END_OF_TURN)

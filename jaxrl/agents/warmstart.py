@@ -1,0 +1,91 @@
+"""The multi-turn warm start: supervised batches from an environment suite's teacher episodes.
+
+A demonstration is one teacher episode played against the real environment: the prompt is
+`env.reset(record, rng)` (BOS + text, left-padded to data.max_prompt_len, as in rollouts), the
+completion is the episode's segments concatenated, and the loss mask is 1 on the model's segments only;
+observation tokens sit in the sequence as context with mask 0 (no loss, exactly as in RL batches).
+
+EOS: the engine ends an episode either on the model's EOS (after a final `env.step` of that text) or
+on the environment's `done`. A final model segment that does not end with the suite's end-of-turn
+string is a final answer that only EOS can end, so an EOS (trained on) follows it. A final segment
+that ends the turn (gridworld: `left]` into the goal or a hole) or a final observation (the teacher's
+turn limit) gets no EOS: the environment's `done` or the turn limit ends such an episode, and the
+model never writes past it. Episodes longer than rollout.max_new_tokens are cut there (the engine's
+budget cuts them alike); those that lose model tokens so are counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from jaxrl.config import ConfigError, DataConfig
+from jaxrl.data.tokenizer import encode_prompts
+
+
+def agent_task_records(data: DataConfig) -> tuple[list[dict], list[dict]]:
+    """(train, test) task records of an agent task: the suite's records for data.num_train / num_test."""
+    from jaxrl.agents import load_suite
+
+    suite = load_suite(data.task)
+    return suite.records("train", data.num_train, data.seed), suite.records("test", data.num_test, data.seed)
+
+
+def episode_targets(tokenizer, segments: list, end_of_turn: str, width: int):
+    """One teacher episode -> (tokens_T int32, loss_mask_T float32, truncated): segments concatenated,
+    EOS after a final answer (see the module docstring), right-padded with PAD or cut at `width`."""
+    ids, mask = [], []
+    for text, by_model in segments:
+        piece = tokenizer.encode(text)
+        ids += piece
+        mask += [1.0 if by_model else 0.0] * len(piece)
+    if segments and segments[-1][1] and not segments[-1][0].endswith(end_of_turn):
+        ids.append(tokenizer.eos_id)
+        mask.append(1.0)
+    truncated = any(mask[width:])  # a model token past the budget (a trailing observation is only context)
+    tokens_T = np.full(width, tokenizer.pad_id, np.int32)
+    mask_T = np.zeros(width, np.float32)
+    tokens_T[:min(len(ids), width)] = ids[:width]
+    mask_T[:min(len(mask), width)] = mask[:width]
+    return tokens_T, mask_T, truncated
+
+
+def teacher_batch(suite, records: list[dict], tokenizer, max_prompt_len: int, width: int, error_rate: float,
+                  rng: np.random.Generator) -> tuple[dict, int]:
+    """SFT batch of teacher episodes, one per record -> (batch, number of episodes that lost model tokens
+    to the `width` cut).
+
+    Each episode gets a seed from `rng`; its prompt is `reset(record, default_rng(seed))` and the teacher
+    plays from a generator seeded alike, so the prompt is the observation the teacher started from.
+    """
+    alphabet = getattr(tokenizer, "alphabet", None)
+    if alphabet is not None and set(suite.alphabet) - set(alphabet):
+        raise ConfigError(f"data.task: the {suite.name!r} environment needs a tokenizer over its alphabet "
+                          f"(jaxrl.agents.env.AGENT_ALPHABET); this one lacks "
+                          f"{''.join(sorted(set(suite.alphabet) - set(alphabet)))!r}")
+    seeds = rng.integers(2**63, size=len(records))
+    prompts, tokens, masks, cut = [], [], [], 0
+    for record, seed in zip(records, seeds):
+        prompts.append(suite.make().reset(record, np.random.default_rng(seed)))
+        segments = suite.teacher(record, np.random.default_rng(seed), error_rate)
+        tokens_T, mask_T, truncated = episode_targets(tokenizer, segments, suite.end_of_turn, width)
+        tokens.append(tokens_T)
+        masks.append(mask_T)
+        cut += truncated
+    prompt_BxP, pmask_BxP, _, _ = encode_prompts(tokenizer, prompts, max_prompt_len, skip_long=False,
+                                                 record_ids=[r["id"] for r in records], pad_to=max_prompt_len)
+    batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": np.stack(tokens),
+             "completion_mask_BxT": np.stack(masks)}
+    return batch, cut
+
+
+def suite_fingerprint(suite) -> str:
+    """A hash of a few of the suite's records and teacher episodes: the warm-start cache key changes
+    when the environment's maps, dynamics or teacher change, not only when its name does."""
+    sample = suite.records("train", 4, 0)
+    episodes = [suite.teacher(r, np.random.default_rng(i), 0.5) for i, r in enumerate(sample)]
+    what = {"name": suite.name, "alphabet": suite.alphabet, "end_of_turn": suite.end_of_turn,
+            "records": sample, "episodes": episodes}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

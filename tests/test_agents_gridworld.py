@@ -1,0 +1,176 @@
+"""The gridworld environment (jaxrl.agents.gridworld): dynamics by hand, slip frequencies, rendering,
+records and the teacher's episodes replayed against a fresh environment."""
+
+import numpy as np
+import pytest
+
+from jaxrl.agents import load_suite
+from jaxrl.agents.env import AGENT_ALPHABET
+from jaxrl.agents.gridworld import (INVALID, MAX_TURNS, MIN_DISTANCE, MAX_DISTANCE, GridWorld, best_move,
+                                    goal_distances, parse_map, records, split_of, teacher)
+from jaxrl.config import ConfigError
+
+# 0123
+# ....   row 0
+# .#..   row 1
+# ....   row 2
+# ...g   row 3
+OPEN = {"id": "hand", "map": "....\n.#..\n....\n...g", "start": "0,0"}
+
+
+def _env(record=OPEN, slip=0.0, seed=0):
+    env = GridWorld(slip=slip)
+    return env, env.reset(record, np.random.default_rng(seed))
+
+
+def test_reset_renders_the_grid_with_the_player():
+    _, obs = _env()
+    assert obs == "p...\n.#..\n....\n...g\n"
+
+
+def test_moves_edges_and_holes_by_hand():
+    env, _ = _env()
+    up = env.step("up]")  # row 0: the edge, the player stays at (0, 0)
+    assert up.observation == "p...\n.#..\n....\n...g\n" and not up.done and up.reward == 0.0
+    right = env.step("right]")  # -> (0, 1)
+    assert right.observation == ".p..\n.#..\n....\n...g\n" and not right.done
+    left_edge = env.step("left]")  # -> (0, 0)
+    assert left_edge.observation == "p...\n.#..\n....\n...g\n"
+    env.step("right]")
+    hole = env.step("down]")  # (0, 1) -> (1, 1): the hole ends the episode, no reward
+    assert hole.done and hole.reward == 0.0 and hole.info["success"] is False and hole.observation == ""
+    after = env.step("down]")  # over: the env answers, never raises
+    assert after.done and after.reward == 0.0 and after.observation == ""
+
+
+def test_goal_gives_reward_one_and_success():
+    env, _ = _env({"id": "g", "map": "....\n.#..\n....\n...g", "start": "3,2"})
+    result = env.step("right]")
+    assert (result.reward, result.done, result.info["success"], result.observation) == (1.0, True, True, "")
+
+
+def test_unparseable_action_is_an_error_observation_and_a_wasted_turn():
+    env, first = _env()
+    for bad in ("jump]", "upp]", "", "up down]", "]"):
+        result = env.step(bad)
+        assert result.observation == INVALID and not result.done and result.info["tool_errors"] == 1
+    assert env.pos == (0, 0)
+    ok = env.step(" down")  # an action the policy ended with EOS instead of "]" still moves
+    assert ok.info["tool_errors"] == 0 and env.pos == (1, 0)
+
+
+def test_shaping_follows_the_shortest_path_distance():
+    # Distances to the goal (3, 3) around the hole (1, 1): (0, 0) -> 6, (0, 1) -> 5, (1, 0) -> 5.
+    dist = goal_distances(parse_map(OPEN["map"]))
+    assert (dist[(0, 0)], dist[(0, 1)], dist[(1, 0)], dist[(2, 2)]) == (6, 5, 5, 2)
+    env, _ = _env()
+    assert env.step("right]").info["shaping"] == pytest.approx(0.1)  # 6 -> 5
+    assert env.step("left]").info["shaping"] == pytest.approx(-0.1)  # 5 -> 6
+    assert env.step("up]").info["shaping"] == 0.0  # the edge: 6 -> 6
+    env.step("right]")
+    assert env.step("down]").info["shaping"] == pytest.approx(-0.1)  # into the hole: growing
+
+
+def test_slip_goes_perpendicular_with_the_configured_frequency():
+    # From the centre of an open 3x3 map, "up" with slip 0.3 goes up 70%, left 15%, right 15%, never down.
+    record = {"id": "s", "map": "...\n...\n..g", "start": "1,1"}
+    rng = np.random.default_rng(123)
+    ends = {"up": 0, "left": 0, "right": 0, "down": 0}
+    where = {(0, 1): "up", (1, 0): "left", (1, 2): "right", (2, 1): "down"}
+    n = 4000
+    for _ in range(n):
+        env = GridWorld(slip=0.3)
+        env.reset(record, rng)
+        env.step("up]")
+        ends[where[env.pos]] += 1
+    # Binomial std of a 15% share over 4000 draws: sqrt(.15 * .85 / 4000) = 0.0056; 4 std = 0.023.
+    assert ends["down"] == 0
+    assert abs(ends["up"] / n - 0.7) < 0.03
+    assert abs(ends["left"] / n - 0.15) < 0.023 and abs(ends["right"] / n - 0.15) < 0.023
+
+
+def test_slip_zero_is_deterministic_and_bad_slip_is_refused():
+    env, _ = _env(slip=0.0)
+    for _ in range(3):
+        env.step("down]")
+    assert env.pos == (3, 0)
+    with pytest.raises(ValueError, match="slip"):
+        GridWorld(slip=1.5)
+
+
+def test_records_are_deterministic_disjoint_solvable_and_render_in_the_alphabet():
+    train, test = records("train", 400, 7), records("test", 100, 7)
+    assert train == records("train", 400, 7) and train != records("train", 400, 8)
+    assert records("train", 50, 7) == train[:50]  # a prefix: n does not reshuffle
+    keys = lambda rs: {(r["map"], r["start"]) for r in rs}  # noqa: E731
+    assert len(keys(train)) == 400 and len(keys(test)) == 100 and not keys(train) & keys(test)
+    assert all(split_of(r["map"], r["start"]) == "train" for r in train)
+    for r in train + test:
+        rows = parse_map(r["map"])
+        start = tuple(int(x) for x in r["start"].split(","))
+        assert MIN_DISTANCE <= goal_distances(rows)[start] <= MAX_DISTANCE
+        obs = GridWorld().reset(r, np.random.default_rng(0))
+        assert set(obs) <= set(AGENT_ALPHABET) and len(obs) + 1 <= 24  # BOS + the prompt fit 24 tokens
+    with pytest.raises(ValueError, match="split"):
+        records("valid", 3, 0)
+
+
+def test_teacher_episodes_replay_against_a_fresh_environment():
+    suite = load_suite("agent_gridworld")
+    assert suite.teacher is teacher and suite.end_of_turn == "]"
+    for i, record in enumerate(records("test", 30, 1)):
+        for error in (0.0, 0.5):
+            segments = teacher(record, np.random.default_rng(i), error)
+            assert segments[0][1] and all(set(text) <= set(AGENT_ALPHABET) for text, _ in segments)
+            env = GridWorld()
+            env.reset(record, np.random.default_rng(i))
+            moves = [text for text, by_model in segments if by_model]
+            assert all(m.endswith("]") for m in moves) and 1 <= len(moves) <= MAX_TURNS
+            replayed = []
+            for move in moves:
+                result = env.step(move)
+                replayed += [(move, True)] + ([(result.observation, False)] if result.observation else [])
+            assert replayed == segments
+            assert env.done or len(moves) == MAX_TURNS  # ends on done or at the turn limit
+
+
+def test_teacher_without_errors_or_slips_walks_a_shortest_path():
+    record = {"id": "t", "map": "....\n.#..\n....\n...g", "start": "0,0"}
+    # Without slips the shortest-path moves reach the goal in its BFS distance: 6 moves.
+    env = GridWorld(slip=0.0)
+    env.reset(record, np.random.default_rng(0))
+    moves = []
+    while not env.done:
+        moves.append(best_move(env.rows, env.pos))
+        env.step(moves[-1] + "]")
+    assert len(moves) == 6 and env.pos == (3, 3)
+    segments = teacher(record, np.random.default_rng(0), 0.0)
+    env = GridWorld()
+    env.reset(record, np.random.default_rng(0))
+    for text, by_model in segments:
+        if by_model:  # with error 0 every move is the shortest-path move from where the player stands
+            assert text == best_move(env.rows, env.pos) + "]"
+            env.step(text)
+
+
+def test_teacher_error_rate_makes_random_moves():
+    # A random move differs from the best one 3 times in 4, so with error 0.4 about 0.4 * 3/4 = 30% of
+    # the moves are not the shortest-path move.
+    off, total = 0, 0
+    for i, record in enumerate(records("train", 300, 2)):
+        env = GridWorld()
+        env.reset(record, np.random.default_rng(i))
+        for text, by_model in teacher(record, np.random.default_rng(i), 0.4):
+            if by_model:
+                off += text != best_move(env.rows, env.pos) + "]"
+                total += 1
+                env.step(text)
+    assert abs(off / total - 0.3) < 0.05, (off, total)
+
+
+def test_asking_for_more_maps_than_exist_names_the_field(monkeypatch):
+    import jaxrl.agents.gridworld as gw
+
+    monkeypatch.setattr(gw, "split_of", lambda map_text, start: "train")  # no test map exists at all
+    with pytest.raises(ConfigError, match="data.num_test=1"):
+        gw.records("test", 1, 0)
