@@ -27,6 +27,6 @@ def get_config() -> Config:
         loss=LossConfig(preset="grpo", kl_beta=0.0),
         optim=OptimConfig(learning_rate=1e-4, warmup_steps=5),
         warmstart=WarmStartConfig(steps=800, batch_size=64, learning_rate=1e-3, teacher_error=0.6),
-        train=TrainConfig(steps=60, ppo_epochs=1, microbatches=1, eval_every=10, eval_prompts=200),
+        train=TrainConfig(steps=30, ppo_epochs=1, microbatches=1, eval_every=5, eval_prompts=200),
         checkpoint=CheckpointConfig(every=10, keep=3),
     )
