@@ -164,3 +164,33 @@ def test_end_of_turn_split_by_the_tokenizer_is_a_one_line_error(tmp_path):
     with pytest.raises(ConfigError, match=rf"^model.hf_path='{tmp_path}': the tokenizer splits the end of turn "
                                           r"'</tool_call>' into \d+ tokens; .*as in Qwen2.5\)$"):
         episode_format(cfg, load_tokenizer(tmp_path), SUITE)
+
+
+def test_a_template_without_tool_support_or_no_template_is_a_config_error(qwen_agent, tmp_path):
+    from jaxrl.agents.formats import episode_format
+    from jaxrl.agents.tools import ToolRegistry
+
+    # Renders messages and tool messages but drops `tools`: the model would never see the schema.
+    no_tools = QWEN25.replace("{%- if tools %}", "{%- if false %}")
+    with pytest.raises(ConfigError, match=r"does not render tools=\[...\] \(no schema of calc"):
+        SUITE.make(AgentConfig(), HermesFormat(no_tools)).reset(records("train", 1, 0)[0], None)
+    with pytest.raises(ConfigError, match="needs the checkpoint's chat template"):
+        HermesFormat().prompt("1*2=", ToolRegistry([]))
+    config = json.loads((qwen_agent / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text((qwen_agent / "tokenizer.json").read_text())
+    with pytest.raises(ConfigError, match=rf"^model.hf_path='{tmp_path}': .* has no chat_template"):
+        episode_format(_agent_cfg(tmp_path), load_tokenizer(tmp_path), SUITE)
+
+
+def test_the_char_model_keeps_the_tag_format_and_the_bare_prompt():
+    from jaxrl.agents.formats import episode_format
+    from jaxrl.data.tokenizer import CharTokenizer
+
+    cfg = load_config(CONFIG, [])
+    fmt, end_of_turn = episode_format(cfg, CharTokenizer(SUITE.alphabet), SUITE)
+    assert (fmt, end_of_turn) == (None, "]")
+    env = SUITE.make(cfg.agent, fmt)
+    assert env.reset(records("train", 1, 0)[0], None) == records("train", 1, 0)[0]["prompt"]
+    assert env.step("[calc 2*3]").observation == ">6\n"
