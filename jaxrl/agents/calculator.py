@@ -14,6 +14,13 @@ whole episode is about 30 completion tokens (14 + 8 + 6 + EOS), so rollout.max_n
 A malformed call, an unknown tool or an expression the calculator rejects is an error observation
 (`>error: ...\\n`, counted in info["tool_errors"]) and the episode goes on.
 
+On a Hugging Face checkpoint (model.hf_path; jaxrl.agents.formats) the same episode speaks the
+Hermes/Qwen format: the prompt is the chat template's rendering of the problem as the user message
+with the calculator's JSON schema as `tools`, a call is
+`<tool_call>{"name": "calc", "arguments": {"expression": "123*456"}}</tool_call>` (which ends the turn),
+its result comes back as the template's tool message, and the final answer is scored the same way
+(the whole final turn, stripped, must be the product), before the tokenizer's EOS.
+
 Records: every pair (a, b) of 3-digit numbers belongs to exactly one split by a fixed hash of the
 pair (1 in 10 to "test"), so the splits are disjoint for any seeds; records(split, n, seed) draws n
 distinct pairs of that split with numpy's generator seeded by (seed, split).
