@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from hf_stand_in import QWEN25  # Qwen2.5's chat template (tools included), shared with test_agent_hf.py
 from jaxrl.agents.calculator import calculate
 from jaxrl.agents.env import AGENT_ALPHABET
 from jaxrl.agents.tools import (QWEN_TOOL_HEAD, QWEN_TOOL_SEP, QWEN_TOOL_TAIL, HermesFormat, TagFormat, Tool,
@@ -99,30 +100,6 @@ def test_hermes_bad_calls_are_error_observations(turn):
 def test_hermes_string_arguments_are_accepted():
     turn = '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>'
     assert _tools(HermesFormat()).respond(turn).observation == QWEN_TOOL_HEAD + "6" + QWEN_TOOL_TAIL
-
-
-# Qwen2.5's template, the parts that render messages (its default system prompt, assistant tool calls,
-# consecutive tool messages grouped in one user message), rewritten here for the test.
-QWEN25 = (
-    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-    "<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
-    "(message.role == 'assistant' and not message.tool_calls) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
-    "{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
-    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
-    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def test_hermes_observation_matches_the_chat_template_transcript():

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from conftest import REPO  # noqa: E402
+from hf_stand_in import CHATML_SPECIALS, save_bpe_tokenizer, save_tiny_qwen2  # noqa: E402
 from jaxrl.cli import main  # noqa: E402
 from jaxrl.config import load_config  # noqa: E402
 from jaxrl.data.math_jsonl import extract_answer, verify_math_answer  # noqa: E402
@@ -25,31 +26,17 @@ PROBLEMS = [("Natalia sold 48 clips in April and half as many in May. How many i
              "#### 5"),
             ("James writes 3 pages to 2 friends twice a week. Pages a year?", "3*2*2*52 = 624\n#### 624"),
             ("Mark has 10 yellow flowers and 80% more purple ones. How many purple?", "#### 1,800")]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
     """A tiny Qwen2 checkpoint with a ChatML-capable BPE tokenizer, and a 5-line GSM8K-style JSONL."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     root = tmp_path_factory.mktemp("stand_in")
     d = root / "qwen_tiny"
     d.mkdir()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [q + " " + a for q, a in PROBLEMS] * 10
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
-    cfg = transformers.AutoConfig.for_model("qwen2", vocab_size=320, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                            tie_word_embeddings=True, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    save_bpe_tokenizer(d, [q + " " + a for q, a in PROBLEMS] * 10, 300, CHATML_SPECIALS,
+                       {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    save_tiny_qwen2(d, 320, eos_token_id=2, pad_token_id=0)
     jsonl = root / "gsm8k.jsonl"
     jsonl.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in PROBLEMS))
     return d, jsonl

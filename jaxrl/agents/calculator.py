@@ -14,6 +14,13 @@ whole episode is about 30 completion tokens (14 + 8 + 6 + EOS), so rollout.max_n
 A malformed call, an unknown tool or an expression the calculator rejects is an error observation
 (`>error: ...\\n`, counted in info["tool_errors"]) and the episode goes on.
 
+On a Hugging Face checkpoint (model.hf_path; jaxrl.agents.formats) the same episode speaks the
+Hermes/Qwen format: the prompt is the chat template's rendering of the problem as the user message
+with the calculator's JSON schema as `tools`, a call is
+`<tool_call>{"name": "calc", "arguments": {"expression": "123*456"}}</tool_call>` (which ends the turn),
+its result comes back as the template's tool message, and the final answer is scored the same way
+(the whole final turn, stripped, must be the product), before the tokenizer's EOS.
+
 Records: every pair (a, b) of 3-digit numbers belongs to exactly one split by a fixed hash of the
 pair (1 in 10 to "test"), so the splits are disjoint for any seeds; records(split, n, seed) draws n
 distinct pairs of that split with numpy's generator seeded by (seed, split).
@@ -85,22 +92,30 @@ def _factor(text: str, i: int) -> tuple[int, int]:
     return int(text[start:i]), i
 
 
-def calculator_tools(max_output: int = 2000) -> ToolUse:
-    registry = ToolRegistry([Tool("calc", calculate, "integer arithmetic with + - * and parentheses")], max_output)
-    return ToolUse(registry, TagFormat(AGENT_ALPHABET))
+# JSON calls (HermesFormat) name the argument: {"name": "calc", "arguments": {"expression": "123*456"}}.
+CALC_PARAMETERS = {"type": "object", "required": ["expression"],
+                   "properties": {"expression": {"type": "string", "description": "e.g. (12+3)*456"}}}
+
+
+def calculator_tools(max_output: int = 2000, fmt=None) -> ToolUse:
+    """The calculator tool in `fmt` (None: the tag format of the char models)."""
+    tool = Tool("calc", calculate, "integer arithmetic with + - * and parentheses", parameters=CALC_PARAMETERS)
+    return ToolUse(ToolRegistry([tool], max_output), fmt or TagFormat(AGENT_ALPHABET))
 
 
 class CalculatorEnv:
-    """One episode: the problem, tool turns answered by the calculator, then a scored final answer."""
+    """One episode: the problem, tool turns answered by the calculator, then a scored final answer.
+    fmt: the tool-call format (None: TagFormat; HermesFormat for a Hugging Face chat model, whose
+    prompt is then the chat template's rendering of the problem with the tool's schema)."""
 
-    def __init__(self, max_output: int = 2000):
-        self.tools = calculator_tools(max_output)
+    def __init__(self, max_output: int = 2000, fmt=None):
+        self.tools = calculator_tools(max_output, fmt)
         self.answer = None
         self.done = True
 
     def reset(self, record: dict, rng: np.random.Generator) -> str:
         self.answer, self.done = record["answer"], False
-        return record["prompt"]
+        return self.tools.format.prompt(record["prompt"], self.tools.registry)
 
     def step(self, action: str) -> StepResult:
         if self.done:
@@ -153,5 +168,5 @@ def teacher(record: dict, rng: np.random.Generator, error_rate: float) -> list:
     return [(call, True), (observation, False), (observation[1:].strip(), True)]
 
 
-SUITE = EnvSuite(name="agent_calculator", make=lambda agent_cfg: CalculatorEnv(agent_cfg.tool_max_output), records=records, teacher=teacher,
-                 alphabet=AGENT_ALPHABET, end_of_turn="]")
+SUITE = EnvSuite(name="agent_calculator", make=lambda agent_cfg, fmt=None: CalculatorEnv(agent_cfg.tool_max_output, fmt),
+                 records=records, teacher=teacher, alphabet=AGENT_ALPHABET, end_of_turn="]", formats=("tag", "hermes"))

@@ -56,8 +56,10 @@ class Environment(Protocol):
 class EnvSuite:
     """An embedded environment: how to make its episodes, its task records and its warm-start teacher.
 
-    make(agent_cfg) -> a fresh Environment (one per episode), given the run's `agent.*` section
-        (e.g. agent.tool_max_output for its tools).
+    make(agent_cfg, fmt=None) -> a fresh Environment (one per episode), given the run's `agent.*` section
+        (e.g. agent.tool_max_output for its tools) and the tool-call format its episodes speak
+        (jaxrl.agents.tools: TagFormat, HermesFormat; None: the suite's own char syntax, whose turns
+        end with `end_of_turn`).
     records(split, n, seed) -> n task records (dicts of str, with "id"), deterministic in (split, seed).
     teacher(record, rng, error_rate) -> one demonstration episode as segments [(text, by_model), ...] in order,
         starting with the first model turn (the prompt is reset()'s observation): by_model=True segments
@@ -66,7 +68,11 @@ class EnvSuite:
         warmstart.teacher_error) leaves RL room to improve.
     alphabet: the character tokenizer's alphabet for the embedded models (every observation and every
         action the teacher writes must use only these characters).
-    end_of_turn: the string that ends a model turn; one token of the run's tokenizer.
+    end_of_turn: the string that ends a model turn with fmt=None; one token of the run's tokenizer.
+    formats: the names of the tool formats `make` takes as fmt (`fmt.name`: "tag", "hermes"); a
+        Hugging Face checkpoint's run needs "hermes" (jaxrl.agents.formats), so a suite without it
+        (its actions end with a character a BPE tokenizer may merge into other tokens) runs on the
+        embedded char models only.
     """
 
     name: str
@@ -75,3 +81,4 @@ class EnvSuite:
     teacher: Callable[[dict, np.random.Generator, float], list]
     alphabet: str
     end_of_turn: str
+    formats: tuple = ()

@@ -18,6 +18,11 @@ Formats:
   template renders a `tool` message, for Qwen2.5:
   `<|im_end|>\n<|im_start|>user\n<tool_response>\n...\n</tool_response><|im_end|>\n<|im_start|>assistant\n`.
 
+A format also renders an episode's prompt from the problem text (`fmt.prompt(text, registry)`), so an
+environment stays format-agnostic: the tag format's is the bare text; the Hermes format's is the chat
+template's rendering of a user message with `tools=registry.schemas()` (each Tool's JSON schema, which
+a Qwen2.5-style template lists in its system message) and the assistant's generation prompt.
+
 Nothing the model writes raises: a malformed call, an unknown tool, wrong arguments, a tool that
 raises or runs past its time limit each give an error observation and count in
 `info["tool_errors"]`; every call counts in `info["tool_calls"]`, and a result longer than
@@ -50,12 +55,21 @@ class ToolError(Exception):
 @dataclasses.dataclass(frozen=True)
 class Tool:
     """name: what a call names; fn: fn(argument_text) for the tag format, fn(**arguments) for JSON
-    calls, -> the result (str() of it is shown); description: one line, for a system prompt."""
+    calls, -> the result (str() of it is shown); description: one line, for a system prompt;
+    parameters: the JSON schema of fn's keyword arguments (an "object" schema), which a chat template
+    shows the model (HermesFormat.prompt); None: no arguments."""
 
     name: str
     fn: Callable[..., object]
     description: str
     timeout_s: Optional[float] = None  # in-process wall-clock limit (None: wait for it)
+    parameters: Optional[dict] = None
+
+    def schema(self) -> dict:
+        """The tool as chat templates take it in `tools=[...]` (the OpenAI function-calling layout)."""
+        parameters = self.parameters or {"type": "object", "properties": {}}
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": parameters}}
 
 
 class ToolCall(NamedTuple):
@@ -86,6 +100,9 @@ class ToolRegistry:
             raise ConfigError(f"agent.tool_max_output: got {max_output}, expected a positive integer")
         self.tools = {t.name: t for t in tools}
         self.max_output = max_output
+
+    def schemas(self) -> list[dict]:
+        return [t.schema() for t in self.tools.values()]
 
     def call(self, call: ToolCall) -> ToolResult:
         tool = self.tools.get(call.name)
@@ -142,6 +159,7 @@ class ToolTurn(NamedTuple):
 class TagFormat:
     """`[name argument]` calls and `>result\\n` observations in a character alphabet (the embedded models')."""
 
+    name = "tag"
     end_of_turn = "]"
     _CALL = re.compile(r"\[([a-z_][a-z0-9_]*)(?: ([^\[\]]*))?\]\s*$")
 
@@ -158,6 +176,11 @@ class TagFormat:
         if match is None or "[" in turn[: match.start()] or "]" in turn[: match.start()]:
             return [CallError("bad call, expected [tool argument]")]
         return [ToolCall(match.group(1), match.group(2))]
+
+    def prompt(self, text: str, registry: ToolRegistry) -> str:
+        """The episode's prompt: the bare problem text (a char model learns the tools from its warm start)."""
+        del registry
+        return text
 
     def render(self, results: list) -> str:
         lines = [(f"error: {r.text}" if r.error else r.text) for r in results]
@@ -182,16 +205,42 @@ class HermesFormat:
     """`<tool_call>{json}</tool_call>` calls; observations as the chat template renders tool messages.
 
     chat_template: the checkpoint's template (HFTokenizer.chat_template); the text it puts after an
-    assistant message and around tool messages is measured once here. None: Qwen2.5's."""
+    assistant message and around tool messages is measured once here. None: Qwen2.5's observations
+    (and no `prompt`: rendering a prompt needs the template). template_variables: what the template
+    reads besides messages (bos_token, eos_token; `for_tokenizer` passes the checkpoint's)."""
 
+    name = "hermes"
     end_of_turn = "</tool_call>"
     _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self, chat_template: Optional[str] = None, **template_variables):
+        self.chat_template, self.template_variables = chat_template, template_variables
         if chat_template is None:
             self.head, self.sep, self.tail = QWEN_TOOL_HEAD, QWEN_TOOL_SEP, QWEN_TOOL_TAIL
         else:
             self.head, self.sep, self.tail = _measure_template(chat_template, template_variables)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> "HermesFormat":
+        """The format of a checkpoint's tokenizer (jaxrl.data.hf_tokenizer.HFTokenizer) and its template."""
+        return cls(tokenizer.chat_template, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+
+    def prompt(self, text: str, registry: ToolRegistry) -> str:
+        """The chat the template renders for a user message `text` with the registry's tools
+        (`tools=[...]`: the template writes their schemas into its system message) and the
+        assistant's generation prompt; the model's first turn starts right after it."""
+        from jaxrl.data.hf_tokenizer import render_chat_template
+
+        if self.chat_template is None:
+            raise ConfigError("Hermes tool format: rendering a prompt needs the checkpoint's chat template")
+        tools = registry.schemas()
+        rendered = render_chat_template(self.chat_template, [{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tools=tools, **self.template_variables)
+        missing = [t["function"]["name"] for t in tools if json.dumps(t["function"]["name"]) not in rendered]
+        if missing:
+            raise ConfigError(f"chat template: it does not render tools=[...] (no schema of {', '.join(missing)} in "
+                              "the prompt); the Hermes tool format needs a template with tool support")
+        return rendered
 
     def parse(self, turn: str) -> list:
         calls, rest = [], turn

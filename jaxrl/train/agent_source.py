@@ -30,6 +30,8 @@ import time
 import jax
 import numpy as np
 
+from jaxrl.agents import load_suite
+from jaxrl.agents.formats import check_model_format, check_prompt_fits, episode_format
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.stream import StreamState, next_batch
 from jaxrl.rollout.episodes import EpisodeEngine
@@ -46,16 +48,20 @@ def check_agent_config(cfg: Config) -> None:
     if cfg.rollout.engine.dynamic_sampling or cfg.rollout.engine.allocation != "uniform":
         raise ConfigError("rollout.engine.dynamic_sampling / rollout.engine.allocation: not available with "
                           "multi-turn episodes; use agent.keep_top_variance (StarPO-S) to filter groups")
+    check_model_format(cfg, load_suite(cfg.data.task))  # a checkpoint's run needs the Hermes tool format
     if jax.process_count() > 1:
         raise ConfigError(f"data.task={cfg.data.task!r}: multi-turn episodes run in one process; this run has "
                           f"{jax.process_count()}")
 
 
 def make_episode_engine(cfg: Config, model_cfg, tokenizer, suite, *, greedy: bool = False) -> EpisodeEngine:
-    """The episode engine a run's config describes (rollout.*, rollout.engine.slots/chunk, agent.*)."""
+    """The episode engine a run's config describes (rollout.*, rollout.engine.slots/chunk, agent.*); its
+    tool format follows the tokenizer (jaxrl.agents.formats: Hermes for a Hugging Face checkpoint)."""
     rc = cfg.rollout
-    return EpisodeEngine(model_cfg, rc.engine, cfg.agent, make_env=functools.partial(suite.make, cfg.agent), tokenizer=tokenizer,
-                         end_of_turn=suite.end_of_turn, prompt_len=prompt_width(cfg.data),
+    fmt, end_of_turn = episode_format(cfg, tokenizer, suite)
+    check_prompt_fits(cfg, tokenizer, suite, fmt)
+    return EpisodeEngine(model_cfg, rc.engine, cfg.agent, make_env=functools.partial(suite.make, cfg.agent, fmt), tokenizer=tokenizer,
+                         end_of_turn=end_of_turn, prompt_len=prompt_width(cfg.data),
                          max_new_tokens=rc.max_new_tokens, temperature=1.0 if greedy else rc.temperature,
                          top_k=0 if greedy else rc.top_k, top_p=1.0 if greedy else rc.top_p, greedy=greedy)
 
