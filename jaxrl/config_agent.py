@@ -25,10 +25,7 @@ class AgentConfig:
     # StarPO-S: draw ceil(prompts_per_step / keep_top_variance) groups, keep the prompts_per_step
     # whose rewards vary most (1.0: keep every group drawn).
     keep_top_variance: float = 1.0
-    # The Python-execution tool (a subprocess per call): wall-clock limit, address-space limit,
-    # and the most characters of its output returned to the model.
-    tool_timeout_s: float = 2.0
-    tool_memory_mb: int = 512
+    # The most characters of a tool's result returned to the model (longer ones are cut, counted).
     tool_max_output: int = 2000
 
     def validate(self, prefix: str = "agent") -> None:
@@ -38,7 +35,4 @@ class AgentConfig:
         _check(self.shaping_weight >= 0, f"{prefix}.shaping_weight", "a non-negative number", self.shaping_weight)
         _check(0 < self.keep_top_variance <= 1, f"{prefix}.keep_top_variance", "a fraction in (0, 1]",
                self.keep_top_variance)
-        _check(self.tool_timeout_s > 0, f"{prefix}.tool_timeout_s", "a positive number of seconds",
-               self.tool_timeout_s)
-        _check(self.tool_memory_mb >= 64, f"{prefix}.tool_memory_mb", "at least 64 (MiB)", self.tool_memory_mb)
         _check(self.tool_max_output > 0, f"{prefix}.tool_max_output", "a positive integer", self.tool_max_output)

@@ -24,3 +24,13 @@ def load_suite(task: str):
         raise ConfigError(f"data.task: got {task!r}, expected an environment: {' or '.join(map(repr, SUITES))}")
     module, attr = SUITES[task].split(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def load_agent_task(data_cfg):
+    """TaskData of an environment suite: its train / test records (generated in memory, deterministic
+    in data.seed); episodes are scored by their environments, so there is no verifier."""
+    from jaxrl.data.tasks import RecordSource, TaskData
+
+    suite = load_suite(data_cfg.task)
+    split = lambda name, n: RecordSource(f"{data_cfg.task}/{name}", suite.records(name, n, data_cfg.seed))
+    return TaskData(data_cfg.task, split("train", data_cfg.num_train), split("test", data_cfg.num_test), None, "")

@@ -24,7 +24,7 @@ episode's token noise is keyed the same way, so the replay draws the same episod
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -56,7 +56,8 @@ class Environment(Protocol):
 class EnvSuite:
     """An embedded environment: how to make its episodes, its task records and its warm-start teacher.
 
-    make() -> a fresh Environment (one per episode).
+    make(agent_cfg) -> a fresh Environment (one per episode), given the run's `agent.*` section
+        (e.g. agent.tool_max_output for its tools).
     records(split, n, seed) -> n task records (dicts of str, with "id"), deterministic in (split, seed).
     teacher(record, rng, error_rate) -> one demonstration episode as segments [(text, by_model), ...] in order,
         starting with the first model turn (the prompt is reset()'s observation): by_model=True segments
@@ -69,7 +70,7 @@ class EnvSuite:
     """
 
     name: str
-    make: Callable[[], Environment]
+    make: Callable[[Any], Environment]
     records: Callable[[str, int, int], list]
     teacher: Callable[[dict, np.random.Generator, float], list]
     alphabet: str

@@ -28,6 +28,10 @@ noise of all S slots from `key` with `sampler.choose_tokens`. A token's draw the
 the engine key, the number of decode steps the engine has run since `init_state`, and its slot; no
 two (step, slot) pairs share noise, so every sample is an independent draw from the plain
 sampler's distribution, whatever the admission pattern. Admission draws nothing. Greedy ignores it.
+With `spec.slot_keys` (multi-turn episodes, episode_state.py) slot s instead draws column c's noise
+from fold_in(key_S[s], c), key_S[s] being the key of the sample placed there: its tokens then depend
+on that key, the params and its history only. `spec.stop_ids` (end-of-turn tokens) end a slot's
+decoding like EOS, with eos_S left False.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.decode import LayerCache, decode_rows, layer_params
-from jaxrl.rollout.sampler import choose_tokens, prefill_groups, scaled_logits
+from jaxrl.rollout.sampler import (choose_tokens, first_argmax, prefill_groups, scaled_logits,
+                                   truncate_logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,13 @@ class EngineSpec:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    # End-of-turn token ids (multi-turn episodes): a slot that draws one is done, like EOS, but its
+    # eos_S stays False. () = none (single-turn rollouts).
+    stop_ids: tuple = ()
+    # Per-slot noise: slot s draws its token at column c with noise from fold_in(key_S[s], c) (key_S
+    # set when the row is placed) instead of the engine's shared per-step key, so a sample's tokens
+    # depend only on its own key, the params and its history, not on its slot or when it ran.
+    slot_keys: bool = False
 
     @property
     def cache_len(self) -> int:
@@ -79,6 +91,7 @@ class EngineState(NamedTuple):
     version_SxT: jax.Array  # int32: the version passed to the chunk that drew each token; -1 where masked
     rng: jax.Array
     routing_SxCxLxK: Optional[jax.Array]  # MoE: experts per cache slot (C = P + T) and MoE layer; else None
+    key_S: Optional[jax.Array] = None  # spec.slot_keys: each slot's own noise key (S x key shape); else None
 
 
 class SlotReadout(NamedTuple):
@@ -111,7 +124,8 @@ def init_state(spec: EngineSpec, rng) -> EngineState:
     routing = None
     if cfg.n_experts:
         routing = jnp.zeros((S, C, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
-    return EngineState(cache, *_blank_rows(spec, S, True), rng, routing)
+    key_S = jnp.broadcast_to(rng, (S,) + rng.shape) if spec.slot_keys else None  # placement overwrites them
+    return EngineState(cache, *_blank_rows(spec, S, True), rng, routing, key_S)
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
@@ -154,22 +168,40 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
     logits_SxV, cache, experts_SxLxK = decode_rows(lparams, cfg, s.last_S, s.cache, fill_S, active_S.astype(jnp.int32))
     logits_SxV = logits_SxV.astype(jnp.float32)
     rng, key = jax.random.split(s.rng)
-    tok_S = choose_tokens(key, logits_SxV, temperature, spec.top_k, spec.top_p, spec.greedy).astype(jnp.int32)
+    if spec.slot_keys:
+        tok_S = choose_tokens_per_row(s.key_S, s.col_S, logits_SxV, temperature, spec).astype(jnp.int32)
+    else:
+        tok_S = choose_tokens(key, logits_SxV, temperature, spec.top_k, spec.top_p, spec.greedy).astype(jnp.int32)
     logp_all_SxV = jax.nn.log_softmax(scaled_logits(logits_SxV, temperature), axis=-1)
     logp_S = jnp.take_along_axis(logp_all_SxV, tok_S[:, None], axis=-1)[:, 0]
     routing = s.routing_SxCxLxK
     if experts_SxLxK is not None:  # the input fed at cache slot fill_S used these experts
         routing = _put_column(routing, fill_S, experts_SxLxK, active_S)
     eos_S = active_S & (tok_S == spec.eos_id)
+    stop_S = eos_S
+    for stop_id in spec.stop_ids:  # end of turn: done, not EOS
+        stop_S = stop_S | (active_S & (tok_S == stop_id))
     col_S = s.col_S + active_S
     return s._replace(
         cache=cache, last_S=jnp.where(active_S, tok_S, s.last_S), col_S=col_S,
-        done_S=s.done_S | eos_S | (col_S >= T), eos_S=s.eos_S | eos_S,
+        done_S=s.done_S | stop_S | (col_S >= T), eos_S=s.eos_S | eos_S,
         tokens_SxT=_put_column(s.tokens_SxT, s.col_S, tok_S, active_S),
         logp_SxT=_put_column(s.logp_SxT, s.col_S, logp_S, active_S),
         mask_SxT=_put_column(s.mask_SxT, s.col_S, jnp.ones_like(logp_S), active_S),
         version_SxT=_put_column(s.version_SxT, s.col_S, jnp.broadcast_to(version, col_S.shape), active_S),
         rng=rng, routing_SxCxLxK=routing)
+
+
+def choose_tokens_per_row(key_S, col_S, logits_SxV, temperature, spec: EngineSpec):
+    """`choose_tokens` with row s's Gumbel noise drawn from fold_in(key_S[s], col_S[s]): a row's draw
+    at a column depends on its own key only (spec.slot_keys)."""
+    if spec.greedy:
+        return first_argmax(logits_SxV)
+    scaled_SxV = truncate_logits(scaled_logits(logits_SxV, temperature), spec.top_k, spec.top_p)
+    V = scaled_SxV.shape[-1]
+    gumbel_SxV = jax.vmap(lambda k, c: jax.random.gumbel(jax.random.fold_in(k, c), (V,), scaled_SxV.dtype))(
+        key_S, col_S)
+    return first_argmax(scaled_SxV + gumbel_SxV)
 
 
 # The per-layer form of params that `decode_chunk` runs on; splitting copies every weight.
@@ -221,7 +253,7 @@ def host_slots(state: EngineState) -> EngineState:
     """A host (numpy) copy of every per-slot field, without the cache and the key: one round trip,
     after which `read_host_slots` reads any slots with no further device call. Copies, not views:
     the next chunk donates (reuses) the device buffers."""
-    return jax.tree.map(np.array, jax.device_get(state._replace(cache=None, rng=None)))
+    return jax.tree.map(np.array, jax.device_get(state._replace(cache=None, rng=None, key_S=None)))
 
 
 def read_host_slots(spec: EngineSpec, host: EngineState, slot_R) -> SlotReadout:

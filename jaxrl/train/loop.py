@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxrl.agents import is_agent_task, load_agent_task, load_suite
 from jaxrl.config import Config
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
@@ -45,6 +46,7 @@ from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.metrics import MetricsLog, plot
 from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.report import emit
+from jaxrl.train.agent_source import AgentSource, check_agent_config, make_agent_evaluator
 from jaxrl.train.group_sources import EngineSource, StaticSource
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.scoring import RowLayout, assemble_batch
@@ -141,6 +143,8 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     # rollout.group_size is taken as given (MC-GRPO's config samples G+1; its prepare drops the pivot).
     loss = make_loss(cfg.loss)
     check_rollout(cfg.loss.preset, G)
+    if is_agent_task(cfg.data.task):
+        check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = _build(cfg, tc.progress, mesh, preset)
     optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
@@ -157,7 +161,20 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
                                  max_new_tokens=rc.max_new_tokens, group_size=G, use_ref=loss.needs_ref)
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
     # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
-    if rc.engine.enabled:
+    source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, (mesh, preset, param_sh, rep), state, rows, host)
+    run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, state_sh, rep, mesh), evaluate, manager, log, base_path)
+    return run, state, stream, resumed_step or 0
+
+
+def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, state: TrainState, rows: RowLayout, host: dict):
+    """(the rollout source, the evaluator): multi-turn episodes for an environment task, else the slot
+    engine or the static sampler, each with its held-out evaluation."""
+    mesh, preset, param_sh, rep = layout
+    if is_agent_task(cfg.data.task):  # multi-turn episodes (jaxrl.train.agent_source)
+        suite = load_suite(cfg.data.task)
+        return (AgentSource(cfg, model_cfg, tokenizer, task, suite, host),
+                make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test)))
+    if cfg.rollout.engine.enabled:
         source = EngineSource(cfg, model_cfg, tokenizer, task, host)
     else:
         source = StaticSource(cfg, SamplerSource(cfg, model_cfg, tokenizer, mesh, preset, param_sh, state.params,
@@ -165,8 +182,7 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
                               task, tokenizer, rows)
     evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier,
                               out_sharding=rep)
-    run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, state_sh, rep, mesh), evaluate, manager, log, base_path)
-    return run, state, stream, resumed_step or 0
+    return source, evaluate
 
 
 def _restore(manager, state: TrainState, loss, record: RunRecord):
@@ -231,9 +247,12 @@ def log_and_checkpoint(run: Run, state: TrainState, stream: StreamState, step: i
 
 def _build(cfg: Config, progress: bool, mesh, preset):
     """Tokenizer, model config, task, the base params laid out by the preset, their shardings."""
-    tokenizer = CharTokenizer()
+    agent = is_agent_task(cfg.data.task)  # an environment suite brings its alphabet and its records
+    tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if agent else CharTokenizer()
     model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    if jax.process_count() > 1:  # process 0 builds the dataset cache (if missing) before the others read it
+    if agent:
+        task = load_agent_task(cfg.data)
+    elif jax.process_count() > 1:  # process 0 builds the dataset cache (if missing) before the others read it
         from jax.experimental import multihost_utils
 
         task = load_task(cfg.data) if is_primary() else None

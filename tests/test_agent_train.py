@@ -1,0 +1,98 @@
+"""Multi-turn episodes in the training loop: a run on each embedded environment trains and logs the
+agent metrics, combinations that cannot work are one-line config errors, and a run SIGKILLed while
+its episodes are in flight resumes to the same metrics as an uninterrupted run."""
+
+import signal
+import subprocess
+
+import pytest
+
+from conftest import REPO, TINY, jaxrl_cmd
+from jaxrl.config import load_config
+from preset_configs import fast_compiles  # noqa: F401  (fixture)
+from test_resume import _finished_checkpoints, _rows, _wait_for
+
+# Timing-dependent fields: wall-clock figures, and how the environment time split into hidden and
+# exposed (which depends on thread scheduling). Everything else must replay exactly.
+TIMING = {"rollout/seconds", "rollout/tokens_per_s", "step_seconds", "wall_time", "agent/env_seconds",
+          "agent/env_exposed_seconds", "agent/env_hidden_seconds"}
+SMALL = [t for t in TINY if not t.startswith("data.")] + [
+    "data.num_train=200", "data.num_test=20", "rollout.engine.slots=8", "train.eval_prompts=8"]
+
+
+def _config(name: str):
+    return REPO / "configs" / f"agent_{name}.py"
+
+
+def _cfg(name, *extra):
+    return load_config(_config(name), SMALL + list(extra))
+
+
+@pytest.mark.parametrize("name", ["calculator", "gridworld"])
+def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_cache, fast_compiles):
+    from jaxrl.train.loop import train
+
+    rows = train(_cfg(name, "train.steps=2", "train.eval_every=2"), tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    step = rows[1]
+    for key in ("agent/turns_mean", "agent/tool_calls_mean", "agent/tool_errors", "agent/env_seconds",
+                "agent/env_exposed_seconds", "agent/env_hidden_seconds", "agent/reward_std_mean", "loss", "grad_norm"):
+        assert key in step, key
+    assert step["agent/turns_mean"] >= 1 and step["agent/env_steps"] >= 16  # 4 prompts x 4 episodes, >= 1 step each
+    assert 0 <= rows[2]["eval/accuracy"] <= 1 and rows[2]["eval/turns"] >= 1
+    assert step["rollout/samples"] == 16
+
+
+def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_process_cache, fast_compiles):
+    from jaxrl.train.loop import train
+
+    rows = train(_cfg("calculator", "train.steps=1", "agent.keep_top_variance=0.5"), tmp_path / "run")
+    assert rows[1]["rollout/samples"] == 32  # ceil(4 / 0.5) = 8 groups of 4 drawn, 4 kept
+    assert rows[1]["agent/kept_reward_std_mean"] >= rows[1]["agent/reward_std_mean"]
+
+
+@pytest.mark.parametrize("extra, field", [
+    (["rollout.speculative.enabled=true"], "rollout.speculative.enabled"),
+    (["rollout.engine.dynamic_sampling=true"], "rollout.engine.dynamic_sampling"),
+    (["agent.keep_top_variance=0"], "agent.keep_top_variance"),
+    (["agent.max_turns=0"], "agent.max_turns"),
+])
+def test_agent_config_errors_name_the_field(tmp_path, extra, field):
+    proc = subprocess.run(jaxrl_cmd("train", str(_config("calculator")), *sum((["--set", t] for t in SMALL + extra), []),
+                                    "--workdir", str(tmp_path / "run")), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("jaxrl: error:") and field in last, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+STEPS = 6
+RUN_ARGS = [str(_config("gridworld")), *sum((["--set", t] for t in SMALL), []), "--set", f"train.steps={STEPS}",
+            "--set", "checkpoint.every=1", "--set", "train.eval_every=3"]
+
+
+def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env):
+    """Killed while a step's episodes are in flight (the rollout is most of a step), the run resumes from
+    the previous step's checkpoint and replays that step's episodes from scratch: same environment
+    seeds, same token keys, so every metric but the timing ones matches the uninterrupted run."""
+    straight = tmp_path / "straight"
+    subprocess.run(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(straight)), env=cache_env, check=True, timeout=600)
+    reference = _rows(straight)
+    assert sorted(reference) == list(range(STEPS + 1))
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(killed)), env=cache_env)
+    try:
+        _wait_for(lambda: any(s >= 2 for s in _finished_checkpoints(killed)), proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    restored = max(_finished_checkpoints(killed))
+    assert restored < STEPS, "the kill came too late to test resumption"
+    subprocess.run(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(killed)), env=cache_env, check=True, timeout=600)
+    resumed = _rows(killed)
+    assert sorted(resumed) == list(range(STEPS + 1))
+    untimed = lambda row: {k: v for k, v in row.items() if k not in TIMING}
+    for step in range(1, STEPS + 1):
+        assert untimed(resumed[step]) == untimed(reference[step]), step
