@@ -13,7 +13,7 @@ import pytest
 from jaxrl.agents import load_suite
 from jaxrl.agents.env import AGENT_ALPHABET
 from jaxrl.agents.warmstart import agent_task_records, episode_targets, suite_fingerprint, teacher_batch
-from jaxrl.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig, WarmStartConfig
+from jaxrl.config import AgentConfig, Config, ConfigError, DataConfig, ModelConfig, RolloutConfig, WarmStartConfig
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params
 from jaxrl.train.warmstart import cache_key, make_sft_step, sft_loss, train_base
@@ -55,7 +55,7 @@ def test_teacher_batch_left_pads_the_prompt_and_masks_out_observations():
     assert batch["prompt_tokens_BxP"].shape == (8, P) and batch["tokens_BxT"].shape == (8, T) and cut == 0
     for b, record in enumerate(records):
         # BOS + the 20-character grid, right-aligned in 24 columns: 3 columns of left padding.
-        first = SUITE.make().reset(record, np.random.default_rng(0))
+        first = SUITE.make(AgentConfig()).reset(record, np.random.default_rng(0))
         assert batch["prompt_mask_BxP"][b].tolist() == [False] * 3 + [True] * 21
         assert batch["prompt_tokens_BxP"][b].tolist() == [TOK.pad_id] * 3 + [TOK.bos_id] + _ids(first)
         tokens, mask = batch["tokens_BxT"][b], batch["completion_mask_BxT"][b]

@@ -29,8 +29,9 @@ def load_suite(task: str):
 def load_agent_task(data_cfg):
     """TaskData of an environment suite: its train / test records (generated in memory, deterministic
     in data.seed); episodes are scored by their environments, so there is no verifier."""
+    from jaxrl.agents.warmstart import agent_task_records
     from jaxrl.data.tasks import RecordSource, TaskData
 
-    suite = load_suite(data_cfg.task)
-    split = lambda name, n: RecordSource(f"{data_cfg.task}/{name}", suite.records(name, n, data_cfg.seed))
-    return TaskData(data_cfg.task, split("train", data_cfg.num_train), split("test", data_cfg.num_test), None, "")
+    train, test = agent_task_records(data_cfg)
+    name = data_cfg.task
+    return TaskData(name, RecordSource(f"{name}/train", train), RecordSource(f"{name}/test", test), None, "")

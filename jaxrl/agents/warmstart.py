@@ -21,7 +21,7 @@ import json
 
 import numpy as np
 
-from jaxrl.config import ConfigError, DataConfig
+from jaxrl.config import AgentConfig, ConfigError, DataConfig
 from jaxrl.data.tokenizer import encode_prompts
 
 
@@ -68,7 +68,7 @@ def teacher_batch(suite, records: list[dict], tokenizer, max_prompt_len: int, wi
     seeds = rng.integers(2**63, size=len(records))
     prompts, tokens, masks, cut = [], [], [], 0
     for record, seed in zip(records, seeds):
-        prompts.append(suite.make().reset(record, np.random.default_rng(seed)))
+        prompts.append(suite.make(AgentConfig()).reset(record, np.random.default_rng(seed)))
         segments = suite.teacher(record, np.random.default_rng(seed), error_rate)
         tokens_T, mask_T, truncated = episode_targets(tokenizer, segments, suite.end_of_turn, width)
         tokens.append(tokens_T)
