@@ -1,6 +1,8 @@
 """The gridworld environment (jaxrl.agents.gridworld): dynamics by hand, slip frequencies, rendering,
 records and the teacher's episodes replayed against a fresh environment."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -172,5 +174,15 @@ def test_asking_for_more_maps_than_exist_names_the_field(monkeypatch):
     import jaxrl.agents.gridworld as gw
 
     monkeypatch.setattr(gw, "split_of", lambda map_text, start: "train")  # no test map exists at all
-    with pytest.raises(ConfigError, match="data.num_test=1"):
-        gw.records("test", 1, 0)
+    raised = []
+
+    def ask():
+        try:
+            gw.records("test", 1, 0)
+        except ConfigError as e:
+            raised.append(str(e))
+
+    worker = threading.Thread(target=ask, daemon=True)  # a hang fails the test instead of stalling the suite
+    worker.start()
+    worker.join(60)  # about 1 s when the search gives up after 20k draws without a new map
+    assert not worker.is_alive() and raised and "data.num_test=1" in raised[0], raised

@@ -134,7 +134,8 @@ def test_a_few_sft_steps_on_teacher_episodes_lower_the_loss():
 
 def _agent_cfg(**warmstart):
     return Config(model=MODEL, data=DataConfig(task="agent_gridworld", num_train=40, num_test=8, max_prompt_len=P),
-                  rollout=RolloutConfig(max_new_tokens=T), warmstart=WarmStartConfig(steps=2, batch_size=4, **warmstart))
+                  rollout=RolloutConfig(max_new_tokens=T),
+                  warmstart=WarmStartConfig(steps=2, batch_size=4, **warmstart))
 
 
 def test_train_base_on_an_agent_task_uses_the_teacher_episodes():
@@ -149,7 +150,6 @@ def test_cache_key_of_an_agent_task_names_the_suite_and_the_teacher(monkeypatch)
     key = cache_key(_agent_cfg(), MODEL, TOK.alphabet)
     assert key != cache_key(_agent_cfg(teacher_error=0.4), MODEL, TOK.alphabet)
     other_task = dataclasses.replace(_agent_cfg(), data=dataclasses.replace(_agent_cfg().data, task="agent_calculator"))
-    monkeypatch.setattr("jaxrl.agents.warmstart.suite_fingerprint", lambda suite: "same")
     monkeypatch.setattr("jaxrl.train.warmstart.suite_fingerprint", lambda suite: "same")
     monkeypatch.setattr("jaxrl.train.warmstart.load_suite", lambda task: SUITE)
     assert cache_key(other_task, MODEL, TOK.alphabet) != cache_key(_agent_cfg(), MODEL, TOK.alphabet)  # data.task

@@ -20,6 +20,8 @@ growing); it is used only with agent.shaping_weight > 0.
 Budget, for the default 4x4 maps: the prompt is the first grid (20 characters + BOS = 21 <= 24), and a
 turn is at most 6 action characters + a 20-character grid, so the teacher's MAX_TURNS = 6 turns fit in
 6 * 6 + 5 * 20 = 136 completion tokens (the last turn's observation is empty: the episode is over).
+A run matches them with data.max_prompt_len=24, rollout.max_new_tokens=136, agent.max_turns=6 and
+model.max_seq_len >= 160.
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ PERPENDICULAR = {"up": ("left", "right"), "down": ("left", "right"), "left": ("u
 INVALID = "invalid\n"  # the error observation of an action that is not a move word
 SHAPING = 0.1
 
-# The defaults of the embedded suite (chosen so a warm-started tiny model succeeds sometimes but
-# clearly below the teacher: see the module's learnability note in README.md).
+# The defaults of the embedded suite, chosen so a warm-started model succeeds sometimes but clearly
+# below the shortest-path player. Measured on 200 test maps with the default 0.4 M-parameter model
+# (d_model 128, 2 layers), warm start batch 32, lr 1e-3, teacher_error 0.3, greedy host-loop play:
+# 200 steps -> 39.5% success (26.5% sampled at temperature 1), 500 steps -> 59% (41.5% sampled);
+# the error-free BFS teacher reaches 77.5% (slips into holes and the 6-turn limit cost the rest);
+# teacher_error 0.5 with 200 steps -> 25% greedy.
 SIZE, HOLES, SLIP = 4, 3, 0.2
 MIN_DISTANCE, MAX_DISTANCE = 2, 5  # the start's shortest-path distance to the goal
 MAX_TURNS = 6  # the teacher's episode length limit (it fits rollout.max_new_tokens=136, see above)
