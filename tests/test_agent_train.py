@@ -2,7 +2,6 @@
 agent metrics, combinations that cannot work are one-line config errors, and a run SIGKILLed while
 its episodes are in flight resumes to the same metrics as an uninterrupted run."""
 
-import signal
 import subprocess
 
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from conftest import REPO, TINY, jaxrl_cmd
 from jaxrl.config import load_config
 from preset_configs import fast_compiles  # noqa: F401  (fixture)
-from test_resume import _finished_checkpoints, _rows, _wait_for
+from test_resume import straight_and_killed_runs
 
 # Timing-dependent fields: wall-clock figures, and how the environment time split into hidden and
 # exposed (which depends on thread scheduling). Everything else must replay exactly.
@@ -76,24 +75,7 @@ def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env):
     """Killed while a step's episodes are in flight (the rollout is most of a step), the run resumes from
     the previous step's checkpoint and replays that step's episodes from scratch: same environment
     seeds, same token keys, so every metric but the timing ones matches the uninterrupted run."""
-    straight = tmp_path / "straight"
-    subprocess.run(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(straight)), env=cache_env, check=True, timeout=600)
-    reference = _rows(straight)
-    assert sorted(reference) == list(range(STEPS + 1))
-
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(killed)), env=cache_env)
-    try:
-        _wait_for(lambda: any(s >= 2 for s in _finished_checkpoints(killed)), proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    restored = max(_finished_checkpoints(killed))
-    assert restored < STEPS, "the kill came too late to test resumption"
-    subprocess.run(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(killed)), env=cache_env, check=True, timeout=600)
-    resumed = _rows(killed)
-    assert sorted(resumed) == list(range(STEPS + 1))
+    reference, _, resumed, _ = straight_and_killed_runs(RUN_ARGS, tmp_path, cache_env, STEPS, kill_at=2)
     untimed = lambda row: {k: v for k, v in row.items() if k not in TIMING}
     for step in range(1, STEPS + 1):
         assert untimed(resumed[step]) == untimed(reference[step]), step

@@ -6,14 +6,12 @@ mid-way and resumed logs the same metrics as an uninterrupted run."""
 import copy
 import dataclasses
 import json
-import signal
-import subprocess
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import TINY, jaxrl_cmd
+from conftest import TINY
 from jaxrl.config import ConfigError, load_config
 from jaxrl.data.stream import StreamState
 from jaxrl.data.tasks import load_task
@@ -22,7 +20,7 @@ from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.group_sources import EngineSource
 from jaxrl.train.warmstart import load_or_train_base
 from preset_configs import config_path, fast_compiles, overrides  # noqa: F401  (fixture)
-from test_resume import _finished_checkpoints, _rows, _wait_for
+from test_resume import straight_and_killed_runs
 
 # Slots for 8 groups, 4 a step, one decode step a chunk: groups are in flight at every step boundary,
 # some with members already read out (finished) while others still decode.
@@ -141,25 +139,7 @@ RUN_ARGS = [str(config_path("grpo")), *sum((["--set", t] for t in overrides("grp
 
 
 def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_path, cache_env):
-    straight = tmp_path / "straight"
-    subprocess.run(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(straight)), env=cache_env, check=True, timeout=600)
-    reference = _rows(straight)
-    assert sorted(reference) == list(range(STEPS + 1))
-
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(killed)), env=cache_env)
-    try:
-        _wait_for(lambda: any(s >= 4 for s in _finished_checkpoints(killed)), proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    restored = max(_finished_checkpoints(killed))
-    assert restored < STEPS, "the kill came too late to test resumption"
-    before = _rows(killed)
-    subprocess.run(jaxrl_cmd("train", *RUN_ARGS, "--workdir", str(killed)), env=cache_env, check=True, timeout=600)
-    resumed = _rows(killed)
-    assert sorted(resumed) == list(range(STEPS + 1))
+    reference, before, resumed, restored = straight_and_killed_runs(RUN_ARGS, tmp_path, cache_env, STEPS, kill_at=4)
     for step in range(restored + 1):  # a resume, not a fresh start: the rows it restored from are kept as written
         assert resumed[step] == before[step]
     # Groups were in flight at the checkpoint the run resumed from, and the next step used samples

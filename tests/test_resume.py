@@ -36,24 +36,33 @@ def _wait_for(pred, proc, timeout=300):
         time.sleep(0.05)
 
 
-def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path, cache_env):
+def straight_and_killed_runs(args: list, tmp_path: pathlib.Path, cache_env: dict, steps: int, kill_at: int):
+    """Run `jaxrl train args` to the end in one workdir; in another, SIGKILL it once checkpoint `kill_at`
+    exists, then rerun it to the end. -> (rows of the straight run, rows of the killed run as the kill
+    left them, rows after the resume, the step the resume restored); both runs logged every step."""
     straight = tmp_path / "straight"
-    subprocess.run(jaxrl_cmd("train", *ARGS, "--workdir", str(straight)), env=cache_env, check=True, timeout=600)
+    subprocess.run(jaxrl_cmd("train", *args, "--workdir", str(straight)), env=cache_env, check=True, timeout=600)
     reference = _rows(straight)
-    assert sorted(reference) == list(range(STEPS + 1))
-
+    assert sorted(reference) == list(range(steps + 1))
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(jaxrl_cmd("train", *ARGS, "--workdir", str(killed)), env=cache_env)
+    proc = subprocess.Popen(jaxrl_cmd("train", *args, "--workdir", str(killed)), env=cache_env)
     try:
-        _wait_for(lambda: any(s >= 6 for s in _finished_checkpoints(killed)), proc)
+        _wait_for(lambda: any(s >= kill_at for s in _finished_checkpoints(killed)), proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
         proc.kill()
-    assert max(_finished_checkpoints(killed)) < STEPS, "the kill came too late to test resumption"
-    subprocess.run(jaxrl_cmd("train", *ARGS, "--workdir", str(killed)), env=cache_env, check=True, timeout=600)
+    restored = max(_finished_checkpoints(killed))
+    assert restored < steps, "the kill came too late to test resumption"
+    before = _rows(killed)
+    subprocess.run(jaxrl_cmd("train", *args, "--workdir", str(killed)), env=cache_env, check=True, timeout=600)
     resumed = _rows(killed)
-    assert sorted(resumed) == list(range(STEPS + 1))
+    assert sorted(resumed) == list(range(steps + 1))
+    return reference, before, resumed, restored
+
+
+def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path, cache_env):
+    reference, _, resumed, _ = straight_and_killed_runs(ARGS, tmp_path, cache_env, STEPS, kill_at=6)
     for step in (STEPS, STEPS - 1):
         for key in DETERMINISTIC:
             if key in reference[step]:
