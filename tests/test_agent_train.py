@@ -56,6 +56,8 @@ def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_proces
     (["rollout.engine.dynamic_sampling=true"], "rollout.engine.dynamic_sampling"),
     (["agent.keep_top_variance=0"], "agent.keep_top_variance"),
     (["agent.max_turns=0"], "agent.max_turns"),
+    (["data.skip_long_prompts=true"], "data.skip_long_prompts"),
+    (["data.task=agent_gridworld"], "data.max_prompt_len=9: the rendered prompt"),  # the calculator's 9 < 21
 ])
 def test_agent_config_errors_name_the_field(tmp_path, extra, field):
     proc = subprocess.run(jaxrl_cmd("train", str(_config("calculator")), *sum((["--set", t] for t in SMALL + extra), []),

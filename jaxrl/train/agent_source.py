@@ -49,6 +49,9 @@ def check_agent_config(cfg: Config) -> None:
         raise ConfigError("rollout.engine.dynamic_sampling / rollout.engine.allocation: not available with "
                           "multi-turn episodes; use agent.keep_top_variance (StarPO-S) to filter groups")
     check_model_format(cfg, load_suite(cfg.data.task))  # a checkpoint's run needs the Hermes tool format
+    if cfg.data.skip_long_prompts:
+        raise ConfigError("data.skip_long_prompts: not available with multi-turn episodes (every record's prompt "
+                          "is the environment's reset text); raise data.max_prompt_len instead")
     if jax.process_count() > 1:
         raise ConfigError(f"data.task={cfg.data.task!r}: multi-turn episodes run in one process; this run has "
                           f"{jax.process_count()}")

@@ -33,6 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrl.agents import is_agent_task, load_agent_task, load_suite
+from jaxrl.agents.formats import check_prompt_fits
 from jaxrl.config import Config
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.data.tasks import load_task
@@ -250,8 +251,10 @@ def _build(cfg: Config, progress: bool, mesh, preset):
     agent = is_agent_task(cfg.data.task)  # an environment suite brings its alphabet and its records
     tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if agent else CharTokenizer()
     model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    if agent:
+    if agent:  # a prompt that cannot fit is an error before the warm start, not after it
         task = load_agent_task(cfg.data)
+        if not cfg.model.hf_path:
+            check_prompt_fits(cfg, tokenizer, load_suite(cfg.data.task), None)
     elif jax.process_count() > 1:  # process 0 builds the dataset cache (if missing) before the others read it
         from jax.experimental import multihost_utils
 
