@@ -131,7 +131,8 @@ class AgentSource:
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
         """`rng` is unused: the episodes' environment seeds and token keys come from (train.seed, step,
-        episode index), so a replayed step plays the same episodes whatever the timing."""
+        episode index), so a replayed step plays the same episodes whatever the timing. With StarPO-S
+        the agent/* metrics describe every episode drawn, reward/* the groups kept for the update."""
         del rng
         cfg, t0, stats0 = self.cfg, time.perf_counter(), dict(self.engine.stats)
         n = cfg.rollout.prompts_per_step
