@@ -17,6 +17,12 @@ error observation (`info["tool_errors"]`) and a wasted turn. info["shaping"] is 
 shortest-path distance to the goal (around holes) shrinks and -0.1 when it grows (a hole counts as
 growing); it is used only with agent.shaping_weight > 0.
 
+The warm-start teacher errs systematically, not at random: per episode, with probability error_rate, it
+walks straight towards the goal (careless_move) and into any hole on the way, otherwise it takes the
+shortest path around the holes. Most records are trap maps (TRAP_SHARE), where the straight walk
+crosses a hole: there an imitator of a mostly careless teacher walks into the hole when it decodes
+greedily, and RL has to learn to go around.
+
 Budget, for the default 4x4 maps: the prompt is the first grid (20 characters + BOS = 21 <= 24), and a
 turn is at most 6 action characters + a 20-character grid, so the teacher's MAX_TURNS = 6 turns fit in
 6 * 6 + 5 * 20 = 136 completion tokens (the last turn's observation is empty: the episode is over).
