@@ -8,8 +8,8 @@ import pytest
 
 from jaxrl.agents import load_suite
 from jaxrl.agents.env import AGENT_ALPHABET
-from jaxrl.agents.gridworld import (INVALID, MAX_TURNS, MIN_DISTANCE, MAX_DISTANCE, GridWorld, best_move,
-                                    goal_distances, parse_map, records, split_of, teacher)
+from jaxrl.agents.gridworld import (INVALID, MAX_TURNS, MIN_DISTANCE, MAX_DISTANCE, TRAP_SHARE, GridWorld, best_move,
+                                    careless_move, goal_distances, is_trap, parse_map, records, split_of, teacher)
 from jaxrl.config import ConfigError
 
 # 0123
@@ -155,19 +155,54 @@ def test_teacher_without_errors_or_slips_walks_a_shortest_path():
             env.step(text)
 
 
-def test_teacher_error_rate_makes_random_moves():
-    # A random move differs from the best one 3 times in 4, so with error 0.4 about 0.4 * 3/4 = 30% of
-    # the moves are not the shortest-path move.
-    off, total = 0, 0
-    for i, record in enumerate(records("train", 300, 2)):
+# 0123
+# ..g.   row 0    start (3, 2): the careless walk goes up (rows first) through the hole at (2, 2);
+# ....   row 1    the shortest path around it goes left first: (3, 1) (2, 1) (1, 1) (0, 1) (0, 2),
+# ..#.   row 2    or right: (3, 3) (2, 3) (1, 3) (0, 3) (0, 2); both are 5 moves, and best_move's tie-break
+# ....   row 3    (MOVES order: up, down, left, right) takes "left".
+TRAP = {"id": "trap", "map": "..g.\n....\n..#.\n....", "start": "3,2"}
+
+
+def test_careless_move_walks_rows_first_then_columns_into_holes():
+    rows = parse_map(TRAP["map"])
+    assert careless_move(rows, (3, 2)) == "up"  # straight up into the hole at (2, 2)
+    assert careless_move(rows, (3, 0)) == "up" and careless_move(rows, (1, 3)) == "up"  # rows first
+    assert careless_move(rows, (0, 0)) == "right" and careless_move(rows, (0, 3)) == "left"  # then columns
+    assert best_move(rows, (3, 2)) == "left"
+    assert is_trap(rows, (3, 2))  # up from (3, 2) is the hole (2, 2)
+    assert not is_trap(rows, (3, 0))  # up (2, 0) (1, 0) (0, 0), right (0, 1) (0, 2): no hole on the way
+    assert not is_trap(rows, (1, 2))  # one step up: the goal
+    env, _ = _env(TRAP)
+    assert env.step(careless_move(env.rows, env.pos) + "]").done and env.pos == (2, 2)  # the hole, reward 0
+
+
+def test_teacher_is_careless_per_episode_with_the_error_rate():
+    # On TRAP the first move says which player the episode got: "up" careless, "left" shortest path.
+    # Every later move of an episode is the same player's move from where the player stands (slips
+    # included), so the error is drawn once per episode, not per turn.
+    n, careless = 1000, 0
+    for i in range(n):
+        segments = teacher(TRAP, np.random.default_rng(i), 0.6)
         env = GridWorld()
-        env.reset(record, np.random.default_rng(i))
-        for text, by_model in teacher(record, np.random.default_rng(i), 0.4):
-            if by_model:
-                off += text != best_move(env.rows, env.pos) + "]"
-                total += 1
-                env.step(text)
-    assert abs(off / total - 0.3) < 0.05, (off, total)
+        env.reset(TRAP, np.random.default_rng(i))
+        moves = [text for text, by_model in segments if by_model]
+        policy = careless_move if moves[0] == "up]" else best_move
+        careless += policy is careless_move
+        for move in moves:
+            assert move == policy(env.rows, env.pos) + "]", (i, moves)
+            env.step(move)
+    # Binomial std of a 60% share over 1000 episodes: sqrt(.6 * .4 / 1000) = 0.0155; 4 std = 0.062.
+    assert abs(careless / n - 0.6) < 0.062, careless
+    assert all(teacher(TRAP, np.random.default_rng(i), 1.0)[0][0] == "up]" for i in range(20))
+    assert all(teacher(TRAP, np.random.default_rng(i), 0.0)[0][0] == "left]" for i in range(20))
+
+
+def test_records_draw_trap_maps_with_the_trap_share():
+    train = records("train", 1000, 3)
+    share = np.mean([is_trap(parse_map(r["map"]), tuple(int(x) for x in r["start"].split(","))) for r in train])
+    # Binomial std over 1000 records at 0.75: sqrt(.75 * .25 / 1000) = 0.0137; 4 std = 0.055. A map drawn
+    # at random is a trap about 29% of the time, far outside this band.
+    assert abs(share - TRAP_SHARE) < 0.055, share
 
 
 def test_asking_for_more_maps_than_exist_names_the_field(monkeypatch):
