@@ -24,7 +24,8 @@ def get_config() -> Config:
         rollout=RolloutConfig(group_size=8, prompts_per_step=16, max_new_tokens=40, temperature=1.0,
                               engine=EngineConfig(slots=64)),
         agent=AgentConfig(max_turns=3, max_obs_tokens=16),
-        loss=LossConfig(preset="grpo", kl_beta=0.0),
+        # rewards: the return, and the shaping (0 unless agent.shaping_weight > 0)
+        loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 1.0)),
         optim=OptimConfig(learning_rate=1e-4, warmup_steps=5),
         warmstart=WarmStartConfig(steps=800, batch_size=64, learning_rate=1e-3, teacher_error=0.6),
         train=TrainConfig(steps=30, ppo_epochs=1, microbatches=1, eval_every=5, eval_prompts=200),

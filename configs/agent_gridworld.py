@@ -10,9 +10,10 @@ any hole on the way, otherwise it takes the shortest path around the holes; 75% 
 (the straight walk crosses a hole). The imitator's majority move is the careless one, so greedy
 decoding walks into the hole on trap maps (a uniformly random per-turn teacher error would be noise
 that greedy decoding already removes, leaving RL little to fix), while samples at temperature 1 still
-take the way around in some episodes (the teacher did in 40%). GRPO on whole episodes (StarPO: trajectory reward, group-normalised
-advantages; Wang et al. 2025, RAGEN, arXiv:2504.20073) shifts the policy to the path around. The
-environment's per-turn shaping is off (agent.shaping_weight=0): the trajectory reward is the only one.
+take the way around in some episodes (the teacher did in 40%). GRPO on whole episodes (StarPO:
+trajectory reward, group-normalised advantages; Wang et al. 2025, RAGEN, arXiv:2504.20073) shifts
+the policy to the path around. The environment's per-turn shaping is off (agent.shaping_weight=0):
+the trajectory reward is the only one.
 Playing each policy against the environment on 400 test maps: shortest path 88% success, the 0.6
 careless teacher 50.5%, always careless 29%.
 
@@ -41,7 +42,8 @@ def get_config() -> Config:
         rollout=RolloutConfig(group_size=8, prompts_per_step=16, max_new_tokens=136, temperature=1.0,
                               engine=EngineConfig(slots=64)),
         agent=AgentConfig(max_turns=6, max_obs_tokens=24),
-        loss=LossConfig(preset="grpo", kl_beta=0.0),
+        # rewards: the return, and the shaping (0 unless agent.shaping_weight > 0)
+        loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 1.0)),
         optim=OptimConfig(learning_rate=2e-4, warmup_steps=5),
         warmstart=WarmStartConfig(steps=500, batch_size=64, learning_rate=1e-3, teacher_error=0.6),
         train=TrainConfig(steps=30, ppo_epochs=1, microbatches=1, eval_every=5, eval_prompts=200),

@@ -47,9 +47,8 @@ def qwen_agent(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen_agent")
     fmt = HermesFormat(QWEN25)
     env = SUITE.make(AgentConfig(), fmt)
-    corpus = [env.reset(r, np.random.default_rng(0)) + env.step(f'<tool_call>{{"name": "calc", "arguments": '
-                                                                  f'{{"expression": "{r["expression"]}"}}}}</tool_call>').observation
-              for r in records("train", 20, 0)]
+    call = lambda r: f'<tool_call>{{"name": "calc", "arguments": {{"expression": "{r["expression"]}"}}}}</tool_call>'
+    corpus = [env.reset(r, np.random.default_rng(0)) + env.step(call(r)).observation for r in records("train", 20, 0)]
     tok = save_bpe_tokenizer(d, corpus * 5, VOCAB - 12, CHATML_SPECIALS + TOOL_SPECIALS,
                              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25})
     assert (tok.token_to_id("<|im_end|>"), tok.token_to_id("</tool_call>")) == (EOS_ID, EOT_ID)

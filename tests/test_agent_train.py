@@ -60,7 +60,8 @@ def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_proces
     (["data.task=agent_gridworld"], "data.max_prompt_len=9: the rendered prompt"),  # the calculator's 9 < 21
 ])
 def test_agent_config_errors_name_the_field(tmp_path, extra, field):
-    proc = subprocess.run(jaxrl_cmd("train", str(_config("calculator")), *sum((["--set", t] for t in SMALL + extra), []),
+    sets = sum((["--set", t] for t in SMALL + extra), [])
+    proc = subprocess.run(jaxrl_cmd("train", str(_config("calculator")), *sets,
                                     "--workdir", str(tmp_path / "run")), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -168,5 +168,6 @@ def teacher(record: dict, rng: np.random.Generator, error_rate: float) -> list:
     return [(call, True), (observation, False), (observation[1:].strip(), True)]
 
 
-SUITE = EnvSuite(name="agent_calculator", make=lambda agent_cfg, fmt=None: CalculatorEnv(agent_cfg.tool_max_output, fmt),
+SUITE = EnvSuite(name="agent_calculator",
+                 make=lambda agent_cfg, fmt=None: CalculatorEnv(agent_cfg.tool_max_output, fmt),
                  records=records, teacher=teacher, alphabet=AGENT_ALPHABET, end_of_turn="]", formats=("tag", "hermes"))

@@ -245,5 +245,6 @@ def teacher(record: dict, rng: np.random.Generator, error_rate: float, max_turns
     return segments
 
 
-SUITE = EnvSuite(name="agent_gridworld", make=lambda agent_cfg, fmt=None: GridWorld(), records=records, teacher=teacher, alphabet=AGENT_ALPHABET,
+SUITE = EnvSuite(name="agent_gridworld", make=lambda agent_cfg, fmt=None: GridWorld(), records=records, teacher=teacher,
+                 alphabet=AGENT_ALPHABET,
                  end_of_turn=END_OF_TURN)

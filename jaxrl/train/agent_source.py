@@ -63,8 +63,8 @@ def make_episode_engine(cfg: Config, model_cfg, tokenizer, suite, *, greedy: boo
     rc = cfg.rollout
     fmt, end_of_turn = episode_format(cfg, tokenizer, suite)
     check_prompt_fits(cfg, tokenizer, suite, fmt)
-    return EpisodeEngine(model_cfg, rc.engine, cfg.agent, make_env=functools.partial(suite.make, cfg.agent, fmt), tokenizer=tokenizer,
-                         end_of_turn=end_of_turn, prompt_len=prompt_width(cfg.data),
+    return EpisodeEngine(model_cfg, rc.engine, cfg.agent, make_env=functools.partial(suite.make, cfg.agent, fmt),
+                         tokenizer=tokenizer, end_of_turn=end_of_turn, prompt_len=prompt_width(cfg.data),
                          max_new_tokens=rc.max_new_tokens, temperature=1.0 if greedy else rc.temperature,
                          top_k=0 if greedy else rc.top_k, top_p=1.0 if greedy else rc.top_p, greedy=greedy)
 
@@ -104,7 +104,8 @@ def episode_metrics(groups, rewards: list[np.ndarray], reward_weights) -> dict:
     col = lambda name: np.concatenate([getattr(g, name) for g in groups]).astype(np.float64)
     stds = [combined_reward(r, reward_weights).std() for r in rewards]
     return {"agent/success_rate": float(col("success_G").mean()), "agent/return_mean": float(col("return_G").mean()),
-            "agent/turns_mean": float(col("turns_G").mean()), "agent/tool_calls_mean": float(col("tool_calls_G").mean()),
+            "agent/turns_mean": float(col("turns_G").mean()),
+            "agent/tool_calls_mean": float(col("tool_calls_G").mean()),
             "agent/tool_errors": int(col("tool_errors_G").sum()), "agent/env_errors": int(col("env_errors_G").sum()),
             "agent/obs_cut": int(col("obs_cut_G").sum()), "agent/truncated": float(col("truncated_G").mean()),
             "agent/reward_std_mean": float(np.mean(stds)),
@@ -169,7 +170,8 @@ def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list
     engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, greedy=True)
 
     def evaluate(params) -> dict:
-        groups = engine.run(params, 0, [(r, r) for r in records], 1, seed=(cfg.train.seed, 0))  # steps use (seed, step >= 1)
+        # seed (train.seed, 0): training steps use (train.seed, step >= 1)
+        groups = engine.run(params, 0, [(r, r) for r in records], 1, seed=(cfg.train.seed, 0))
         col = lambda name: np.concatenate([getattr(g, name) for g in groups]).astype(np.float64)
         return {"eval/accuracy": float(col("success_G").mean()), "eval/return": float(col("return_G").mean()),
                 "eval/turns": float(col("turns_G").mean()), "eval/tool_calls": float(col("tool_calls_G").mean()),
