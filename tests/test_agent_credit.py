@@ -80,8 +80,10 @@ def test_grad_norm_spike_by_hand():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_leaves_observation_tokens_out(name):
     """Rows of two model turns with an observation between them; observations carry garbage
-    log-probs (as the trainer's recomputation gives them: real numbers, not 0). The loss must not
-    depend on them: zero gradient there, and the same value when the garbage changes."""
+    log-probs (as the trainer's recomputation gives them: real numbers, not 0). The loss must not see
+    them: zero gradient there, and the same loss and model-token gradient as the same rows with the
+    observation columns moved to the end (model tokens contiguous, as in a single-turn batch) and
+    DIFFERENT garbage in them."""
     from tests.test_presets import L_MAX, _case, _run
 
     preset, loss = _case(name)
@@ -93,32 +95,25 @@ def test_every_preset_leaves_observation_tokens_out(name):
     holes = (mask == 0)
     logp = (-2.0 * rng.random((B, T))).astype(np.float32)
     old = logp + 0.3 * rng.standard_normal((B, T)).astype(np.float32)
+    rewards = rng.integers(0, 2, (B, 2)).astype(np.float32)
 
     def batch_with(garbage):
         g = np.where(holes, garbage, 0).astype(np.float32)
         return {"completion_mask_BxT": mask, "old_logp_BxT": old + g, "ref_logp_BxT": old - g,
                 "rollout_logp_BxT": old + g, "entropy_BxT": np.ones((B, T), np.float32),
                 "old_entropy_BxT": np.ones((B, T), np.float32) + np.abs(g),
-                "truncated_B": np.zeros(B, np.float32),
-                "rewards_BxK": rng.integers(0, 2, (B, 2)).astype(np.float32)}
+                "truncated_B": np.zeros(B, np.float32), "rewards_BxK": rewards}
 
     batch = batch_with(37.0)
     batch["advantages_B"] = batch_advantages(loss, batch, G, L_MAX)  # as the update step does
-    hole_logp = logp + np.where(holes, 50.0, 0).astype(np.float32)
-    value, grad, _, _ = _run(loss, G, hole_logp, batch)
+    value, grad, _, _ = _run(loss, G, logp + np.where(holes, 50.0, 0).astype(np.float32), batch)
     grad = np.asarray(grad)
     assert np.max(np.abs(grad)) > 0
     np.testing.assert_array_equal(grad[holes], 0.0)
-    value2, _, _, _ = _run(loss, G, logp - np.where(holes, 50.0, 0).astype(np.float32),
-                           dict(batch_with(-11.0), rewards_BxK=batch["rewards_BxK"],
-                                advantages_B=batch["advantages_B"]), grad=False)
-    np.testing.assert_allclose(float(value), float(value2), rtol=1e-6, atol=1e-7)
-    # Observations are invisible: the same rows with the observation columns moved to the end (the
-    # model's tokens contiguous, as in a single-turn batch) give the same loss and the same gradient
-    # on every model token.
     order_BxT = np.argsort(holes, axis=1, kind="stable")  # model positions first, in order
     move = lambda x: np.take_along_axis(x, order_BxT, axis=1) if x.ndim == 2 and x.shape[1] == T else x
-    compact = {k: move(v) for k, v in batch.items()}
-    value3, grad3, _, _ = _run(loss, G, move(hole_logp), compact)
-    np.testing.assert_allclose(float(value), float(value3), rtol=2e-6, atol=1e-7)
-    np.testing.assert_allclose(move(grad), np.asarray(grad3), rtol=2e-5, atol=1e-8)
+    other = dict(batch_with(-11.0), advantages_B=batch["advantages_B"])
+    value2, grad2, _, _ = _run(loss, G, move(logp - np.where(holes, 50.0, 0).astype(np.float32)),
+                               {k: move(v) for k, v in other.items()})
+    np.testing.assert_allclose(float(value), float(value2), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(move(grad), np.asarray(grad2), rtol=2e-5, atol=1e-8)

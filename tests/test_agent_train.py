@@ -69,9 +69,9 @@ def test_agent_config_errors_name_the_field(tmp_path, extra, field):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-STEPS = 6
+STEPS = 4
 RUN_ARGS = [str(_config("gridworld")), *sum((["--set", t] for t in SMALL), []), "--set", f"train.steps={STEPS}",
-            "--set", "checkpoint.every=1", "--set", "train.eval_every=3"]
+            "--set", "checkpoint.every=1", "--set", "train.eval_every=2"]
 
 
 def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env):
