@@ -145,12 +145,12 @@ class AgentSource:
         rewards = episode_rewards(groups, cfg.agent.shaping_weight)
         kept = keep_most_varied(rewards, n, cfg.loss.reward_weights) if n_draw > n else list(range(n))
         drawn_metrics = episode_metrics(groups, rewards, cfg.loss.reward_weights)
+        drawn_tokens = sum(float(g.loss_mask_GxT.sum()) for g in groups)  # the model's tokens, all episodes
         groups, rewards = [groups[i] for i in kept], [rewards[i] for i in kept]
         batch = episode_batch(groups, rewards)
         mask_BxT = batch["completion_mask_BxT"]
         metrics = reward_metrics(batch["rewards_BxK"], mask_BxT, batch["truncated_B"] == 0, 0, 0,
                                  cfg.loss.reward_weights)
-        drawn_tokens = sum(float(g.loss_mask_GxT.sum()) for g in groups)
         metrics.update({"rollout/tokens_per_s": drawn_tokens / max(seconds, 1e-9), "rollout/seconds": seconds,
                         "rollout/samples": n_draw * cfg.rollout.group_size, **drawn_metrics,
                         **timing_metrics(self.engine.stats, stats0)})
