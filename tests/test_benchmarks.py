@@ -128,3 +128,17 @@ def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
     assert again.returncode == 0, again.stderr[-3000:]
     runs = json.loads((tmp_path / "out" / "variants.json").read_text())["runs"]
     assert runs[0]["reused"]  # a finished run is read back, not retrained
+
+
+def test_checkpoint_benchmark_small_reports_block_fractions():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--small"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    run, state = result["default_run"], result["bench_small"]
+    assert run["saves"] == run["steps"] == 3, run  # a save after every step of the real loop
+    assert result["block_fraction_default"] == pytest.approx(run["save_block_s"] / run["step_s"])
+    assert 0 < state["save_block_s"] <= state["save_finish_s"], state  # returns before the write is done
+    assert result["block_fraction_bench_small"] == pytest.approx(state["save_block_s"] / state["step_s"])

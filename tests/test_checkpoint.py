@@ -87,3 +87,50 @@ def test_non_finite_params_are_never_saved(tmp_path, bad):
         ckpt.save(manager, 2, state, {"stream": {}}, force=True)
     manager.wait_until_finished()
     assert list(manager.all_steps()) == [1]
+
+
+def _restored_weights(manager, step: int, like: TrainState) -> np.ndarray:
+    manager.reload()
+    restored = ckpt._restore(manager, step, ckpt.abstract_like(like))[1]
+    return np.asarray(restored.params["w"])
+
+
+def test_background_save_keeps_the_state_as_it_was_when_saved(tmp_path, monkeypatch):
+    """The loop donates the state to the next update right after saving it: the background save must
+    write the values of the moment `save` was called, not what the donated buffers hold later. The
+    saving thread is held until the next update has run, so the order is certain."""
+    import threading
+
+    import jax
+
+    overwritten = threading.Event()
+    original = ckpt.save
+
+    def held_save(*args, **kw):
+        assert overwritten.wait(timeout=60)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(ckpt, "save", held_save)
+    saver = ckpt.BackgroundSaver(ckpt.make_manager(tmp_path, CheckpointConfig(keep=3, async_save=True)))
+    assert saver.background
+    overwrite = jax.jit(lambda s: s._replace(params={"w": s.params["w"] * 0 - 7.0}), donate_argnums=0)
+    state = _state(1)
+    saver.save(1, state, {"stream": {"epoch": 0, "index": 1}}, force=True)
+    state = jax.block_until_ready(overwrite(state))  # the next step overwrites the buffers it was given
+    overwritten.set()
+    saver.save(2, state, {"stream": {"epoch": 0, "index": 2}}, force=True)
+    saver.close()
+    np.testing.assert_array_equal(_restored_weights(saver.manager, 1, state), _weights(1))
+    np.testing.assert_array_equal(_restored_weights(saver.manager, 2, state), np.full(4096, -7.0, np.float32))
+
+
+def test_background_save_errors_reach_the_loop(tmp_path):
+    """An error raised on the saving thread is raised again on the loop's next save (or its close)."""
+    saver = ckpt.BackgroundSaver(ckpt.make_manager(tmp_path, CheckpointConfig(keep=3, async_save=True)))
+    saver.save(1, _state(1), {ckpt.ARRAYS: {"x": [1, 2]}}, force=True)  # not numpy: save raises TypeError
+    with pytest.raises(TypeError, match="rollout_arrays.*not a numpy array"):
+        saver.save(2, _state(2), {"stream": {}}, force=True)
+    with pytest.raises(ckpt.NonFiniteError, match="step 3"):  # checked on the loop's thread, at once
+        saver.save(3, _state(3)._replace(params={"w": jnp.full((4,), jnp.nan)}), {"stream": {}}, force=True)
+    saver.close()
+    assert ckpt.restore_latest(saver.manager, ckpt.abstract_like(_state(1))) is None

@@ -80,7 +80,7 @@ class Run(NamedTuple):
     source: Any  # StaticSource | EngineSource (group_sources.py): produce(params, stream, rng, step)
     update: Callable  # (state, batch) -> (state, device metrics), the jitted update
     evaluate: Callable  # params -> the eval/* metrics
-    manager: Any  # the orbax checkpoint manager
+    saver: ckpt.BackgroundSaver  # the orbax checkpoint manager, saving off the loop's thread
     log: MetricsLog
     base_path: pathlib.Path  # where the base policy came from
 
@@ -122,8 +122,7 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
         if pending is not None:
             emit(run.log, bar, *pending)
     finally:
-        run.manager.wait_until_finished()
-        run.manager.close()
+        run.saver.close()
         run.log.close()
         bar.close()
         signal.signal(signal.SIGTERM, previous)
@@ -163,7 +162,7 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
     # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
     source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, (mesh, preset, param_sh, rep), state, rows, host)
-    run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, state_sh, rep, mesh), evaluate, manager, log, base_path)
+    run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, state_sh, rep, mesh), evaluate, ckpt.BackgroundSaver(manager), log, base_path)
     return run, state, stream, resumed_step or 0
 
 
@@ -240,7 +239,7 @@ def log_and_checkpoint(run: Run, state: TrainState, stream: StreamState, step: i
     if "eval/accuracy" in row and is_primary():
         plot(run.log.rows, run.workdir / "progress.png", title=str(run.workdir.name))
     if save_now:  # the JSON item: the data position, then the rollout source's host state
-        ckpt.save(run.manager, step, state, {"stream": stream._asdict(), **run.source.checkpoint_state()}, force=True)
+        run.saver.save(step, state, {"stream": stream._asdict(), **run.source.checkpoint_state()}, force=True)
     if stopping:
         print(f"jaxrl: SIGTERM received; saved step {step} to {run.workdir / 'checkpoints'}", file=sys.stderr)
     return pending, evaluated, stopping
