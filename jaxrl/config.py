@@ -266,6 +266,11 @@ class TrainConfig:
     progress: bool = True
     # MoE only: the update forward uses the experts the sampler chose for every token (R3 / ESRL).
     routing_replay: bool = True
+    # Dense models: the update forwards each group's prompt once for its G rows (same results, less
+    # work), wherever the batch's rows are guaranteed to be contiguous groups with one prompt: the
+    # static sampler's rollouts, with microbatches of whole groups. Elsewhere (the slot engine, agent
+    # episodes, MoE) the update runs the one-pass forward whatever this says (loop.prompt_groups).
+    share_prefix: bool = True
 
     def validate(self, prefix: str = "train") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)

@@ -38,6 +38,7 @@ def test_script_small_prints_json_last(script):
         assert result["generated_tokens"] == shape["prompts"] * shape["samples"] * shape["new_tokens"]
     else:
         assert result["trained_tokens"] == result["shape"]["batch"] * result["shape"]["seq"]
+        assert result["share_prefix"] is True  # the default, as in the training loop
 
 
 def test_model_flops_per_token_matches_hand_count():
@@ -56,6 +57,21 @@ def test_model_flops_per_token_matches_hand_count():
     assert common.total_params(cfg) == 304 + 40 + 2 * 2 * 4 + 4
     tied = ModelConfig(**{**cfg.__dict__, "tie_embeddings": True})
     assert common.total_params(tied) == 304 + 2 * 2 * 4 + 4
+
+
+def test_update_flops_with_and_without_shared_prompts_by_hand():
+    from benchmarks.update import update_flops
+
+    cfg = ModelConfig(vocab_size=10, d_model=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=3, mlp_dim=5,
+                      tie_embeddings=False)
+    # 608 FLOPs per token with the head (2 x 304 matmul params), the head alone 2*4*10 = 80; attention
+    # 4*L*H*Hd = 48 per key. Batch 4, prompt 2, completion 3.
+    # One pass: 5 tokens attending 1+2+3+4+5 = 15 keys, head on 3 of them:
+    #   5*608 + 48*15 - 2*80 = 3600 per row -> 3 x 4 x 3600.
+    assert update_flops(cfg, 4, 2, 3) == 3 * 4 * 3600
+    # Groups of 2 -> 2 prompts once: 2 tokens, keys 1+2 = 3, head on the last only: 2*608 + 144 - 80 = 1280;
+    # each of the 4 rows: completion tokens 0..1 at slots 2, 3 (keys 3+4 = 7): 2*608 + 48*7 = 1552.
+    assert update_flops(cfg, 4, 2, 3, shared_group=2) == 3 * (2 * 1280 + 4 * 1552)
 
 
 def test_bench_small_shape():

@@ -229,11 +229,17 @@ def token_logprobs_moe(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, to
     # The logits predicting completion token t sit at slot P-1+t: the last T+1 slots minus the final one.
     logits_BxTxV, _, moe = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, num_logits=T + 1,
                                   **moe_kw)
-    logits_BxTxV = logits_BxTxV[:, :-1] / temperature
-    logp_all_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+    logp_BxT, entropy_BxT = logp_and_entropy(logits_BxTxV[:, :-1], tokens_BxT, temperature)
+    return logp_BxT, entropy_BxT, moe
+
+
+def logp_and_entropy(logits_BxTxV, tokens_BxT, temperature):
+    """(logp_BxT, entropy_BxT) of softmax(logits / temperature) at the given tokens: the one place
+    every scoring forward turns the completion positions' logits into log-probs."""
+    logp_all_BxTxV = jax.nn.log_softmax(logits_BxTxV / temperature, axis=-1)
     logp_BxT = jnp.take_along_axis(logp_all_BxTxV, tokens_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
     entropy_BxT = -jnp.sum(jnp.exp(logp_all_BxTxV) * logp_all_BxTxV, axis=-1)
-    return logp_BxT, entropy_BxT, moe
+    return logp_BxT, entropy_BxT
 
 
 # ---------------------------------------------------------------------------------------------

@@ -155,7 +155,8 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     resumed_step, state, stream, host = _restore(manager, state, loss, record)
     log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
 
-    logp_fn = make_logp_fn(model_cfg, rc.temperature, routing_replay=tc.routing_replay)
+    logp_fn = make_logp_fn(model_cfg, rc.temperature, routing_replay=tc.routing_replay,
+                           prompt_groups=prompt_groups(cfg))
     # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
     update_fn = make_update_step(logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs, microbatches=tc.microbatches,
                                  max_new_tokens=rc.max_new_tokens, group_size=G, use_ref=loss.needs_ref)
@@ -164,6 +165,15 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, (mesh, preset, param_sh, rep), state, rows, host)
     run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, state_sh, rep, mesh), evaluate, ckpt.BackgroundSaver(manager), log, base_path)
     return run, state, stream, resumed_step or 0
+
+
+def prompt_groups(cfg: Config) -> int:
+    """G when every update batch is contiguous groups of G rows with one prompt each, so the update may
+    forward each prompt once (train.share_prefix): the static sampler's batches (scoring.score_groups
+    repeats each prompt G times). 0 for the slot engine (groups by group_id_B, of unequal sizes under
+    VIGOR, picked by dynamic sampling) and agent episodes (each row its own transcript)."""
+    static = not cfg.rollout.engine.enabled and not is_agent_task(cfg.data.task)
+    return cfg.rollout.group_size if cfg.train.share_prefix and static else 0
 
 
 def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, state: TrainState, rows: RowLayout, host: dict):

@@ -30,6 +30,7 @@ from jaxrl.losses.aggregation import EXTREMA
 from jaxrl.losses.evaluate import prepare_batch, weighted_loss
 from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.moe import routing_mismatch
+from jaxrl.models.shared_prefix import token_logprobs_shared
 from jaxrl.models.transformer import token_logprobs, token_logprobs_moe
 from jaxrl.train.state import TrainState
 
@@ -38,14 +39,25 @@ LogpFn = Callable[[Any, dict], tuple]
 MOE_SCALARS = ("moe/aux_loss", "moe/z_loss", "moe/dropped_frac")  # per-microbatch scalars, averaged
 
 
-def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: bool = False) -> LogpFn:
+def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: bool = False,
+                 prompt_groups: int = 0) -> LogpFn:
     """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature.
+
+    `prompt_groups` = G > 1 promises that rows g*G .. g*G+G-1 of every batch this function sees hold
+    one identical prompt (tokens and mask): a dense model then forwards each prompt once
+    (`shared_prefix.token_logprobs_shared`, same values and gradients) whenever the batch (or
+    microbatch: rows stay in order) is a whole number of groups; otherwise, and for MoE, the one-pass
+    forward. 0 (or 1): no promise, the one-pass forward.
 
     MoE: a third output, {"penalty": aux_coef * aux + z_coef * z, MOE_SCALARS..., and with a recorded
     routing "moe/routing_mismatch_BxT"}; with `routing_replay` the batch's routing is replayed."""
 
     if not model_cfg.n_experts:
         def logp_fn(params, batch):
+            G = prompt_groups
+            if G > 1 and batch["prompt_tokens_BxP"].shape[0] % G == 0:  # shapes are static: a trace-time choice
+                return token_logprobs_shared(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
+                                             batch["tokens_BxT"], temperature, group_size=G)
             return token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
                                   batch["tokens_BxT"], batch["completion_mask_BxT"], temperature)
 

@@ -1,0 +1,73 @@
+"""Scoring a GRPO batch whose rows come in groups sharing one prompt: each prompt forwarded once.
+
+    logp_BxT, entropy_BxT = token_logprobs_shared(params, cfg, prompt_BxP, prompt_mask_BxP, tokens_BxT,
+                                                  temperature, group_size=G)
+
+Rows g*G .. g*G+G-1 must hold the SAME left-padded prompt (tokens and mask): the caller guarantees
+it (the static sampler's batches, `jaxrl.train.scoring.score_groups`); nothing here checks it.
+Same results as `transformer.token_logprobs` (float32 reordering aside) at 1/G of the prompt's
+layer work, forward and backward:
+
+  1. the B/G distinct prompts run through the decoder once, writing every layer's keys/values
+     into a P-slot cache (the same path as `prefill`), and the last prompt slot's logits (which
+     predict completion token 0) are kept;
+  2. that cache is repeated to the B rows and extended by T-1 slots, and completion tokens
+     0..T-2 (the last one predicts nothing) run through the decoder at slots P.., attending
+     [prompt keys, their own causal completion keys] (the same path as a multi-token decode step).
+
+Gradients reach the prompt's keys/values through the repeat (summed over the group's rows),
+exactly as in the one-pass forward where every row's copy of the prompt gets its own share.
+Dense models only: MoE routing with capacity limits and its balance losses depend on which tokens
+share a forward, so MoE callers use the one-pass forward (`jaxrl.train.steps.make_logp_fn`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.config import ModelConfig
+from jaxrl.models.transformer import _apply, logp_and_entropy, positions_from_mask
+
+
+def group_prompts(prompt_BxP: jax.Array, group_size: int) -> jax.Array:
+    """The first row of each group of `group_size` adjacent rows: prompt_NxP, N = B / group_size."""
+    B, P = prompt_BxP.shape
+    return prompt_BxP.reshape(B // group_size, group_size, P)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "group_size"))
+def token_logprobs_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, temperature, *,
+                          group_size: int):
+    """`token_logprobs` (dense) of a batch of contiguous groups of `group_size` rows with identical prompts."""
+    if cfg.n_experts:
+        raise ValueError("token_logprobs_shared: dense models only (MoE routing depends on the batch); "
+                         "use transformer.token_logprobs")
+    B, P = prompt_BxP.shape
+    T, G = tokens_BxT.shape[1], group_size
+    if B % G:
+        raise ValueError(f"token_logprobs_shared: batch of {B} rows is not a whole number of groups of {G}")
+    N = B // G
+    prompt_NxP = group_prompts(prompt_BxP, G).astype(jnp.int32)
+    pmask_NxP = group_prompts(prompt_mask_BxP, G).astype(bool)
+    cache_shape = (cfg.n_layers, N, P, cfg.n_kv_heads, cfg.head_dim)
+    empty = jnp.zeros(cache_shape, jnp.dtype(cfg.dtype))
+    # 1. Each distinct prompt once: its K/V for every layer, and the logits predicting completion token 0.
+    first_Nx1xV, (k_LxNxPxKxHd, v_LxNxPxKxHd), _ = _apply(params, cfg, prompt_NxP, positions_from_mask(pmask_NxP),
+                                                          pmask_NxP, 0, (empty, empty), num_logits=1)
+    logits_BxTxV = jnp.repeat(first_Nx1xV, G, axis=0)
+    if T > 1:
+        # 2. The completions of all B rows over [the group's prompt keys, their own causal keys].
+        def per_row(x_LxNxPxKxHd):  # repeat to the group's rows, then room for the T-1 completion slots
+            x_LxBxPxKxHd = jnp.repeat(x_LxNxPxKxHd, G, axis=1)
+            return jnp.pad(x_LxBxPxKxHd, ((0, 0), (0, 0), (0, T - 1), (0, 0), (0, 0)))
+
+        n_real_B = jnp.repeat(jnp.sum(pmask_NxP, axis=1, dtype=jnp.int32), G)
+        positions_BxT1 = n_real_B[:, None] + jnp.arange(T - 1, dtype=jnp.int32)
+        key_valid_BxS = jnp.concatenate([jnp.repeat(pmask_NxP, G, axis=0), jnp.ones((B, T - 1), bool)], axis=1)
+        rest_BxT1xV, _, _ = _apply(params, cfg, tokens_BxT[:, :-1].astype(jnp.int32), positions_BxT1, key_valid_BxS, P,
+                                   (per_row(k_LxNxPxKxHd), per_row(v_LxNxPxKxHd)))
+        logits_BxTxV = jnp.concatenate([logits_BxTxV, rest_BxT1xV], axis=1)
+    return logp_and_entropy(logits_BxTxV, tokens_BxT, temperature)
