@@ -84,6 +84,33 @@ def run_peer(args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def print_summary(result: dict, cfg) -> None:
+    """The readable lines, then the one JSON line last."""
+    r, s = result, result["shape"]
+    print(f"rollout [{r['config']}] {s['prompts']} prompts x {s['samples']} samples, prompt {s['prompt_len']}, "
+          f"{s['new_tokens']} new tokens ({r['generated_tokens']} generated tokens, "
+          f"{common.total_params(cfg) / 1e6:.1f}M params)")
+    print(f"  time            {r['seconds']:.3f} s (median of {len(r['times'])}: "
+          f"{', '.join(f'{t:.3f}' for t in r['times'])})")
+    print(f"  cpu             {r['cpu_seconds']:.3f} CPU-s per call ({r['cores_used']:.2f} cores busy); "
+          f"{r['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores")
+    print(f"  throughput      {r['tokens_per_s']:.0f} generated tokens/s")
+    print(f"  model FLOPs     {r['prefill_gflop'] + r['decode_gflop']:.1f} GFLOP (prefill {r['prefill_gflop']:.2f}, "
+          f"decode {r['decode_gflop']:.1f}) -> {r['model_gflops_per_s']:.1f} GFLOP/s")
+    print(f"  matmul peak     {r['matmul_peak_gflops']:.1f} GFLOP/s -> MFU {r['mfu']:.1%}, "
+          f"roofline {r['roofline_tokens_per_s']:.0f} tokens/s")
+    if "speedup_vs_row_cache" in r:
+        print(f"  per-row cache   {r['row_cache_tokens_per_s']:.0f} tokens/s "
+              f"({r['row_cache_tokens_per_cpu_s_x_cores']:.0f} per CPU-s x cores); shared prefix is "
+              f"{r['speedup_vs_row_cache']:.2f}x (median of per-round ratios)")
+    if "tunix" in r:
+        print(f"  Tunix Sampler   {r['tunix']['tokens_per_s']:.0f} tokens/s ({r['tunix']['tokens_per_cpu_s_x_cores']:.0f} "
+              f"per CPU-s x cores) -> speedup_vs_tunix {r['speedup_vs_tunix']:.2f} "
+              f"(per CPU-s {r['speedup_vs_tunix_cpu']:.2f})")
+    print(f"  load average    {r['load_average']}")
+    common.emit(result)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
@@ -180,26 +207,7 @@ def main(argv=None) -> dict:
     if peer is not None:
         result.update(tunix=peer, speedup_vs_tunix=result["tokens_per_s"] / peer["tokens_per_s"],
                       speedup_vs_tunix_cpu=result["tokens_per_cpu_s_x_cores"] / peer["tokens_per_cpu_s_x_cores"])
-    print(f"rollout [{result['config']}] {B} prompts x {G} samples, prompt {P}, {T} new tokens "
-          f"({tokens} generated tokens, {common.total_params(cfg) / 1e6:.1f}M params)")
-    print(f"  time            {seconds:.3f} s (median of {args.repeats}: {', '.join(f'{t:.3f}' for t in times)})")
-    print(f"  cpu             {cpu_seconds:.3f} CPU-s per call ({result['cores_used']:.2f} cores busy); "
-          f"{result['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores")
-    print(f"  throughput      {result['tokens_per_s']:.0f} generated tokens/s")
-    print(f"  model FLOPs     {flops / 1e9:.1f} GFLOP (prefill {pre_f / 1e9:.2f}, decode {dec_f / 1e9:.1f}) "
-          f"-> {achieved / 1e9:.1f} GFLOP/s")
-    print(f"  matmul peak     {peak / 1e9:.1f} GFLOP/s -> MFU {result['mfu']:.1%}, "
-          f"roofline {result['roofline_tokens_per_s']:.0f} tokens/s")
-    if args.compare:
-        print(f"  per-row cache   {result['row_cache_tokens_per_s']:.0f} tokens/s "
-              f"({result['row_cache_tokens_per_cpu_s_x_cores']:.0f} per CPU-s x cores); shared prefix is "
-              f"{result['speedup_vs_row_cache']:.2f}x (median of per-round ratios)")
-    if peer is not None:
-        print(f"  Tunix Sampler   {peer['tokens_per_s']:.0f} tokens/s ({peer['tokens_per_cpu_s_x_cores']:.0f} per "
-              f"CPU-s x cores) -> speedup_vs_tunix {result['speedup_vs_tunix']:.2f} "
-              f"(per CPU-s {result['speedup_vs_tunix_cpu']:.2f})")
-    print(f"  load average    {result['load_average']}")
-    common.emit(result)
+    print_summary(result, cfg)
     return result
 
 
