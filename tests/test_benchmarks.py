@@ -15,10 +15,10 @@ from benchmarks import common  # noqa: E402
 from jaxrl.config import ModelConfig  # noqa: E402
 
 
-def _run(script: str) -> dict:
+def _run(script: str, *flags: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--small"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--small", *flags], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -31,11 +31,14 @@ def _run(script: str) -> dict:
 
 @pytest.mark.parametrize("script", ["rollout.py", "update.py"])
 def test_script_small_prints_json_last(script):
-    result = _run(script)
+    result = _run(script, *(["--compare", "--segments", "2"] if script == "rollout.py" else []))
     assert result["config"] == "tiny"
     if script == "rollout.py":
         shape = result["shape"]
         assert result["generated_tokens"] == shape["prompts"] * shape["samples"] * shape["new_tokens"]
+        # --compare: the per-row cache timed in the same rounds; the ratio is per round, then median.
+        assert len(result["row_cache_times"]) == len(result["times"]) and result["speedup_vs_row_cache"] > 0
+        assert result["decode_segments"] == 2
     else:
         assert result["trained_tokens"] == result["shape"]["batch"] * result["shape"]["seq"]
         assert result["share_prefix"] is True  # the default, as in the training loop

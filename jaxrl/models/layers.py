@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl.models.prefix_attention import MASKED_SCORE, GroupKV, attend_group, write_own
+
 # (k_LxBxSxKxHd, v_LxBxSxKxHd): the whole stacked cache travels through every block so each layer
 # updates its slice of the one buffer in place instead of the model restacking L copies per step.
 # Or (k_BxKxSxHd, v_BxKxSxHd): ONE layer's own buffers, kv-head-major, for decode loops that unroll
@@ -40,7 +42,7 @@ class WindowKV(NamedTuple):
 
 # Finite, so a fully masked query row (a left-padding slot) gets a uniform softmax instead of NaN;
 # such rows are padding whose outputs nobody reads, but NaN would poison gradients.
-_MASKED = -1e30
+_MASKED = MASKED_SCORE
 
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
@@ -128,7 +130,9 @@ class Attention(nn.Module):
     tokens (S = T, index = 0); with a cache, this call's K/V are first written at slot `index` of
     layer `layer`, then the queries attend over all S cache slots. Either way a key is visible iff
     its slot is not after the query's slot (causal) and `key_valid_BxS` marks it real (not padding).
-    `layer` is traced: blocks run under `nn.scan`.
+    `layer` is traced: blocks run under `nn.scan`. With a `GroupKV` (prompt prefix stored once per
+    group, `prefix_attention`), `index` is the slot in each row's own completion buffer and
+    `key_valid_BxS` marks the valid prefix slots of each group, [B/G, P].
     """
 
     n_heads: int
@@ -172,6 +176,11 @@ class Attention(nn.Module):
                                         key_valid_BxS, win[0].astype(self.dtype), win[1].astype(self.dtype), index,
                                         self.dtype)
             return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv._replace(win_k=win[0], win_v=win[1])
+        if isinstance(kv, GroupKV):  # the sampler's shared-prefix cache; key_valid marks the prefix
+            own = tuple(write_own(buf, new, index) for buf, new in zip((kv.own_k, kv.own_v), (k_BxTxKxHd, v_BxTxKxHd)))
+            kv = kv._replace(own_k=own[0], own_v=own[1])
+            o_BxTxHxHd = attend_group(q_BxTxHxHd, kv, key_valid_BxS, index, self.dtype)
+            return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
         if kv is not None and kv[0].ndim == 4:  # LayerKV: this layer's own kv-head-major buffers
             kv = tuple(_write_layer_kv(buf, new.swapaxes(1, 2).astype(buf.dtype), index)
                        for buf, new in zip(kv, (k_BxTxKxHd, v_BxTxKxHd)))

@@ -1,8 +1,11 @@
 """Group rollouts with a shared-prefill KV cache.
 
-Each prompt is prefilled once (all but its last token); its cache is then repeated to the G rows of
-its group, so the rows for prompt i are i*G .. i*G+G-1. Decoding runs in a `lax.while_loop` over a
-cache preallocated to P + max_new_tokens slots and stops as soon as every row has emitted EOS.
+Each prompt is prefilled once (all but its last token) and serves the G rows of its group, so the
+rows for prompt i are i*G .. i*G+G-1. By default the prompt's keys/values stay stored once per group
+(`models.group_decode.GroupCache`: the rows' queries attend to the shared prefix together, and each
+row keeps only its completion slots); `share_prefix=False` repeats the cache to every row, P +
+max_new_tokens slots each. Decoding runs in `lax.while_loop`s (one per segment of steps, see
+`sample`) and stops as soon as every row has emitted EOS.
 Prompts are left-padded and every row needs at least one real token.
 
 Recorded log-probs are under softmax(logits / temperature) WITHOUT top-k/top-p truncation (also for
@@ -28,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.decode import LayerCache, decode_step_layers_routed, layer_params, to_layer_cache
+from jaxrl.models.decode import LayerCache, decode_layers, layer_params, to_layer_cache
+from jaxrl.models.group_decode import decode_group_layers, default_segments, group_cache, grow_own, segment_ends
 from jaxrl.models.transformer import init_cache, prefill_routed
 
 
@@ -44,7 +48,7 @@ class SampleOutput(NamedTuple):
 
 class _Loop(NamedTuple):
     step: jax.Array  # columns emitted so far
-    cache: LayerCache
+    cache: object  # GroupCache (share_prefix) or LayerCache
     last_N: jax.Array  # the next decode input: the last prompt token, then the last drawn token
     tokens_NxT: jax.Array
     logp_NxT: jax.Array
@@ -143,6 +147,26 @@ def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_i
     )
 
 
+def _prefill_prompts(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, cache_len: int,
+                     routing_len: int):
+    """Prefill each prompt once (all but its last token) into a cache of cache_len slots, one row
+    per prompt -> (LayerCache, routing_NxSxLxK of the G rows of every prompt or None, last_N)."""
+    B, P = prompt_BxP.shape
+    G = group_size
+    cache = init_cache(cfg, B, cache_len)
+    routing_NxSxLxK = None
+    if cfg.n_experts:
+        routing_NxSxLxK = jnp.zeros((B * G, routing_len, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
+    if P > 1:
+        _, cache, experts_LxBxPxK = prefill_routed(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
+        if cfg.n_experts:
+            experts_NxPxLxK = jnp.repeat(jnp.transpose(experts_LxBxPxK, (1, 2, 0, 3)), G, axis=0)
+            routing_NxSxLxK = lax.dynamic_update_slice(routing_NxSxLxK, experts_NxPxLxK, (0, 0, 0, 0))
+    # The loop runs on per-layer params and cache buffers (see transformer.decode_step_layers):
+    # both are split once here instead of sliced out of the stacked arrays at every step.
+    return to_layer_cache(cache), routing_NxSxLxK, jnp.repeat(prompt_BxP[:, -1].astype(jnp.int32), G, axis=0)
+
+
 def prefill_groups(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, cache_len: int,
                    routing_len: int):
     """Shared prefill: each prompt is encoded once, then its cache is copied to its G rows (rows
@@ -152,42 +176,52 @@ def prefill_groups(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_
 
     -> (LayerCache of cache_len slots, per-layer params, routing_NxSxLxK (MoE, S = routing_len;
     else None), last_N)."""
-    B, P = prompt_BxP.shape
-    G = group_size
-    N = B * G
-    cache = init_cache(cfg, B, cache_len)
-    routing_NxSxLxK = None
-    if cfg.n_experts:
-        routing_NxSxLxK = jnp.zeros((N, routing_len, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
-    if P > 1:
-        _, cache, experts_LxBxPxK = prefill_routed(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
-        if cfg.n_experts:
-            experts_NxPxLxK = jnp.repeat(jnp.transpose(experts_LxBxPxK, (1, 2, 0, 3)), G, axis=0)
-            routing_NxSxLxK = lax.dynamic_update_slice(routing_NxSxLxK, experts_NxPxLxK, (0, 0, 0, 0))
-    # The loop runs on per-layer params and cache buffers (see transformer.decode_step_layers):
-    # both are split once here instead of sliced out of the stacked arrays at every step.
-    rep = lambda x: jnp.repeat(x, G, axis=0, total_repeat_length=x.shape[0] * G)
-    cache = to_layer_cache(cache)
+    cache, routing_NxSxLxK, last_N = _prefill_prompts(params, cfg, prompt_BxP, prompt_mask_BxP, group_size,
+                                                      cache_len, routing_len)
+    rep = lambda x: jnp.repeat(x, group_size, axis=0, total_repeat_length=x.shape[0] * group_size)
     cache = LayerCache(jax.tree.map(rep, cache.kv), rep(cache.valid_BxS), rep(cache.pos_B))
-    return cache, layer_params(params, cfg), routing_NxSxLxK, rep(prompt_BxP[:, -1].astype(jnp.int32))
+    return cache, layer_params(params, cfg), routing_NxSxLxK, last_N
+
+
+def prefill_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, own_len: int,
+                   routing_len: int):
+    """`prefill_groups` with the prompt prefix kept once per group: a `GroupCache` whose prefix is the
+    P-1 prefilled slots of each prompt and whose rows get own_len zeroed completion slots (slot t
+    holds the token fed at decode step t: the last prompt token, then each drawn token)."""
+    prefix, routing_NxSxLxK, last_N = _prefill_prompts(params, cfg, prompt_BxP, prompt_mask_BxP, group_size,
+                                                       prompt_BxP.shape[1] - 1, routing_len)
+    return group_cache(prefix, group_size, own_len), layer_params(params, cfg), routing_NxSxLxK, last_N
 
 
 @temperature_checked
 @functools.partial(jax.jit, static_argnames=("cfg", "group_size", "max_new_tokens", "top_k", "top_p", "eos_id",
-                                             "pad_id", "greedy"))
+                                             "pad_id", "greedy", "share_prefix", "decode_segments"))
 def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_size: int, max_new_tokens: int,
-           temperature, top_k: int = 0, top_p: float = 1.0, eos_id: int, pad_id: int, greedy: bool = False
-           ) -> SampleOutput:
+           temperature, top_k: int = 0, top_p: float = 1.0, eos_id: int, pad_id: int, greedy: bool = False,
+           share_prefix: bool = True, decode_segments: Optional[int] = None) -> SampleOutput:
     """G completions per left-padded prompt; output rows i*G .. i*G+G-1 belong to prompt i.
 
     `temperature` is traced (changing it does not recompile; 0 = greedy, see `scaled_logits`); top_k
     (0 = off) and top_p (1.0 = off) are static because they change the graph.
+    share_prefix (default) decodes over a `GroupCache`: the prompt prefix stored once per group and
+    the loop run in `decode_segments` segments (default `default_segments`) whose completion buffers
+    grow, so early steps skip the never-written slots; False keeps one P+T-slot cache per row (the
+    same tokens and log-probs up to float32 summation order).
     """
     B, P = prompt_BxP.shape
     G, T = group_size, max_new_tokens
     N = B * G
 
-    cache, lparams, routing_NxSxLxK, last_N = prefill_groups(params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T, P + T)
+    if share_prefix:
+        ends = segment_ends(T, decode_segments or default_segments(T))
+        cache, lparams, routing_NxSxLxK, last_N = prefill_shared(params, cfg, prompt_BxP, prompt_mask_BxP, G,
+                                                                 ends[0], P + T)
+        step_fn = lambda tok_N, cache, step: decode_group_layers(lparams, cfg, tok_N[:, None], cache, step)
+    else:
+        ends = (T,)
+        cache, lparams, routing_NxSxLxK, last_N = prefill_groups(params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T,
+                                                                 P + T)
+        step_fn = lambda tok_N, cache, step: decode_layers(lparams, cfg, tok_N[:, None], cache, P - 1 + step)
 
     state = _Loop(
         step=jnp.zeros((), jnp.int32),
@@ -201,18 +235,18 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
         routing_NxSxLxK=routing_NxSxLxK,
     )
 
-    def cond(s: _Loop):
-        return (s.step < T) & ~jnp.all(s.done_N)
-
     def body(s: _Loop):
-        # Slot P-1+step holds the token fed now: the last prompt token, then each drawn token.
-        logits_NxV, cache, experts_NxLxK = decode_step_layers_routed(lparams, cfg, s.last_N, s.cache, P - 1 + s.step)
-        if experts_NxLxK is not None:
+        # Step t feeds the last prompt token, then each drawn token, at prompt slot P-1+t.
+        logits_Nx1xV, cache, experts_Nx1xLxK = step_fn(s.last_N, s.cache, s.step)
+        if experts_Nx1xLxK is not None:
             s = s._replace(routing_NxSxLxK=lax.dynamic_update_slice(
-                s.routing_NxSxLxK, experts_NxLxK[:, None], (0, P - 1 + s.step, 0, 0)))
-        return _emit(s._replace(cache=cache), logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_id)
+                s.routing_NxSxLxK, experts_Nx1xLxK, (0, P - 1 + s.step, 0, 0)))
+        return _emit(s._replace(cache=cache), logits_Nx1xV[:, 0], temperature, top_k, top_p, greedy, eos_id, pad_id)
 
-    state = lax.while_loop(cond, body, state)
+    for end in ends:  # one loop per segment; a segment's steps write completion slots < end
+        if share_prefix:
+            state = state._replace(cache=grow_own(state.cache, end))
+        state = lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done_N), body, state)
     return SampleOutput(
         tokens_BxT=state.tokens_NxT,
         completion_mask_BxT=state.mask_NxT,
