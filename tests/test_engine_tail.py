@@ -131,3 +131,26 @@ def test_resumed_toggle_engine_continues_like_the_original():
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     assert engine.counts == resumed.counts
     _both_kinds_ran(engine.counts)
+
+
+def test_rows_chunk_over_every_slot_in_order_equals_the_full_chunk():
+    """speculative_rows_chunk with rows_R = 0..S-1 gathers the whole state: it must give exactly
+    speculative_chunk's state (tokens, log-probs, cache, fill levels and the advanced RNG key) and counts,
+    sampled at temperature 1, 3 steps over 4 slots of which 2 decode. A write-back that dropped the
+    chunk's RNG (the next chunk would reuse its noise) or misplaced a row fails here."""
+    from jaxrl.rollout.engine_speculative import speculative_chunk, speculative_rows_chunk, speculative_spec
+    from jaxrl.rollout.engine_state import EngineSpec, admit, init_state
+
+    spec = speculative_spec(EngineSpec(te.CFG, 4, te.P, te.T, te.G, te.NEVER, te.PAD), _toggle(4))
+    params = te._params(te.CFG)
+    prompt, mask = te._prompts()
+    state = admit(params, spec, init_state(spec, jax.random.PRNGKey(1)), prompt[1:2], mask[1:2],
+                  np.array([1, 3], np.int32))
+    copy = lambda: jax.tree.map(jax.numpy.copy, state)
+    full, d_full, a_full = speculative_chunk(params, spec, copy(), 3, 0, 1.0)
+    rows, d_rows, a_rows = speculative_rows_chunk(params, spec, copy(), np.arange(4, dtype=np.int32), 3, 0, 1.0)
+    assert (int(d_full), int(a_full)) == (int(d_rows), int(a_rows)) and 0 < int(a_full) < int(d_full)
+    same = lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    jax.tree.map(same, full._replace(rng=None), rows._replace(rng=None))
+    same(jax.random.key_data(full.rng), jax.random.key_data(rows.rng))
+    assert not np.array_equal(jax.random.key_data(full.rng), jax.random.key_data(state.rng))
