@@ -201,7 +201,8 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
         whole.update(threshold_rows=toggle_rows, forced=toggle_rows != threshold)
         log(f"  whole rollout ({slots} slots, {len(mixed)} prompts x {group}): plain "
             f"{whole['plain']['tokens_per_s']:.0f} tok/s, toggle at {toggle_rows} rows "
-            f"{whole['speculative']['tokens_per_s']:.0f} tok/s ({whole['speedup']:.2f}x, CPU {whole['speedup_cpu']:.2f}x),"
+            f"{whole['speculative']['tokens_per_s']:.0f} tok/s ({whole['speedup']:.2f}x, "
+            f"CPU {whole['speedup_cpu']:.2f}x),"
             f" {whole['speculative']['speculative_chunks']} of {whole['speculative']['chunks']} chunks speculative")
     int8 = int8_probe(repeats=2 if small else 7)
     log(f"  int8 probe (4 rows, 8 x 512 x 4096): float32 weights {int8['float32_ms']:.2f} ms, int8 converted "
@@ -209,7 +210,8 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
     # The headline: the geometric mean over the row counts measured (none picked).
     headline = float(np.exp(np.mean([np.log(few[r]["speedup"]) for r in rows_list])))
     return {"speedup_tail_self_draft": headline,
-            "speedup_tail_by_rows": {str(r): few[r]["speedup"] for r in rows_list}, "acceptance_tail": acceptance, "threshold_rows": threshold,
+            "speedup_tail_by_rows": {str(r): few[r]["speedup"] for r in rows_list},
+            "acceptance_tail": acceptance, "threshold_rows": threshold,
             "rows": list(rows_list), "few_rows": {str(r): v for r, v in few.items()}, "costs": cost_rows,
             "acceptance_other_policies": other_acceptance, "whole_rollout": whole, "int8_probe": int8,
             "policy": info, "max_draft": spec.max_draft, "draft_layers": draft_layers, "new_tokens": new_tokens}

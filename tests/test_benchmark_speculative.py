@@ -39,7 +39,8 @@ def test_small_tail_part_prints_its_json_last(tmp_path):
     assert result["part"] == "tail" and result["speedup_tail_self_draft"] == tail["speedup_tail_self_draft"] > 0
     by_rows = tail["speedup_tail_by_rows"]
     # The headline is the geometric mean of the per-row speedups: sqrt(s1 * s2) for rows (1, 2).
-    assert set(by_rows) == {"1", "2"} and abs(tail["speedup_tail_self_draft"] - (by_rows["1"] * by_rows["2"]) ** 0.5) < 1e-9
+    assert set(by_rows) == {"1", "2"}
+    assert abs(tail["speedup_tail_self_draft"] - (by_rows["1"] * by_rows["2"]) ** 0.5) < 1e-9
     for r in ("1", "2"):
         spec = tail["few_rows"][r]["speculative"]
         assert spec["speculative_chunks"] == spec["chunks"] > 0 and 0 <= spec["acceptance"] <= 1
