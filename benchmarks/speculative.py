@@ -14,6 +14,9 @@ RNG keys, after a warm-up call that compiles):
      tokens, no EOS: plain, early exit (2 of 8 layers), int8, and reuse of a first pass.
   4. training (`--train-steps`, 0 to skip): the default run with and without
      `rollout.speculative.enabled` (early exit, adaptive), same seeds: accuracy curves and rollout time.
+  5. the engine's tail (`speculative_tail.py`; `--only-tail` runs just this part): a warm-started
+     bench-small policy, few rows decoding long completions, plain engine vs speculative engine,
+     the measured costs, acceptance and threshold, and a whole long-tailed rollout with the toggle.
 
 Parts 1 and 3 also measure the step costs the adaptive control uses (`rollout/calibrate.py`: a
 verify forward of k+1 tokens and a drafted token, in plain steps, for that batch) and from them the
@@ -21,7 +24,9 @@ ceiling: the most a speculative step can give over a plain one with every draft 
 
 Tokens/s counts generated (unmasked) tokens. The last line printed is one JSON object with
 `speedup_best_self_draft` and `speedup_trajectory_reuse` (part 1, throughput over plain sampling),
-`acceptance_rate` (of the best self-drafter there) and `ceiling_self_draft` / `ceiling_trajectory_reuse`.
+`acceptance_rate` (of the best self-drafter there), `ceiling_self_draft` / `ceiling_trajectory_reuse`,
+and `speedup_tail_self_draft` (part 5: the engine's speculative / plain tokens/s at 1, 4 and 8 rows,
+geometric mean).
 
     PYTHONPATH=. python benchmarks/speculative.py            # full run (trains the policy once)
     PYTHONPATH=. python benchmarks/speculative.py --small    # smoke run on random tiny weights
@@ -191,7 +196,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--train-steps", type=int, default=40, help="part 4 run length (0: skip part 4)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--small", action="store_true", help="random tiny weights, no training (smoke test)")
+    ap.add_argument("--only-tail", action="store_true", help="run part 5 (the engine's tail) only")
+    ap.add_argument("--tail-policy-steps", type=int, default=60, help="part 5's warm start (benchmarks/tail_policy.py)")
     args = ap.parse_args(argv)
+    if args.only_tail:
+        return _tail_only(args)
 
     import jax
     import jax.numpy as jnp
@@ -289,6 +298,26 @@ def main(argv=None) -> dict:
         "bench_small_costs": bench_small_costs, "training": training,
         "load_average": common.load_average(), "jax": jax.__version__, "backend": jax.default_backend(),
     }
+    print("5. the engine's tail (benchmarks/speculative_tail.py)")
+    result["tail"] = _tail(args)
+    result["speedup_tail_self_draft"] = result["tail"]["speedup_tail_self_draft"]
+    common.emit(result)
+    return result
+
+
+def _tail(args) -> dict:
+    from benchmarks.speculative_tail import tail_part
+
+    return tail_part(pathlib.Path(args.root), args.small, max(5, args.repeats // 2), args.tail_policy_steps)
+
+
+def _tail_only(args) -> dict:
+    import jax
+
+    tail = _tail(args)
+    result = {"benchmark": "speculative", "config": "tiny" if args.small else "default", "part": "tail",
+              "speedup_tail_self_draft": tail["speedup_tail_self_draft"], "tail": tail,
+              "load_average": common.load_average(), "jax": jax.__version__, "backend": jax.default_backend()}
     common.emit(result)
     return result
 

@@ -16,7 +16,9 @@ class SpeculativeConfig:
     weights), or reuse (the previous completion of the same prompt, verified as a point mass; rows
     without one use the self-drafter `fallback`, or plain decoding when it is "none").
     With rollout.engine.enabled only early_exit is available (jaxrl.rollout.engine_speculative: a
-    fixed draft length of max_draft; adaptive, calibrate and the costs are unused there).
+    fixed draft length of max_draft; adaptive, calibrate and the costs are unused there), and the
+    engine speculates only once max_active_rows or fewer slots decode (the tail), on those rows
+    only; `calibrate.tail_threshold` derives that row count from measured costs and acceptance.
     """
 
     enabled: bool = False

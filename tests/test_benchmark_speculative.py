@@ -24,3 +24,29 @@ def test_small_run_prints_speedups_json_last(tmp_path):
     assert 0 < result["acceptance_rate"] <= 1 and emb["early_exit_k4"]["speculated_frac"] == 1.0
     # Same prompts, same number of rows: the generated token counts are real, positive numbers.
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in emb.values())
+
+
+def test_small_tail_part_prints_its_json_last(tmp_path):
+    """--only-tail --small: part 5 on random tiny weights (plain vs speculative engine at 1 and 2
+    rows, the costs and threshold, a whole rollout with the toggle forced to 2 rows) in seconds."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--small", "--only-tail",
+                           "--root", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    tail = result["tail"]
+    assert result["part"] == "tail" and result["speedup_tail_self_draft"] == tail["speedup_tail_self_draft"] > 0
+    by_rows = tail["speedup_tail_by_rows"]
+    # The headline is the geometric mean of the per-row speedups: sqrt(s1 * s2) for rows (1, 2).
+    assert set(by_rows) == {"1", "2"}
+    assert abs(tail["speedup_tail_self_draft"] - (by_rows["1"] * by_rows["2"]) ** 0.5) < 1e-9
+    for r in ("1", "2"):
+        spec = tail["few_rows"][r]["speculative"]
+        assert spec["speculative_chunks"] == spec["chunks"] > 0 and 0 <= spec["acceptance"] <= 1
+        assert spec["tokens"] == tail["few_rows"][r]["plain"]["tokens"] == int(r) * tail["new_tokens"]  # EOS ignored
+    assert set(tail["costs"]) == {"2"} and len(tail["costs"]["2"]["verify_K"]) == tail["max_draft"] == 2
+    whole = tail["whole_rollout"]
+    assert whole["threshold_rows"] == max(tail["threshold_rows"], 2) and whole["speculative"]["speculative_chunks"] > 0
+    assert whole["speculative"]["chunks"] > whole["speculative"]["speculative_chunks"]  # plain while 8 slots decode
+    assert tail["int8_probe"]["float32_ms"] > 0 and tail["int8_probe"]["int8_ms"] > 0

@@ -140,3 +140,34 @@ def cached_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows:
     tmp.write_text(json.dumps({**costs_to_json(costs), "key": key}, default=str, indent=1))
     os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
     return costs, path, True
+
+
+# --- the engine's tail threshold (engine_speculative.toggle_chunk) ------------------------------
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a speculative step keeps per row, drafts accepted independently with probability a:
+    1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) (k + 1 at a = 1)."""
+    a = float(acceptance)
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def tail_gain(costs: StepCosts, acceptance: float, k: int) -> float:
+    """Tokens per unit cost of a speculative step with k drafts over a plain step (1 token, cost 1),
+    with costs measured at the rows it runs: expected_tokens / (verify of k drafts + k drafted tokens)."""
+    return expected_tokens(acceptance, k) / (float(np.asarray(costs.verify_K)[k - 1]) + k * float(costs.draft))
+
+
+def tail_threshold(costs_by_rows: dict, acceptance: float, k: int) -> int:
+    """The most rows R (of those measured) at which a k-draft speculative step gains over a plain
+    one (`tail_gain` > 1) with R's measured costs; 0 when none does. The engine's speculative chunk
+    always runs exactly `max_active_rows` rows (padded), so the costs at that R are the ones that count."""
+    paying = [r for r, c in costs_by_rows.items() if tail_gain(c, acceptance, k) > 1.0]
+    return max(paying, default=0)
+
+
+def calibrated_tail_rows(params, cfg: ModelConfig, spec: SpeculativeConfig, candidate_rows, cache_len: int,
+                         acceptance: float, cache_dir: pathlib.Path) -> tuple[int, dict]:
+    """`tail_threshold` over step costs measured (or read from `cache_dir`: `cached_step_costs`) at
+    each candidate row count -> (rollout.speculative.max_active_rows to use, {rows: StepCosts})."""
+    costs = {r: cached_step_costs(params, cfg, spec, r, cache_len, cache_dir)[0] for r in candidate_rows}
+    return tail_threshold(costs, acceptance, spec.max_draft), costs

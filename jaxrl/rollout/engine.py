@@ -37,10 +37,13 @@ one policy mix and comparable within the group. (A group's samples are admitted 
 share their first token's version.) -1: no bound.
 `to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
 
-Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): each
-decode step drafts `max_draft` tokens per slot with the policy's first `draft_layers` blocks and
-verifies them with one policy forward (`engine_speculative.py`); same distribution, same recorded
-fields, several tokens per step; counts["drafted"] / counts["accepted"] say how many drafts were kept.
+Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): once at
+most `rollout.speculative.max_active_rows` slots are decoding (the tail; `tail_rows`), each decode
+step drafts `max_draft` tokens for each of those slots with the policy's first `draft_layers` blocks
+and verifies them with one policy forward over just those rows (`engine_speculative.py`); while more
+slots decode, chunks are plain (a verify of many rows is compute-bound and costs more than it saves).
+Same distribution, same recorded fields, several tokens per step in the tail; counts["drafted"] /
+counts["accepted"] say how many drafts were kept, counts["speculative_chunks"] how many chunks speculated.
 """
 
 from __future__ import annotations
@@ -113,9 +116,11 @@ class Engine:
                        "restarted_samples": 0, "reprefilled_samples": 0}
         # The chunk kernel and the weights it takes (split into layers once per collect, or stacked).
         self._decode_chunk, self._chunk_params = decode_chunk, split_params
+        self.tail_rows = 0  # slots decoding at or below which chunks speculate (0: never)
         if speculative is not None and speculative.enabled:  # early-exit drafting: engine_speculative.py
             self.spec = engine_speculative.speculative_spec(self.spec, speculative)
-            self._decode_chunk, self._chunk_params = engine_speculative.counting_chunk(self), lambda p, cfg: p
+            self.tail_rows = engine_speculative.tail_rows(speculative, engine_cfg.slots)
+            self._decode_chunk = engine_speculative.toggle_chunk(self, self.tail_rows)
         self.state = init_state(self.spec, rng)
         self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
         self._flight: dict[int, _Flight] = {}

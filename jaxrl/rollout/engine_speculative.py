@@ -18,9 +18,17 @@ and `drafter=early_exit`). Same `EngineState`, same meaning of every field, so `
           (`decode.commit_window`). Rejected drafts leave no holes.
 
 A step is one verify forward: `rollout.engine.chunk` counts those. The draft length is always
-`max_draft` (the engine does not run the static sampler's adaptive control: `adaptive`, `calibrate`,
-the costs and `max_active_rows` are unused here); on a small CPU a verify of width W costs several
-plain steps and early exit does not pay (benchmarks/README.md).
+`max_draft` (the engine does not run the static sampler's adaptive control: `adaptive`, `calibrate`
+and the costs are unused here).
+
+The toggle (`toggle_chunk`, EfficientRollout's): speculation pays only where a verify of W tokens
+costs well under W plain steps, i.e. where decoding is memory-bound: few rows. So the engine runs
+the plain chunk (`engine_state.decode_chunk`) while more than `max_active_rows` slots decode, and
+the speculative chunk once `max_active_rows` or fewer do, on those slots' rows only
+(`speculative_rows_chunk`: gathered into a `max_active_rows`-row state, decoded, written back).
+Both chunk kinds run on the same `EngineState` (the plain step reads a row's cache up to its fill
+level, so the longer speculative cache changes nothing for it). `calibrate.tail_threshold` derives
+`max_active_rows` from measured costs and acceptance.
 
 The cache needs W - 1 slots of room past P + T (a window written at the last fill level), so a
 speculative engine's spec is a `SpeculativeEngineSpec` with that larger `cache_len`.
@@ -38,13 +46,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models.decode import commit_window, empty_window, layer_params, window_layers
 from jaxrl.rollout import acceptance
 from jaxrl.rollout.drafters import draft_view
-from jaxrl.rollout.engine_state import EngineSpec, EngineState
+from jaxrl.rollout.engine_state import EngineSpec, EngineState, decode_chunk
 from jaxrl.rollout.sampler import first_argmax, scaled_logits
 
 
@@ -81,20 +90,45 @@ def speculative_spec(spec: EngineSpec, speculative: SpeculativeConfig) -> Specul
     return SpeculativeEngineSpec(**fields, draft_layers=speculative.draft_layers, max_draft=speculative.max_draft)
 
 
-def counting_chunk(engine):
-    """`engine_state.decode_chunk`'s signature over a `SpeculativeEngineSpec`; adds the chunk's
-    drafted / accepted token counts to engine.counts["drafted"] / ["accepted"] (looked up at each
-    call: restoring a checkpoint replaces the dict)."""
-    engine.counts.setdefault("drafted", 0)
-    engine.counts.setdefault("accepted", 0)
+def tail_rows(speculative: SpeculativeConfig, slots: int) -> int:
+    """The engine speculates once at most this many slots are decoding: `max_active_rows`, capped at S."""
+    return min(speculative.max_active_rows, slots)
+
+
+def chunk_kind(n_active: int, tail: int) -> str:
+    """Which chunk the toggle runs next: "plain" while more than `tail` slots decode (compute-bound:
+    a verify costs too many steps), "speculative" once `tail` or fewer do (the memory-bound tail)."""
+    return "speculative" if n_active <= tail else "plain"
+
+
+def toggle_chunk(engine, tail: int):
+    """`engine_state.decode_chunk`'s signature over a `SpeculativeEngineSpec`: the plain chunk while
+    more than `tail` of the engine's slots are decoding (it stops as soon as `tail` or fewer are),
+    the speculative chunk on those slots' rows only, gathered into `tail` rows, once `tail` or fewer
+    are (with tail == S: over all slots, no gather). Adds the speculative chunks' drafted / accepted
+    token counts to engine.counts["drafted"] / ["accepted"] and counts engine.counts["speculative_chunks"]
+    (looked up at each call: restoring a checkpoint replaces the dict)."""
+    for name in ("drafted", "accepted", "speculative_chunks"):
+        engine.counts.setdefault(name, 0)
 
     def chunk(params, spec, state, n_steps, version, temperature, stop_at=None):
-        del stop_at  # a speculative chunk runs until n_steps or no slot decodes
-        state, drafted, accepted = speculative_chunk(params, spec, state, n_steps, version, temperature)
+        S = spec.slots
+        decoding = np.flatnonzero(engine._owner_S >= 0)  # retired slots are freed: owned == decoding
+        if chunk_kind(len(decoding), tail) == "plain":
+            stop_at = min(S if stop_at is None else stop_at, S - tail)
+            return decode_chunk(params, spec, state, n_steps, version, temperature, stop_at)
+        if tail == S:  # a speculative chunk runs until n_steps or no slot decodes
+            state, drafted, accepted = speculative_chunk(params, spec, state, n_steps, version, temperature)
+        else:
+            rows_R = np.full(tail, S, np.int32)  # S: a padding row (done, dropped on the way back)
+            rows_R[:len(decoding)] = decoding
+            state, drafted, accepted = speculative_rows_chunk(params, spec, state, rows_R, n_steps, version,
+                                                              temperature)
         # A host sync, but the driver reads done_S right after every chunk anyway.
         counts = engine.counts
         counts["drafted"] = counts.get("drafted", 0) + int(drafted)
         counts["accepted"] = counts.get("accepted", 0) + int(accepted)
+        counts["speculative_chunks"] = counts.get("speculative_chunks", 0) + 1
         return state
 
     return chunk
@@ -191,8 +225,8 @@ def _speculative_step(lparams, spec: SpeculativeEngineSpec, s: EngineState, vers
 def speculative_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, n_steps, version, temperature):
     """Up to n_steps speculative steps (traced: one compile) over all slots, stopping early once no
     slot is decoding -> (state, drafted, accepted): draft tokens offered to decoding slots and how
-    many of them were accepted (int32 scalars)."""
-    lparams = layer_params(params, spec.cfg)
+    many of them were accepted (int32 scalars). `params`: the model's, or `split_params`'s."""
+    lparams = params if isinstance(params["blocks"], tuple) else layer_params(params, spec.cfg)
     version = jnp.asarray(version, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
 
@@ -204,3 +238,30 @@ def speculative_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, n
     cond = lambda carry: (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
     _, state, drafted, accepted = lax.while_loop(cond, body, (zero, state, zero, zero))
     return state, drafted, accepted
+
+
+def _take_rows(state: EngineState, rows_R) -> EngineState:
+    """The R slots rows_R of `state` as an R-slot state (an index of S or more: a done padding row)."""
+    S = state.done_S.shape[0]
+    take = lambda x: None if x is None else jnp.take(x, jnp.minimum(rows_R, S - 1), axis=0)
+    sub = jax.tree.map(take, state._replace(rng=None))
+    return sub._replace(rng=state.rng, done_S=sub.done_S | (rows_R >= S))
+
+
+def _put_rows(state: EngineState, sub: EngineState, rows_R) -> EngineState:
+    """`state` with its slots rows_R replaced by the R-slot `sub` (padding rows dropped); sub's RNG."""
+    put = lambda old, new: None if old is None else old.at[rows_R].set(new, mode="drop")
+    out = jax.tree.map(put, state._replace(rng=None), sub._replace(rng=None))
+    return out._replace(rng=sub.rng)
+
+
+@functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
+def speculative_rows_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, rows_R, n_steps, version,
+                           temperature):
+    """`speculative_chunk` over the slots rows_R only (int32[R], static R; entries >= S pad): their
+    rows are gathered into an R-slot state, decoded, and written back, so a verify forward costs R
+    rows, not S. Every other slot is left as it was; the state's RNG advances as the chunk's steps."""
+    sub_spec = dataclasses.replace(spec, slots=rows_R.shape[0])
+    sub = _take_rows(state, rows_R)
+    sub, drafted, accepted = speculative_chunk(params, sub_spec, sub, n_steps, version, temperature)
+    return _put_rows(state, sub, rows_R), drafted, accepted

@@ -1,0 +1,217 @@
+"""Part "tail" of benchmarks/speculative.py: the slot engine's speculation toggle where decoding is
+memory-bound, on a policy whose distribution is not uniform.
+
+  policy    bench-small (31M params) after a short supervised warm start on long addition with an
+            early-exit loss (`tail_policy.py`, made once under --root); also, for the acceptance
+            only, the same recipe without the early-exit loss.
+  costs     `calibrate.measure_step_costs` at 1..8 rows (cached under --root): a verify of k drafts
+            and an early-exit drafted token, in plain steps at that row count; the measured
+            acceptance; and from both `calibrate.tail_threshold`: the rows at or below which the
+            engine speculates (`rollout.speculative.max_active_rows`).
+  few rows  R = 1, 4, 8 rows (slots = R, one sample per prompt, 6-digit problems: ~60-token
+            solutions, 64 new tokens with EOS ignored so both sides decode the same tokens,
+            temperature 1): the plain engine vs the engine with speculation on (every chunk
+            speculates), timed interleaved.
+  rollout   a whole long-tailed rollout: 32 slots, 8 prompts x 4 samples of mixed lengths, the
+            plain engine vs the toggle at the measured threshold.
+  int8      whether int8 weights save memory traffic on XLA:CPU: a matmul over int8 weights
+            converted inside the jitted loop vs the same over float32 weights, at 4 rows.
+
+Timings are medians over `repeats` interleaved calls (plain, speculative, plain, ...) after a
+compiling warm-up; tokens/s counts generated tokens; `tokens_per_cpu_s_x_cores` is tokens per
+process CPU-second times the core count (steadier than wall time on a shared machine).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import statistics
+import time
+
+ROWS = (1, 4, 8)
+DRAFT_LAYERS, MAX_DRAFT = 2, 4
+
+
+def _prompts(tok, n: int, digits: int, seed: int):
+    """n long-addition prompts (token lists) whose longer operand has exactly `digits` digits when
+    digits > 0, else of the task's own long-tailed sizes."""
+    import random
+
+    from jaxrl.data.long_addition import _random_problem, format_prompt
+
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if digits:
+            a, b = rnd.randint(10 ** (digits - 1), 10 ** digits - 1), rnd.randint(10 ** (digits - 1), 10 ** digits - 1)
+        else:
+            a, b = _random_problem(6, rnd)
+        out.append([tok.bos_id] + tok.encode(format_prompt(a, b)))
+    return out
+
+
+def _engine(cfg, tok, slots: int, group: int, new_tokens: int, spec, seed: int, eos_id=None):
+    import jax
+
+    from jaxrl.config import EngineConfig
+    from jaxrl.rollout.engine import Engine
+
+    ecfg = EngineConfig(enabled=True, slots=slots, chunk=8, admit_groups=slots // group)
+    return Engine(cfg, ecfg, group_size=group, prompt_len=16, max_new_tokens=new_tokens, temperature=1.0,
+                  eos_id=tok.eos_id if eos_id is None else eos_id, pad_id=tok.pad_id, rng=jax.random.PRNGKey(seed),
+                  speculative=spec)
+
+
+def _run(engine, params, prompts):
+    """One collect of every prompt -> (wall s, process CPU s, generated tokens)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    groups = engine.collect(params, 0, [(i, p) for i, p in enumerate(prompts)], n_groups=len(prompts))
+    tokens = sum(float(g.completion_mask_GxT.sum()) for g in groups)
+    return time.perf_counter() - t0, time.process_time() - c0, tokens
+
+
+def compare(params, cfg, tok, prompts, slots, group, new_tokens, spec, repeats, eos_id=None):
+    """Plain engine vs `spec`'s engine on the same prompts, interleaved -> result dict. eos_id=-1:
+    no sample ends before new_tokens (both sides decode the same number of tokens)."""
+    engines = {"plain": _engine(cfg, tok, slots, group, new_tokens, None, 0, eos_id),
+               "speculative": _engine(cfg, tok, slots, group, new_tokens, spec, 0, eos_id)}
+    for e in engines.values():
+        _run(e, params, prompts)  # compiles
+    times = {k: [] for k in engines}
+    for _ in range(repeats):
+        for k, e in engines.items():
+            times[k].append(_run(e, params, prompts))
+    res = {}
+    for k, ts in times.items():
+        wall, cpu, tokens = (statistics.median(x[i] for x in ts) for i in range(3))
+        res[k] = {"tokens_per_s": tokens / wall, "tokens_per_cpu_s_x_cores": tokens / cpu * os.cpu_count(),
+                  "seconds": wall, "tokens": tokens}
+    counts = engines["speculative"].counts
+    res["speculative"].update(acceptance=counts["accepted"] / max(1, counts["drafted"]),
+                              speculative_chunks=counts["speculative_chunks"], chunks=counts["chunks"])
+    res["speedup"] = res["speculative"]["tokens_per_s"] / res["plain"]["tokens_per_s"]
+    res["speedup_cpu"] = res["speculative"]["tokens_per_cpu_s_x_cores"] / res["plain"]["tokens_per_cpu_s_x_cores"]
+    return res
+
+
+def int8_probe(rows: int = 4, repeats: int = 7) -> dict:
+    """ms per pass over 8 layers of [512 x 4096] weights at `rows` rows: float32 weights vs int8
+    weights converted to float32 inside the jitted loop (what XLA:CPU makes of an int8 drafter)."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (8, 512, 4096), jnp.float32)
+    q, scale = jnp.round(w * 20).astype(jnp.int8), jnp.full((8, 1, 4096), 0.05, jnp.float32)
+    x = jnp.ones((rows, 512), jnp.float32)
+
+    def loop(weight):
+        @jax.jit
+        def run(n, x, *ws):
+            def body(_, acc):
+                h = x + acc[:, :512] * 0
+                for layer in range(8):
+                    acc = acc + h @ weight(layer, *ws)[:, :4096]
+                return acc
+            return jax.lax.fori_loop(0, n, body, jnp.zeros((rows, 4096), jnp.float32))
+        return run
+
+    f32 = loop(lambda i, w: w[i])
+    i8 = loop(lambda i, q, s: q[i].astype(jnp.float32) * s[i])
+
+    def ms(fn, *args):
+        jax.block_until_ready(fn(20, x, *args))
+        best = min(_timed(lambda: fn(20, x, *args)) for _ in range(repeats))
+        return best / 20 * 1e3
+
+    return {"rows": rows, "float32_ms": ms(f32, w), "int8_ms": ms(i8, q, scale),
+            "bytes_float32": 8 * 512 * 4096 * 4, "bytes_int8": 8 * 512 * 4096}
+
+
+def _timed(fn) -> float:
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, log=print) -> dict:
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from benchmarks import common, tail_policy
+    from jaxrl.config import SpeculativeConfig
+    from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.models.transformer import init_params
+    from jaxrl.rollout.calibrate import calibrated_tail_rows, costs_to_json, tail_gain
+
+    tok = CharTokenizer()
+    if small:
+        cfg = dataclasses.replace(common.tiny(), vocab_size=tok.vocab_size)
+        params, info = init_params(cfg, jax.random.PRNGKey(0)), {"recipe": "random tiny"}
+        rows_list, new_tokens, repeats, candidates, draft_layers = (1, 2), 8, 1, (2,), 1
+        policies = {}
+    else:
+        cfg = common.bench_small()
+        params, info = tail_policy.tail_policy(root, cfg, tok, policy_steps, DRAFT_LAYERS, 1.0, log)
+        rows_list, new_tokens, candidates, draft_layers = ROWS, 64, (1, 2, 4, 8, 16), DRAFT_LAYERS
+        policies = {"no_exit_loss": tail_policy.tail_policy(root, cfg, tok, policy_steps, DRAFT_LAYERS, 0.0, log)[0]}
+    spec = SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=draft_layers,
+                             max_draft=MAX_DRAFT if not small else 2)
+    cache_len = 16 + new_tokens + spec.max_draft
+    log(f"tail: {'random tiny' if small else 'bench-small, warm-started with an early-exit loss'} policy; "
+        f"early exit {draft_layers} of {cfg.n_layers} layers, k = {spec.max_draft}")
+
+    # Acceptance on the few-rows workload first (it steers the threshold), then the threshold.
+    few = {}
+    probe = _prompts(tok, max(rows_list), 6, seed=1)
+    for r in rows_list:
+        few[r] = compare(params, cfg, tok, probe[:r], r, 1, new_tokens, dataclasses.replace(spec, max_active_rows=r),
+                         repeats, eos_id=-1)
+        s = few[r]["speculative"]
+        log(f"  {r} rows: plain {few[r]['plain']['tokens_per_s']:.0f} tok/s, speculative {s['tokens_per_s']:.0f} "
+            f"tok/s ({few[r]['speedup']:.2f}x, CPU {few[r]['speedup_cpu']:.2f}x), acceptance {s['acceptance']:.3f}")
+    acceptance = statistics.mean(few[r]["speculative"]["acceptance"] for r in rows_list)
+    threshold, costs = calibrated_tail_rows(params, cfg, spec, candidates, cache_len, acceptance, root / "costs")
+    cost_rows = {r: {**costs_to_json(c), "gain": tail_gain(c, acceptance, spec.max_draft)} for r, c in costs.items()}
+    for r, c in cost_rows.items():
+        log(f"  costs at {r} rows (plain steps): verify k=1..{spec.max_draft} "
+            f"{[round(v, 2) for v in c['verify_K']]}, drafted token {c['draft']:.2f}; "
+            f"gain at acceptance {acceptance:.2f}: {c['gain']:.2f}")
+    log(f"  measured threshold (rollout.speculative.max_active_rows): {threshold}")
+
+    other_acceptance = {}
+    for name, p in policies.items():
+        res = compare(p, cfg, tok, probe[:4], 4, 1, new_tokens, dataclasses.replace(spec, max_active_rows=4), 1, -1)
+        other_acceptance[name] = res["speculative"]["acceptance"]
+        log(f"  acceptance of the policy warm-started {name.replace('_', ' ')}: {other_acceptance[name]:.3f}")
+
+    whole = None
+    # --small smoke-tests the path at 2 rows whatever random weights measure (labelled forced).
+    toggle_rows = max(threshold, 2) if small else threshold
+    if toggle_rows:
+        slots, group = (8, 2) if small else (32, 4)
+        # --small: one group more than the slots hold, so the last one decodes alone (the tail).
+        mixed = _prompts(tok, slots // group + small, 0, seed=2)
+        whole = compare(params, cfg, tok, mixed, slots, group, new_tokens,
+                        dataclasses.replace(spec, max_active_rows=toggle_rows), repeats)
+        whole.update(threshold_rows=toggle_rows, forced=toggle_rows != threshold)
+        log(f"  whole rollout ({slots} slots, {len(mixed)} prompts x {group}): plain "
+            f"{whole['plain']['tokens_per_s']:.0f} tok/s, toggle at {toggle_rows} rows "
+            f"{whole['speculative']['tokens_per_s']:.0f} tok/s ({whole['speedup']:.2f}x, "
+            f"CPU {whole['speedup_cpu']:.2f}x),"
+            f" {whole['speculative']['speculative_chunks']} of {whole['speculative']['chunks']} chunks speculative")
+    int8 = int8_probe(repeats=2 if small else 7)
+    log(f"  int8 probe (4 rows, 8 x 512 x 4096): float32 weights {int8['float32_ms']:.2f} ms, int8 converted "
+        f"in the loop {int8['int8_ms']:.2f} ms")
+    # The headline: the geometric mean over the row counts measured (none picked).
+    headline = float(np.exp(np.mean([np.log(few[r]["speedup"]) for r in rows_list])))
+    return {"speedup_tail_self_draft": headline,
+            "speedup_tail_by_rows": {str(r): few[r]["speedup"] for r in rows_list},
+            "acceptance_tail": acceptance, "threshold_rows": threshold,
+            "rows": list(rows_list), "few_rows": {str(r): v for r, v in few.items()}, "costs": cost_rows,
+            "acceptance_other_policies": other_acceptance, "whole_rollout": whole, "int8_probe": int8,
+            "policy": info, "max_draft": spec.max_draft, "draft_layers": draft_layers, "new_tokens": new_tokens}
