@@ -36,6 +36,10 @@ class SpeculativeConfig:
     draft_cost: float = 0.5
     initial_acceptance: float = 0.7  # the acceptance estimate before any is measured
     max_active_rows: int = 1024  # speculate only while at most this many rows are still decoding
+    # Engine only: the early-exit drafter's head covers only the draft_vocab most frequent token ids
+    # (jaxrl/rollout/draft_vocab.py; the training loop ranks them over the task's training prompts,
+    # EOS first); 0 = the full vocabulary. Samples keep their exact distribution either way.
+    draft_vocab: int = 0
     # adaptive: a rollout that the costs and acceptance estimates say cannot gain runs the plain
     # sampler instead; every probe_every-th rollout speculates anyway, to re-measure acceptance.
     probe_every: int = 10
@@ -53,6 +57,8 @@ class SpeculativeConfig:
         _check(0 < self.initial_acceptance < 1, f"{prefix}.initial_acceptance", "a number in (0, 1)",
                self.initial_acceptance)
         _check(self.max_active_rows > 0, f"{prefix}.max_active_rows", "a positive integer", self.max_active_rows)
+        _check(self.draft_vocab >= 0, f"{prefix}.draft_vocab", "0 (the full vocabulary) or a positive integer",
+               self.draft_vocab)
         _check(self.probe_every > 0, f"{prefix}.probe_every", "a positive integer", self.probe_every)
         _check(self.reuse_width > 0, f"{prefix}.reuse_width", "a positive integer", self.reuse_width)
         _check(self.reuse_rule in ("exact", "spec_rl"), f"{prefix}.reuse_rule", "'exact' or 'spec_rl'",

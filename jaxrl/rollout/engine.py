@@ -103,7 +103,8 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, group_size: int, prompt_len: int,
                  max_new_tokens: int, temperature: float, eos_id: int, pad_id: int, rng, top_k: int = 0,
-                 top_p: float = 1.0, greedy: bool = False, speculative: Optional[SpeculativeConfig] = None):
+                 top_p: float = 1.0, greedy: bool = False, speculative: Optional[SpeculativeConfig] = None,
+                 draft_ids=None):
         engine_cfg.validate()
         if engine_cfg.slots < group_size:
             raise ConfigError(f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
@@ -118,7 +119,8 @@ class Engine:
         self._decode_chunk, self._chunk_params = decode_chunk, split_params
         self.tail_rows = 0  # slots decoding at or below which chunks speculate (0: never)
         if speculative is not None and speculative.enabled:  # early-exit drafting: engine_speculative.py
-            self.spec = engine_speculative.speculative_spec(self.spec, speculative)
+            # draft_ids: ranked token ids for a reduced draft head (rollout.speculative.draft_vocab)
+            self.spec = engine_speculative.speculative_spec(self.spec, speculative, draft_ids)
             self.tail_rows = engine_speculative.tail_rows(speculative, engine_cfg.slots)
             self._decode_chunk = engine_speculative.toggle_chunk(self, self.tail_rows)
         self.state = init_state(self.spec, rng)
@@ -130,12 +132,14 @@ class Engine:
         self._version: Optional[int] = None  # the previous collect's version
 
     @classmethod
-    def from_config(cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False) -> "Engine":
+    def from_config(cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False,
+                    draft_ids=None) -> "Engine":
         """The engine a run's `Config` describes (model, rollout.* and rollout.engine.*)."""
         rc = cfg.rollout
         return cls(cfg.model, rc.engine, group_size=rc.group_size, prompt_len=prompt_len,
                    max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, eos_id=eos_id, pad_id=pad_id,
-                   rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy, speculative=rc.speculative)
+                   rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy, speculative=rc.speculative,
+                   draft_ids=draft_ids)
 
     def to_state(self) -> tuple[dict, dict]:
         """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (engine_checkpoint.py)."""

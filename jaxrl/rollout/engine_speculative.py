@@ -6,7 +6,9 @@ and `drafter=early_exit`). Same `EngineState`, same meaning of every field, so `
 
   draft   the first `draft_layers` blocks of the policy, then its own final norm and head
           (`drafters.draft_view`), draft k = `max_draft` tokens one by one. They read the slot's KV
-          cache for those layers and write only a small window (`decode.window_layers`).
+          cache for those layers and write only a small window (`decode.window_layers`). With
+          `rollout.speculative.draft_vocab` the head covers only the spec's `draft_ids`
+          (`draft_vocab.py`, FR-Spec: gathered once per chunk; q is 0 outside them).
   verify  ONE forward of the full policy over [last token, k drafts] (a window of W = k + 1).
   accept  `acceptance.verify_sampled` (exact speculative rejection sampling: every token keeps the
           plain sampler's distribution) or `verify_greedy` (identical greedy tokens): a_S leading
@@ -52,6 +54,7 @@ from jax import lax
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models.decode import commit_window, empty_window, layer_params, window_layers
 from jaxrl.rollout import acceptance
+from jaxrl.rollout.draft_vocab import check_draft_ids, subset_head
 from jaxrl.rollout.drafters import draft_view
 from jaxrl.rollout.engine_state import EngineSpec, EngineState, decode_chunk
 from jaxrl.rollout.sampler import first_argmax, scaled_logits
@@ -63,6 +66,7 @@ class SpeculativeEngineSpec(EngineSpec):
 
     draft_layers: int = 1  # blocks the early-exit drafter runs
     max_draft: int = 4  # k: tokens drafted per step (the verify window is k + 1 wide)
+    draft_ids: tuple = ()  # the drafter's vocabulary (draft_vocab.py), () = the full one
 
     @property
     def cache_len(self) -> int:
@@ -82,12 +86,16 @@ def check_engine_drafter(speculative: SpeculativeConfig, model_cfg: ModelConfig)
         raise ConfigError(f"rollout.speculative.draft_layers: got {speculative.draft_layers}, expected {allowed}")
 
 
-def speculative_spec(spec: EngineSpec, speculative: SpeculativeConfig) -> SpeculativeEngineSpec:
-    """`spec` with the drafter's shape and the room the verify window needs."""
+def speculative_spec(spec: EngineSpec, speculative: SpeculativeConfig, draft_ids=None) -> SpeculativeEngineSpec:
+    """`spec` with the drafter's shape and the room the verify window needs. draft_ids: token ids
+    ranked by frequency (`draft_vocab.frequent_ids`), the first `draft_vocab` of which the drafter's
+    head covers (unused with draft_vocab=0)."""
     speculative.validate()
     check_engine_drafter(speculative, spec.cfg)
+    ids = check_draft_ids(speculative.draft_vocab, draft_ids, spec.cfg.vocab_size)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(EngineSpec)}
-    return SpeculativeEngineSpec(**fields, draft_layers=speculative.draft_layers, max_draft=speculative.max_draft)
+    return SpeculativeEngineSpec(**fields, draft_layers=speculative.draft_layers, max_draft=speculative.max_draft,
+                                 draft_ids=ids)
 
 
 def tail_rows(speculative: SpeculativeConfig, slots: int) -> int:
@@ -144,24 +152,38 @@ def _put_window(buf_SxT, col_S, vals_SxW, write_SxW):
     return jnp.where(write_SxT, jnp.take_along_axis(vals_SxW, i_SxT, axis=1).astype(buf_SxT.dtype), buf_SxT)
 
 
-def _draft(lparams, spec: SpeculativeEngineSpec, s: EngineState, fill_S, key, temperature):
+def _drafter(lparams, spec: SpeculativeEngineSpec):
+    """-> (weights, config) the drafter runs: the policy's (its first draft_layers blocks), with the
+    head cut to spec.draft_ids when set. Called once per chunk, outside the step loop."""
+    dparams, _ = draft_view(lparams, "early_exit", spec.draft_layers, spec.cfg.n_layers)
+    if not spec.draft_ids:
+        return dparams, spec.cfg
+    return subset_head(dparams, spec.cfg, jnp.asarray(spec.draft_ids, jnp.int32))
+
+
+def _draft(drafter, spec: SpeculativeEngineSpec, s: EngineState, fill_S, key, temperature):
     """k early-exit drafts per slot -> (fed_SxW: [last, d_1..d_k], q_SxWxV: each draft's distribution
-    at column i (column 0 unused), None for greedy)."""
+    at column i over the whole vocabulary (column 0 unused; 0 outside spec.draft_ids), None for greedy).
+    With draft_ids the logits cover those N ids only: a draw j is token draft_ids[j]."""
     cfg, S, K = spec.cfg, spec.slots, spec.max_draft
     W = K + 1
-    dparams, d_layers = draft_view(lparams, "early_exit", spec.draft_layers, cfg.n_layers)
+    (dparams, dcfg), d_layers = drafter, spec.draft_layers
+    ids_N = jnp.asarray(spec.draft_ids, jnp.int32) if spec.draft_ids else None
+    to_token = (lambda j_S: j_S) if ids_N is None else (lambda j_S: ids_N[j_S])
+    top_k = spec.top_k if ids_N is None or spec.top_k < len(spec.draft_ids) else 0
     fed0_SxW = jnp.zeros((S, W), jnp.int32).at[:, 0].set(s.last_S)
     q0_SxWxV = None if spec.greedy else jnp.zeros((S, W, cfg.vocab_size), jnp.float32)
 
     def one(i, c):
         window, fed_SxW, q_SxWxV = c
         tok_S = lax.dynamic_index_in_dim(fed_SxW, i, axis=1, keepdims=False)
-        logits_Sx1xV, window, _ = window_layers(dparams, cfg, tok_S[:, None], s.cache, fill_S, window, i, d_layers)
+        logits_Sx1xN, window, _ = window_layers(dparams, dcfg, tok_S[:, None], s.cache, fill_S, window, i, d_layers)
         if spec.greedy:
-            d_S = first_argmax(logits_Sx1xV[:, 0])
-        else:
-            q_SxV = acceptance.target_probs(logits_Sx1xV, temperature, spec.top_k, spec.top_p)[:, 0]
-            d_S = acceptance.categorical(jax.random.fold_in(key, i), q_SxV)
+            d_S = to_token(first_argmax(logits_Sx1xN[:, 0]))
+        else:  # N = V without draft_ids
+            q_SxN = acceptance.target_probs(logits_Sx1xN, temperature, top_k, spec.top_p)[:, 0]
+            d_S = to_token(acceptance.categorical(jax.random.fold_in(key, i), q_SxN))
+            q_SxV = q_SxN if ids_N is None else jnp.zeros((S, cfg.vocab_size), jnp.float32).at[:, ids_N].set(q_SxN)
             q_SxWxV = lax.dynamic_update_slice(q_SxWxV, q_SxV[:, None], (0, i + 1, 0))
         fed_SxW = lax.dynamic_update_slice(fed_SxW, d_S[:, None].astype(jnp.int32), (0, i + 1))
         return window, fed_SxW, q_SxWxV
@@ -171,7 +193,7 @@ def _draft(lparams, spec: SpeculativeEngineSpec, s: EngineState, fill_S, key, te
     return fed_SxW, q_SxWxV
 
 
-def _speculative_step(lparams, spec: SpeculativeEngineSpec, s: EngineState, version, temperature):
+def _speculative_step(lparams, drafter, spec: SpeculativeEngineSpec, s: EngineState, version, temperature):
     """Draft, verify, accept and commit for every slot; only decoding slots record and advance.
     -> (state, drafted, accepted) with the step's token counts over decoding slots."""
     cfg, P, T, S, K = spec.cfg, spec.prompt_len, spec.max_new_tokens, spec.slots, spec.max_draft
@@ -180,7 +202,7 @@ def _speculative_step(lparams, spec: SpeculativeEngineSpec, s: EngineState, vers
     active_S = ~s.done_S
     rng, key = jax.random.split(s.rng)
     key_draft, key_verify = jax.random.split(key)
-    fed_SxW, q_SxWxV = _draft(lparams, spec, s, fill_S, key_draft, temperature)
+    fed_SxW, q_SxWxV = _draft(drafter, spec, s, fill_S, key_draft, temperature)
     window = empty_window(s.cache, W, cfg.n_layers)
     logits_SxWxV, window, experts_SxWxLxK = window_layers(lparams, cfg, fed_SxW, s.cache, fill_S, window, 0)
     drafted_SxW = jnp.broadcast_to(jnp.arange(W) >= 1, (S, W))
@@ -229,10 +251,11 @@ def speculative_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, n
     lparams = params if isinstance(params["blocks"], tuple) else layer_params(params, spec.cfg)
     version = jnp.asarray(version, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
+    drafter = _drafter(lparams, spec)  # a reduced head is gathered here, once per chunk
 
     def body(carry):
         i, s, drafted, accepted = carry
-        s, d, a = _speculative_step(lparams, spec, s, version, temperature)
+        s, d, a = _speculative_step(lparams, drafter, spec, s, version, temperature)
         return i + 1, s, drafted + d, accepted + a
 
     cond = lambda carry: (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
