@@ -37,16 +37,23 @@ def test_small_tail_part_prints_its_json_last(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     tail = result["tail"]
     assert result["part"] == "tail" and result["speedup_tail_self_draft"] == tail["speedup_tail_self_draft"] > 0
-    by_rows = tail["speedup_tail_by_rows"]
-    # The headline is the geometric mean of the per-row speedups: sqrt(s1 * s2) for rows (1, 2).
-    assert set(by_rows) == {"1", "2"}
-    assert abs(tail["speedup_tail_self_draft"] - (by_rows["1"] * by_rows["2"]) ** 0.5) < 1e-9
+    by_rows, reduced_by_rows = tail["speedup_tail_by_rows"], tail["speedup_tail_reduced_head_by_rows"]
+    # Each head's figure is the geometric mean of its per-row speedups: sqrt(s1 * s2) for rows (1, 2);
+    # the headline is the better of the two, both kept.
+    assert set(by_rows) == set(reduced_by_rows) == {"1", "2"}
+    assert abs(tail["speedup_tail_full_head"] - (by_rows["1"] * by_rows["2"]) ** 0.5) < 1e-9
+    assert abs(tail["speedup_tail_reduced_head"] - (reduced_by_rows["1"] * reduced_by_rows["2"]) ** 0.5) < 1e-9
+    assert tail["speedup_tail_self_draft"] == max(tail["speedup_tail_full_head"], tail["speedup_tail_reduced_head"])
+    # The long-addition token set: EOS, digits 0-9, '+', '=', ',', ':'.
+    assert len(tail["draft_ids"]) == 15 and len(set(tail["draft_ids"])) == 15
     for r in ("1", "2"):
-        spec = tail["few_rows"][r]["speculative"]
-        assert spec["speculative_chunks"] == spec["chunks"] > 0 and 0 <= spec["acceptance"] <= 1
-        assert spec["tokens"] == tail["few_rows"][r]["plain"]["tokens"] == int(r) * tail["new_tokens"]  # EOS ignored
+        for head in ("speculative", "reduced_head"):
+            spec = tail["few_rows"][r][head]
+            assert spec["speculative_chunks"] == spec["chunks"] > 0 and 0 <= spec["acceptance"] <= 1
+            assert spec["tokens"] == tail["few_rows"][r]["plain"]["tokens"] == int(r) * tail["new_tokens"]  # no EOS
     assert set(tail["costs"]) == {"2"} and len(tail["costs"]["2"]["verify_K"]) == tail["max_draft"] == 2
     whole = tail["whole_rollout"]
     assert whole["threshold_rows"] == max(tail["threshold_rows"], 2) and whole["speculative"]["speculative_chunks"] > 0
     assert whole["speculative"]["chunks"] > whole["speculative"]["speculative_chunks"]  # plain while 8 slots decode
+    assert whole["reduced_head"]["speculative_chunks"] > 0
     assert tail["int8_probe"]["float32_ms"] > 0 and tail["int8_probe"]["int8_ms"] > 0

@@ -90,3 +90,34 @@ def test_config_errors_name_the_field():
         make(2, (4, 29))
     assert make(0, None).spec.draft_ids == ()  # the default: the full vocabulary, no ids needed
     assert make(2, (5, 6, 7)).spec.draft_ids == (5, 6)  # the first draft_vocab of the ranked ids
+
+
+def test_training_source_ranks_the_draft_ids_over_the_task(in_process_cache):
+    """EngineSource with rollout.speculative.draft_vocab=12 gives the engine EOS and then the 11 ids
+    most frequent in the task's training prompts and answers (recomputed here by counting), and a
+    step runs with drafts."""
+    import collections
+    import dataclasses
+
+    from jaxrl.data.stream import StreamState
+    from jaxrl.data.tasks import load_task
+    from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.models import transformer as tf
+    from jaxrl.train.group_sources import EngineSource
+    from preset_configs import config_path, overrides
+
+    on = ["rollout.engine.enabled=true", "rollout.engine.slots=8", "rollout.speculative.enabled=true",
+          "rollout.speculative.max_draft=2", "rollout.speculative.draft_vocab=12"]
+    cfg = C.load_config(config_path("grpo"), overrides("grpo") + on + ["model.n_layers=2"])
+    tok = CharTokenizer()
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    task = load_task(cfg.data)
+    source = EngineSource(cfg, model_cfg, tok, task, {})
+    recs = [task.train[i] for i in range(min(512, len(task.train)))]
+    counts = collections.Counter(t for r in recs for k in ("prompt", "answer") for t in tok.encode(r[k]))
+    ids = source.engine.spec.draft_ids
+    assert len(ids) == 12 and ids[0] == tok.eos_id and tok.eos_id not in ids[1:]
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))
+    assert list(ids[1:]) == [t for t in ranked if t != tok.eos_id][:11]
+    produced = source.produce(tf.init_params(model_cfg, jax.random.key(0)), StreamState(0, 0), None, step=1)
+    assert produced.metrics["engine/drafted"] > 0

@@ -60,3 +60,11 @@ def subset_head(lparams, cfg: ModelConfig, ids_N):
     head_DxV = lparams["embedding"].T if cfg.tie_embeddings else lparams["lm_head"]
     head_DxN = jnp.take(head_DxV, ids_N, axis=1)
     return dict(lparams, lm_head=head_DxN), dataclasses.replace(cfg, tie_embeddings=False)
+
+
+def task_draft_ids(records, tokenizer, n: int, vocab_size: int, limit: int = 512) -> tuple:
+    """The training loop's drafter ids: the n most frequent over the prompt and reference answer
+    texts of the first `limit` training records (what completions are made of), EOS first."""
+    texts = [r[k] for i in range(min(limit, len(records))) for r in (records[i],) for k in ("prompt", "answer")
+             if r.get(k)]
+    return frequent_ids((tokenizer.encode(t) for t in texts), n, vocab_size, first=(tokenizer.eos_id,))

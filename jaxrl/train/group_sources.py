@@ -34,6 +34,7 @@ import numpy as np
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
+from jaxrl.rollout.draft_vocab import task_draft_ids
 from jaxrl.rollout.engine import Engine, Group, assemble_batch
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.batching import decode_completions, next_prompts, prompt_width
@@ -113,8 +114,12 @@ class EngineSource:
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), _ENGINE_KEY_SALT)
         # model_cfg: the resolved model (the tokenizer's vocabulary, or the HF checkpoint's architecture)
+        spec = cfg.rollout.speculative  # a reduced draft head: ids ranked over the task's training records
+        draft_ids = (task_draft_ids(task.train, tokenizer, spec.draft_vocab, model_cfg.vocab_size)
+                     if spec.enabled and spec.draft_vocab else None)
         self.engine = Engine.from_config(dataclasses.replace(cfg, model=model_cfg), prompt_len=prompt_width(cfg.data),
-                                         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, rng=rng)
+                                         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, rng=rng,
+                                         draft_ids=draft_ids)
         if _ENGINE_ITEM in host:  # resumed: the samples in flight continue where the save left them
             self.engine.load_state(host[_ENGINE_ITEM], host.get(ckpt.ARRAYS, {}).get(_ENGINE_ITEM))
         self.prompt_filter = BetaPromptFilter.from_config(cfg.rollout.engine, cfg.train.seed, host.get(_FILTER_KEY))
