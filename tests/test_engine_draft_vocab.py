@@ -4,6 +4,7 @@ much of the target's mass outside the drafter's ids, greedy tokens identical to 
 the id ranking, and the config errors. Models and helpers: tests/test_engine*.py."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,6 +29,26 @@ def test_frequent_ids_ranks_first_then_by_count_then_unseen():
     assert draft_vocab.frequent_ids(seqs, 4, 10, first=(9,)) == (9, 7, 2, 5)  # 2 before 5: tie, lower id
     assert draft_vocab.frequent_ids(seqs, 7, 10) == (7, 2, 5, 9, 0, 1, 3)  # then unseen ids, ascending
     assert draft_vocab.frequent_ids([], 3, 10, first=(4, 4)) == (4, 0, 1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_subset_head_gives_the_full_logits_at_its_ids(tied):
+    """`subset_head`'s drafter (first layer of te.CFG, tied or untied head) returns logits [B, T, 4]
+    equal to the full head's logits at columns ids, in the ids' order."""
+    import dataclasses
+
+    from jaxrl.models import decode, transformer as tf
+
+    cfg = dataclasses.replace(te.CFG, tie_embeddings=tied)
+    lparams = decode.layer_params(tf.init_params(cfg, jax.random.PRNGKey(1)), cfg)
+    ids = jnp.asarray([7, 0, 28, 3], jnp.int32)
+    cache = decode.to_layer_cache(tf.init_cache(cfg, 2, 4))
+    tokens = jnp.asarray([[5, 9], [1, 2]], jnp.int32)
+    full, _, _ = decode.decode_layers(lparams, cfg, tokens, cache, 0, n_layers=1)
+    sub_params, sub_cfg = draft_vocab.subset_head(lparams, cfg, ids)
+    sub, _, _ = decode.decode_layers(sub_params, sub_cfg, tokens, cache, 0, n_layers=1)
+    assert sub.shape == (2, 2, 4)
+    np.testing.assert_allclose(np.asarray(sub), np.asarray(full)[..., np.asarray(ids)], rtol=1e-5, atol=1e-5)
 
 
 def test_sampled_distribution_equals_enumeration_with_a_two_token_draft_head():
