@@ -158,9 +158,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _headline(few: dict, rows_list, log) -> dict:
+    """Each drafter head's geometric mean speedup over the row counts measured (none picked); the
+    headline is the better head's, both are reported."""
+    import numpy as np
+
+    geomean = lambda key: float(np.exp(np.mean([np.log(few[r][key]) for r in rows_list])))
+    full_head, reduced_head = geomean("speedup"), geomean("speedup_reduced_head")
+    log(f"  speedup over {list(rows_list)} rows (geometric mean): full head {full_head:.2f}x, reduced head "
+        f"{reduced_head:.2f}x")
+    return {"speedup_tail_self_draft": max(full_head, reduced_head), "speedup_tail_full_head": full_head,
+            "speedup_tail_reduced_head": reduced_head, "draft_head": "reduced" if reduced_head > full_head else "full"}
+
+
 def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, log=print) -> dict:
     import jax
-    import numpy as np
 
     from benchmarks import common, tail_policy
     from jaxrl.config import SpeculativeConfig
@@ -232,15 +244,7 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
     int8 = int8_probe(repeats=2 if small else 7)
     log(f"  int8 probe (4 rows, 8 x 512 x 4096): float32 weights {int8['float32_ms']:.2f} ms, int8 converted "
         f"in the loop {int8['int8_ms']:.2f} ms")
-    # The headline: the geometric mean over the row counts measured (none picked), of the better
-    # drafter head (both reported).
-    geomean = lambda key: float(np.exp(np.mean([np.log(few[r][key]) for r in rows_list])))
-    full_head, reduced_head = geomean("speedup"), geomean("speedup_reduced_head")
-    log(f"  speedup over {list(rows_list)} rows (geometric mean): full head {full_head:.2f}x, reduced head "
-        f"{reduced_head:.2f}x")
-    return {"speedup_tail_self_draft": max(full_head, reduced_head),
-            "speedup_tail_full_head": full_head, "speedup_tail_reduced_head": reduced_head,
-            "draft_head": "reduced" if reduced_head > full_head else "full", "draft_ids": list(draft_ids),
+    return {**_headline(few, rows_list, log), "draft_ids": list(draft_ids),
             "speedup_tail_by_rows": {str(r): few[r]["speedup"] for r in rows_list},
             "speedup_tail_reduced_head_by_rows": {str(r): few[r]["speedup_reduced_head"] for r in rows_list},
             "acceptance_tail": acceptance, "threshold_rows": threshold,
