@@ -49,6 +49,28 @@ def make_batch(cfg, batch: int, prompt_len: int, completion_len: int, seed: int)
     }
 
 
+def torch_peer(args, ours: dict) -> dict:
+    """Run the PyTorch forward+backward peer on the same shape in a subprocess (same run, same load)
+    -> its figures and our speed-ups over it (wall and per CPU-second)."""
+    import json
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch_update.py")
+    cmd = [sys.executable, script, "--batch", str(args.batch), "--seq", str(args.seq), "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd + (["--small"] if args.small else []), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"update.py: error: the torch peer failed: {proc.stderr.strip()[-2000:]}")
+    peer = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {"torch": {k: peer[k] for k in ("tokens_per_s", "seconds", "cpu_seconds", "tokens_per_cpu_s_x_cores",
+                                          "torch_threads", "cores_used", "load_average")},
+           "speedup_vs_torch": ours["tokens_per_s"] / peer["tokens_per_s"],
+           "speedup_vs_torch_cpu": ours["tokens_per_cpu_s_x_cores"] / peer["tokens_per_cpu_s_x_cores"]}
+    print(f"  torch peer      {peer['tokens_per_s']:.0f} tokens/s ({peer['tokens_per_cpu_s_x_cores']:.0f} per CPU-s "
+          f"x cores, {peer['torch_threads']} threads) -> speedup_vs_torch {out['speedup_vs_torch']:.2f} "
+          f"(per CPU-s {out['speedup_vs_torch_cpu']:.2f})")
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64, help="sequences per update")
@@ -59,6 +81,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="tiny model and shape (smoke test)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-peer", action="store_true",
+                    help="also run benchmarks/peers/torch_update.py (same shape) in a subprocess, after this "
+                         "run's timing, and report speedup_vs_torch")
     args = ap.parse_args(argv)
 
     import jax
@@ -156,6 +181,8 @@ def main(argv=None) -> dict:
         print(f"  memory          XLA temp {xla_temp_mib:.0f} MiB + arguments {xla_args_mib:.0f} MiB; "
               f"process peak RSS {result['peak_rss_mib']:.0f} MiB")
     print(f"  load average    {result['load_average']}")
+    if args.run_peer:
+        result.update(torch_peer(args, result))
     common.emit(result)
     return result
 
