@@ -37,6 +37,12 @@ def _batch(seed=1):
 
 def _value_and_grad(cfg, temperature=0.7, **kw):
     """(logp, entropy, grads of sum(w1*logp + w2*entropy)) — weights make every row count differently."""
+    return _cached_value_and_grad(cfg, temperature, tuple(sorted(kw.items())))
+
+
+@functools.lru_cache(maxsize=None)  # the references are shared by several tests: compile each once
+def _cached_value_and_grad(cfg, temperature, kw):
+    kw = dict(kw)
     prompt, pmask, comp = _batch()
     w1 = jnp.linspace(0.5, 1.5, 2 * T).reshape(2, T)
     w2 = jnp.linspace(-1.0, 0.3, 2 * T).reshape(2, T)

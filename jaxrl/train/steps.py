@@ -38,8 +38,10 @@ LogpFn = Callable[[Any, dict], tuple]
 MOE_SCALARS = ("moe/aux_loss", "moe/z_loss", "moe/dropped_frac")  # per-microbatch scalars, averaged
 
 
-def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: bool = False) -> LogpFn:
+def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: bool = False, *, logits_chunk: int = 0,
+                 remat: str = "none") -> LogpFn:
     """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature.
+    `logits_chunk` and `remat`: the forward's memory options (`transformer.token_logprobs`).
 
     MoE: a third output, {"penalty": aux_coef * aux + z_coef * z, MOE_SCALARS..., and with a recorded
     routing "moe/routing_mismatch_BxT"}; with `routing_replay` the batch's routing is replayed."""
@@ -47,7 +49,8 @@ def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: boo
     if not model_cfg.n_experts:
         def logp_fn(params, batch):
             return token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                  batch["tokens_BxT"], batch["completion_mask_BxT"], temperature)
+                                  batch["tokens_BxT"], batch["completion_mask_BxT"], temperature,
+                                  logits_chunk=logits_chunk, remat=remat)
 
         return logp_fn
 
@@ -55,7 +58,7 @@ def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: boo
         routing = batch.get("routing_BxSxLxK")
         logp_BxT, entropy_BxT, moe = token_logprobs_moe(
             params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"],
-            batch["completion_mask_BxT"], temperature, routing if routing_replay else None)
+            batch["completion_mask_BxT"], temperature, routing if routing_replay else None, logits_chunk, remat)
         extras = {"penalty": model_cfg.moe_aux_coef * moe.aux_loss + model_cfg.moe_z_coef * moe.z_loss,
                   "moe/aux_loss": moe.aux_loss, "moe/z_loss": moe.z_loss, "moe/dropped_frac": moe.dropped_frac}
         if routing is not None:
