@@ -19,6 +19,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import sys
@@ -76,7 +77,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=64, help="sequences per update")
     ap.add_argument("--seq", type=int, default=192, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation chunks (exact)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="gradient-accumulation chunks (exact); 0: the fewest that fit --memory-budget-gib")
+    ap.add_argument("--memory-budget-gib", type=float, default=2.0, help="XLA temporaries, for --microbatches 0")
+    ap.add_argument("--logits-chunk", type=int, default=0, help="train.logits_chunk (0: unchunked log-softmax)")
+    ap.add_argument("--remat", default="none", help="train.remat: none | full | dots")
+    ap.add_argument("--dtype", default="float32", help="model.dtype (compute; weights stay float32)")
     ap.add_argument("--group-size", type=int, default=8, help="rows per prompt group (for the loss)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="tiny model and shape (smoke test)")
@@ -105,20 +111,28 @@ def main(argv=None) -> dict:
         peak = common.measure_matmul_peak()
     B, P = args.batch, args.prompt_len
     T = args.seq - P
-    if T <= 0 or B % args.microbatches:
-        ap.error("need --seq > --prompt-len and --microbatches dividing --batch")
+    if T <= 0 or args.microbatches < 0 or (args.microbatches and B % args.microbatches):
+        ap.error("need --seq > --prompt-len and --microbatches 0 or dividing --batch")
+    cfg = dataclasses.replace(cfg, dtype=args.dtype)
 
     loss = make_loss(LossConfig(preset="grpo"))
     optimizer = make_optimizer(OptimConfig(), total_steps=1000)
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     state = init_state(params, optimizer, jax.random.PRNGKey(args.seed + 1))
-    logp_fn = make_logp_fn(cfg, temperature=1.0)
-    kwargs = dict(ppo_epochs=1, microbatches=args.microbatches, max_new_tokens=T, use_ref=False)
+    logp_fn = make_logp_fn(cfg, temperature=1.0, logits_chunk=args.logits_chunk, remat=args.remat)
+    kwargs = dict(ppo_epochs=1, max_new_tokens=T, use_ref=False)
     if "group_size" in inspect.signature(make_update_step).parameters:
         kwargs["group_size"] = args.group_size
-    step = jax.jit(make_update_step(logp_fn, loss, optimizer, **kwargs), donate_argnums=0)
+    jit_for = lambda n: jax.jit(make_update_step(logp_fn, loss, optimizer, microbatches=n, **kwargs),  # noqa: E731
+                                donate_argnums=0)
     batch = jax.device_put(make_batch(cfg, B, P, T, args.seed))
 
+    if args.microbatches == 0:  # what train.microbatches=0 does (jaxrl.train.memory_budget)
+        from jaxrl.train.memory_budget import auto_jit
+
+        step, args.microbatches = auto_jit(jit_for, (state, batch), B, args.memory_budget_gib, log=print)
+    else:
+        step = jit_for(args.microbatches)
     compiled = step.lower(state, batch).compile()
     mem = compiled.memory_analysis()
     xla_temp_mib = float(getattr(mem, "temp_size_in_bytes", 0)) / 2**20 if mem is not None else None
@@ -161,6 +175,7 @@ def main(argv=None) -> dict:
         "peak_rss_mib": common.peak_rss_mib(),
         "shape": {"batch": B, "seq": args.seq, "prompt_len": P, "completion_len": T,
                   "microbatches": args.microbatches},
+        "options": {"logits_chunk": args.logits_chunk, "remat": args.remat, "dtype": args.dtype},
         "config": "tiny" if args.small else "bench-small",
         "model": common.config_dict(cfg),
         "params": common.total_params(cfg),
@@ -169,7 +184,8 @@ def main(argv=None) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(f"update [{result['config']}] {B} sequences x {args.seq} tokens (prompt {P} + completion {T}), "
-          f"{args.microbatches} microbatch(es), {common.total_params(cfg) / 1e6:.1f}M params")
+          f"{args.microbatches} microbatch(es), {common.total_params(cfg) / 1e6:.1f}M params; logits_chunk "
+          f"{args.logits_chunk}, remat {args.remat}, {args.dtype} compute")
     print(f"  time            {seconds:.3f} s (median of {args.repeats}: {', '.join(f'{t:.3f}' for t in times)})")
     print(f"  cpu             {cpu_seconds:.3f} CPU-s per call ({result['cores_used']:.2f} cores busy); "
           f"{result['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores")
