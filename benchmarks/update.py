@@ -63,7 +63,7 @@ def torch_peer(args, ours: dict) -> dict:
         raise SystemExit(f"update.py: error: the torch peer failed: {proc.stderr.strip()[-2000:]}")
     peer = json.loads(proc.stdout.strip().splitlines()[-1])
     out = {"torch": {k: peer[k] for k in ("tokens_per_s", "seconds", "cpu_seconds", "tokens_per_cpu_s_x_cores",
-                                          "torch_threads", "cores_used", "load_average")},
+                                          "torch_threads", "cores_used", "load_average", "loss", "trained_tokens")},
            "speedup_vs_torch": ours["tokens_per_s"] / peer["tokens_per_s"],
            "speedup_vs_torch_cpu": ours["tokens_per_cpu_s_x_cores"] / peer["tokens_per_cpu_s_x_cores"]}
     print(f"  torch peer      {peer['tokens_per_s']:.0f} tokens/s ({peer['tokens_per_cpu_s_x_cores']:.0f} per CPU-s "
