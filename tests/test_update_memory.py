@@ -126,3 +126,8 @@ def test_bfloat16_compute_float32_master_weights():
     cos = [float(jnp.vdot(g, h) / (jnp.linalg.norm(g) * jnp.linalg.norm(h) + 1e-30))
            for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(ref[2]))]
     assert min(cos) > 0.99, cos
+
+
+def test_remat_and_chunks_on_a_moe_model():
+    moe = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=16, moe_dispatch="naive")
+    _assert_same(_value_and_grad(moe, remat="full", logits_chunk=5), _value_and_grad(moe))
