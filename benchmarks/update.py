@@ -6,6 +6,11 @@ exactly as the training loop runs it.
 
     PYTHONPATH=. python benchmarks/update.py               # full benchmark
     PYTHONPATH=. python benchmarks/update.py --small       # seconds-long smoke run (tests)
+    PYTHONPATH=. python benchmarks/update.py --run-peer    # + the PyTorch peer in the same run: speedup_vs_torch
+    PYTHONPATH=. python benchmarks/update.py --remat full --logits-chunk 1024 --microbatches 0   # memory options
+
+`--microbatches 0` chooses the count from `--memory-budget-gib` as `train.microbatches=0` does;
+`--logits-chunk`, `--remat` and `--dtype` are `train.logits_chunk`, `train.remat` and `model.dtype`.
 
 Reports trained tokens/s = batch*seq / median wall time of one update (compiled, after a warm-up
 call), and MFU = model FLOP/s / this machine's measured float32 matmul FLOP/s, with training FLOPs =
