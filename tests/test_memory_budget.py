@@ -82,4 +82,4 @@ def test_training_run_with_auto_microbatches(tmp_path, in_process_cache):
         "train.steps=1", "train.eval_every=0", "train.eval_prompts=2", "checkpoint.every=0"]
     rows = loop.train(load_config(DEFAULT_CONFIG, base + ["train.microbatches=0", "train.memory_budget_gib=64",
                                                           "train.logits_chunk=8", "train.remat=full"]), tmp_path / "a")
-    assert rows[-1]["microbatches"] == 1 and rows[-1]["grad_norm"] > 0  # recorded in the metrics row
+    assert rows[-1]["microbatches"] == 1  # recorded in the metrics row
