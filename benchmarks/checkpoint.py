@@ -106,7 +106,7 @@ def bench_small_state(root: pathlib.Path, repeats: int, update_batch: int, small
     step = jax.jit(make_update_step(make_logp_fn(cfg, temperature=1.0), make_loss(LossConfig(preset="grpo")),
                                     optimizer, ppo_epochs=1, microbatches=1, max_new_tokens=completion_len,
                                     group_size=8, use_ref=False), donate_argnums=0)
-    batch = jax.device_put(make_batch(cfg, update_batch, prompt_len, completion_len, seed=0))
+    batch = jax.device_put(make_batch(cfg, update_batch, prompt_len, completion_len, group_size=8, seed=0))
     holder = {"state": state}
 
     def update():

@@ -10,6 +10,11 @@ one-pass forward over every row; `--compare` times both in one process, interlea
     PYTHONPATH=. python benchmarks/update.py               # full benchmark
     PYTHONPATH=. python benchmarks/update.py --compare     # shared vs one-pass prompt, interleaved
     PYTHONPATH=. python benchmarks/update.py --small       # seconds-long smoke run (tests)
+    PYTHONPATH=. python benchmarks/update.py --run-peer    # + the PyTorch peer in the same run: speedup_vs_torch
+    PYTHONPATH=. python benchmarks/update.py --remat full --logits-chunk 1024 --microbatches 0   # memory options
+
+`--microbatches 0` chooses the count from `--memory-budget-gib` as `train.microbatches=0` does;
+`--logits-chunk`, `--remat` and `--dtype` are `train.logits_chunk`, `train.remat` and `model.dtype`.
 
 Reports trained tokens/s = batch*seq / median wall time of one update (compiled, after a warm-up
 call), and MFU = model FLOP/s / this machine's measured float32 matmul FLOP/s, with training FLOPs =
@@ -21,6 +26,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -60,6 +66,28 @@ def make_batch(cfg, batch: int, prompt_len: int, completion_len: int, group_size
     }
 
 
+def torch_peer(args, ours: dict) -> dict:
+    """Run the PyTorch forward+backward peer on the same shape in a subprocess (same run, same load)
+    -> its figures and our speed-ups over it (wall and per CPU-second)."""
+    import json
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch_update.py")
+    cmd = [sys.executable, script, "--batch", str(args.batch), "--seq", str(args.seq), "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd + (["--small"] if args.small else []), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"update.py: error: the torch peer failed: {proc.stderr.strip()[-2000:]}")
+    peer = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {"torch": {k: peer[k] for k in ("tokens_per_s", "seconds", "cpu_seconds", "tokens_per_cpu_s_x_cores",
+                                          "torch_threads", "cores_used", "load_average", "loss", "trained_tokens")},
+           "speedup_vs_torch": ours["tokens_per_s"] / peer["tokens_per_s"],
+           "speedup_vs_torch_cpu": ours["tokens_per_cpu_s_x_cores"] / peer["tokens_per_cpu_s_x_cores"]}
+    print(f"  torch peer      {peer['tokens_per_s']:.0f} tokens/s ({peer['tokens_per_cpu_s_x_cores']:.0f} per CPU-s "
+          f"x cores, {peer['torch_threads']} threads) -> speedup_vs_torch {out['speedup_vs_torch']:.2f} "
+          f"(per CPU-s {out['speedup_vs_torch_cpu']:.2f})")
+    return out
+
+
 class Variant:
     """One compiled update (shared prompts or not) with its own donated state; `call()` times one step."""
 
@@ -73,16 +101,26 @@ class Variant:
         from jaxrl.train.steps import make_logp_fn, make_update_step
 
         G, T = args.group_size, args.seq - args.prompt_len
-        # What the logp function does: share only when every microbatch holds whole groups.
-        self.shared = shared and G > 1 and (args.batch // args.microbatches) % G == 0
         optimizer = make_optimizer(OptimConfig(), total_steps=1000)
         params = init_params(cfg, jax.random.PRNGKey(args.seed))
         self.state = init_state(params, optimizer, jax.random.PRNGKey(args.seed + 1))
-        logp_fn = make_logp_fn(cfg, temperature=1.0, prompt_groups=G if shared else 0)
-        step = make_update_step(logp_fn, make_loss(LossConfig(preset="grpo")), optimizer, ppo_epochs=1,
-                                microbatches=args.microbatches, max_new_tokens=T, group_size=G, use_ref=False)
+        logp_fn = make_logp_fn(cfg, temperature=1.0, prompt_groups=G if shared else 0, logits_chunk=args.logits_chunk,
+                               remat=args.remat)
+        jit_for = lambda n: jax.jit(make_update_step(  # noqa: E731
+            logp_fn, make_loss(LossConfig(preset="grpo")), optimizer, ppo_epochs=1, microbatches=n,
+            max_new_tokens=T, group_size=G, use_ref=False), donate_argnums=0)
+        self.microbatches = args.microbatches
+        if not self.microbatches:  # what train.microbatches=0 does (jaxrl.train.memory_budget)
+            from jaxrl.train.memory_budget import auto_jit
+
+            step, self.microbatches = auto_jit(jit_for, (self.state, batch), args.batch, args.memory_budget_gib,
+                                               log=print)
+        else:
+            step = jit_for(self.microbatches)
+        # What the logp function does: share only when every microbatch holds whole groups.
+        self.shared = shared and G > 1 and (args.batch // self.microbatches) % G == 0
         self.batch = batch
-        self.compiled = jax.jit(step, donate_argnums=0).lower(self.state, batch).compile()
+        self.compiled = step.lower(self.state, batch).compile()
         mem = self.compiled.memory_analysis()
         self.xla_temp_mib = float(getattr(mem, "temp_size_in_bytes", 0)) / 2**20 if mem is not None else None
         self.xla_args_mib = float(getattr(mem, "argument_size_in_bytes", 0)) / 2**20 if mem is not None else None
@@ -105,6 +143,7 @@ class Variant:
         seconds, cpu_seconds = statistics.median(self.times), statistics.median(self.cpu)
         return {
             "share_prefix": self.shared,
+            "microbatches": self.microbatches,
             "tokens_per_s": tokens / seconds,
             "mfu": self.flops / seconds / peak,
             "model_gflops_per_s": self.flops / seconds / 1e9,
@@ -127,7 +166,15 @@ def _parse(argv):
     ap.add_argument("--batch", type=int, default=64, help="sequences per update")
     ap.add_argument("--seq", type=int, default=192, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation chunks (exact)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="gradient-accumulation chunks (exact); 0: the fewest that fit --memory-budget-gib")
+    ap.add_argument("--memory-budget-gib", type=float, default=2.0, help="XLA temporaries, for --microbatches 0")
+    ap.add_argument("--logits-chunk", type=int, default=0, help="train.logits_chunk (0: unchunked log-softmax)")
+    ap.add_argument("--remat", default="none", help="train.remat: none | full | dots")
+    ap.add_argument("--dtype", default="float32", help="model.dtype (compute; weights stay float32)")
+    ap.add_argument("--run-peer", action="store_true",
+                    help="also run benchmarks/peers/torch_update.py (same shape) in a subprocess, after this "
+                         "run's timing, and report speedup_vs_torch")
     ap.add_argument("--group-size", type=int, default=8, help="rows per prompt group (one prompt each)")
     ap.add_argument("--share-prefix", action=argparse.BooleanOptionalAction, default=True,
                     help="forward each group's prompt once (the loop's train.share_prefix)")
@@ -140,8 +187,9 @@ def _parse(argv):
     if args.small:
         args.batch, args.seq, args.prompt_len, args.group_size = 8, 24, 8, 4
         args.repeats = min(args.repeats, 2)
-    if args.seq <= args.prompt_len or args.batch % args.microbatches or args.batch % args.group_size:
-        ap.error("need --seq > --prompt-len, and --microbatches and --group-size dividing --batch")
+    if (args.seq <= args.prompt_len or args.microbatches < 0 or (args.microbatches and args.batch % args.microbatches)
+            or args.batch % args.group_size):
+        ap.error("need --seq > --prompt-len, --microbatches 0 or dividing --batch, and --group-size dividing --batch")
     return args
 
 
@@ -150,7 +198,7 @@ def main(argv=None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    cfg = common.tiny() if args.small else common.bench_small()
+    cfg = dataclasses.replace(common.tiny() if args.small else common.bench_small(), dtype=args.dtype)
     peak = common.measure_matmul_peak(n=512, repeats=3) if args.small else common.measure_matmul_peak()
     B, P, T = args.batch, args.prompt_len, args.seq - args.prompt_len
     batch = jax.device_put(make_batch(cfg, B, P, T, args.group_size, args.seed))
@@ -169,7 +217,8 @@ def main(argv=None) -> dict:
     result = {"benchmark": "update", **variants[0].figures(tokens, peak), "matmul_peak_gflops": peak / 1e9,
               "trained_tokens": tokens, "peak_rss_mib": common.peak_rss_mib(),
               "shape": {"batch": B, "seq": args.seq, "prompt_len": P, "completion_len": T,
-                        "microbatches": args.microbatches, "group_size": args.group_size},
+                        "microbatches": variants[0].microbatches, "group_size": args.group_size},
+              "options": {"logits_chunk": args.logits_chunk, "remat": args.remat, "dtype": args.dtype},
               "config": "tiny" if args.small else "bench-small", "model": common.config_dict(cfg),
               "params": common.total_params(cfg), "load_average": common.load_average(), "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -181,6 +230,8 @@ def main(argv=None) -> dict:
         result["speedup_share_prefix"] = statistics.median(p / s for p, s in zip(plain.times, shared.times))
         result["speedup_share_prefix_cpu"] = statistics.median(p / s for p, s in zip(plain.cpu, shared.cpu))
     _print(result, args, cfg)
+    if args.run_peer:
+        result.update(torch_peer(args, result))
     common.emit(result)
     return result
 
@@ -188,8 +239,9 @@ def main(argv=None) -> dict:
 def _print(result: dict, args, cfg) -> None:
     B, P = args.batch, args.prompt_len
     print(f"update [{result['config']}] {B} sequences x {args.seq} tokens (prompt {P} + completion "
-          f"{args.seq - P}), groups of {args.group_size}, {args.microbatches} microbatch(es), "
-          f"{common.total_params(cfg) / 1e6:.1f}M params")
+          f"{args.seq - P}), groups of {args.group_size}, {result['shape']['microbatches']} microbatch(es), "
+          f"{common.total_params(cfg) / 1e6:.1f}M params; logits_chunk {args.logits_chunk}, remat {args.remat}, "
+          f"{args.dtype} compute")
     for r in [result] + ([result["other"]] if "other" in result else []):
         print(f"  prompt shared   {r['share_prefix']}")
         print(f"    time          {r['seconds']:.3f} s (median of {len(r['times'])}: "

@@ -254,12 +254,21 @@ class WarmStartConfig:
         _check(self.seed >= -1, f"{prefix}.seed", "-1 (train.seed) or a non-negative integer", self.seed)
 
 
+REMAT = ("none", "full", "dots")  # = jaxrl.models.transformer.REMAT_POLICIES (a test checks)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100
     seed: int = 0
     ppo_epochs: int = 1
-    microbatches: int = 1
+    microbatches: int = 1  # 0: the fewest that fit memory_budget_gib (jaxrl.train.memory_budget)
+    memory_budget_gib: float = 2.0  # XLA temporaries of the compiled update, for microbatches=0
+    # The update forward's memory options (jaxrl.models.transformer.token_logprobs): the LM head and
+    # log-softmax on logits_chunk (row, position) pairs at a time (0: all at once), and what each
+    # layer keeps for the backward (remat: none | full | dots).
+    logits_chunk: int = 0
+    remat: str = "none"
     eval_every: int = 20
     eval_prompts: int = 200
     log_every: int = 1
@@ -275,7 +284,13 @@ class TrainConfig:
     def validate(self, prefix: str = "train") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)
         _check(self.ppo_epochs > 0, f"{prefix}.ppo_epochs", "a positive integer", self.ppo_epochs)
-        _check(self.microbatches > 0, f"{prefix}.microbatches", "a positive integer", self.microbatches)
+        _check(self.microbatches >= 0, f"{prefix}.microbatches", "0 (auto, from memory_budget_gib) or a positive integer",
+               self.microbatches)
+        _check(self.memory_budget_gib > 0, f"{prefix}.memory_budget_gib", "a positive number of GiB",
+               self.memory_budget_gib)
+        _check(self.logits_chunk >= 0, f"{prefix}.logits_chunk", "0 (unchunked) or a positive integer",
+               self.logits_chunk)
+        _check(self.remat in REMAT, f"{prefix}.remat", " or ".join(map(repr, REMAT)), self.remat)
         _check(self.eval_every >= 0, f"{prefix}.eval_every", "a non-negative integer (0 = only at the end)", self.eval_every)
         _check(self.eval_prompts > 0, f"{prefix}.eval_prompts", "a positive integer", self.eval_prompts)
         _check(self.log_every > 0, f"{prefix}.log_every", "a positive integer", self.log_every)
@@ -331,7 +346,7 @@ class Config:
             _check_finite_floats(getattr(self, f.name), f.name)
             getattr(self, f.name).validate(f.name)
         b = self.rollout.prompts_per_step * self.rollout.group_size
-        _check(b % self.train.microbatches == 0, "train.microbatches",
+        _check(self.train.microbatches == 0 or b % self.train.microbatches == 0, "train.microbatches",
                f"a divisor of the rollout batch prompts_per_step*group_size={b}", self.train.microbatches)
         return self
 

@@ -57,13 +57,16 @@ def _one_pass(params, b):
                              b["completion_mask_BxT"], TEMP)
 
 
-def _shared(params, b, group_size=G):
+def _shared(params, b, group_size=G, logits_chunk=0, remat="none"):
     return token_logprobs_shared(params, CFG, b["prompt_tokens_BxP"], b["prompt_mask_BxP"], b["tokens_BxT"], TEMP,
-                                 group_size=group_size)
+                                 group_size=group_size, logits_chunk=logits_chunk, remat=remat)
 
 
-def test_shared_prefix_equals_one_pass_values_and_gradients():
+# The memory options compose with sharing: a chunk of 7 (row, position) pairs splits rows, and full remat.
+@pytest.mark.parametrize("logits_chunk,remat", [(0, "none"), (7, "full")])
+def test_shared_prefix_equals_one_pass_values_and_gradients(logits_chunk, remat):
     params, b = _params(), _batch()
+    shared = lambda p, b: _shared(p, b, logits_chunk=logits_chunk, remat=remat)  # noqa: E731
     w_BxT = jnp.asarray(np.random.default_rng(1).normal(size=(N * G, T)), jnp.float32)
 
     def objective(logp_fn):  # a weighted sum of log-probs plus the entropies: both outputs get gradients
@@ -72,10 +75,10 @@ def test_shared_prefix_equals_one_pass_values_and_gradients():
             return jnp.sum(w_BxT * logp_BxT) + 0.3 * jnp.sum(entropy_BxT)
         return jax.jit(jax.value_and_grad(f)).lower(params).compile(XLA_FAST)
 
-    for got, want in zip(_shared(params, b), _one_pass(params, b)):
+    for got, want in zip(shared(params, b), _one_pass(params, b)):
         assert got.shape == (N * G, T)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5)
-    (v_shared, g_shared), (v_plain, g_plain) = objective(_shared)(params), objective(_one_pass)(params)
+    (v_shared, g_shared), (v_plain, g_plain) = objective(shared)(params), objective(_one_pass)(params)
     np.testing.assert_allclose(float(v_shared), float(v_plain), rtol=1e-5)
     for path, x in jax.tree_util.tree_leaves_with_path(g_plain):
         y = g_shared

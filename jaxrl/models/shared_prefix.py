@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.transformer import _apply, logp_and_entropy, positions_from_mask
+from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
+from jaxrl.models.transformer import _apply, head_weights, positions_from_mask
 
 
 def group_prompts(prompt_BxP: jax.Array, group_size: int) -> jax.Array:
@@ -38,10 +39,11 @@ def group_prompts(prompt_BxP: jax.Array, group_size: int) -> jax.Array:
     return prompt_BxP.reshape(B // group_size, group_size, P)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "group_size"))
+@functools.partial(jax.jit, static_argnames=("cfg", "group_size", "logits_chunk", "remat"))
 def token_logprobs_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, temperature, *,
-                          group_size: int):
-    """`token_logprobs` (dense) of a batch of contiguous groups of `group_size` rows with identical prompts."""
+                          group_size: int, logits_chunk: int = 0, remat: str = "none"):
+    """`token_logprobs` (dense) of a batch of contiguous groups of `group_size` rows with identical prompts;
+    `logits_chunk` and `remat` as there."""
     if cfg.n_experts:
         raise ValueError("token_logprobs_shared: dense models only (MoE routing depends on the batch); "
                          "use transformer.token_logprobs")
@@ -55,9 +57,12 @@ def token_logprobs_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP,
     cache_shape = (cfg.n_layers, N, P, cfg.n_kv_heads, cfg.head_dim)
     empty = jnp.zeros(cache_shape, jnp.dtype(cfg.dtype))
     # 1. Each distinct prompt once: its K/V for every layer, and the logits predicting completion token 0.
-    first_Nx1xV, (k_LxNxPxKxHd, v_LxNxPxKxHd), _ = _apply(params, cfg, prompt_NxP, positions_from_mask(pmask_NxP),
-                                                          pmask_NxP, 0, (empty, empty), num_logits=1)
-    logits_BxTxV = jnp.repeat(first_Nx1xV, G, axis=0)
+    # (With logits_chunk, `out` is the final normed hidden states and the head runs chunk by chunk.)
+    hidden = logits_chunk > 0
+    first_Nx1xX, (k_LxNxPxKxHd, v_LxNxPxKxHd), _ = _apply(params, cfg, prompt_NxP, positions_from_mask(pmask_NxP),
+                                                          pmask_NxP, 0, (empty, empty), num_logits=1,
+                                                          return_hidden=hidden, remat=remat)
+    out_BxTxX = jnp.repeat(first_Nx1xX, G, axis=0)
     if T > 1:
         # 2. The completions of all B rows over [the group's prompt keys, their own causal keys].
         def per_row(x_LxNxPxKxHd):  # repeat to the group's rows, then room for the T-1 completion slots
@@ -67,7 +72,9 @@ def token_logprobs_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP,
         n_real_B = jnp.repeat(jnp.sum(pmask_NxP, axis=1, dtype=jnp.int32), G)
         positions_BxT1 = n_real_B[:, None] + jnp.arange(T - 1, dtype=jnp.int32)
         key_valid_BxS = jnp.concatenate([jnp.repeat(pmask_NxP, G, axis=0), jnp.ones((B, T - 1), bool)], axis=1)
-        rest_BxT1xV, _, _ = _apply(params, cfg, tokens_BxT[:, :-1].astype(jnp.int32), positions_BxT1, key_valid_BxS, P,
-                                   (per_row(k_LxNxPxKxHd), per_row(v_LxNxPxKxHd)))
-        logits_BxTxV = jnp.concatenate([logits_BxTxV, rest_BxT1xV], axis=1)
-    return logp_and_entropy(logits_BxTxV, tokens_BxT, temperature)
+        rest_BxT1xX, _, _ = _apply(params, cfg, tokens_BxT[:, :-1].astype(jnp.int32), positions_BxT1, key_valid_BxS, P,
+                                   (per_row(k_LxNxPxKxHd), per_row(v_LxNxPxKxHd)), return_hidden=hidden, remat=remat)
+        out_BxTxX = jnp.concatenate([out_BxTxX, rest_BxT1xX], axis=1)
+    if hidden:
+        return chunked_token_logprobs(out_BxTxX, head_weights(params, cfg), tokens_BxT, temperature, logits_chunk)
+    return logprob_and_entropy(out_BxTxX, tokens_BxT, temperature)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
+from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
 from jaxrl.models.layers import KV, AttnOptions, Block, RMSNorm, ScaledParam, init_value, logical_param
 from jaxrl.models.moe import BlockGroup, MoESpec
 
@@ -71,12 +72,15 @@ class Transformer(nn.Module):
     `index` and attention reads the whole cache; without it, attention reads this call's tokens."""
 
     cfg: ModelConfig
+    remat: str = "none"  # rematerialisation of each scanned block in the backward: a key of REMAT_POLICIES
 
     @nn.compact
     def __call__(self, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv: Optional[KV] = None,
-                 num_logits: Optional[int] = None, replay_LxBxTxK=None, moe_mask_BxT=None):
+                 num_logits: Optional[int] = None, replay_LxBxTxK=None, moe_mask_BxT=None, return_hidden=False):
         """-> (logits_BxTxV, kv, MoEOut or None). `moe_mask_BxT` (MoE only) marks the tokens the MoE
-        losses average over; default: the valid key slots this call's tokens occupy."""
+        losses average over; default: the valid key slots this call's tokens occupy. With
+        `return_hidden`, the final-normed hidden states (in cfg.dtype) instead of the logits: the
+        caller applies the head (`lm_head`, see `head_weights`), e.g. chunk by chunk."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         V, D = cfg.vocab_size, cfg.d_model
@@ -93,6 +97,8 @@ class Transformer(nn.Module):
         if num_logits is not None:  # skip the (large-V) head on positions nobody reads
             x_BxTxD = x_BxTxD[:, -num_logits:]
         x_BxTxD = RMSNorm(D, cfg.norm_eps, dtype, name="final_norm")(x_BxTxD)
+        if return_hidden:
+            return x_BxTxD, kv, moe
         if cfg.tie_embeddings:
             head_DxV = embed_VxD.T
         else:
@@ -106,7 +112,7 @@ class Transformer(nn.Module):
         cfg, D = self.cfg, self.cfg.d_model
         # Scanned layers: compile time and init cost do not grow with L; params get a leading
         # `layers` axis.
-        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+        blocks = nn.scan(remat_block(Block, self.remat), variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=n_layers or cfg.n_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})(
             D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype,
@@ -122,7 +128,7 @@ class Transformer(nn.Module):
         if moe_mask_BxT is None:
             moe_mask_BxT = lax.dynamic_slice_in_dim(key_valid_BxS, index, T, axis=1)
         in_axes = (nn.broadcast if replay_LxBxTxK is None else 0,) + (nn.broadcast,) * 4
-        groups = nn.scan(BlockGroup, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=in_axes,
+        groups = nn.scan(remat_block(BlockGroup, self.remat), variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=in_axes,
                          length=cfg.n_moe_layers, metadata_params={nn.PARTITION_NAME: "layers"})(
             cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps,
             moe_spec(cfg), cfg.moe_every - 1, dtype, name="blocks")
@@ -136,11 +142,33 @@ class Transformer(nn.Module):
         return x_BxTxD, kv, moe
 
 
+# What each scanned block keeps for the backward: everything (none), only its input (full: the
+# whole block is recomputed), or its input and the outputs of the weight matmuls (dots: norms,
+# attention and activations are recomputed).
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def remat_block(block_cls, remat: str):
+    """`block_cls`, rematerialised under REMAT_POLICIES[remat] (unchanged for "none")."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+    if remat == "none":
+        return block_cls
+    # prevent_cse=False: inside a scan XLA cannot merge the recomputation back into the forward anyway.
+    return nn.remat(block_cls, policy=REMAT_POLICIES[remat], prevent_cse=False)
+
+
+def head_weights(params, cfg: ModelConfig) -> jax.Array:
+    """The LM head head_DxV (float32, as stored): `lm_head`, or the embedding's transpose when tied."""
+    return params["embedding"].T if cfg.tie_embeddings else params["lm_head"]
+
+
 def _apply(params, cfg, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv=None, num_logits=None,
-           replay_LxBxTxK=None, moe_mask_BxT=None):
-    """-> (logits_BxTxV, kv, MoEOut or None)."""
-    return Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT, key_valid_BxS, index, kv, num_logits,
-                                  replay_LxBxTxK, moe_mask_BxT)
+           replay_LxBxTxK=None, moe_mask_BxT=None, return_hidden=False, remat="none"):
+    """-> (logits_BxTxV, or with return_hidden the normed hidden states, kv, MoEOut or None)."""
+    return Transformer(cfg, remat).apply({"params": params}, tokens_BxT, positions_BxT, key_valid_BxS, index, kv,
+                                         num_logits, replay_LxBxTxK, moe_mask_BxT, return_hidden)
 
 
 def positions_from_mask(mask_BxS: jax.Array) -> jax.Array:
@@ -198,25 +226,27 @@ def forward(params, cfg: ModelConfig, tokens_BxS: jax.Array, mask_BxS: jax.Array
     return logits_BxSxV
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat"))
 def token_logprobs(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT,
-                   temperature, replay_BxSxLxK=None):
+                   temperature, replay_BxSxLxK=None, logits_chunk: int = 0, remat: str = "none"):
     """Log-prob and entropy of softmax(logits / temperature) at each completion position.
 
     One forward over concat(prompt, completion). Completion tokens are all treated as real keys:
     tokens after EOS only influence positions after themselves, which the caller masks with
     `completion_mask_BxT` (used here only as the MoE losses' token mask). Requires P >= 1.
     `replay_BxSxLxK` (MoE; S = P + T): route every slot to these experts (the sampler's
-    `routing_BxSxLxK`) instead of the router's top-k.
+    `routing_BxSxLxK`) instead of the router's top-k. `logits_chunk` > 0: the head and log-softmax
+    run on that many (row, position) pairs at a time (`models.logprobs`: same values, far less memory in the
+    backward); `remat`: the blocks' rematerialisation (REMAT_POLICIES).
     """
     logp_BxT, entropy_BxT, _ = token_logprobs_moe(params, cfg, prompt_BxP, prompt_mask_BxP, tokens_BxT,
-                                                  completion_mask_BxT, temperature, replay_BxSxLxK)
+                                                  completion_mask_BxT, temperature, replay_BxSxLxK, logits_chunk, remat)
     return logp_BxT, entropy_BxT
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat"))
 def token_logprobs_moe(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT,
-                       temperature, replay_BxSxLxK=None):
+                       temperature, replay_BxSxLxK=None, logits_chunk: int = 0, remat: str = "none"):
     """`token_logprobs` plus the forward's MoEOut (None for a dense model); routing is over S = P + T."""
     T = tokens_BxT.shape[1]
     tokens_BxS = jnp.concatenate([prompt_BxP, tokens_BxT], axis=1).astype(jnp.int32)
@@ -227,19 +257,14 @@ def token_logprobs_moe(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, to
         replay = None if replay_BxSxLxK is None else jnp.transpose(replay_BxSxLxK, (2, 0, 1, 3))
         moe_kw = dict(replay_LxBxTxK=replay, moe_mask_BxT=live_BxS)
     # The logits predicting completion token t sit at slot P-1+t: the last T+1 slots minus the final one.
-    logits_BxTxV, _, moe = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, num_logits=T + 1,
-                                  **moe_kw)
-    logp_BxT, entropy_BxT = logp_and_entropy(logits_BxTxV[:, :-1], tokens_BxT, temperature)
+    out_BxTxX, _, moe = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, num_logits=T + 1,
+                               return_hidden=logits_chunk > 0, remat=remat, **moe_kw)
+    if logits_chunk > 0:  # out = final hidden states; the head runs chunk by chunk
+        logp_BxT, entropy_BxT = chunked_token_logprobs(out_BxTxX[:, :-1], head_weights(params, cfg), tokens_BxT,
+                                                       temperature, logits_chunk)
+    else:
+        logp_BxT, entropy_BxT = logprob_and_entropy(out_BxTxX[:, :-1], tokens_BxT, temperature)
     return logp_BxT, entropy_BxT, moe
-
-
-def logp_and_entropy(logits_BxTxV, tokens_BxT, temperature):
-    """(logp_BxT, entropy_BxT) of softmax(logits / temperature) at the given tokens: the one place
-    every scoring forward turns the completion positions' logits into log-probs."""
-    logp_all_BxTxV = jax.nn.log_softmax(logits_BxTxV / temperature, axis=-1)
-    logp_BxT = jnp.take_along_axis(logp_all_BxTxV, tokens_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    entropy_BxT = -jnp.sum(jnp.exp(logp_all_BxTxV) * logp_all_BxTxV, axis=-1)
-    return logp_BxT, entropy_BxT
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ speculative drafters, draft store, speculation control); `EngineSource` the slot
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import signal
@@ -52,6 +53,7 @@ from jaxrl.train.group_sources import EngineSource, StaticSource
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.scoring import RowLayout, assemble_batch
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
+from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.warmstart import cache_root, load_or_train_base
 from jaxrl.train.workdir import RunRecord, open_run
@@ -156,14 +158,15 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
 
     logp_fn = make_logp_fn(model_cfg, rc.temperature, routing_replay=tc.routing_replay,
-                           prompt_groups=prompt_groups(cfg))
+                           prompt_groups=prompt_groups(cfg), logits_chunk=tc.logits_chunk, remat=tc.remat)
     # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
-    update_fn = make_update_step(logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs, microbatches=tc.microbatches,
-                                 max_new_tokens=rc.max_new_tokens, group_size=G, use_ref=loss.needs_ref)
+    update_fn = functools.partial(make_update_step, logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs,
+                                  max_new_tokens=rc.max_new_tokens, group_size=G, use_ref=loss.needs_ref)
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
     # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
     source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, (mesh, preset, param_sh, rep), state, rows, host)
-    run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, state_sh, rep, mesh), evaluate, ckpt.BackgroundSaver(manager), log, base_path)
+    run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, tc, state_sh, rep, mesh),
+              evaluate, ckpt.BackgroundSaver(manager), log, base_path)
     return run, state, stream, resumed_step or 0
 
 
@@ -207,17 +210,24 @@ def _restore(manager, state: TrainState, loss, record: RunRecord):
     return start, state, from_arrays(host["stream"]), host
 
 
-def _lazily_jitted_update(update_fn, state_sh, rep, mesh) -> Callable:
+def _lazily_jitted_update(update_for, tc, state_sh, rep, mesh) -> Callable:
     """(state, batch) -> (state, metrics), jitted at the first batch with the batch's shardings
-    (chosen by field name); the state is donated."""
+    (chosen by field name); the state is donated. update_for(microbatches=n) builds the step; with
+    train.microbatches=0 the count is chosen then from the memory budget and logged as `microbatches`."""
     jitted = []
 
     def update(state, batch):
-        if not jitted:
-            jitted.append(jax.jit(update_fn, in_shardings=(state_sh, {k: v.sharding for k, v in batch.items()}),
-                                  out_shardings=(state_sh, rep), donate_argnums=0))
         with jax.set_mesh(mesh):  # MoE dropless dispatch goes expert-parallel on a mesh `expert` axis > 1
-            return jitted[0](state, batch)
+            if not jitted:
+                shardings = (state_sh, {k: v.sharding for k, v in batch.items()})
+                jit_for = lambda n: jax.jit(update_for(microbatches=n), in_shardings=shardings,  # noqa: E731
+                                            out_shardings=(state_sh, rep), donate_argnums=0)
+                rows = batch["completion_mask_BxT"].shape[0]
+                jitted.append(auto_jit(jit_for, (state, batch), rows, tc.memory_budget_gib) if tc.microbatches == 0
+                              else (jit_for(tc.microbatches), None))
+            step, auto = jitted[0]
+            state, metrics = step(state, batch)
+        return state, metrics if auto is None else dict(metrics, microbatches=auto)
 
     return update
 

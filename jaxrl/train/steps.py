@@ -40,8 +40,9 @@ MOE_SCALARS = ("moe/aux_loss", "moe/z_loss", "moe/dropped_frac")  # per-microbat
 
 
 def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: bool = False,
-                 prompt_groups: int = 0) -> LogpFn:
+                 prompt_groups: int = 0, *, logits_chunk: int = 0, remat: str = "none") -> LogpFn:
     """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature.
+    `logits_chunk` and `remat`: the forward's memory options (`transformer.token_logprobs`).
 
     `prompt_groups` = G > 1 promises that rows g*G .. g*G+G-1 of every batch this function sees hold
     one identical prompt (tokens and mask): a dense model then forwards each prompt once
@@ -57,9 +58,11 @@ def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: boo
             G = prompt_groups
             if G > 1 and batch["prompt_tokens_BxP"].shape[0] % G == 0:  # shapes are static: a trace-time choice
                 return token_logprobs_shared(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                             batch["tokens_BxT"], temperature, group_size=G)
+                                             batch["tokens_BxT"], temperature, group_size=G,
+                                             logits_chunk=logits_chunk, remat=remat)
             return token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                  batch["tokens_BxT"], batch["completion_mask_BxT"], temperature)
+                                  batch["tokens_BxT"], batch["completion_mask_BxT"], temperature,
+                                  logits_chunk=logits_chunk, remat=remat)
 
         return logp_fn
 
@@ -67,7 +70,7 @@ def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: boo
         routing = batch.get("routing_BxSxLxK")
         logp_BxT, entropy_BxT, moe = token_logprobs_moe(
             params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"],
-            batch["completion_mask_BxT"], temperature, routing if routing_replay else None)
+            batch["completion_mask_BxT"], temperature, routing if routing_replay else None, logits_chunk, remat)
         extras = {"penalty": model_cfg.moe_aux_coef * moe.aux_loss + model_cfg.moe_z_coef * moe.z_loss,
                   "moe/aux_loss": moe.aux_loss, "moe/z_loss": moe.z_loss, "moe/dropped_frac": moe.dropped_frac}
         if routing is not None:

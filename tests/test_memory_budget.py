@@ -1,0 +1,85 @@
+"""train.microbatches=0: the fewest microbatches whose compiled update fits train.memory_budget_gib."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from conftest import DEFAULT_CONFIG, TINY
+from jaxrl.config import REMAT, ConfigError, load_config
+from jaxrl.models.transformer import REMAT_POLICIES
+from jaxrl.train import loop
+from jaxrl.train.memory_budget import GIB, auto_jit, choose_microbatches
+
+
+class _FakeCompiled:
+    def __init__(self, gib):
+        self.gib = gib
+
+    def memory_analysis(self):
+        return type("Analysis", (), {"temp_size_in_bytes": int(self.gib * GIB)})()
+
+
+def test_choose_fewest_fitting_and_skip_the_impossible():
+    # temp(n) = 0.5 + 7 / n GiB, budget 2: n = 1 -> 7.5, 2 -> 4.0, 4 -> 2.25, 8 -> 1.375. The fewest that
+    # fits is 8; temp(1) / budget = 3.75, so 2 (and 3, not a divisor of 64) is never compiled.
+    compiled = []
+
+    def compile_for(n):
+        compiled.append(n)
+        return _FakeCompiled(0.5 + 7 / n)
+
+    n, tried = choose_microbatches(compile_for, 64, 2.0)
+    assert n == 8 and compiled == [1, 4, 8]
+    assert tried == {1: 7.5, 4: 2.25, 8: 1.375}
+    assert choose_microbatches(compile_for, 64, 8.0)[0] == 1
+    # Divisors of 6 only: 2 -> 4.0, 3 -> 2.83, 6 -> 1.67.
+    assert choose_microbatches(compile_for, 6, 3.0)[0] == 3
+    assert choose_microbatches(compile_for, 6, 2.5)[0] == 6
+
+
+def test_nothing_fits_names_the_field():
+    with pytest.raises(ConfigError, match=r"train.memory_budget_gib=0.1: .*even 4 microbatches of 1 row"):
+        choose_microbatches(lambda n: _FakeCompiled(1.0 / n), 4, 0.1)
+
+
+def test_auto_jit_compiles_real_candidates_and_returns_the_chosen_one():
+    # Gradient accumulation over n microbatches of a 1024-row batch: each keeps its (1024/n) x 1024
+    # float32 tanh activations (4 MiB at n = 1) for the backward; the 64 x 1024 gradients do not shrink.
+    x = jnp.linspace(-1.0, 1.0, 1024 * 64).reshape(1024, 64)
+    w = jnp.ones((64, 1024)) * 1e-2
+
+    def jit_for(n):
+        def grads(x, w):
+            one = jax.grad(lambda w, xs: jnp.sum(jnp.tanh(xs @ w) ** 2))
+            return lax.scan(lambda g, xs: (g + one(w, xs), None), jnp.zeros_like(w), x.reshape(n, -1, 64))[0]
+        return jax.jit(grads)
+
+    def temp(n):
+        return jit_for(n).lower(x, w).compile().memory_analysis().temp_size_in_bytes / GIB
+
+    budget = temp(1) / 3
+    lines = []
+    step, n = auto_jit(jit_for, (x, w), 1024, budget, log=lines.append)
+    assert n > 1 and temp(n) <= budget and all(temp(m) > budget for m in range(1, n) if 1024 % m == 0), n
+    assert jnp.allclose(step(x, w), jit_for(1)(x, w), rtol=1e-5, atol=1e-6)  # the chosen, compiled update
+    assert len(lines) == 1 and f"-> {n} microbatch(es)" in lines[0] and "train.memory_budget_gib" in lines[0]
+
+
+def test_config_fields_validated():
+    cfg = load_config(DEFAULT_CONFIG, ["train.microbatches=0"])  # 0 (auto) passes the divisibility check
+    assert cfg.train.microbatches == 0
+    for bad, field in [("train.memory_budget_gib=0", "train.memory_budget_gib"),
+                       ("train.logits_chunk=-1", "train.logits_chunk"), ("train.remat=some", "train.remat"),
+                       ("train.microbatches=-1", "train.microbatches")]:
+        with pytest.raises(ConfigError, match=field):
+            load_config(DEFAULT_CONFIG, [bad])
+    assert set(REMAT) == set(REMAT_POLICIES)
+
+
+def test_training_run_with_auto_microbatches(tmp_path, in_process_cache):
+    base = [t for t in TINY if not t.startswith("train.eval_")] + [
+        "train.steps=1", "train.eval_every=0", "train.eval_prompts=2", "checkpoint.every=0"]
+    rows = loop.train(load_config(DEFAULT_CONFIG, base + ["train.microbatches=0", "train.memory_budget_gib=64",
+                                                          "train.logits_chunk=8", "train.remat=full"]), tmp_path / "a")
+    assert rows[-1]["microbatches"] == 1  # recorded in the metrics row
