@@ -14,9 +14,10 @@ RNG keys, after a warm-up call that compiles):
      tokens, no EOS: plain, early exit (2 of 8 layers), int8, and reuse of a first pass.
   4. training (`--train-steps`, 0 to skip): the default run with and without
      `rollout.speculative.enabled` (early exit, adaptive), same seeds: accuracy curves and rollout time.
-  5. the engine's tail (`speculative_tail.py`; `--only-tail` runs just this part): a warm-started
-     bench-small policy, few rows decoding long completions, plain engine vs speculative engine,
-     the measured costs, acceptance and threshold, and a whole long-tailed rollout with the toggle.
+  5. the engine's tail (`speculative_tail.py`; `--only-tail` runs just this part, `--skip-tail`
+     skips it): a warm-started bench-small policy, few rows decoding long completions, plain engine
+     vs speculative engine, the measured costs, acceptance and threshold, and a whole long-tailed
+     rollout with the toggle.
 
 Parts 1 and 3 also measure the step costs the adaptive control uses (`rollout/calibrate.py`: a
 verify forward of k+1 tokens and a drafted token, in plain steps, for that batch) and from them the
@@ -197,6 +198,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--small", action="store_true", help="random tiny weights, no training (smoke test)")
     ap.add_argument("--only-tail", action="store_true", help="run part 5 (the engine's tail) only")
+    ap.add_argument("--skip-tail", action="store_true", help="run parts 1-4 only (no part 5)")
     ap.add_argument("--tail-policy-steps", type=int, default=60, help="part 5's warm start (benchmarks/tail_policy.py)")
     args = ap.parse_args(argv)
     if args.only_tail:
@@ -298,9 +300,10 @@ def main(argv=None) -> dict:
         "bench_small_costs": bench_small_costs, "training": training,
         "load_average": common.load_average(), "jax": jax.__version__, "backend": jax.default_backend(),
     }
-    print("5. the engine's tail (benchmarks/speculative_tail.py)")
-    result["tail"] = _tail(args)
-    result["speedup_tail_self_draft"] = result["tail"]["speedup_tail_self_draft"]
+    if not args.skip_tail:
+        print("5. the engine's tail (benchmarks/speculative_tail.py)")
+        result["tail"] = _tail(args)
+        result["speedup_tail_self_draft"] = result["tail"]["speedup_tail_self_draft"]
     common.emit(result)
     return result
 
