@@ -38,7 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 G = 4
 ALPHABET = "]<>0123456789abc"
@@ -82,11 +82,20 @@ def _mode(overlap: bool, params, cfg, tok, args, requests) -> tuple[dict, list]:
     from jaxrl.rollout.episodes import EpisodeEngine
 
     agent = AgentConfig(max_turns=args.turns, max_obs_tokens=8, env_workers=args.episodes, overlap=overlap)
-    engine = EpisodeEngine(cfg, EngineConfig(slots=args.slots, chunk=args.chunk), agent,
-                           make_env=lambda: SleepyEnv(args.turns, args.env_ms / 1000), tokenizer=tok,
-                           end_of_turn="]", prompt_len=args.prompt_len, max_new_tokens=args.max_new,
-                           temperature=1.0, park_batch=args.park_batch, place_rows=args.place_rows)
-    engine.run(params, 0, requests[:max(1, len(requests) // 4)], G, (1,))  # warm-up: compiles
+    engine = EpisodeEngine(
+        cfg,
+        EngineConfig(slots=args.slots, chunk=args.chunk),
+        agent,
+        make_env=lambda: SleepyEnv(args.turns, args.env_ms / 1000),
+        tokenizer=tok,
+        end_of_turn="]",
+        prompt_len=args.prompt_len,
+        max_new_tokens=args.max_new,
+        temperature=1.0,
+        park_batch=args.park_batch,
+        place_rows=args.place_rows,
+    )
+    engine.run(params, 0, requests[: max(1, len(requests) // 4)], G, (1,))  # warm-up: compiles
     for key in engine.stats:
         engine.stats[key] = 0
     start = time.perf_counter()
@@ -96,13 +105,21 @@ def _mode(overlap: bool, params, cfg, tok, args, requests) -> tuple[dict, list]:
     n_eps = len(requests) * G
     model_tokens = int(sum(g.loss_mask_GxT.sum() for g in groups))
     turns = sum(int(g.turns_G.sum()) for g in groups)
-    out = {"seconds": round(seconds, 3), "episodes_per_s": round(n_eps / seconds, 2),
-           "tokens_per_s": round(model_tokens / seconds, 1), "model_tokens": model_tokens,
-           "turns_per_episode": round(turns / n_eps, 2), "env_steps": st["env_steps"],
-           "env_seconds": round(st["env_seconds"], 3), "env_exposed_seconds": round(st["env_exposed_seconds"], 3),
-           "env_hidden_seconds": round(st["env_seconds"] - st["env_exposed_seconds"], 3),
-           "decode_seconds": round(st["decode_seconds"], 3), "place_seconds": round(st["place_seconds"], 3),
-           "chunks": st["chunks"], "place_calls": st["place_calls"]}
+    out = {
+        "seconds": round(seconds, 3),
+        "episodes_per_s": round(n_eps / seconds, 2),
+        "tokens_per_s": round(model_tokens / seconds, 1),
+        "model_tokens": model_tokens,
+        "turns_per_episode": round(turns / n_eps, 2),
+        "env_steps": st["env_steps"],
+        "env_seconds": round(st["env_seconds"], 3),
+        "env_exposed_seconds": round(st["env_exposed_seconds"], 3),
+        "env_hidden_seconds": round(st["env_seconds"] - st["env_exposed_seconds"], 3),
+        "decode_seconds": round(st["decode_seconds"], 3),
+        "place_seconds": round(st["place_seconds"], 3),
+        "chunks": st["chunks"],
+        "place_calls": st["place_calls"],
+    }
     print(f"{'overlap' if overlap else 'turn-sync'}: {out}", flush=True)
     return out, groups
 
@@ -134,19 +151,37 @@ def main(argv=None):
     params = tf.init_params(cfg, jax.random.PRNGKey(0))
     params = dict(params, final_norm=jax.tree.map(lambda x: x * 0.0, params["final_norm"]))  # uniform next token
     rng = np.random.default_rng(0)
-    requests = [(i, {"id": str(i), "prompt": "".join(rng.choice(list("0123456789abc"), 5))})
-                for i in range(args.groups)]
-    print(f"tiny model, vocab {tok.vocab_size}, {args.slots} slots, {args.episodes} episodes x {args.turns} turns, "
-          f"env step {args.env_ms} ms, budget {args.max_new}, backend {jax.default_backend()}", flush=True)
+    requests = [
+        (i, {"id": str(i), "prompt": "".join(rng.choice(list("0123456789abc"), 5))}) for i in range(args.groups)
+    ]
+    print(
+        f"tiny model, vocab {tok.vocab_size}, {args.slots} slots, {args.episodes} episodes x {args.turns} turns, "
+        f"env step {args.env_ms} ms, budget {args.max_new}, backend {jax.default_backend()}",
+        flush=True,
+    )
     sync, sync_groups = _mode(False, params, cfg, tok, args, requests)
     over, over_groups = _mode(True, params, cfg, tok, args, requests)
     same = all(np.array_equal(a.tokens_GxT, b.tokens_GxT) for a, b in zip(sync_groups, over_groups))
-    common.emit({"benchmark": "agents", "config": "quick" if args.quick else "tiny",
-                 "speedup_async_env": round(over["episodes_per_s"] / sync["episodes_per_s"], 2),
-                 "overlap": over, "turn_sync": sync, "same_episodes": bool(same), "slots": args.slots,
-                 "episodes": args.episodes, "turns": args.turns, "env_ms": args.env_ms, "max_new": args.max_new,
-                 "park_batch": args.park_batch, "place_rows": args.place_rows, "chunk": args.chunk,
-                 "backend": jax.default_backend(), "load_average": common.load_average()})
+    common.emit(
+        {
+            "benchmark": "agents",
+            "config": "quick" if args.quick else "tiny",
+            "speedup_async_env": round(over["episodes_per_s"] / sync["episodes_per_s"], 2),
+            "overlap": over,
+            "turn_sync": sync,
+            "same_episodes": bool(same),
+            "slots": args.slots,
+            "episodes": args.episodes,
+            "turns": args.turns,
+            "env_ms": args.env_ms,
+            "max_new": args.max_new,
+            "park_batch": args.park_batch,
+            "place_rows": args.place_rows,
+            "chunk": args.chunk,
+            "backend": jax.default_backend(),
+            "load_average": common.load_average(),
+        }
+    )
 
 
 if __name__ == "__main__":

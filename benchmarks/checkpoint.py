@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 
 def timed_saves(calls: list):
@@ -61,12 +61,29 @@ def default_run(steps: int, root: pathlib.Path, small: bool) -> dict:
     from jaxrl.train import checkpoint as ckpt
     from jaxrl.train.loop import train
 
-    sets = [f"train.steps={steps}", "checkpoint.every=1", f"checkpoint.keep={steps + 1}", "train.progress=false",
-            "train.eval_every=0"]
+    sets = [
+        f"train.steps={steps}",
+        "checkpoint.every=1",
+        f"checkpoint.keep={steps + 1}",
+        "train.progress=false",
+        "train.eval_every=0",
+    ]
     if small:
-        sets += ["model.d_model=32", "model.n_layers=1", "model.mlp_dim=64", "model.n_heads=2", "model.n_kv_heads=1",
-                 "model.head_dim=16", "data.num_train=200", "data.num_test=20", "warmstart.steps=2",
-                 "warmstart.batch_size=8", "rollout.prompts_per_step=2", "rollout.group_size=4", "train.eval_prompts=8"]
+        sets += [
+            "model.d_model=32",
+            "model.n_layers=1",
+            "model.mlp_dim=64",
+            "model.n_heads=2",
+            "model.n_kv_heads=1",
+            "model.head_dim=16",
+            "data.num_train=200",
+            "data.num_test=20",
+            "warmstart.steps=2",
+            "warmstart.batch_size=8",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            "train.eval_prompts=8",
+        ]
     cfg = load_config("configs/grpo_arithmetic.py", sets)
     calls: list[float] = []
     original, wrapper = timed_saves(calls)
@@ -77,8 +94,13 @@ def default_run(steps: int, root: pathlib.Path, small: bool) -> dict:
         ckpt.BackgroundSaver.save = original
     step_s = [r["step_seconds"] for r in rows if r.get("step", 0) >= 2 and "step_seconds" in r]  # step 1 compiles
     block_s = calls[1:] or calls
-    return {"save_block_s": statistics.median(block_s), "save_block_max_s": max(block_s),
-            "step_s": statistics.median(step_s), "saves": len(calls), "steps": steps}
+    return {
+        "save_block_s": statistics.median(block_s),
+        "save_block_max_s": max(block_s),
+        "step_s": statistics.median(step_s),
+        "saves": len(calls),
+        "steps": steps,
+    }
 
 
 def state_bytes(tree) -> int:
@@ -103,9 +125,19 @@ def bench_small_state(root: pathlib.Path, repeats: int, update_batch: int, small
     prompt_len, completion_len = (8, 16) if small else (64, 128)
     optimizer = make_optimizer(OptimConfig(), total_steps=1000)
     state = init_state(init_params(cfg, jax.random.PRNGKey(0)), optimizer, jax.random.PRNGKey(1))
-    step = jax.jit(make_update_step(make_logp_fn(cfg, temperature=1.0), make_loss(LossConfig(preset="grpo")),
-                                    optimizer, ppo_epochs=1, microbatches=1, max_new_tokens=completion_len,
-                                    group_size=8, use_ref=False), donate_argnums=0)
+    step = jax.jit(
+        make_update_step(
+            make_logp_fn(cfg, temperature=1.0),
+            make_loss(LossConfig(preset="grpo")),
+            optimizer,
+            ppo_epochs=1,
+            microbatches=1,
+            max_new_tokens=completion_len,
+            group_size=8,
+            use_ref=False,
+        ),
+        donate_argnums=0,
+    )
     batch = jax.device_put(make_batch(cfg, update_batch, prompt_len, completion_len, group_size=8, seed=0))
     holder = {"state": state}
 
@@ -131,10 +163,15 @@ def bench_small_state(root: pathlib.Path, repeats: int, update_batch: int, small
             finishes.append(t2 - t0)
             orbax_blocks.append(t3 - t2)
     saver.close()
-    return {"save_block_s": statistics.median(blocks), "save_block_max_s": max(blocks),
-            "orbax_save_block_s": statistics.median(orbax_blocks), "save_finish_s": statistics.median(finishes),
-            "step_s": step_s, "state_mib": state_bytes(state) / 2**20,
-            "update_tokens": update_batch * (prompt_len + completion_len)}
+    return {
+        "save_block_s": statistics.median(blocks),
+        "save_block_max_s": max(blocks),
+        "orbax_save_block_s": statistics.median(orbax_blocks),
+        "save_finish_s": statistics.median(finishes),
+        "step_s": step_s,
+        "state_mib": state_bytes(state) / 2**20,
+        "update_tokens": update_batch * (prompt_len + completion_len),
+    }
 
 
 def main(argv=None) -> dict:
@@ -160,13 +197,18 @@ def main(argv=None) -> dict:
         "config": "tiny" if args.small else "bench-small",
         "load_average": common.load_average(),
     }
-    print(f"default run: {default['saves']} saves, each blocked the step {default['save_block_s'] * 1e3:.1f} ms "
-          f"(median; max {default['save_block_max_s'] * 1e3:.1f} ms) of a {default['step_s']:.3f} s step "
-          f"-> {result['block_fraction_default']:.2%}")
-    print(f"{result['config']} state ({big['state_mib']:.0f} MiB): save blocked {big['save_block_s'] * 1e3:.1f} ms "
-          f"(median of {args.repeats}; max {big['save_block_max_s'] * 1e3:.1f} ms; orbax's save called on the loop's thread: {big['orbax_save_block_s'] * 1e3:.1f} ms), finished in the background "
-          f"after {big['save_finish_s']:.2f} s; one update on {big['update_tokens']} tokens takes {big['step_s']:.2f} s "
-          f"-> {result['block_fraction_bench_small']:.2%}")
+    print(
+        f"default run: {default['saves']} saves, each blocked the step {default['save_block_s'] * 1e3:.1f} ms "
+        f"(median; max {default['save_block_max_s'] * 1e3:.1f} ms) of a {default['step_s']:.3f} s step "
+        f"-> {result['block_fraction_default']:.2%}"
+    )
+    print(
+        f"{result['config']} state ({big['state_mib']:.0f} MiB): save blocked {big['save_block_s'] * 1e3:.1f} ms "
+        f"(median of {args.repeats}; max {big['save_block_max_s'] * 1e3:.1f} ms; orbax's save called on the loop's "
+        f"thread: {big['orbax_save_block_s'] * 1e3:.1f} ms), finished in the background "
+        f"after {big['save_finish_s']:.2f} s; one update on {big['update_tokens']} tokens takes {big['step_s']:.2f} s "
+        f"-> {result['block_fraction_bench_small']:.2%}"
+    )
     print(f"load average {result['load_average']}")
     common.emit(result)
     return result

@@ -24,28 +24,56 @@ import json
 import os
 import statistics
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from jaxrl.config import ModelConfig
 
 
 def bench_small() -> ModelConfig:
-    """"bench-small": a Qwen2-shaped decoder, ~31M parameters (26.7M in matmuls), random weights."""
-    return ModelConfig(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=64,
-                       mlp_dim=1408, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False,
-                       max_seq_len=512, dtype="float32")
+    """ "bench-small": a Qwen2-shaped decoder, ~31M parameters (26.7M in matmuls), random weights."""
+    return ModelConfig(
+        vocab_size=8192,
+        d_model=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=64,
+        mlp_dim=1408,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        tie_embeddings=False,
+        max_seq_len=512,
+        dtype="float32",
+    )
 
 
 def tiny() -> ModelConfig:
     """A shape small enough for the `--small` smoke runs in the tests."""
-    return ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                       mlp_dim=128, tie_embeddings=False, max_seq_len=64, dtype="float32")
+    return ModelConfig(
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        tie_embeddings=False,
+        max_seq_len=64,
+        dtype="float32",
+    )
 
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: all projections plus the LM head."""
-    D, H, K, Hd, F, L, V = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                            cfg.n_layers, cfg.vocab_size)
+    D, H, K, Hd, F, L, V = (
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.mlp_dim,
+        cfg.n_layers,
+        cfg.vocab_size,
+    )
     per_layer = D * H * Hd + 2 * D * K * Hd + H * Hd * D + 3 * D * F
     return L * per_layer + D * V
 
@@ -74,8 +102,7 @@ def sequence_flops(cfg: ModelConfig, first_slot: int, n_tokens: int) -> float:
     return 2.0 * matmul_params(cfg) * n_tokens + attention_flops(cfg, first_slot, n_tokens)
 
 
-def median_time(fn: Callable[[], object], repeats: int = 3,
-                cpu_times: Optional[list] = None) -> tuple[float, list[float]]:
+def median_time(fn: Callable[[], object], repeats: int = 3, cpu_times: list | None = None) -> tuple[float, list[float]]:
     """(median wall seconds, all wall timings) of `fn()` after one untimed warm-up call (compilation).
 
     If `cpu_times` is a list, the process CPU seconds (all threads) of each timed call are appended

@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 G = 8
 
@@ -71,8 +71,18 @@ def _static(params, cfg, prompts, n_samples, slots, max_new, eos, rng):
     for i in range(n_samples // slots):
         padded = [left_pad(_prompt_at(prompts, i * B + b), width, 0) for b in range(B)]
         prompt, mask = (jnp.asarray(np.stack(x)) for x in zip(*padded))
-        out = sample(params, cfg, prompt, mask, jax.random.fold_in(rng, i), group_size=G, max_new_tokens=max_new,
-                     temperature=1.0, eos_id=eos, pad_id=0)
+        out = sample(
+            params,
+            cfg,
+            prompt,
+            mask,
+            jax.random.fold_in(rng, i),
+            group_size=G,
+            max_new_tokens=max_new,
+            temperature=1.0,
+            eos_id=eos,
+            pad_id=0,
+        )
         tokens += float(jax.device_get(out.completion_mask_BxT).sum())
     return tokens, time.perf_counter() - t0
 
@@ -86,8 +96,18 @@ def _engine(params, cfg, prompts, n_samples, slots, chunk, max_new, eos, rng, sp
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=max(1, slots // G // 4))
     n_groups = n_samples // G
     width = _prompt_width(prompts)
-    engine = Engine(cfg, ecfg, group_size=G, prompt_len=width, max_new_tokens=max_new, temperature=1.0,
-                    eos_id=eos, pad_id=0, rng=rng, speculative=speculative)
+    engine = Engine(
+        cfg,
+        ecfg,
+        group_size=G,
+        prompt_len=width,
+        max_new_tokens=max_new,
+        temperature=1.0,
+        eos_id=eos,
+        pad_id=0,
+        rng=rng,
+        speculative=speculative,
+    )
     t0 = time.perf_counter()
     groups = engine.collect(params, 0, ((i, _prompt_at(prompts, i)) for i in range(n_groups)), n_groups=n_groups)
     tokens = float(sum(g.completion_mask_GxT.sum() for g in groups))
@@ -102,18 +122,31 @@ def _speculative(params, cfg, prompt_P, args, max_new, eos, plain_tok_per_s):
 
     from jaxrl.config import SpeculativeConfig
 
-    spec = SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=args.draft_layers,
-                             max_draft=args.max_draft)
-    run = lambda n, key, counts=None: _engine(params, cfg, prompt_P, n, args.slots, args.chunk, max_new, eos, key,
-                                              spec, counts)
+    spec = SpeculativeConfig(
+        enabled=True, drafter="early_exit", draft_layers=args.draft_layers, max_draft=args.max_draft
+    )
+
+    def run(n, key, counts=None):
+        return _engine(params, cfg, prompt_P, n, args.slots, args.chunk, max_new, eos, key, spec, counts)
+
     run(2 * args.slots, jax.random.PRNGKey(0))  # warm-up (compile)
     counts = {}
     tok, sec = run(args.samples, jax.random.PRNGKey(1), counts)
-    row = {"tokens": tok, "s": round(sec, 3), "tok_per_s": tok / sec, "drafted": counts["drafted"],
-           "accepted": counts["accepted"], "acceptance": counts["accepted"] / max(counts["drafted"], 1),
-           "chunks": counts["chunks"], "ratio_to_plain_engine": (tok / sec) / plain_tok_per_s}
-    print(f"{'':10s} engine + early exit (k={args.max_draft}) {tok:8.0f} tok in {sec:7.2f}s = {tok / sec:9.1f} tok/s"
-          f" | acceptance {row['acceptance']:.2f} | vs plain engine {row['ratio_to_plain_engine']:.2f}", flush=True)
+    row = {
+        "tokens": tok,
+        "s": round(sec, 3),
+        "tok_per_s": tok / sec,
+        "drafted": counts["drafted"],
+        "accepted": counts["accepted"],
+        "acceptance": counts["accepted"] / max(counts["drafted"], 1),
+        "chunks": counts["chunks"],
+        "ratio_to_plain_engine": (tok / sec) / plain_tok_per_s,
+    }
+    print(
+        f"{'':10s} engine + early exit (k={args.max_draft}) {tok:8.0f} tok in {sec:7.2f}s = {tok / sec:9.1f} tok/s"
+        f" | acceptance {row['acceptance']:.2f} | vs plain engine {row['ratio_to_plain_engine']:.2f}",
+        flush=True,
+    )
     return row
 
 
@@ -130,15 +163,27 @@ def _compare(name, params, cfg, prompt_P, args, max_new, eos):
     e_tok, e_sec = _engine(params, cfg, prompt_P, n, args.slots, args.chunk, max_new, eos, jax.random.PRNGKey(1))
     s_cpu, e_cpu = cpu1 - cpu0, time.process_time() - cpu1
     # CPU seconds (all threads) as well as wall: on a shared machine the CPU ratio is the steadier one.
-    row = {"workload": name, "samples": n, "static_tokens": s_tok, "static_s": round(s_sec, 3),
-           "static_tok_per_s": s_tok / s_sec, "engine_tokens": e_tok, "engine_s": round(e_sec, 3),
-           "engine_tok_per_s": e_tok / e_sec, "ratio": (e_tok / e_sec) / (s_tok / s_sec),
-           "static_cpu_s": round(s_cpu, 3), "engine_cpu_s": round(e_cpu, 3),
-           "ratio_cpu": (e_tok / e_cpu) / (s_tok / s_cpu), "load_average": common.load_average()}
-    print(f"{name:10s} static {s_tok:8.0f} tok in {s_sec:7.2f}s = {s_tok / s_sec:9.1f} tok/s | "
-          f"engine {e_tok:8.0f} tok in {e_sec:7.2f}s = {e_tok / e_sec:9.1f} tok/s | ratio {row['ratio']:.2f} "
-          f"(CPU-time ratio {row['ratio_cpu']:.2f}, load {(row['load_average'] or [float('nan')])[0]:.2f})",
-          flush=True)
+    row = {
+        "workload": name,
+        "samples": n,
+        "static_tokens": s_tok,
+        "static_s": round(s_sec, 3),
+        "static_tok_per_s": s_tok / s_sec,
+        "engine_tokens": e_tok,
+        "engine_s": round(e_sec, 3),
+        "engine_tok_per_s": e_tok / e_sec,
+        "ratio": (e_tok / e_sec) / (s_tok / s_sec),
+        "static_cpu_s": round(s_cpu, 3),
+        "engine_cpu_s": round(e_cpu, 3),
+        "ratio_cpu": (e_tok / e_cpu) / (s_tok / s_cpu),
+        "load_average": common.load_average(),
+    }
+    print(
+        f"{name:10s} static {s_tok:8.0f} tok in {s_sec:7.2f}s = {s_tok / s_sec:9.1f} tok/s | "
+        f"engine {e_tok:8.0f} tok in {e_sec:7.2f}s = {e_tok / e_sec:9.1f} tok/s | ratio {row['ratio']:.2f} "
+        f"(CPU-time ratio {row['ratio_cpu']:.2f}, load {(row['load_average'] or [float('nan')])[0]:.2f})",
+        flush=True,
+    )
     if args.speculative:
         row["speculative"] = _speculative(params, cfg, prompt_P, args, max_new, eos, row["engine_tok_per_s"])
     return row
@@ -154,8 +199,9 @@ def _longtail_policy():
     from jaxrl.data.tokenizer import CharTokenizer
     from jaxrl.train.warmstart import load_or_train_base
 
-    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                                   "grpo_longtail.py"), [])
+    cfg = load_config(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "grpo_longtail.py"), []
+    )
     tok = CharTokenizer()
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
     task = load_task(cfg.data)
@@ -192,20 +238,38 @@ def main(argv=None):
     params = tf.init_params(cfg, jax.random.PRNGKey(0))
     params = dict(params, final_norm=jax.tree.map(lambda x: x * 0.0, params["final_norm"]))  # uniform next token
     prompt_P = np.random.default_rng(0).integers(2, args.vocab, args.prompt_len, dtype=np.int32)
-    print(f"{'tiny' if args.small else 'bench-small'} (vocab {args.vocab}), {args.slots} slots / rows, G={G}, "
-          f"chunk {args.chunk}, {args.samples} samples, backend {jax.default_backend()}", flush=True)
+    print(
+        f"{'tiny' if args.small else 'bench-small'} (vocab {args.vocab}), {args.slots} slots / rows, G={G}, "
+        f"chunk {args.chunk}, {args.samples} samples, backend {jax.default_backend()}",
+        flush=True,
+    )
     long_tail = _compare("long_tail", params, cfg, prompt_P, args, args.max_new, eos=1)
     uniform = _compare("uniform", params, cfg, prompt_P, args, args.uniform_len, eos=args.vocab)  # never drawn
     policy = None
     if not (args.small or args.no_policy):
         lt_params, lt_cfg, prompts, max_new, eos = _longtail_policy()
-        print(f"long-tail task policy (configs/grpo_longtail.py after its warm start, d_model {lt_cfg.d_model}, "
-              f"{lt_cfg.n_layers} layers), real prompts, max_new {max_new}", flush=True)
+        print(
+            f"long-tail task policy (configs/grpo_longtail.py after its warm start, d_model {lt_cfg.d_model}, "
+            f"{lt_cfg.n_layers} layers), real prompts, max_new {max_new}",
+            flush=True,
+        )
         policy = _compare("policy", lt_params, lt_cfg, prompts, args, max_new, eos)
-    print(json.dumps({"speedup_long_tail": long_tail["ratio"], "uniform_ratio": uniform["ratio"],
-                      "speedup_long_tail_policy": policy and policy["ratio"], "policy": policy,
-                      "config": "tiny" if args.small else "bench-small", "slots": args.slots, "chunk": args.chunk,
-                      "backend": jax.default_backend(), "long_tail": long_tail, "uniform": uniform}))
+    print(
+        json.dumps(
+            {
+                "speedup_long_tail": long_tail["ratio"],
+                "uniform_ratio": uniform["ratio"],
+                "speedup_long_tail_policy": policy and policy["ratio"],
+                "policy": policy,
+                "config": "tiny" if args.small else "bench-small",
+                "slots": args.slots,
+                "chunk": args.chunk,
+                "backend": jax.default_backend(),
+                "long_tail": long_tail,
+                "uniform": uniform,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

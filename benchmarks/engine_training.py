@@ -19,8 +19,8 @@ so the spread between seeds is the RL's own (sampling) noise. Arms (`ARMS`):
   vigor          engine_sync + VIGOR allocation (n0 samples per prompt, the rest to high-variance prompts)
 Figures per arm: final held-out accuracy (mean ± std over seeds), RL wall time (from the step-1 row
 to the last row, by their `wall_time`: evaluations and checkpoints included; warm start and step 1,
-which compiles the step's programs, excluded), training steps per second, and samples drawn (rollouts) and RL seconds until the held-out
-accuracy first reaches --target.
+which compiles the step's programs, excluded), training steps per second, and samples drawn (rollouts)
+and RL seconds until the held-out accuracy first reaches --target.
 
 Nothing is lost: each run has its own workdir under --root (checkpointed, a killed run resumes) and a
 finished run is read back instead of retrained. Writes `<out>.md`, `<out>.json`, `<out>.png`.
@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -49,20 +48,34 @@ ENGINE = ("rollout.engine.enabled=true", "rollout.engine.slots=64", "rollout.eng
 ARMS = {
     "sync": (),
     "engine_sync": ENGINE + ("rollout.engine.admission=exact",),
-    "partial": ("rollout.engine.enabled=true", "rollout.engine.slots=96", "rollout.engine.chunk=8",
-                "rollout.engine.admission=fill", "rollout.engine.max_staleness=1", "loss.options=tis_cap=2"),
-    "partial_64": ENGINE + ("rollout.engine.admission=fill", "rollout.engine.max_staleness=2",
-                            "loss.options=tis_cap=2"),
+    "partial": (
+        "rollout.engine.enabled=true",
+        "rollout.engine.slots=96",
+        "rollout.engine.chunk=8",
+        "rollout.engine.admission=fill",
+        "rollout.engine.max_staleness=1",
+        "loss.options=tis_cap=2",
+    ),
+    "partial_64": ENGINE
+    + ("rollout.engine.admission=fill", "rollout.engine.max_staleness=2", "loss.options=tis_cap=2"),
     "dynamic": ENGINE + ("rollout.engine.admission=exact", "rollout.engine.dynamic_sampling=true"),
-    "vigor": ENGINE + ("rollout.engine.admission=exact", "rollout.engine.allocation=vigor",
-                       "rollout.engine.initial_samples=4"),
+    "vigor": ENGINE
+    + ("rollout.engine.admission=exact", "rollout.engine.allocation=vigor", "rollout.engine.initial_samples=4"),
 }
 
 
 def overrides(arm: str, seed: int, args) -> list[str]:
-    return [f"train.steps={args.steps}", f"train.seed={seed}", "warmstart.seed=0", f"train.eval_every={args.eval_every}",
-            f"train.eval_prompts={args.eval_prompts}", "train.progress=false",
-            f"checkpoint.every={args.eval_every}", *ARMS[arm], *args.set]
+    return [
+        f"train.steps={args.steps}",
+        f"train.seed={seed}",
+        "warmstart.seed=0",
+        f"train.eval_every={args.eval_every}",
+        f"train.eval_prompts={args.eval_prompts}",
+        "train.progress=false",
+        f"checkpoint.every={args.eval_every}",
+        *ARMS[arm],
+        *args.set,
+    ]
 
 
 def run_dir(root: pathlib.Path, arm: str, seed: int, sets: list[str]) -> pathlib.Path:
@@ -85,11 +98,19 @@ def summarise(rows: list[dict], target: float, batch_rows: int) -> dict:
         by_step[r["step"]] = (r["wall_time"] - start, samples)
     seconds = by_step[train[-1]["step"]][0] if train else 0.0
     hit = [s for s, a in evals if s > 0 and a >= target and s in by_step]
-    return {"base_accuracy": evals[0][1], "final_accuracy": evals[-1][1], "curve": evals, "rl_seconds": seconds,
-            "steps": len(train), "steps_per_s": (len(train) - 1) / seconds if seconds else None, "samples": samples,
-            "seconds_to_target": by_step[hit[0]][0] if hit else None,
-            "samples_to_target": by_step[hit[0]][1] if hit else None, "step_to_target": hit[0] if hit else None,
-            "response_len": statistics.fmean(r["response_len/mean"] for r in train) if train else None}
+    return {
+        "base_accuracy": evals[0][1],
+        "final_accuracy": evals[-1][1],
+        "curve": evals,
+        "rl_seconds": seconds,
+        "steps": len(train),
+        "steps_per_s": (len(train) - 1) / seconds if seconds else None,
+        "samples": samples,
+        "seconds_to_target": by_step[hit[0]][0] if hit else None,
+        "samples_to_target": by_step[hit[0]][1] if hit else None,
+        "step_to_target": hit[0] if hit else None,
+        "response_len": statistics.fmean(r["response_len/mean"] for r in train) if train else None,
+    }
 
 
 def train_one(arm: str, seed: int, args, env: dict) -> dict:
@@ -106,8 +127,13 @@ def train_one(arm: str, seed: int, args, env: dict) -> dict:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             return {"arm": arm, "seed": seed, "error": " | ".join(tail)}
         rows = read_rows(workdir)
-    out = {"arm": arm, "seed": seed, "workdir": str(workdir), "reused": reused,
-           "wall_seconds": None if reused else time.perf_counter() - t0}
+    out = {
+        "arm": arm,
+        "seed": seed,
+        "workdir": str(workdir),
+        "reused": reused,
+        "wall_seconds": None if reused else time.perf_counter() - t0,
+    }
     return dict(out, **summarise(rows, args.target, batch_rows=64))
 
 
@@ -119,20 +145,28 @@ def _ms(xs: list, scale: float = 1.0, fmt: str = ".1f") -> str:
 
 
 def table(arms: list[str], runs: list[dict], target: float) -> list[str]:
-    lines = [f"| arm | final accuracy % | RL seconds | steps/s | samples to {100 * target:.0f}% | "
-             f"RL seconds to {100 * target:.0f}% | reached | mean response length |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| arm | final accuracy % | RL seconds | steps/s | samples to {100 * target:.0f}% | "
+        f"RL seconds to {100 * target:.0f}% | reached | mean response length |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for arm in arms:
         ok = [r for r in runs if r["arm"] == arm and "error" not in r]
         bad = [r["error"] for r in runs if r["arm"] == arm and "error" in r]
         if not ok:
             lines.append(f"| {arm} | failed: {'; '.join(bad)[:200]} | | | | | | |")
             continue
-        col = lambda k: [r[k] for r in ok]  # noqa: E731
+
+        def col(k, ok=ok):
+            return [r[k] for r in ok]
+
         reached = sum(r["samples_to_target"] is not None for r in ok)
-        lines.append(f"| {arm} | {_ms(col('final_accuracy'), 100)} | {_ms(col('rl_seconds'), fmt='.0f')} | "
-                     f"{_ms(col('steps_per_s'), fmt='.2f')} | {_ms(col('samples_to_target'), fmt='.0f')} | "
-                     f"{_ms(col('seconds_to_target'), fmt='.0f')} | {reached}/{len(ok)} | "
-                     f"{_ms(col('response_len'))} |")
+        lines.append(
+            f"| {arm} | {_ms(col('final_accuracy'), 100)} | {_ms(col('rl_seconds'), fmt='.0f')} | "
+            f"{_ms(col('steps_per_s'), fmt='.2f')} | {_ms(col('samples_to_target'), fmt='.0f')} | "
+            f"{_ms(col('seconds_to_target'), fmt='.0f')} | {reached}/{len(ok)} | "
+            f"{_ms(col('response_len'))} |"
+        )
     return lines
 
 
@@ -161,23 +195,39 @@ def plot(arms: list[str], runs: list[dict], path: pathlib.Path) -> None:
 
 def write_outputs(arms: list[str], runs: list[dict], args, out: pathlib.Path, partial: bool) -> dict:
     base = sorted({round(100 * r["base_accuracy"], 1) for r in runs if "base_accuracy" in r})
-    lines = ["# Rollout modes on the long-tail task", "",
-             "Written by `benchmarks/engine_training.py`" + (" (PARTIAL: still running)" if partial else "") +
-             f": `configs/grpo_longtail.py`, {args.seeds} seed(s) x {args.steps} GRPO steps per arm, one shared "
-             f"base policy (warmstart.seed=0; base accuracy {base}%), held-out greedy accuracy on "
-             f"{args.eval_prompts} test prompts every {args.eval_every} steps. RL seconds: from the step-1 row to the "
-             "last (evaluations and checkpoints included; warm start and step 1, which compiles, excluded); samples: completions drawn, dropped ones included.", ""]
+    lines = [
+        "# Rollout modes on the long-tail task",
+        "",
+        "Written by `benchmarks/engine_training.py`"
+        + (" (PARTIAL: still running)" if partial else "")
+        + f": `configs/grpo_longtail.py`, {args.seeds} seed(s) x {args.steps} GRPO steps per arm, one shared "
+        f"base policy (warmstart.seed=0; base accuracy {base}%), held-out greedy accuracy on "
+        f"{args.eval_prompts} test prompts every {args.eval_every} steps. RL seconds: from the step-1 row to the "
+        "last (evaluations and checkpoints included; warm start and step 1, which compiles, excluded); "
+        "samples: completions drawn, dropped ones included.",
+        "",
+    ]
     lines += table(arms, runs, args.target)
     lines += ["", "Arms: " + "; ".join(f"`{a}` = {' '.join(ARMS[a]) or '(engine off)'}" for a in arms)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
     plot(arms, runs, out.with_suffix(".png"))
-    mean = lambda arm, k: (statistics.fmean(v) if (v := [r[k] for r in runs if r["arm"] == arm  # noqa: E731
-                                                         and "error" not in r and r[k] is not None]) else None)
-    summary = {"runs": len(runs), "failed": sum("error" in r for r in runs), "table": str(out.with_suffix(".md")),
-               "final_accuracy": {a: mean(a, "final_accuracy") for a in arms},
-               "steps_per_s": {a: mean(a, "steps_per_s") for a in arms},
-               "samples_to_target": {a: mean(a, "samples_to_target") for a in arms}}
+
+    def mean(arm, k):
+        return (
+            statistics.fmean(v)
+            if (v := [r[k] for r in runs if r["arm"] == arm and "error" not in r and r[k] is not None])
+            else None
+        )
+
+    summary = {
+        "runs": len(runs),
+        "failed": sum("error" in r for r in runs),
+        "table": str(out.with_suffix(".md")),
+        "final_accuracy": {a: mean(a, "final_accuracy") for a in arms},
+        "steps_per_s": {a: mean(a, "steps_per_s") for a in arms},
+        "samples_to_target": {a: mean(a, "samples_to_target") for a in arms},
+    }
     sps = summary["steps_per_s"]
     for arm in ("partial", "partial_64"):  # the issue's target: >= 1.3x the synchronous steps/s
         if sps.get(arm) and sps.get("sync"):
@@ -185,7 +235,7 @@ def write_outputs(arms: list[str], runs: list[dict], args, out: pathlib.Path, pa
     return summary
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
     p.add_argument("--seeds", type=int, default=3)
@@ -216,8 +266,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
             bar.set_postfix_str(f"{arm} seed {seed}")
             r = train_one(arm, seed, args, env)
             runs.append(r)
-            tqdm.write(f"{arm:12s} seed {seed}: " + (f"{100 * r['final_accuracy']:.1f}%, {r['rl_seconds']:.0f} s"
-                                                     if "error" not in r else f"FAILED: {r['error']}"))
+            tqdm.write(
+                f"{arm:12s} seed {seed}: "
+                + (
+                    f"{100 * r['final_accuracy']:.1f}%, {r['rl_seconds']:.0f} s"
+                    if "error" not in r
+                    else f"FAILED: {r['error']}"
+                )
+            )
             write_outputs(arms, runs, args, out, partial=True)
     summary = write_outputs(arms, runs, args, out, partial=False)
     print(json.dumps(summary))

@@ -38,7 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 # dropless uses the backend's grouped matmul (`auto`: blocked on CPU, lax.ragged_dot elsewhere);
 # dropless_ragged forces lax.ragged_dot, to show what it costs where there is no grouped kernel.
@@ -52,11 +52,30 @@ def run_ep_subprocess(args) -> dict:
     import subprocess
 
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={EP_DEVICES}"]),
-               JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.abspath(__file__), "--ep-worker", "--experts", str(args.experts),
-           "--top-k", str(args.top_k), "--d-model", str(args.d_model), "--mlp", str(args.mlp),
-           "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--seed", str(args.seed)]
+    env = dict(
+        os.environ,
+        XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={EP_DEVICES}"]),
+        JAX_PLATFORMS="cpu",
+    )
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--ep-worker",
+        "--experts",
+        str(args.experts),
+        "--top-k",
+        str(args.top_k),
+        "--d-model",
+        str(args.d_model),
+        "--mlp",
+        str(args.mlp),
+        "--tokens",
+        str(args.tokens),
+        "--repeats",
+        str(args.repeats),
+        "--seed",
+        str(args.seed),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"expert-parallel worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -94,7 +113,9 @@ def ep_worker(args) -> dict:
     shard_shapes = sorted({tuple(s.data.shape) for w in ws_ep for s in w.addressable_shards})
     weights_sharded = all(
         len({s.device for s in w.addressable_shards}) == P
-        and {tuple(s.data.shape) for s in w.addressable_shards} == {(E // P,) + w.shape[1:]} for w in ws_ep)
+        and {tuple(s.data.shape) for s in w.addressable_shards} == {(E // P,) + w.shape[1:]}
+        for w in ws_ep
+    )
 
     def ep_loss(ws, x, experts, gates, r):
         return jnp.sum(moe.dispatch_expert_parallel(x, *ws, experts, gates, mesh, "expert", gmm) * r)
@@ -114,25 +135,42 @@ def ep_worker(args) -> dict:
     y_ep = jax.jit(lambda *a: moe.dispatch_expert_parallel(*a, mesh, "expert", gmm))(x_ep, *ws_ep, experts_ep, gates_ep)
     y_one = jax.jit(lambda *a: moe.dispatch_dropless(*a, gmm))(*jax.device_put((x, *ws, experts, gates), dev0))
     y_err = float(np.max(np.abs(np.asarray(y_ep) - np.asarray(y_one))))
-    g_err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                for a, b in zip(jax.tree.leaves((gw_ep, gx_ep)), jax.tree.leaves((gw_one, gx_one))))
-    outputs_match = bool(np.allclose(y_ep, y_one, rtol=1e-4, atol=1e-4)
-                         and all(np.allclose(a, b, rtol=1e-3, atol=1e-3)
-                                 for a, b in zip(jax.tree.leaves((gw_ep, gx_ep)), jax.tree.leaves((gw_one, gx_one))))
-                         and abs(float(v_ep) - float(v_one)) <= 1e-3 * max(1.0, abs(float(v_one))))
-    grads_sharded = all({tuple(s.data.shape) for s in g.addressable_shards} == {(E // P,) + g.shape[1:]}
-                        for g in gw_ep)
+    g_err = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves((gw_ep, gx_ep)), jax.tree.leaves((gw_one, gx_one)))
+    )
+    outputs_match = bool(
+        np.allclose(y_ep, y_one, rtol=1e-4, atol=1e-4)
+        and all(
+            np.allclose(a, b, rtol=1e-3, atol=1e-3)
+            for a, b in zip(jax.tree.leaves((gw_ep, gx_ep)), jax.tree.leaves((gw_one, gx_one)))
+        )
+        and abs(float(v_ep) - float(v_one)) <= 1e-3 * max(1.0, abs(float(v_one)))
+    )
+    grads_sharded = all({tuple(s.data.shape) for s in g.addressable_shards} == {(E // P,) + g.shape[1:]} for g in gw_ep)
     hlo = ep_step.lower(*ep_args).compile().as_text()
-    print(f"ep{P} expert-parallel {N / ep_s:10.0f} tokens/s  {ep_s * 1e3:9.1f} ms/step   "
-          f"dropless on 1 of the {P} devices {N / one_s:10.0f} tokens/s  {one_s * 1e3:9.1f} ms/step   "
-          f"max |dy| {y_err:.1e}", flush=True)
+    print(
+        f"ep{P} expert-parallel {N / ep_s:10.0f} tokens/s  {ep_s * 1e3:9.1f} ms/step   "
+        f"dropless on 1 of the {P} devices {N / one_s:10.0f} tokens/s  {one_s * 1e3:9.1f} ms/step   "
+        f"max |dy| {y_err:.1e}",
+        flush=True,
+    )
     return {
-        "ep8_devices": P, "ep8_tokens_per_s": N / ep_s, "ep8_seconds": ep_s, "ep8_times": ep_times,
-        "ep8_single_device_dropless_tokens_per_s": N / one_s, "ep8_single_device_dropless_seconds": one_s,
-        "ep8_single_device_dropless_times": one_times, "ep8_speedup_vs_single_device": one_s / ep_s,
-        "ep8_outputs_match": outputs_match, "ep8_max_abs_err_out": y_err, "ep8_max_abs_err_grad": g_err,
-        "ep8_weights_sharded": bool(weights_sharded and grads_sharded), "ep8_weight_shard_shapes": shard_shapes,
-        "ep8_all_to_all_in_hlo": "all-to-all" in hlo, "ep8_grouped_matmul": gmm,
+        "ep8_devices": P,
+        "ep8_tokens_per_s": N / ep_s,
+        "ep8_seconds": ep_s,
+        "ep8_times": ep_times,
+        "ep8_single_device_dropless_tokens_per_s": N / one_s,
+        "ep8_single_device_dropless_seconds": one_s,
+        "ep8_single_device_dropless_times": one_times,
+        "ep8_speedup_vs_single_device": one_s / ep_s,
+        "ep8_outputs_match": outputs_match,
+        "ep8_max_abs_err_out": y_err,
+        "ep8_max_abs_err_grad": g_err,
+        "ep8_weights_sharded": bool(weights_sharded and grads_sharded),
+        "ep8_weight_shard_shapes": shard_shapes,
+        "ep8_all_to_all_in_hlo": "all-to-all" in hlo,
+        "ep8_grouped_matmul": gmm,
         "ep8_shape": {"experts": E, "top_k": K, "d_model": D, "expert_mlp": F, "tokens": N},
         "ep8_load_average": common.load_average(),
     }
@@ -172,8 +210,19 @@ def main(argv=None) -> dict:
     x_1xNxD = jnp.asarray(rng.normal(size=(1, N, D)), jnp.float32)
     r_1xNxD = jnp.asarray(rng.normal(size=(1, N, D)), jnp.float32)
     mask_1xN = jnp.ones((1, N), bool)
-    specs = {p: MoESpec(E, K, F, 0, "softmax", p.split("_")[0], args.capacity_factor,
-                        grouped_matmul="ragged" if p == "dropless_ragged" else "auto") for p in PATHS}
+    specs = {
+        p: MoESpec(
+            E,
+            K,
+            F,
+            0,
+            "softmax",
+            p.split("_")[0],
+            args.capacity_factor,
+            grouped_matmul="ragged" if p == "dropless_ragged" else "auto",
+        )
+        for p in PATHS
+    }
     params = nn.meta.unbox(MoE(D, specs["naive"]).init(jax.random.PRNGKey(args.seed), x_1xNxD, mask_1xN)["params"])
 
     def make_step(spec):
@@ -202,11 +251,17 @@ def main(argv=None) -> dict:
             cpu[path].append(time.process_time() - c0)
     for path in PATHS:
         seconds, dropped = statistics.median(times[path]), outputs[path][2]
-        results[path] = {"tokens_per_s": N / seconds, "seconds": seconds, "times": times[path],
-                         "cpu_seconds": statistics.median(cpu[path]),
-                         "expert_gflops_per_s": expert_flops / seconds / 1e9, "dropped_frac": dropped}
-        print(f"{path:15s} {N / seconds:10.0f} tokens/s  {seconds * 1e3:9.1f} ms/step  "
-              f"dropped {dropped:.3f}", flush=True)
+        results[path] = {
+            "tokens_per_s": N / seconds,
+            "seconds": seconds,
+            "times": times[path],
+            "cpu_seconds": statistics.median(cpu[path]),
+            "expert_gflops_per_s": expert_flops / seconds / 1e9,
+            "dropped_frac": dropped,
+        }
+        print(
+            f"{path:15s} {N / seconds:10.0f} tokens/s  {seconds * 1e3:9.1f} ms/step  dropped {dropped:.3f}", flush=True
+        )
 
     def speedup_over_naive(path):
         return statistics.median(n / t for n, t in zip(times["naive"], times[path]))
@@ -219,12 +274,17 @@ def main(argv=None) -> dict:
         err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
         assert err < 1e-2, (path, err)
     speedup = speedup_over_naive("dropless")
-    print(f"dropless vs naive: {speedup:.2f}x   capacity vs naive: "
-          f"{speedup_over_naive('capacity'):.2f}x   (capacity C={C} per expert; median of per-round ratios)")
+    print(
+        f"dropless vs naive: {speedup:.2f}x   capacity vs naive: "
+        f"{speedup_over_naive('capacity'):.2f}x   (capacity C={C} per expert; median of per-round ratios)"
+    )
     ep = {} if args.no_ep else run_ep_subprocess(args)
     if ep:
-        assert ep["ep8_outputs_match"], ("expert-parallel dispatch disagrees with dropless",
-                                         ep["ep8_max_abs_err_out"], ep["ep8_max_abs_err_grad"])
+        assert ep["ep8_outputs_match"], (
+            "expert-parallel dispatch disagrees with dropless",
+            ep["ep8_max_abs_err_out"],
+            ep["ep8_max_abs_err_grad"],
+        )
         assert ep["ep8_weights_sharded"], ("expert weights are not split 1/8 per device", ep["ep8_weight_shard_shapes"])
     result = {
         "benchmark": "moe",
@@ -236,8 +296,14 @@ def main(argv=None) -> dict:
         "speedup_dropless_ragged_vs_naive": speedup_over_naive("dropless_ragged"),
         "grouped_matmul": "blocked" if jax.default_backend() == "cpu" else "ragged",
         "capacity_per_expert": C,
-        "shape": {"experts": E, "top_k": K, "d_model": D, "expert_mlp": F, "tokens": N,
-                  "capacity_factor": args.capacity_factor},
+        "shape": {
+            "experts": E,
+            "top_k": K,
+            "d_model": D,
+            "expert_mlp": F,
+            "tokens": N,
+            "capacity_factor": args.capacity_factor,
+        },
         "config": "tiny" if args.small else "default",
         "load_average": common.load_average(),
         "peak_rss_mib": common.peak_rss_mib(),

@@ -41,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 
 def rollout_flops(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
@@ -74,9 +74,22 @@ def interleaved_times(variants: dict, repeats: int) -> dict:
 def run_peer(args) -> dict:
     """Run benchmarks/peers/tunix_sampler.py with `--peer-python` on this shape; its last JSON line."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "tunix_sampler.py")
-    cmd = [args.peer_python, script, "--prompts", str(args.prompts), "--samples", str(args.samples),
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-           "--repeats", str(args.repeats), "--seed", str(args.seed)] + (["--small"] if args.small else [])
+    cmd = [
+        args.peer_python,
+        script,
+        "--prompts",
+        str(args.prompts),
+        "--samples",
+        str(args.samples),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--repeats",
+        str(args.repeats),
+        "--seed",
+        str(args.seed),
+    ] + (["--small"] if args.small else [])
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -87,26 +100,41 @@ def run_peer(args) -> dict:
 def print_summary(result: dict, cfg) -> None:
     """The readable lines, then the one JSON line last."""
     r, s = result, result["shape"]
-    print(f"rollout [{r['config']}] {s['prompts']} prompts x {s['samples']} samples, prompt {s['prompt_len']}, "
-          f"{s['new_tokens']} new tokens ({r['generated_tokens']} generated tokens, "
-          f"{common.total_params(cfg) / 1e6:.1f}M params)")
-    print(f"  time            {r['seconds']:.3f} s (median of {len(r['times'])}: "
-          f"{', '.join(f'{t:.3f}' for t in r['times'])})")
-    print(f"  cpu             {r['cpu_seconds']:.3f} CPU-s per call ({r['cores_used']:.2f} cores busy); "
-          f"{r['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores")
+    print(
+        f"rollout [{r['config']}] {s['prompts']} prompts x {s['samples']} samples, prompt {s['prompt_len']}, "
+        f"{s['new_tokens']} new tokens ({r['generated_tokens']} generated tokens, "
+        f"{common.total_params(cfg) / 1e6:.1f}M params)"
+    )
+    print(
+        f"  time            {r['seconds']:.3f} s (median of {len(r['times'])}: "
+        f"{', '.join(f'{t:.3f}' for t in r['times'])})"
+    )
+    print(
+        f"  cpu             {r['cpu_seconds']:.3f} CPU-s per call ({r['cores_used']:.2f} cores busy); "
+        f"{r['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores"
+    )
     print(f"  throughput      {r['tokens_per_s']:.0f} generated tokens/s")
-    print(f"  model FLOPs     {r['prefill_gflop'] + r['decode_gflop']:.1f} GFLOP (prefill {r['prefill_gflop']:.2f}, "
-          f"decode {r['decode_gflop']:.1f}) -> {r['model_gflops_per_s']:.1f} GFLOP/s")
-    print(f"  matmul peak     {r['matmul_peak_gflops']:.1f} GFLOP/s -> MFU {r['mfu']:.1%}, "
-          f"roofline {r['roofline_tokens_per_s']:.0f} tokens/s")
+    print(
+        f"  model FLOPs     {r['prefill_gflop'] + r['decode_gflop']:.1f} GFLOP (prefill {r['prefill_gflop']:.2f}, "
+        f"decode {r['decode_gflop']:.1f}) -> {r['model_gflops_per_s']:.1f} GFLOP/s"
+    )
+    print(
+        f"  matmul peak     {r['matmul_peak_gflops']:.1f} GFLOP/s -> MFU {r['mfu']:.1%}, "
+        f"roofline {r['roofline_tokens_per_s']:.0f} tokens/s"
+    )
     if "speedup_vs_row_cache" in r:
-        print(f"  per-row cache   {r['row_cache_tokens_per_s']:.0f} tokens/s "
-              f"({r['row_cache_tokens_per_cpu_s_x_cores']:.0f} per CPU-s x cores); shared prefix is "
-              f"{r['speedup_vs_row_cache']:.2f}x (median of per-round ratios)")
+        print(
+            f"  per-row cache   {r['row_cache_tokens_per_s']:.0f} tokens/s "
+            f"({r['row_cache_tokens_per_cpu_s_x_cores']:.0f} per CPU-s x cores); shared prefix is "
+            f"{r['speedup_vs_row_cache']:.2f}x (median of per-round ratios)"
+        )
     if "tunix" in r:
-        print(f"  Tunix Sampler   {r['tunix']['tokens_per_s']:.0f} tokens/s ({r['tunix']['tokens_per_cpu_s_x_cores']:.0f} "
-              f"per CPU-s x cores) -> speedup_vs_tunix {r['speedup_vs_tunix']:.2f} "
-              f"(per CPU-s {r['speedup_vs_tunix_cpu']:.2f})")
+        print(
+            f"  Tunix Sampler   {r['tunix']['tokens_per_s']:.0f} tokens/s "
+            f"({r['tunix']['tokens_per_cpu_s_x_cores']:.0f} "
+            f"per CPU-s x cores) -> speedup_vs_tunix {r['speedup_vs_tunix']:.2f} "
+            f"(per CPU-s {r['speedup_vs_tunix_cpu']:.2f})"
+        )
     print(f"  load average    {r['load_average']}")
     common.emit(result)
 
@@ -131,8 +159,8 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl.models.transformer import init_params
     from jaxrl.models.group_decode import default_segments
+    from jaxrl.models.transformer import init_params
     from jaxrl.rollout.sampler import sample
 
     if args.small:
@@ -153,17 +181,42 @@ def main(argv=None) -> dict:
     keys = iter(jax.random.split(jax.random.PRNGKey(args.seed + 1), 2 * (args.repeats + 1)))
 
     def run(**kw):
-        return lambda: sample(params, cfg, prompt_BxP, pmask_BxP, next(keys), group_size=G, max_new_tokens=T,
-                              temperature=args.temperature, top_p=1.0, top_k=0, eos_id=-1, pad_id=0, **kw)
+        return lambda: sample(
+            params,
+            cfg,
+            prompt_BxP,
+            pmask_BxP,
+            next(keys),
+            group_size=G,
+            max_new_tokens=T,
+            temperature=args.temperature,
+            top_p=1.0,
+            top_k=0,
+            eos_id=-1,
+            pad_id=0,
+            **kw,
+        )
 
     variants = {"shared_prefix": run(decode_segments=args.segments)}
     if args.compare:
         variants["row_cache"] = run(share_prefix=False)
     timed = interleaved_times(variants, args.repeats)
     seconds, times, cpu_seconds = timed["shared_prefix"]
-    check = sample(params, cfg, prompt_BxP, pmask_BxP, jax.random.PRNGKey(123), group_size=G, max_new_tokens=T,
-                   temperature=args.temperature, top_k=0, top_p=1.0, eos_id=-1, pad_id=0,
-                   decode_segments=args.segments)
+    check = sample(
+        params,
+        cfg,
+        prompt_BxP,
+        pmask_BxP,
+        jax.random.PRNGKey(123),
+        group_size=G,
+        max_new_tokens=T,
+        temperature=args.temperature,
+        top_k=0,
+        top_p=1.0,
+        eos_id=-1,
+        pad_id=0,
+        decode_segments=args.segments,
+    )
     assert int(check.num_steps) == T, f"decode stopped after {int(check.num_steps)} of {T} steps"
     assert float(jnp.sum(check.completion_mask_BxT)) == N * T, "some row stopped early"
     assert check.tokens_BxT.shape == (N, T)
@@ -201,12 +254,18 @@ def main(argv=None) -> dict:
     }
     if args.compare:
         row_s, row_times, row_cpu = timed["row_cache"]
-        result.update(row_cache_tokens_per_s=tokens / row_s, row_cache_times=row_times,
-                      row_cache_tokens_per_cpu_s_x_cores=tokens / row_cpu * (os.cpu_count() or 1),
-                      speedup_vs_row_cache=statistics.median(r / t for r, t in zip(row_times, times)))
+        result.update(
+            row_cache_tokens_per_s=tokens / row_s,
+            row_cache_times=row_times,
+            row_cache_tokens_per_cpu_s_x_cores=tokens / row_cpu * (os.cpu_count() or 1),
+            speedup_vs_row_cache=statistics.median(r / t for r, t in zip(row_times, times)),
+        )
     if peer is not None:
-        result.update(tunix=peer, speedup_vs_tunix=result["tokens_per_s"] / peer["tokens_per_s"],
-                      speedup_vs_tunix_cpu=result["tokens_per_cpu_s_x_cores"] / peer["tokens_per_cpu_s_x_cores"])
+        result.update(
+            tunix=peer,
+            speedup_vs_tunix=result["tokens_per_s"] / peer["tokens_per_s"],
+            speedup_vs_tunix_cpu=result["tokens_per_cpu_s_x_cores"] / peer["tokens_per_cpu_s_x_cores"],
+        )
     print_summary(result, cfg)
     return result
 

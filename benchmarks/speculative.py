@@ -45,7 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 
 def trained_policy(root: pathlib.Path, steps: int, overrides=()):
@@ -56,8 +56,9 @@ def trained_policy(root: pathlib.Path, steps: int, overrides=()):
     from jaxrl.train.loop import train
 
     repo = pathlib.Path(__file__).resolve().parents[1]
-    cfg = load_config(repo / "configs" / "grpo_arithmetic.py",
-                      [f"train.steps={steps}", "train.progress=false", *overrides])
+    cfg = load_config(
+        repo / "configs" / "grpo_arithmetic.py", [f"train.steps={steps}", "train.progress=false", *overrides]
+    )
     tag = "_".join(o.replace("=", "-").replace(".", "-") for o in overrides) or "plain"
     workdir = root / f"grpo_steps{steps}_{tag}"
     manager = ocp.CheckpointManager(workdir.absolute() / "checkpoints")
@@ -108,16 +109,35 @@ def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None, co
         spec = spec if planned == "speculative" else None
 
     if spec is None:
-        fn = lambda i: (sample(params, cfg, prompt, pmask, jax.random.PRNGKey(i), **kw), None)  # noqa: E731
+
+        def fn(i):
+            return (sample(params, cfg, prompt, pmask, jax.random.PRNGKey(i), **kw), None)
     else:
         extra = {} if drafts is None else dict(draft_NxT=drafts[0], draft_len_N=drafts[1])
         extra["costs"] = costs
-        fn = lambda i: sample_speculative(params, cfg, prompt, pmask, jax.random.PRNGKey(i), spec=spec,  # noqa: E731
-                                          **kw, **extra)
+
+        def fn(i):
+            return sample_speculative(
+                params,
+                cfg,
+                prompt,
+                pmask,
+                jax.random.PRNGKey(i),
+                spec=spec,
+                **kw,
+                **extra,
+            )
+
     seconds, outs = timed(fn, repeats)
     tokens = float(np.median([float(o[0].completion_mask_BxT.sum()) for o in outs]))
-    res = {"name": name, "seconds": seconds, "tokens_per_s": tokens / seconds, "tokens": tokens,
-           "decode_steps": float(np.median([int(o[0].num_steps) for o in outs])), "planned": planned}
+    res = {
+        "name": name,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tokens": tokens,
+        "decode_steps": float(np.median([int(o[0].num_steps) for o in outs])),
+        "planned": planned,
+    }
     if planned == "plain":
         res.update(acceptance_rate=None, speculated_frac=0.0)
     if spec is not None:
@@ -125,15 +145,20 @@ def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None, co
         drafted, accepted = sum(int(s.drafted) for s in st), sum(int(s.accepted) for s in st)
         spec_steps = sum(int(s.self_steps) + int(s.reuse_steps) for s in st)
         all_steps = spec_steps + sum(int(s.plain_steps) for s in st)
-        res.update(acceptance_rate=accepted / drafted if drafted else None,
-                   accepted_per_verification=accepted / max(1, sum(int(s.row_verifications) for s in st)),
-                   draft_len=sum(int(s.draft_len_sum) for s in st) / max(1, sum(int(s.self_steps) for s in st)),
-                   speculated_frac=spec_steps / max(1, all_steps))
+        res.update(
+            acceptance_rate=accepted / drafted if drafted else None,
+            accepted_per_verification=accepted / max(1, sum(int(s.row_verifications) for s in st)),
+            draft_len=sum(int(s.draft_len_sum) for s in st) / max(1, sum(int(s.self_steps) for s in st)),
+            speculated_frac=spec_steps / max(1, all_steps),
+        )
     acc = res.get("acceptance_rate")
-    print(f"  {name:34s} {res['tokens_per_s']:9.0f} tok/s  {seconds * 1e3:8.1f} ms  steps {res['decode_steps']:4.0f}"
-          + (f"  accept {acc:.3f}" if acc is not None else "")
-          + (f"  speculated {res['speculated_frac']:.2f}" if "speculated_frac" in res else "")
-          + ("  (planned: plain sampler)" if planned == "plain" else ""), flush=True)
+    print(
+        f"  {name:34s} {res['tokens_per_s']:9.0f} tok/s  {seconds * 1e3:8.1f} ms  steps {res['decode_steps']:4.0f}"
+        + (f"  accept {acc:.3f}" if acc is not None else "")
+        + (f"  speculated {res['speculated_frac']:.2f}" if "speculated_frac" in res else "")
+        + ("  (planned: plain sampler)" if planned == "plain" else ""),
+        flush=True,
+    )
     return res, outs[0][0]
 
 
@@ -145,8 +170,10 @@ def ceilings(costs) -> dict:
 
     verify_K = np.asarray(costs.verify_K)
     k_K = np.arange(1, len(verify_K) + 1)
-    return {"self_draft": float(np.max((k_K + 1) / (verify_K + k_K * float(costs.draft)))),
-            "free_drafts": float(np.max((k_K + 1) / verify_K))}
+    return {
+        "self_draft": float(np.max((k_K + 1) / (verify_K + k_K * float(costs.draft)))),
+        "free_drafts": float(np.max((k_K + 1) / verify_K)),
+    }
 
 
 def drafter_suite(params, cfg, prompt, pmask, kw, repeats, draft_layers, max_draft, label, full=True):
@@ -164,26 +191,47 @@ def drafter_suite(params, cfg, prompt, pmask, kw, repeats, draft_layers, max_dra
     for drafter in ("early_exit", "int8") if full else ("early_exit",):
         spec = SpeculativeConfig(enabled=True, drafter=drafter, draft_layers=draft_layers, max_draft=max_draft)
         costs = measure_step_costs(params, cfg, spec, rows, cache_len)
-        cost_table[drafter] = {"verify_K": np.asarray(costs.verify_K).round(3).tolist(),
-                               "draft": round(float(costs.draft), 3), "ceiling": ceilings(costs)}
-        print(f"  measured costs ({drafter}, {rows} rows), in plain steps: verify k=1..{max_draft} "
-              f"{cost_table[drafter]['verify_K']}, drafted token {cost_table[drafter]['draft']}; "
-              f"ceiling {cost_table[drafter]['ceiling']['self_draft']:.2f}x", flush=True)
+        cost_table[drafter] = {
+            "verify_K": np.asarray(costs.verify_K).round(3).tolist(),
+            "draft": round(float(costs.draft), 3),
+            "ceiling": ceilings(costs),
+        }
+        print(
+            f"  measured costs ({drafter}, {rows} rows), in plain steps: verify k=1..{max_draft} "
+            f"{cost_table[drafter]['verify_K']}, drafted token {cost_table[drafter]['draft']}; "
+            f"ceiling {cost_table[drafter]['ceiling']['self_draft']:.2f}x",
+            flush=True,
+        )
         for adaptive in (True, False) if full else (False,):
             spec = dataclasses.replace(spec, adaptive=adaptive, max_active_rows=big)
             name = f"{drafter}{'' if adaptive else f'_k{max_draft}'}"
             results[name], _ = measure(name, params, cfg, prompt, pmask, kw, spec, repeats, costs=costs)
     spec = SpeculativeConfig(enabled=True, drafter="reuse", reuse_width=kw["max_new_tokens"], max_active_rows=big)
     reuse_costs = measure_step_costs(params, cfg, spec, rows, cache_len)
-    cost_table["reuse"] = {"verify_K": np.asarray(reuse_costs.verify_K).round(3).tolist(),
-                           "ceiling": ceilings(reuse_costs)["free_drafts"]}
-    print(f"  measured verify costs (k=1..{kw['max_new_tokens']}): {cost_table['reuse']['verify_K']}; "
-          f"reuse ceiling {cost_table['reuse']['ceiling']:.2f}x", flush=True)
+    cost_table["reuse"] = {
+        "verify_K": np.asarray(reuse_costs.verify_K).round(3).tolist(),
+        "ceiling": ceilings(reuse_costs)["free_drafts"],
+    }
+    print(
+        f"  measured verify costs (k=1..{kw['max_new_tokens']}): {cost_table['reuse']['verify_K']}; "
+        f"reuse ceiling {cost_table['reuse']['ceiling']:.2f}x",
+        flush=True,
+    )
     drafts = (first.tokens_BxT, first.length_B)
-    results["reuse"], _ = measure("reuse (second pass)", params, cfg, prompt, pmask, kw, spec, repeats, drafts,
-                                  costs=reuse_costs)
-    results["reuse_forced"], _ = measure("reuse forced (second pass)", params, cfg, prompt, pmask, kw,
-                                         dataclasses.replace(spec, adaptive=False), repeats, drafts)
+    results["reuse"], _ = measure(
+        "reuse (second pass)", params, cfg, prompt, pmask, kw, spec, repeats, drafts, costs=reuse_costs
+    )
+    results["reuse_forced"], _ = measure(
+        "reuse forced (second pass)",
+        params,
+        cfg,
+        prompt,
+        pmask,
+        kw,
+        dataclasses.replace(spec, adaptive=False),
+        repeats,
+        drafts,
+    )
     for r in results.values():
         r["speedup"] = r["tokens_per_s"] / results["plain"]["tokens_per_s"]
     print(f"  [{label}] speedups: " + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in results.items()))
@@ -215,8 +263,9 @@ def main(argv=None) -> dict:
     tok = CharTokenizer()
     root = pathlib.Path(args.root)
     if args.small:
-        cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                          mlp_dim=64)
+        cfg = ModelConfig(
+            vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64
+        )
         params = init_params(cfg, jax.random.PRNGKey(0))
         args.repeats, args.train_steps, n_prompts = 2, 0, 2
     else:
@@ -229,23 +278,33 @@ def main(argv=None) -> dict:
     prompt, pmask = jnp.asarray(prompt), jnp.asarray(pmask)
     kw = dict(group_size=8, max_new_tokens=8, temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
 
-    print(f"1. embedded task policy ({'random tiny' if args.small else f'GRPO {args.policy_steps} steps'}), "
-          f"{n_prompts} prompts x 8 samples, temperature 1.0, up to 8 new tokens")
-    embedded, embedded_costs = drafter_suite(params, cfg, prompt[:n_prompts], pmask[:n_prompts], kw, args.repeats,
-                                             1, 4, "embedded", full=not args.small)
+    print(
+        f"1. embedded task policy ({'random tiny' if args.small else f'GRPO {args.policy_steps} steps'}), "
+        f"{n_prompts} prompts x 8 samples, temperature 1.0, up to 8 new tokens"
+    )
+    embedded, embedded_costs = drafter_suite(
+        params, cfg, prompt[:n_prompts], pmask[:n_prompts], kw, args.repeats, 1, 4, "embedded", full=not args.small
+    )
 
     print("2. batch sweep: rows decoding at once (plain vs early exit k=2, forced)")
     from jaxrl.config import SpeculativeConfig
 
     sweep = []
-    for n in (() if args.small else (1, 4, 16)):
-        spec = SpeculativeConfig(enabled=True, drafter="early_exit", max_draft=2, adaptive=False,
-                                 max_active_rows=1 << 20)
+    for n in () if args.small else (1, 4, 16):
+        spec = SpeculativeConfig(
+            enabled=True, drafter="early_exit", max_draft=2, adaptive=False, max_active_rows=1 << 20
+        )
         p_res, _ = measure(f"plain {n * 8} rows", params, cfg, prompt[:n], pmask[:n], kw, None, args.repeats)
         s_res, _ = measure(f"early_exit_k2 {n * 8} rows", params, cfg, prompt[:n], pmask[:n], kw, spec, args.repeats)
-        sweep.append({"rows": n * 8, "plain_tokens_per_s": p_res["tokens_per_s"],
-                      "spec_tokens_per_s": s_res["tokens_per_s"], "speedup": s_res["tokens_per_s"] / p_res["tokens_per_s"],
-                      "acceptance_rate": s_res["acceptance_rate"]})
+        sweep.append(
+            {
+                "rows": n * 8,
+                "plain_tokens_per_s": p_res["tokens_per_s"],
+                "spec_tokens_per_s": s_res["tokens_per_s"],
+                "speedup": s_res["tokens_per_s"] / p_res["tokens_per_s"],
+                "acceptance_rate": s_res["acceptance_rate"],
+            }
+        )
 
     bench_small, bench_small_costs = {}, {}
     if not args.small:
@@ -254,8 +313,9 @@ def main(argv=None) -> dict:
         bparams = init_params(bcfg, jax.random.PRNGKey(0))
         bprompt = jnp.asarray(rng.integers(3, bcfg.vocab_size, (1, 64), dtype=np.int32))
         bkw = dict(group_size=8, max_new_tokens=32, temperature=1.0, eos_id=-1, pad_id=0)
-        bench_small, bench_small_costs = drafter_suite(bparams, bcfg, bprompt, jnp.ones_like(bprompt), bkw,
-                                                       max(3, args.repeats // 3), 2, 4, "bench-small")
+        bench_small, bench_small_costs = drafter_suite(
+            bparams, bcfg, bprompt, jnp.ones_like(bprompt), bkw, max(3, args.repeats // 3), 2, 4, "bench-small"
+        )
 
     training = {}
     if args.train_steps:
@@ -266,8 +326,9 @@ def main(argv=None) -> dict:
             steps = [r for r in rows if "rollout/seconds" in r]
             # Each sampler's first rollout compiles it: step 1, and with speculation on, the first
             # rollout planned plain (no spec/acceptance_estimate logged).
-            plain_planned = [r["step"] for r in steps
-                             if "spec/speculated_frac" in r and "spec/acceptance_estimate" not in r]
+            plain_planned = [
+                r["step"] for r in steps if "spec/speculated_frac" in r and "spec/acceptance_estimate" not in r
+            ]
             compiles = {steps[0]["step"], *plain_planned[:1]}
             training[tag] = {
                 "eval_accuracy": {r["step"]: r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None},
@@ -276,8 +337,10 @@ def main(argv=None) -> dict:
                 "rollouts_planned_plain": len(plain_planned),
                 "speculated_frac_mean": float(np.mean([r.get("spec/speculated_frac") or 0 for r in steps])),
             }
-            print(f"  {tag:12s} accuracy {training[tag]['eval_accuracy']}  rollout s over "
-                  f"{training[tag]['rollouts_timed']} rollouts {training[tag]['rollout_seconds_total']:.2f}")
+            print(
+                f"  {tag:12s} accuracy {training[tag]['eval_accuracy']}  rollout s over "
+                f"{training[tag]['rollouts_timed']} rollouts {training[tag]['rollout_seconds_total']:.2f}"
+            )
 
     self_names = [k for k in embedded if k.startswith(("early_exit", "int8"))]
     best = max(self_names, key=lambda k: embedded[k]["tokens_per_s"])
@@ -293,12 +356,19 @@ def main(argv=None) -> dict:
         "best_self_drafter": best,
         "speedup_trajectory_reuse": embedded["reuse"]["speedup"],
         "speedup_trajectory_reuse_forced": embedded["reuse_forced"]["speedup"],
-        "acceptance_rate": embedded[acc_of]["acceptance_rate"], "acceptance_rate_of": acc_of,
+        "acceptance_rate": embedded[acc_of]["acceptance_rate"],
+        "acceptance_rate_of": acc_of,
         "ceiling_self_draft": max(c["ceiling"]["self_draft"] for k, c in embedded_costs.items() if k != "reuse"),
         "ceiling_trajectory_reuse": embedded_costs["reuse"]["ceiling"],
-        "embedded": embedded, "embedded_costs": embedded_costs, "batch_sweep": sweep, "bench_small": bench_small,
-        "bench_small_costs": bench_small_costs, "training": training,
-        "load_average": common.load_average(), "jax": jax.__version__, "backend": jax.default_backend(),
+        "embedded": embedded,
+        "embedded_costs": embedded_costs,
+        "batch_sweep": sweep,
+        "bench_small": bench_small,
+        "bench_small_costs": bench_small_costs,
+        "training": training,
+        "load_average": common.load_average(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
     }
     if not args.skip_tail:
         print("5. the engine's tail (benchmarks/speculative_tail.py)")
@@ -318,9 +388,16 @@ def _tail_only(args) -> dict:
     import jax
 
     tail = _tail(args)
-    result = {"benchmark": "speculative", "config": "tiny" if args.small else "default", "part": "tail",
-              "speedup_tail_self_draft": tail["speedup_tail_self_draft"], "tail": tail,
-              "load_average": common.load_average(), "jax": jax.__version__, "backend": jax.default_backend()}
+    result = {
+        "benchmark": "speculative",
+        "config": "tiny" if args.small else "default",
+        "part": "tail",
+        "speedup_tail_self_draft": tail["speedup_tail_self_draft"],
+        "tail": tail,
+        "load_average": common.load_average(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+    }
     common.emit(result)
     return result
 

@@ -45,7 +45,7 @@ def _prompts(tok, n: int, digits: int, seed: int):
     out = []
     for _ in range(n):
         if digits:
-            a, b = rnd.randint(10 ** (digits - 1), 10 ** digits - 1), rnd.randint(10 ** (digits - 1), 10 ** digits - 1)
+            a, b = rnd.randint(10 ** (digits - 1), 10**digits - 1), rnd.randint(10 ** (digits - 1), 10**digits - 1)
         else:
             a, b = _random_problem(6, rnd)
         out.append([tok.bos_id] + tok.encode(format_prompt(a, b)))
@@ -61,8 +61,10 @@ def task_token_ids(tok, n_problems: int = 256, seed: int = 3) -> tuple:
     from jaxrl.rollout.draft_vocab import frequent_ids
 
     rnd = random.Random(seed)
-    seqs = [tok.encode(format_prompt(a, b) + solution(a, b)) for a, b in
-            (_random_problem(6, rnd) for _ in range(n_problems))]
+    seqs = [
+        tok.encode(format_prompt(a, b) + solution(a, b))
+        for a, b in (_random_problem(6, rnd) for _ in range(n_problems))
+    ]
     n = len({t for seq in seqs for t in seq} | {tok.eos_id})
     return frequent_ids(seqs, n, tok.vocab_size, first=(tok.eos_id,))
 
@@ -74,9 +76,19 @@ def _engine(cfg, tok, slots: int, group: int, new_tokens: int, spec, seed: int, 
     from jaxrl.rollout.engine import Engine
 
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=8, admit_groups=slots // group)
-    return Engine(cfg, ecfg, group_size=group, prompt_len=16, max_new_tokens=new_tokens, temperature=1.0,
-                  eos_id=tok.eos_id if eos_id is None else eos_id, pad_id=tok.pad_id, rng=jax.random.PRNGKey(seed),
-                  speculative=spec, draft_ids=draft_ids)
+    return Engine(
+        cfg,
+        ecfg,
+        group_size=group,
+        prompt_len=16,
+        max_new_tokens=new_tokens,
+        temperature=1.0,
+        eos_id=tok.eos_id if eos_id is None else eos_id,
+        pad_id=tok.pad_id,
+        rng=jax.random.PRNGKey(seed),
+        speculative=spec,
+        draft_ids=draft_ids,
+    )
 
 
 def _run(engine, params, prompts):
@@ -91,8 +103,10 @@ def compare(params, cfg, tok, prompts, slots, group, new_tokens, spec, repeats, 
     """Plain engine vs `spec`'s engine on the same prompts, interleaved -> result dict. eos_id=-1:
     no sample ends before new_tokens (both sides decode the same number of tokens). draft_ids: also
     `spec` with the reduced draft head over those ids ("reduced_head", "speedup_reduced_head")."""
-    engines = {"plain": _engine(cfg, tok, slots, group, new_tokens, None, 0, eos_id),
-               "speculative": _engine(cfg, tok, slots, group, new_tokens, spec, 0, eos_id)}
+    engines = {
+        "plain": _engine(cfg, tok, slots, group, new_tokens, None, 0, eos_id),
+        "speculative": _engine(cfg, tok, slots, group, new_tokens, spec, 0, eos_id),
+    }
     if draft_ids:
         reduced = dataclasses.replace(spec, draft_vocab=len(draft_ids))
         engines["reduced_head"] = _engine(cfg, tok, slots, group, new_tokens, reduced, 0, eos_id, draft_ids)
@@ -105,12 +119,19 @@ def compare(params, cfg, tok, prompts, slots, group, new_tokens, spec, repeats, 
     res = {}
     for k, ts in times.items():
         wall, cpu, tokens = (statistics.median(x[i] for x in ts) for i in range(3))
-        res[k] = {"tokens_per_s": tokens / wall, "tokens_per_cpu_s_x_cores": tokens / cpu * os.cpu_count(),
-                  "seconds": wall, "tokens": tokens}
+        res[k] = {
+            "tokens_per_s": tokens / wall,
+            "tokens_per_cpu_s_x_cores": tokens / cpu * os.cpu_count(),
+            "seconds": wall,
+            "tokens": tokens,
+        }
     for k in list(engines)[1:]:
         counts = engines[k].counts
-        res[k].update(acceptance=counts["accepted"] / max(1, counts["drafted"]),
-                      speculative_chunks=counts["speculative_chunks"], chunks=counts["chunks"])
+        res[k].update(
+            acceptance=counts["accepted"] / max(1, counts["drafted"]),
+            speculative_chunks=counts["speculative_chunks"],
+            chunks=counts["chunks"],
+        )
         suffix = "" if k == "speculative" else "_" + k
         res["speedup" + suffix] = res[k]["tokens_per_s"] / res["plain"]["tokens_per_s"]
         res["speedup_cpu" + suffix] = res[k]["tokens_per_cpu_s_x_cores"] / res["plain"]["tokens_per_cpu_s_x_cores"]
@@ -135,7 +156,9 @@ def int8_probe(rows: int = 4, repeats: int = 7) -> dict:
                 for layer in range(8):
                     acc = acc + h @ weight(layer, *ws)[:, :4096]
                 return acc
+
             return jax.lax.fori_loop(0, n, body, jnp.zeros((rows, 4096), jnp.float32))
+
         return run
 
     f32 = loop(lambda i, w: w[i])
@@ -146,8 +169,13 @@ def int8_probe(rows: int = 4, repeats: int = 7) -> dict:
         best = min(_timed(lambda: fn(20, x, *args)) for _ in range(repeats))
         return best / 20 * 1e3
 
-    return {"rows": rows, "float32_ms": ms(f32, w), "int8_ms": ms(i8, q, scale),
-            "bytes_float32": 8 * 512 * 4096 * 4, "bytes_int8": 8 * 512 * 4096}
+    return {
+        "rows": rows,
+        "float32_ms": ms(f32, w),
+        "int8_ms": ms(i8, q, scale),
+        "bytes_float32": 8 * 512 * 4096 * 4,
+        "bytes_int8": 8 * 512 * 4096,
+    }
 
 
 def _timed(fn) -> float:
@@ -163,12 +191,20 @@ def _headline(few: dict, rows_list, log) -> dict:
     headline is the better head's, both are reported."""
     import numpy as np
 
-    geomean = lambda key: float(np.exp(np.mean([np.log(few[r][key]) for r in rows_list])))
+    def geomean(key):
+        return float(np.exp(np.mean([np.log(few[r][key]) for r in rows_list])))
+
     full_head, reduced_head = geomean("speedup"), geomean("speedup_reduced_head")
-    log(f"  speedup over {list(rows_list)} rows (geometric mean): full head {full_head:.2f}x, reduced head "
-        f"{reduced_head:.2f}x")
-    return {"speedup_tail_self_draft": max(full_head, reduced_head), "speedup_tail_full_head": full_head,
-            "speedup_tail_reduced_head": reduced_head, "draft_head": "reduced" if reduced_head > full_head else "full"}
+    log(
+        f"  speedup over {list(rows_list)} rows (geometric mean): full head {full_head:.2f}x, reduced head "
+        f"{reduced_head:.2f}x"
+    )
+    return {
+        "speedup_tail_self_draft": max(full_head, reduced_head),
+        "speedup_tail_full_head": full_head,
+        "speedup_tail_reduced_head": reduced_head,
+        "draft_head": "reduced" if reduced_head > full_head else "full",
+    }
 
 
 def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, log=print) -> dict:
@@ -191,32 +227,50 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
         params, info = tail_policy.tail_policy(root, cfg, tok, policy_steps, DRAFT_LAYERS, 1.0, log)
         rows_list, new_tokens, candidates, draft_layers = ROWS, 64, (1, 2, 4, 8, 16), DRAFT_LAYERS
         policies = {"no_exit_loss": tail_policy.tail_policy(root, cfg, tok, policy_steps, DRAFT_LAYERS, 0.0, log)[0]}
-    spec = SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=draft_layers,
-                             max_draft=MAX_DRAFT if not small else 2)
+    spec = SpeculativeConfig(
+        enabled=True, drafter="early_exit", draft_layers=draft_layers, max_draft=MAX_DRAFT if not small else 2
+    )
     cache_len = 16 + new_tokens + spec.max_draft
     draft_ids = task_token_ids(tok)  # the reduced draft head (FR-Spec): the task's token set
-    log(f"tail: {'random tiny' if small else 'bench-small, warm-started with an early-exit loss'} policy; "
+    log(
+        f"tail: {'random tiny' if small else 'bench-small, warm-started with an early-exit loss'} policy; "
         f"early exit {draft_layers} of {cfg.n_layers} layers, k = {spec.max_draft}; reduced draft head: "
-        f"{len(draft_ids)} of {cfg.vocab_size} ids (the task's token set)")
+        f"{len(draft_ids)} of {cfg.vocab_size} ids (the task's token set)"
+    )
 
     # Acceptance on the few-rows workload first (it steers the threshold), then the threshold.
     few = {}
     probe = _prompts(tok, max(rows_list), 6, seed=1)
     for r in rows_list:
-        few[r] = compare(params, cfg, tok, probe[:r], r, 1, new_tokens, dataclasses.replace(spec, max_active_rows=r),
-                         repeats, eos_id=-1, draft_ids=draft_ids)
+        few[r] = compare(
+            params,
+            cfg,
+            tok,
+            probe[:r],
+            r,
+            1,
+            new_tokens,
+            dataclasses.replace(spec, max_active_rows=r),
+            repeats,
+            eos_id=-1,
+            draft_ids=draft_ids,
+        )
         s, h = few[r]["speculative"], few[r]["reduced_head"]
-        log(f"  {r} rows: plain {few[r]['plain']['tokens_per_s']:.0f} tok/s, speculative {s['tokens_per_s']:.0f} "
+        log(
+            f"  {r} rows: plain {few[r]['plain']['tokens_per_s']:.0f} tok/s, speculative {s['tokens_per_s']:.0f} "
             f"tok/s ({few[r]['speedup']:.2f}x, CPU {few[r]['speedup_cpu']:.2f}x), acceptance {s['acceptance']:.3f}; "
             f"reduced head {h['tokens_per_s']:.0f} tok/s ({few[r]['speedup_reduced_head']:.2f}x, CPU "
-            f"{few[r]['speedup_cpu_reduced_head']:.2f}x), acceptance {h['acceptance']:.3f}")
+            f"{few[r]['speedup_cpu_reduced_head']:.2f}x), acceptance {h['acceptance']:.3f}"
+        )
     acceptance = statistics.mean(few[r]["speculative"]["acceptance"] for r in rows_list)
     threshold, costs = calibrated_tail_rows(params, cfg, spec, candidates, cache_len, acceptance, root / "costs")
     cost_rows = {r: {**costs_to_json(c), "gain": tail_gain(c, acceptance, spec.max_draft)} for r, c in costs.items()}
     for r, c in cost_rows.items():
-        log(f"  costs at {r} rows (plain steps): verify k=1..{spec.max_draft} "
+        log(
+            f"  costs at {r} rows (plain steps): verify k=1..{spec.max_draft} "
             f"{[round(v, 2) for v in c['verify_K']]}, drafted token {c['draft']:.2f}; "
-            f"gain at acceptance {acceptance:.2f}: {c['gain']:.2f}")
+            f"gain at acceptance {acceptance:.2f}: {c['gain']:.2f}"
+        )
     log(f"  measured threshold (rollout.speculative.max_active_rows): {threshold}")
 
     other_acceptance = {}
@@ -232,22 +286,47 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
         slots, group = (8, 2) if small else (32, 4)
         # --small: one group more than the slots hold, so the last one decodes alone (the tail).
         mixed = _prompts(tok, slots // group + small, 0, seed=2)
-        whole = compare(params, cfg, tok, mixed, slots, group, new_tokens,
-                        dataclasses.replace(spec, max_active_rows=toggle_rows), repeats, draft_ids=draft_ids)
+        whole = compare(
+            params,
+            cfg,
+            tok,
+            mixed,
+            slots,
+            group,
+            new_tokens,
+            dataclasses.replace(spec, max_active_rows=toggle_rows),
+            repeats,
+            draft_ids=draft_ids,
+        )
         whole.update(threshold_rows=toggle_rows, forced=toggle_rows != threshold)
-        log(f"  whole rollout ({slots} slots, {len(mixed)} prompts x {group}): plain "
+        log(
+            f"  whole rollout ({slots} slots, {len(mixed)} prompts x {group}): plain "
             f"{whole['plain']['tokens_per_s']:.0f} tok/s, toggle at {toggle_rows} rows "
             f"{whole['speculative']['tokens_per_s']:.0f} tok/s ({whole['speedup']:.2f}x, "
             f"CPU {whole['speedup_cpu']:.2f}x),"
             f" {whole['speculative']['speculative_chunks']} of {whole['speculative']['chunks']} chunks speculative;"
-            f" reduced head {whole['reduced_head']['tokens_per_s']:.0f} tok/s ({whole['speedup_reduced_head']:.2f}x)")
+            f" reduced head {whole['reduced_head']['tokens_per_s']:.0f} tok/s ({whole['speedup_reduced_head']:.2f}x)"
+        )
     int8 = int8_probe(repeats=2 if small else 7)
-    log(f"  int8 probe (4 rows, 8 x 512 x 4096): float32 weights {int8['float32_ms']:.2f} ms, int8 converted "
-        f"in the loop {int8['int8_ms']:.2f} ms")
-    return {**_headline(few, rows_list, log), "draft_ids": list(draft_ids),
-            "speedup_tail_by_rows": {str(r): few[r]["speedup"] for r in rows_list},
-            "speedup_tail_reduced_head_by_rows": {str(r): few[r]["speedup_reduced_head"] for r in rows_list},
-            "acceptance_tail": acceptance, "threshold_rows": threshold,
-            "rows": list(rows_list), "few_rows": {str(r): v for r, v in few.items()}, "costs": cost_rows,
-            "acceptance_other_policies": other_acceptance, "whole_rollout": whole, "int8_probe": int8,
-            "policy": info, "max_draft": spec.max_draft, "draft_layers": draft_layers, "new_tokens": new_tokens}
+    log(
+        f"  int8 probe (4 rows, 8 x 512 x 4096): float32 weights {int8['float32_ms']:.2f} ms, int8 converted "
+        f"in the loop {int8['int8_ms']:.2f} ms"
+    )
+    return {
+        **_headline(few, rows_list, log),
+        "draft_ids": list(draft_ids),
+        "speedup_tail_by_rows": {str(r): few[r]["speedup"] for r in rows_list},
+        "speedup_tail_reduced_head_by_rows": {str(r): few[r]["speedup_reduced_head"] for r in rows_list},
+        "acceptance_tail": acceptance,
+        "threshold_rows": threshold,
+        "rows": list(rows_list),
+        "few_rows": {str(r): v for r, v in few.items()},
+        "costs": cost_rows,
+        "acceptance_other_policies": other_acceptance,
+        "whole_rollout": whole,
+        "int8_probe": int8,
+        "policy": info,
+        "max_draft": spec.max_draft,
+        "draft_layers": draft_layers,
+        "new_tokens": new_tokens,
+    }

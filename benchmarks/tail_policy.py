@@ -30,8 +30,16 @@ LR = 2e-3
 
 
 def recipe(steps: int, draft_layers: int, exit_weight: float) -> dict:
-    return {"digits": DIGITS, "width": WIDTH, "batch": BATCH, "lr": LR, "steps": steps,
-            "draft_layers": draft_layers, "exit_weight": exit_weight, "seed": 0}
+    return {
+        "digits": DIGITS,
+        "width": WIDTH,
+        "batch": BATCH,
+        "lr": LR,
+        "steps": steps,
+        "draft_layers": draft_layers,
+        "exit_weight": exit_weight,
+        "seed": 0,
+    }
 
 
 def early_exit_view(params, cfg, n_layers: int):
@@ -54,8 +62,8 @@ def _batches(tok, steps: int, seed: int):
     for i, r in enumerate(records):
         prompt = [tok.bos_id] + tok.encode(r["prompt"])
         seq = prompt + tok.encode(r["answer"]) + [tok.eos_id]
-        tokens[i, :len(seq)], mask[i, :len(seq)] = seq, 1
-        target[i, len(prompt) - 1:len(seq) - 1] = 1  # position t predicts token t + 1: the solution and EOS
+        tokens[i, : len(seq)], mask[i, : len(seq)] = seq, 1
+        target[i, len(prompt) - 1 : len(seq) - 1] = 1  # position t predicts token t + 1: the solution and EOS
     for s in range(steps):
         sl = slice(s * BATCH, (s + 1) * BATCH)
         yield tokens[sl], mask[sl], target[sl]
@@ -103,12 +111,15 @@ def train_tail_policy(cfg, tok, steps: int, draft_layers: int, exit_weight: floa
 
     curve, t0 = [], time.perf_counter()
     for i, (tokens, mask, target) in enumerate(_batches(tok, steps, 0)):
-        params, opt_state, full, exit_ = step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask),
-                                              jnp.asarray(target))
+        params, opt_state, full, exit_ = step(
+            params, opt_state, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(target)
+        )
         if (i + 1) % 10 == 0 or i + 1 == steps:
             curve.append((i + 1, float(full), float(exit_)))
-            log(f"    warm start step {i + 1}/{steps}: loss {float(full):.3f}, early exit {float(exit_):.3f} "
-                f"({time.perf_counter() - t0:.0f} s)")
+            log(
+                f"    warm start step {i + 1}/{steps}: loss {float(full):.3f}, early exit {float(exit_):.3f} "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
     return params, curve
 
 

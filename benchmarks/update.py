@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 
 def update_flops(cfg, batch: int, prompt_len: int, completion_len: int, shared_group: int = 0) -> float:
@@ -78,13 +78,29 @@ def torch_peer(args, ours: dict) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"update.py: error: the torch peer failed: {proc.stderr.strip()[-2000:]}")
     peer = json.loads(proc.stdout.strip().splitlines()[-1])
-    out = {"torch": {k: peer[k] for k in ("tokens_per_s", "seconds", "cpu_seconds", "tokens_per_cpu_s_x_cores",
-                                          "torch_threads", "cores_used", "load_average", "loss", "trained_tokens")},
-           "speedup_vs_torch": ours["tokens_per_s"] / peer["tokens_per_s"],
-           "speedup_vs_torch_cpu": ours["tokens_per_cpu_s_x_cores"] / peer["tokens_per_cpu_s_x_cores"]}
-    print(f"  torch peer      {peer['tokens_per_s']:.0f} tokens/s ({peer['tokens_per_cpu_s_x_cores']:.0f} per CPU-s "
-          f"x cores, {peer['torch_threads']} threads) -> speedup_vs_torch {out['speedup_vs_torch']:.2f} "
-          f"(per CPU-s {out['speedup_vs_torch_cpu']:.2f})")
+    out = {
+        "torch": {
+            k: peer[k]
+            for k in (
+                "tokens_per_s",
+                "seconds",
+                "cpu_seconds",
+                "tokens_per_cpu_s_x_cores",
+                "torch_threads",
+                "cores_used",
+                "load_average",
+                "loss",
+                "trained_tokens",
+            )
+        },
+        "speedup_vs_torch": ours["tokens_per_s"] / peer["tokens_per_s"],
+        "speedup_vs_torch_cpu": ours["tokens_per_cpu_s_x_cores"] / peer["tokens_per_cpu_s_x_cores"],
+    }
+    print(
+        f"  torch peer      {peer['tokens_per_s']:.0f} tokens/s ({peer['tokens_per_cpu_s_x_cores']:.0f} per CPU-s "
+        f"x cores, {peer['torch_threads']} threads) -> speedup_vs_torch {out['speedup_vs_torch']:.2f} "
+        f"(per CPU-s {out['speedup_vs_torch_cpu']:.2f})"
+    )
     return out
 
 
@@ -104,17 +120,32 @@ class Variant:
         optimizer = make_optimizer(OptimConfig(), total_steps=1000)
         params = init_params(cfg, jax.random.PRNGKey(args.seed))
         self.state = init_state(params, optimizer, jax.random.PRNGKey(args.seed + 1))
-        logp_fn = make_logp_fn(cfg, temperature=1.0, prompt_groups=G if shared else 0, logits_chunk=args.logits_chunk,
-                               remat=args.remat)
-        jit_for = lambda n: jax.jit(make_update_step(  # noqa: E731
-            logp_fn, make_loss(LossConfig(preset="grpo")), optimizer, ppo_epochs=1, microbatches=n,
-            max_new_tokens=T, group_size=G, use_ref=False), donate_argnums=0)
+        logp_fn = make_logp_fn(
+            cfg, temperature=1.0, prompt_groups=G if shared else 0, logits_chunk=args.logits_chunk, remat=args.remat
+        )
+
+        def jit_for(n):
+            return jax.jit(
+                make_update_step(
+                    logp_fn,
+                    make_loss(LossConfig(preset="grpo")),
+                    optimizer,
+                    ppo_epochs=1,
+                    microbatches=n,
+                    max_new_tokens=T,
+                    group_size=G,
+                    use_ref=False,
+                ),
+                donate_argnums=0,
+            )
+
         self.microbatches = args.microbatches
         if not self.microbatches:  # what train.microbatches=0 does (jaxrl.train.memory_budget)
             from jaxrl.train.memory_budget import auto_jit
 
-            step, self.microbatches = auto_jit(jit_for, (self.state, batch), args.batch, args.memory_budget_gib,
-                                               log=print)
+            step, self.microbatches = auto_jit(
+                jit_for, (self.state, batch), args.batch, args.memory_budget_gib, log=print
+            )
         else:
             step = jit_for(self.microbatches)
         # What the logp function does: share only when every microbatch holds whole groups.
@@ -166,20 +197,32 @@ def _parse(argv):
     ap.add_argument("--batch", type=int, default=64, help="sequences per update")
     ap.add_argument("--seq", type=int, default=192, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--microbatches", type=int, default=1,
-                    help="gradient-accumulation chunks (exact); 0: the fewest that fit --memory-budget-gib")
+    ap.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="gradient-accumulation chunks (exact); 0: the fewest that fit --memory-budget-gib",
+    )
     ap.add_argument("--memory-budget-gib", type=float, default=2.0, help="XLA temporaries, for --microbatches 0")
     ap.add_argument("--logits-chunk", type=int, default=0, help="train.logits_chunk (0: unchunked log-softmax)")
     ap.add_argument("--remat", default="none", help="train.remat: none | full | dots")
     ap.add_argument("--dtype", default="float32", help="model.dtype (compute; weights stay float32)")
-    ap.add_argument("--run-peer", action="store_true",
-                    help="also run benchmarks/peers/torch_update.py (same shape) in a subprocess, after this "
-                         "run's timing, and report speedup_vs_torch")
+    ap.add_argument(
+        "--run-peer",
+        action="store_true",
+        help="also run benchmarks/peers/torch_update.py (same shape) in a subprocess, after this "
+        "run's timing, and report speedup_vs_torch",
+    )
     ap.add_argument("--group-size", type=int, default=8, help="rows per prompt group (one prompt each)")
-    ap.add_argument("--share-prefix", action=argparse.BooleanOptionalAction, default=True,
-                    help="forward each group's prompt once (the loop's train.share_prefix)")
-    ap.add_argument("--compare", action="store_true",
-                    help="also time the other --share-prefix setting, interleaved in rounds")
+    ap.add_argument(
+        "--share-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="forward each group's prompt once (the loop's train.share_prefix)",
+    )
+    ap.add_argument(
+        "--compare", action="store_true", help="also time the other --share-prefix setting, interleaved in rounds"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="tiny model and shape (smoke test)")
     ap.add_argument("--seed", type=int, default=0)
@@ -187,8 +230,12 @@ def _parse(argv):
     if args.small:
         args.batch, args.seq, args.prompt_len, args.group_size = 8, 24, 8, 4
         args.repeats = min(args.repeats, 2)
-    if (args.seq <= args.prompt_len or args.microbatches < 0 or (args.microbatches and args.batch % args.microbatches)
-            or args.batch % args.group_size):
+    if (
+        args.seq <= args.prompt_len
+        or args.microbatches < 0
+        or (args.microbatches and args.batch % args.microbatches)
+        or args.batch % args.group_size
+    ):
         ap.error("need --seq > --prompt-len, --microbatches 0 or dividing --batch, and --group-size dividing --batch")
     return args
 
@@ -214,14 +261,28 @@ def main(argv=None) -> dict:
     assert all(bool(jnp.isfinite(v)) for v in metrics.values()), metrics
 
     tokens = B * args.seq
-    result = {"benchmark": "update", **variants[0].figures(tokens, peak), "matmul_peak_gflops": peak / 1e9,
-              "trained_tokens": tokens, "peak_rss_mib": common.peak_rss_mib(),
-              "shape": {"batch": B, "seq": args.seq, "prompt_len": P, "completion_len": T,
-                        "microbatches": variants[0].microbatches, "group_size": args.group_size},
-              "options": {"logits_chunk": args.logits_chunk, "remat": args.remat, "dtype": args.dtype},
-              "config": "tiny" if args.small else "bench-small", "model": common.config_dict(cfg),
-              "params": common.total_params(cfg), "load_average": common.load_average(), "jax": jax.__version__,
-              "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    result = {
+        "benchmark": "update",
+        **variants[0].figures(tokens, peak),
+        "matmul_peak_gflops": peak / 1e9,
+        "trained_tokens": tokens,
+        "peak_rss_mib": common.peak_rss_mib(),
+        "shape": {
+            "batch": B,
+            "seq": args.seq,
+            "prompt_len": P,
+            "completion_len": T,
+            "microbatches": variants[0].microbatches,
+            "group_size": args.group_size,
+        },
+        "options": {"logits_chunk": args.logits_chunk, "remat": args.remat, "dtype": args.dtype},
+        "config": "tiny" if args.small else "bench-small",
+        "model": common.config_dict(cfg),
+        "params": common.total_params(cfg),
+        "load_average": common.load_average(),
+        "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
     if args.compare:
         other = variants[1].figures(tokens, peak)
         shared, plain = (variants[0], variants[1]) if variants[0].shared else (variants[1], variants[0])
@@ -238,25 +299,35 @@ def main(argv=None) -> dict:
 
 def _print(result: dict, args, cfg) -> None:
     B, P = args.batch, args.prompt_len
-    print(f"update [{result['config']}] {B} sequences x {args.seq} tokens (prompt {P} + completion "
-          f"{args.seq - P}), groups of {args.group_size}, {result['shape']['microbatches']} microbatch(es), "
-          f"{common.total_params(cfg) / 1e6:.1f}M params; logits_chunk {args.logits_chunk}, remat {args.remat}, "
-          f"{args.dtype} compute")
+    print(
+        f"update [{result['config']}] {B} sequences x {args.seq} tokens (prompt {P} + completion "
+        f"{args.seq - P}), groups of {args.group_size}, {result['shape']['microbatches']} microbatch(es), "
+        f"{common.total_params(cfg) / 1e6:.1f}M params; logits_chunk {args.logits_chunk}, remat {args.remat}, "
+        f"{args.dtype} compute"
+    )
     for r in [result] + ([result["other"]] if "other" in result else []):
         print(f"  prompt shared   {r['share_prefix']}")
-        print(f"    time          {r['seconds']:.3f} s (median of {len(r['times'])}: "
-              f"{', '.join(f'{t:.3f}' for t in r['times'])})")
-        print(f"    cpu           {r['cpu_seconds']:.3f} CPU-s per call ({r['cores_used']:.2f} cores busy); "
-              f"{r['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores")
+        print(
+            f"    time          {r['seconds']:.3f} s (median of {len(r['times'])}: "
+            f"{', '.join(f'{t:.3f}' for t in r['times'])})"
+        )
+        print(
+            f"    cpu           {r['cpu_seconds']:.3f} CPU-s per call ({r['cores_used']:.2f} cores busy); "
+            f"{r['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores"
+        )
         print(f"    throughput    {r['tokens_per_s']:.0f} trained tokens/s")
-        print(f"    model FLOPs   {r['update_gflop']:.1f} GFLOP (3 x forward) -> {r['model_gflops_per_s']:.1f} "
-              f"GFLOP/s, MFU {r['mfu']:.1%} of {result['matmul_peak_gflops']:.1f}, roofline "
-              f"{r['roofline_tokens_per_s']:.0f} tokens/s")
+        print(
+            f"    model FLOPs   {r['update_gflop']:.1f} GFLOP (3 x forward) -> {r['model_gflops_per_s']:.1f} "
+            f"GFLOP/s, MFU {r['mfu']:.1%} of {result['matmul_peak_gflops']:.1f}, roofline "
+            f"{r['roofline_tokens_per_s']:.0f} tokens/s"
+        )
         if r["xla_temp_mib"] is not None:
             print(f"    memory        XLA temp {r['xla_temp_mib']:.0f} MiB + arguments {r['xla_args_mib']:.0f} MiB")
     if "speedup_share_prefix" in result:
-        print(f"  speedup         {result['speedup_share_prefix']:.2f}x wall, "
-              f"{result['speedup_share_prefix_cpu']:.2f}x CPU-time (shared prompt vs one pass, median over rounds)")
+        print(
+            f"  speedup         {result['speedup_share_prefix']:.2f}x wall, "
+            f"{result['speedup_share_prefix_cpu']:.2f}x CPU-time (shared prompt vs one pass, median over rounds)"
+        )
     print(f"  process         peak RSS {result['peak_rss_mib']:.0f} MiB; load average {result['load_average']}")
 
 

@@ -26,11 +26,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.update import make_batch, update_flops  # noqa: E402
+from benchmarks import common
+from benchmarks.update import make_batch, update_flops
 
-DEFAULT = ("mb1,mb1-chunk1024,mb1-chunk1024-rematdots,mb1-chunk1024-rematfull,mb4,mb4-chunk1024,mb8-chunk1024,"
-           "mb0-chunk1024,mb1-chunk1024-rematfull-bf16")
+DEFAULT = (
+    "mb1,mb1-chunk1024,mb1-chunk1024-rematdots,mb1-chunk1024-rematfull,mb4,mb4-chunk1024,mb8-chunk1024,"
+    "mb0-chunk1024,mb1-chunk1024-rematfull-bf16"
+)
 
 
 def parse_variant(name: str) -> dict:
@@ -40,8 +42,12 @@ def parse_variant(name: str) -> dict:
     opts = m.group(2)
     chunk = re.search(r"-chunk(\d+)", opts)
     remat = re.search(r"-remat(full|dots)", opts)
-    return {"microbatches": int(m.group(1)), "logits_chunk": int(chunk.group(1)) if chunk else 0,
-            "remat": remat.group(1) if remat else "none", "dtype": "bfloat16" if "-bf16" in opts else "float32"}
+    return {
+        "microbatches": int(m.group(1)),
+        "logits_chunk": int(chunk.group(1)) if chunk else 0,
+        "remat": remat.group(1) if remat else "none",
+        "dtype": "bfloat16" if "-bf16" in opts else "float32",
+    }
 
 
 def build(name, spec, cfg, shape, budget_gib, seed=0):
@@ -63,8 +69,22 @@ def build(name, spec, cfg, shape, budget_gib, seed=0):
     optimizer = make_optimizer(OptimConfig(), total_steps=1000)
     state = init_state(init_params(cfg, jax.random.PRNGKey(seed)), optimizer, jax.random.PRNGKey(seed + 1))
     logp_fn = make_logp_fn(cfg, 1.0, logits_chunk=spec["logits_chunk"], remat=spec["remat"])
-    jit_for = lambda n: jax.jit(make_update_step(logp_fn, loss, optimizer, ppo_epochs=1, microbatches=n,  # noqa: E731
-                                                 max_new_tokens=T, group_size=G, use_ref=False), donate_argnums=0)
+
+    def jit_for(n):
+        return jax.jit(
+            make_update_step(
+                logp_fn,
+                loss,
+                optimizer,
+                ppo_epochs=1,
+                microbatches=n,
+                max_new_tokens=T,
+                group_size=G,
+                use_ref=False,
+            ),
+            donate_argnums=0,
+        )
+
     batch = jax.device_put(make_batch(cfg, B, P, T, G, seed))
     n = spec["microbatches"]
     step, n = auto_jit(jit_for, (state, batch), B, budget_gib, log=print) if n == 0 else (jit_for(n), n)
@@ -120,16 +140,30 @@ def main(argv=None) -> dict:
                 cpu[name].append(time.process_time() - c0)
         for name in names:
             s, c = statistics.median(times[name]), statistics.median(cpu[name])
-            specs[name].update(seconds=s, cpu_seconds=c, tokens_per_s=tokens / s,
-                               tokens_per_cpu_s_x_cores=tokens / c * (os.cpu_count() or 1),
-                               model_gflops_per_s=flops / s / 1e9, times=times[name])
-            print(f"  {name:34s} {tokens / s:7.0f} tokens/s  {specs[name]['tokens_per_cpu_s_x_cores']:7.0f} "
-                  f"per CPU-s x cores  temp {specs[name]['xla_temp_mib']:6.0f} MiB", flush=True)
-    result = {"benchmark": "update_variants", "variants": specs, "trained_tokens": tokens,
-              "config": "tiny" if args.small else "bench-small", "load_average": common.load_average(),
-              "peak_rss_mib": common.peak_rss_mib(), "jax": jax.__version__,
-              # required by the common smoke test
-              "tokens_per_s": max((v.get("tokens_per_s", 0.0) for v in specs.values()), default=0.0)}
+            specs[name].update(
+                seconds=s,
+                cpu_seconds=c,
+                tokens_per_s=tokens / s,
+                tokens_per_cpu_s_x_cores=tokens / c * (os.cpu_count() or 1),
+                model_gflops_per_s=flops / s / 1e9,
+                times=times[name],
+            )
+            print(
+                f"  {name:34s} {tokens / s:7.0f} tokens/s  {specs[name]['tokens_per_cpu_s_x_cores']:7.0f} "
+                f"per CPU-s x cores  temp {specs[name]['xla_temp_mib']:6.0f} MiB",
+                flush=True,
+            )
+    result = {
+        "benchmark": "update_variants",
+        "variants": specs,
+        "trained_tokens": tokens,
+        "config": "tiny" if args.small else "bench-small",
+        "load_average": common.load_average(),
+        "peak_rss_mib": common.peak_rss_mib(),
+        "jax": jax.__version__,
+        # required by the common smoke test
+        "tokens_per_s": max((v.get("tokens_per_s", 0.0) for v in specs.values()), default=0.0),
+    }
     common.emit(result)
     return result
 

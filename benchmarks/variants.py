@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -49,7 +48,7 @@ class Arm:
 
     label: str
     preset: str
-    group_size: Optional[int] = None
+    group_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +61,15 @@ class Budget:
     extra: tuple = ()  # more --set overrides, applied to every run
 
     def overrides(self, arm: Arm, seed: int) -> list[str]:
-        sets = [f"train.steps={self.steps}", f"train.seed={seed}", f"train.eval_every={self.eval_every}",
-                f"train.eval_prompts={self.eval_prompts}", f"train.ppo_epochs={self.ppo_epochs}", "train.progress=false",
-                f"checkpoint.every={max(self.eval_every, 1)}"]
+        sets = [
+            f"train.steps={self.steps}",
+            f"train.seed={seed}",
+            f"train.eval_every={self.eval_every}",
+            f"train.eval_prompts={self.eval_prompts}",
+            f"train.ppo_epochs={self.ppo_epochs}",
+            "train.progress=false",
+            f"checkpoint.every={max(self.eval_every, 1)}",
+        ]
         if arm.group_size is not None:
             sets.append(f"rollout.group_size={arm.group_size}")
         return sets + list(self.extra)
@@ -103,11 +108,15 @@ def summarise_run(rows: list[dict], target: float) -> dict:
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     train = [r for r in rows if "reward/mean" in r]
     reached = [s for s, a in evals if s > 0 and a >= target]
-    return {"final_accuracy": evals[-1][1], "base_accuracy": evals[0][1], "curve": evals,
-            "steps_to_target": reached[0] if reached else None,
-            "response_len": statistics.fmean(r["response_len/mean"] for r in train) if train else math.nan,
-            "final_reward": statistics.fmean(r["reward/mean"] for r in train[-10:]) if train else math.nan,
-            "clip_frac": statistics.fmean(r.get("clip_frac", 0.0) for r in train) if train else math.nan}
+    return {
+        "final_accuracy": evals[-1][1],
+        "base_accuracy": evals[0][1],
+        "curve": evals,
+        "steps_to_target": reached[0] if reached else None,
+        "response_len": statistics.fmean(r["response_len/mean"] for r in train) if train else math.nan,
+        "final_reward": statistics.fmean(r["reward/mean"] for r in train[-10:]) if train else math.nan,
+        "clip_frac": statistics.fmean(r.get("clip_frac", 0.0) for r in train) if train else math.nan,
+    }
 
 
 def train_one(arm: Arm, seed: int, budget: Budget, root: pathlib.Path, env: dict) -> dict:
@@ -116,8 +125,15 @@ def train_one(arm: Arm, seed: int, budget: Budget, root: pathlib.Path, env: dict
     t0 = time.perf_counter()
     reused = finished(rows, budget.steps)
     if not reused:
-        cmd = [sys.executable, "-m", "jaxrl.cli", "train", str(REPO / "configs" / f"{arm.preset}_arithmetic.py"),
-               "--workdir", str(workdir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxrl.cli",
+            "train",
+            str(REPO / "configs" / f"{arm.preset}_arithmetic.py"),
+            "--workdir",
+            str(workdir),
+        ]
         for s in budget.overrides(arm, seed):
             cmd += ["--set", s]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -125,8 +141,14 @@ def train_one(arm: Arm, seed: int, budget: Budget, root: pathlib.Path, env: dict
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             return {"label": arm.label, "preset": arm.preset, "seed": seed, "error": " | ".join(tail)}
         rows = read_rows(workdir)
-    out = {"label": arm.label, "preset": arm.preset, "seed": seed, "workdir": str(workdir), "reused": reused,
-           "seconds": None if reused else time.perf_counter() - t0}
+    out = {
+        "label": arm.label,
+        "preset": arm.preset,
+        "seed": seed,
+        "workdir": str(workdir),
+        "reused": reused,
+        "seconds": None if reused else time.perf_counter() - t0,
+    }
     return dict(out, **summarise_run(rows, budget.target))
 
 
@@ -142,29 +164,40 @@ def aggregate(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
     accs = [r["final_accuracy"] for r in ok]
     hit = [r["steps_to_target"] for r in ok if r["steps_to_target"] is not None]
-    return {"n": len(ok), "errors": [r["error"] for r in runs if "error" in r], "accuracy": accs,
-            "accuracy_mean": statistics.fmean(accs) if accs else None,
-            "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else None,
-            "gain": statistics.fmean(r["final_accuracy"] - r["base_accuracy"] for r in ok) if ok else None,
-            "steps_to_target": hit, "reached": f"{len(hit)}/{len(ok)}",
-            "response_len": statistics.fmean(r["response_len"] for r in ok) if ok else None,
-            "final_reward": statistics.fmean(r["final_reward"] for r in ok) if ok else None,
-            "clip_frac": statistics.fmean(r["clip_frac"] for r in ok) if ok else None}
+    return {
+        "n": len(ok),
+        "errors": [r["error"] for r in runs if "error" in r],
+        "accuracy": accs,
+        "accuracy_mean": statistics.fmean(accs) if accs else None,
+        "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else None,
+        "gain": statistics.fmean(r["final_accuracy"] - r["base_accuracy"] for r in ok) if ok else None,
+        "steps_to_target": hit,
+        "reached": f"{len(hit)}/{len(ok)}",
+        "response_len": statistics.fmean(r["response_len"] for r in ok) if ok else None,
+        "final_reward": statistics.fmean(r["final_reward"] for r in ok) if ok else None,
+        "clip_frac": statistics.fmean(r["clip_frac"] for r in ok) if ok else None,
+    }
 
 
-def table(arms: list[Arm], by_label: dict, target: float, suffix: Optional[dict] = None) -> list[str]:
-    lines = [f"| preset | held-out accuracy % (mean ± std) | gain (points) | steps to {100 * target:.0f}% (mean; "
-             "reached) | response length | train reward (last 10 steps) | clip fraction |",
-             "|---|---|---|---|---|---|---|"]
+def table(arms: list[Arm], by_label: dict, target: float, suffix: dict | None = None) -> list[str]:
+    lines = [
+        f"| preset | held-out accuracy % (mean ± std) | gain (points) | steps to {100 * target:.0f}% (mean; "
+        "reached) | response length | train reward (last 10 steps) | clip fraction |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for arm in arms:
         a = by_label[arm.label]
         if not a["n"]:
-            lines.append(f"| {arm.label}{(suffix or {}).get(arm.label, '')} | failed: {'; '.join(a['errors'])[:200]} | | | | | |")
+            lines.append(
+                f"| {arm.label}{(suffix or {}).get(arm.label, '')} | failed: {'; '.join(a['errors'])[:200]} | | | | | |"
+            )
             continue
         steps = f"{statistics.fmean(a['steps_to_target']):.0f}" if a["steps_to_target"] else "never"
-        lines.append(f"| {arm.label}{(suffix or {}).get(arm.label, '')} | {_mean_std(a['accuracy'])} | "
-                     f"{100 * a['gain']:+.1f} | {steps} ({a['reached']}) | "
-                     f"{a['response_len']:.2f} | {a['final_reward']:.3f} | {a['clip_frac']:.4f} |")
+        lines.append(
+            f"| {arm.label}{(suffix or {}).get(arm.label, '')} | {_mean_std(a['accuracy'])} | "
+            f"{100 * a['gain']:+.1f} | {steps} ({a['reached']}) | "
+            f"{a['response_len']:.2f} | {a['final_reward']:.3f} | {a['clip_frac']:.4f} |"
+        )
     return lines
 
 
@@ -187,8 +220,9 @@ def plot(arms: list[Arm], runs: list[dict], path: pathlib.Path) -> None:
                 continue
             steps = [s for s, _ in curves[0]]
             mean = [statistics.fmean(c[j][1] for c in curves if len(c) > j) for j in range(len(steps))]
-            ax.plot(steps, [100 * m for m in mean], label=arm.label, color=cmap(i % 20),
-                    linestyle="-" if i < 10 else "--")
+            ax.plot(
+                steps, [100 * m for m in mean], label=arm.label, color=cmap(i % 20), linestyle="-" if i < 10 else "--"
+            )
         ax.set_xlabel("GRPO step")
         ax.set_ylabel("held-out greedy accuracy (%)")
         ax.set_title(title)
@@ -199,7 +233,7 @@ def plot(arms: list[Arm], runs: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="all", help="comma-separated preset names, or 'all'")
     p.add_argument("--seeds", type=int, default=3)
@@ -207,15 +241,30 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-prompts", type=int, default=500)
     p.add_argument("--target", type=float, default=0.7, help="held-out accuracy for 'steps to target'")
-    p.add_argument("--ppo-epochs", type=int, default=2,
-                   help="optimizer steps per rollout batch (1 = on-policy: the ratio is exactly 1, see the docstring)")
+    p.add_argument(
+        "--ppo-epochs",
+        type=int,
+        default=2,
+        help="optimizer steps per rollout batch (1 = on-policy: the ratio is exactly 1, see the docstring)",
+    )
     p.add_argument("--no-mc-study", action="store_true", help="skip the MC-GRPO G=2 runs")
-    p.add_argument("--root", default=os.path.expanduser("~/.cache/jaxrl/bench_variants"),
-                   help="where the run workdirs live (kept: reruns reuse finished runs)")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "variants"),
-                   help="output path without suffix: writes .md, .json and .png")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="extra config override for every run (repeatable)")
+    p.add_argument(
+        "--root",
+        default=os.path.expanduser("~/.cache/jaxrl/bench_variants"),
+        help="where the run workdirs live (kept: reruns reuse finished runs)",
+    )
+    p.add_argument(
+        "--out",
+        default=str(REPO / "benchmarks" / "results" / "variants"),
+        help="output path without suffix: writes .md, .json and .png",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="extra config override for every run (repeatable)",
+    )
     args = p.parse_args(argv)
 
     names = sorted(PRESETS) if args.presets == "all" else [n.strip() for n in args.presets.split(",") if n.strip()]
@@ -263,42 +312,67 @@ def write_outputs(arms, runs, budget, args, out: pathlib.Path, seconds: float, p
     done = [a for a in arms if any(r["label"] == a.label for r in runs)]
     main_arms = [a for a in done if a not in MC_STUDY]
     base_by_seed = sorted({(r["seed"], r["base_accuracy"]) for r in runs if "base_accuracy" in r})
-    base_text = ("; base policy (the seed's warm start, shared by all presets) " +
-                 ", ".join(f"seed {s}: {100 * a:.1f}%" for s, a in base_by_seed)) if base_by_seed else ""
-    lines = ["# Loss presets on the embedded task", "",
-             "Written by `benchmarks/variants.py`" + (" (PARTIAL: still running)" if partial else "") + ". "
-             f"{args.seeds} seed(s) x {budget.steps} GRPO steps per preset, held-out greedy accuracy on "
-             f"{budget.eval_prompts} test prompts every {budget.eval_every} steps{base_text}. "
-             f"train.ppo_epochs={budget.ppo_epochs} (optimizer steps per rollout batch).", "",
-             "Each preset runs its own `configs/<preset>_arithmetic.py`; `train.seed` varies the warm start and "
-             "the sampling, the prompt order and test set do not. Accuracy is the final evaluation; gain is "
-             "final minus the seed's base accuracy (mean over seeds); steps to target is the "
-             "first evaluated step at or above the target, averaged over the seeds that reached it; "
-             "response length is the mean sampled completion length (tokens, EOS included) over training.", ""]
+    base_text = (
+        (
+            "; base policy (the seed's warm start, shared by all presets) "
+            + ", ".join(f"seed {s}: {100 * a:.1f}%" for s, a in base_by_seed)
+        )
+        if base_by_seed
+        else ""
+    )
+    lines = [
+        "# Loss presets on the embedded task",
+        "",
+        "Written by `benchmarks/variants.py`" + (" (PARTIAL: still running)" if partial else "") + ". "
+        f"{args.seeds} seed(s) x {budget.steps} GRPO steps per preset, held-out greedy accuracy on "
+        f"{budget.eval_prompts} test prompts every {budget.eval_every} steps{base_text}. "
+        f"train.ppo_epochs={budget.ppo_epochs} (optimizer steps per rollout batch).",
+        "",
+        "Each preset runs its own `configs/<preset>_arithmetic.py`; `train.seed` varies the warm start and "
+        "the sampling, the prompt order and test set do not. Accuracy is the final evaluation; gain is "
+        "final minus the seed's base accuracy (mean over seeds); steps to target is the "
+        "first evaluated step at or above the target, averaged over the seeds that reached it; "
+        "response length is the mean sampled completion length (tokens, EOS included) over training.",
+        "",
+    ]
     lines += table(main_arms, by_label, budget.target)
     study = [a for a in done if a in MC_STUDY]
     if study:
-        lines += ["", "## MC-GRPO at G = 2 vs G = 8", "",
-                  "MC-GRPO's claim: with a median baseline over G + 1 samples, G = 2 closes most of the gap to "
-                  "G = 8. G counts the completions that carry gradient; MC-GRPO draws one more (the pivot).", ""]
+        lines += [
+            "",
+            "## MC-GRPO at G = 2 vs G = 8",
+            "",
+            "MC-GRPO's claim: with a median baseline over G + 1 samples, G = 2 closes most of the gap to "
+            "G = 8. G counts the completions that carry gradient; MC-GRPO draws one more (the pivot).",
+            "",
+        ]
         g8 = [a for a in main_arms if a.preset in ("grpo", "mc_grpo")]
         lines += table(study + g8, by_label, budget.target, suffix={"grpo": " G=8", "mc_grpo": " G=8 (draws 9)"})
         gap = _gap_closed(by_label)
         if gap is not None:
-            lines += ["", f"Gap closed by MC-GRPO at G = 2: (mc_grpo G=2 - grpo G=2) / (grpo G=8 - grpo G=2) "
-                          f"= {gap:.2f} (mean final accuracies)."]
+            lines += [
+                "",
+                f"Gap closed by MC-GRPO at G = 2: (mc_grpo G=2 - grpo G=2) / (grpo G=8 - grpo G=2) "
+                f"= {gap:.2f} (mean final accuracies).",
+            ]
     lines += ["", f"Wall time of this invocation: {seconds / 60:.1f} min (runs read back from --root cost ~0)."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"budget": dataclasses.asdict(budget), "target": budget.target,
-                                                    "runs": runs}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps({"budget": dataclasses.asdict(budget), "target": budget.target, "runs": runs}, indent=1)
+    )
     plot(done, runs, out.with_suffix(".png"))
-    return {"presets": len(main_arms), "runs": len(runs), "failed": sum("error" in r for r in runs),
-            "seconds": round(seconds, 1), "gap_closed_mc_grpo_g2": _gap_closed(by_label),
-            "accuracy_mean": {a.label: by_label[a.label]["accuracy_mean"] for a in done},
-            "table": str(out.with_suffix(".md"))}
+    return {
+        "presets": len(main_arms),
+        "runs": len(runs),
+        "failed": sum("error" in r for r in runs),
+        "seconds": round(seconds, 1),
+        "gap_closed_mc_grpo_g2": _gap_closed(by_label),
+        "accuracy_mean": {a.label: by_label[a.label]["accuracy_mean"] for a in done},
+        "table": str(out.with_suffix(".md")),
+    }
 
 
-def _gap_closed(by_label: dict) -> Optional[float]:
+def _gap_closed(by_label: dict) -> float | None:
     try:
         lo, hi = by_label["grpo G=2"]["accuracy_mean"], by_label["grpo"]["accuracy_mean"]
         mc = by_label["mc_grpo G=2 (draws 3)"]["accuracy_mean"]

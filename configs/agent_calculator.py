@@ -11,18 +11,29 @@ et al. 2025, RAGEN, arXiv:2504.20073) learns from the reward alone to call it ev
 Environment steps run in a thread pool while other slots keep decoding (jaxrl.rollout.episodes).
 """
 
-from jaxrl.config import (AgentConfig, CheckpointConfig, Config, DataConfig, EngineConfig, LossConfig, ModelConfig,
-                          OptimConfig, RolloutConfig, TrainConfig, WarmStartConfig)
+from jaxrl.config import (
+    AgentConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EngineConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    WarmStartConfig,
+)
 
 
 def get_config() -> Config:
     return Config(
         # prompt `123*456=` + BOS = 9 tokens; an episode `[calc 123*456]>56088\n56088` + EOS ~ 30 tokens
-        model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384,
-                          max_seq_len=64),
+        model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=64),
         data=DataConfig(task="agent_calculator", num_train=8000, num_test=500, max_prompt_len=9),
-        rollout=RolloutConfig(group_size=8, prompts_per_step=16, max_new_tokens=40, temperature=1.0,
-                              engine=EngineConfig(slots=64)),
+        rollout=RolloutConfig(
+            group_size=8, prompts_per_step=16, max_new_tokens=40, temperature=1.0, engine=EngineConfig(slots=64)
+        ),
         agent=AgentConfig(max_turns=3, max_obs_tokens=16),
         # rewards: the return, and the shaping (0 unless agent.shaping_weight > 0)
         loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 1.0)),

@@ -29,18 +29,29 @@ The training reward (sampled, temperature 1) moved less: mean of the first 5 ste
 two CPU cores.
 """
 
-from jaxrl.config import (AgentConfig, CheckpointConfig, Config, DataConfig, EngineConfig, LossConfig, ModelConfig,
-                          OptimConfig, RolloutConfig, TrainConfig, WarmStartConfig)
+from jaxrl.config import (
+    AgentConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EngineConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    WarmStartConfig,
+)
 
 
 def get_config() -> Config:
     return Config(
         # prompt: the first grid, 20 characters + BOS; an episode: <= 6 turns of a move word and a grid
-        model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384,
-                          max_seq_len=160),
+        model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=160),
         data=DataConfig(task="agent_gridworld", num_train=4000, num_test=200, max_prompt_len=24),
-        rollout=RolloutConfig(group_size=8, prompts_per_step=16, max_new_tokens=136, temperature=1.0,
-                              engine=EngineConfig(slots=64)),
+        rollout=RolloutConfig(
+            group_size=8, prompts_per_step=16, max_new_tokens=136, temperature=1.0, engine=EngineConfig(slots=64)
+        ),
         agent=AgentConfig(max_turns=6, max_obs_tokens=24),
         # rewards: the return, and the shaping (0 unless agent.shaping_weight > 0)
         loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 1.0)),

@@ -8,16 +8,23 @@ The reward is correctness only (format is logged, not rewarded): with per-group 
 small format bonus would be blown up to a full-size advantage inside all-wrong groups.
 """
 
-from jaxrl.config import (CheckpointConfig, Config, DataConfig, LossConfig, ModelConfig, OptimConfig,
-                          RolloutConfig, TrainConfig, WarmStartConfig)
+from jaxrl.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    WarmStartConfig,
+)
 
 
 def get_config() -> Config:
     return Config(
-        model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384,
-                          max_seq_len=32),
-        data=DataConfig(task="arithmetic", digits=2, operations="+", num_train=8000, num_test=500,
-                        max_prompt_len=8),
+        model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=32),
+        data=DataConfig(task="arithmetic", digits=2, operations="+", num_train=8000, num_test=500, max_prompt_len=8),
         rollout=RolloutConfig(group_size=8, prompts_per_step=16, max_new_tokens=5, temperature=1.0),
         loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 0.0)),  # clip: the paper default 0.2
         optim=OptimConfig(learning_rate=1e-4, warmup_steps=5),

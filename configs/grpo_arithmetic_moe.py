@@ -17,7 +17,16 @@ from jaxrl.config import Config, load_config
 
 def get_config() -> Config:
     base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
-    model = dataclasses.replace(base.model, n_experts=4, moe_every=1, experts_per_token=2, expert_mlp_dim=192,
-                                router="softmax", moe_dispatch="dropless", moe_aux_coef=0.01, moe_z_coef=0.001)
+    model = dataclasses.replace(
+        base.model,
+        n_experts=4,
+        moe_every=1,
+        experts_per_token=2,
+        expert_mlp_dim=192,
+        router="softmax",
+        moe_dispatch="dropless",
+        moe_aux_coef=0.01,
+        moe_z_coef=0.001,
+    )
     train = dataclasses.replace(base.train, steps=40, eval_every=10, routing_replay=True)
     return dataclasses.replace(base, model=model, train=train)

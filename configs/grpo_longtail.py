@@ -10,17 +10,26 @@ after 100 steps; README "The long-tail task"). The reward is correctness of the 
 per-group std normalisation).
 """
 
-from jaxrl.config import (CheckpointConfig, Config, DataConfig, LossConfig, ModelConfig, OptimConfig,
-                          RolloutConfig, TrainConfig, WarmStartConfig)
+from jaxrl.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    WarmStartConfig,
+)
 
 
 def get_config() -> Config:
     return Config(
         # the longest prompt `99999999+99999999=` is 18 tokens + BOS; the longest solution 81 + EOS
-        model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384,
-                          max_seq_len=104),
-        data=DataConfig(task="long_addition", digits=8, operations="+", num_train=8000, num_test=500,
-                        max_prompt_len=19),
+        model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=104),
+        data=DataConfig(
+            task="long_addition", digits=8, operations="+", num_train=8000, num_test=500, max_prompt_len=19
+        ),
         rollout=RolloutConfig(group_size=8, prompts_per_step=8, max_new_tokens=82, temperature=1.0),
         loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 0.0)),
         optim=OptimConfig(learning_rate=1e-4, warmup_steps=5),

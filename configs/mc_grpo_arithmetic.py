@@ -15,5 +15,8 @@ def get_config() -> Config:
     # Sample G+1 = 9 per prompt: the median row of each group is the pivot and gets no gradient, so
     # 8 completions per prompt carry gradient, as in grpo_arithmetic.py. MC-GRPO's claim is about
     # small G: try --set rollout.group_size=3 (G = 2).
-    return dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, group_size=9),
-                               loss=LossConfig(preset="mc_grpo", reward_weights=(1.0, 0.0)))
+    return dataclasses.replace(
+        base,
+        rollout=dataclasses.replace(base.rollout, group_size=9),
+        loss=LossConfig(preset="mc_grpo", reward_weights=(1.0, 0.0)),
+    )

@@ -15,22 +15,43 @@ rollout.prompts_per_step and mesh.preset=fsdp for more devices.
 
 import os
 
-from jaxrl.config import (CheckpointConfig, Config, DataConfig, LossConfig, MeshConfig, ModelConfig, OptimConfig,
-                          RolloutConfig, TrainConfig, WarmStartConfig)
+from jaxrl.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LossConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    WarmStartConfig,
+)
 
-PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{question}\n"
-          "Reason step by step, then give the final answer as a number after '####'.<|im_end|>\n"
-          "<|im_start|>assistant\n")
+PROMPT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{question}\n"
+    "Reason step by step, then give the final answer as a number after '####'.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 def get_config() -> Config:
     return Config(
-        model=ModelConfig(hf_path=os.environ.get("JAXRL_HF_PATH", "checkpoints/Qwen2.5-0.5B-Instruct"),
-                          dtype="bfloat16", max_seq_len=1024),
-        data=DataConfig(task="math_jsonl", train_file=os.environ.get("JAXRL_GSM8K_TRAIN", "data/gsm8k/train.jsonl"),
-                        test_file=os.environ.get("JAXRL_GSM8K_TEST", "data/gsm8k/test.jsonl"),
-                        prompt_template=PROMPT, num_train=7473, num_test=1319, max_prompt_len=320,
-                        skip_long_prompts=True),
+        model=ModelConfig(
+            hf_path=os.environ.get("JAXRL_HF_PATH", "checkpoints/Qwen2.5-0.5B-Instruct"),
+            dtype="bfloat16",
+            max_seq_len=1024,
+        ),
+        data=DataConfig(
+            task="math_jsonl",
+            train_file=os.environ.get("JAXRL_GSM8K_TRAIN", "data/gsm8k/train.jsonl"),
+            test_file=os.environ.get("JAXRL_GSM8K_TEST", "data/gsm8k/test.jsonl"),
+            prompt_template=PROMPT,
+            num_train=7473,
+            num_test=1319,
+            max_prompt_len=320,
+            skip_long_prompts=True,
+        ),
         rollout=RolloutConfig(group_size=8, prompts_per_step=32, max_new_tokens=512, temperature=1.0),
         loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 0.0)),
         optim=OptimConfig(learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, grad_clip=1.0),

@@ -14,5 +14,8 @@ from jaxrl.config import Config, LossConfig, load_config
 def get_config() -> Config:
     base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
     # One rollout per prompt; 128 prompts per step keeps the 128 completions of grpo_arithmetic.py.
-    return dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, group_size=1, prompts_per_step=128),
-                               loss=LossConfig(preset="sao", reward_weights=(1.0, 0.0)))
+    return dataclasses.replace(
+        base,
+        rollout=dataclasses.replace(base.rollout, group_size=1, prompts_per_step=128),
+        loss=LossConfig(preset="sao", reward_weights=(1.0, 0.0)),
+    )

@@ -21,35 +21,81 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train (or resume) a run from a config file")
     t.add_argument("config", help="a config file, e.g. configs/grpo_arithmetic.py")
-    t.add_argument("--workdir", default=None, help="run directory (default: runs/<config stem>/); resumes if it holds checkpoints (same config, "
-                        "see --allow-config-change)")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
-                   help="override a config field; may be repeated")
-    t.add_argument("--allow-config-change", action="store_true",
-                   help="resume a run whose config differs from its config.json (model.* excepted); the old "
-                        "config is kept in config_history.jsonl")
-    t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="multi-process run: process 0's address (env JAXRL_COORDINATOR)")
-    t.add_argument("--num-processes", type=int, default=None, metavar="N",
-                   help="multi-process run: how many processes (env JAXRL_NUM_PROCESSES)")
-    t.add_argument("--process-id", type=int, default=None, metavar="I",
-                   help="multi-process run: this process, 0..N-1 (env JAXRL_PROCESS_ID)")
-    t.add_argument("--init-timeout", type=int, default=None, metavar="SECONDS",
-                   help="give up (nonzero exit) if not all processes joined by then (env JAXRL_INIT_TIMEOUT, "
-                        "default 300)")
-    c = sub.add_parser("convert", help="convert checkpoints: Hugging Face -> jaxrl (--from-hf/--to) or "
-                       "jaxrl -> Hugging Face (--from/--to-hf)")
+    t.add_argument(
+        "--workdir",
+        default=None,
+        help="run directory (default: runs/<config stem>/); resumes if it holds checkpoints (same config, "
+        "see --allow-config-change)",
+    )
+    t.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="a.b=value",
+        help="override a config field; may be repeated",
+    )
+    t.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a run whose config differs from its config.json (model.* excepted); the old "
+        "config is kept in config_history.jsonl",
+    )
+    t.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="multi-process run: process 0's address (env JAXRL_COORDINATOR)",
+    )
+    t.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="multi-process run: how many processes (env JAXRL_NUM_PROCESSES)",
+    )
+    t.add_argument(
+        "--process-id",
+        type=int,
+        default=None,
+        metavar="I",
+        help="multi-process run: this process, 0..N-1 (env JAXRL_PROCESS_ID)",
+    )
+    t.add_argument(
+        "--init-timeout",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="give up (nonzero exit) if not all processes joined by then (env JAXRL_INIT_TIMEOUT, default 300)",
+    )
+    c = sub.add_parser(
+        "convert",
+        help="convert checkpoints: Hugging Face -> jaxrl (--from-hf/--to) or jaxrl -> Hugging Face (--from/--to-hf)",
+    )
     c.add_argument("--from-hf", dest="from_hf", default=None, metavar="DIR", help="a Hugging Face checkpoint directory")
     c.add_argument("--to", default=None, metavar="DIR", help="where the jaxrl checkpoint goes (use as model.hf_path)")
-    c.add_argument("--from", dest="from_", default=None, metavar="DIR",
-                   help="a `convert --from-hf` output, or a run directory (its newest checkpoint)")
+    c.add_argument(
+        "--from",
+        dest="from_",
+        default=None,
+        metavar="DIR",
+        help="a `convert --from-hf` output, or a run directory (its newest checkpoint)",
+    )
     c.add_argument("--to-hf", dest="to_hf", default=None, metavar="DIR", help="where the Hugging Face checkpoint goes")
     c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--to-hf tensor dtype")
-    c.add_argument("--max-shard-mb", type=int, default=0, metavar="MB",
-                   help="--to-hf: split the safetensors into shards of at most this size (0: one file)")
+    c.add_argument(
+        "--max-shard-mb",
+        type=int,
+        default=0,
+        metavar="MB",
+        help="--to-hf: split the safetensors into shards of at most this size (0: one file)",
+    )
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
-    v.add_argument("--configs", default=None, help="directory searched for <preset>_arithmetic.py "
-                   "(default: the repository's configs/)")
+    v.add_argument(
+        "--configs",
+        default=None,
+        help="directory searched for <preset>_arithmetic.py (default: the repository's configs/)",
+    )
     return p
 
 
@@ -79,9 +125,11 @@ def distributed_args(args) -> dict | None:
     if coordinator is None and n is None and pid is None:
         return None
     if coordinator is None or n is None or pid is None:
-        raise UserError("--coordinator, --num-processes and --process-id go together (or JAXRL_COORDINATOR, "
-                        f"JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID); got coordinator={coordinator!r}, "
-                        f"num_processes={n}, process_id={pid}")
+        raise UserError(
+            "--coordinator, --num-processes and --process-id go together (or JAXRL_COORDINATOR, "
+            f"JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID); got coordinator={coordinator!r}, "
+            f"num_processes={n}, process_id={pid}"
+        )
     if ":" not in coordinator:
         raise UserError(f"--coordinator {coordinator!r}: expected host:port")
     if n < 1:
@@ -104,7 +152,7 @@ def variants_table(configs_dir: str | pathlib.Path | None = None) -> str:
         shown = f"{configs_dir.name}/{config.name}" if config.is_file() else "-"
         rows.append(f"| {name} | {preset.paper} | {' ; '.join(preset.parts)} | {preset.group} | {shown} |")
     rows.append("")
-    rows.append("Options every preset takes (loss.options=\"name=value,...\"): " + ", ".join(EXTRAS))
+    rows.append('Options every preset takes (loss.options="name=value,..."): ' + ", ".join(EXTRAS))
     return "\n".join(rows)
 
 
@@ -131,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             from jaxrl.train import pretrained
 
-            if bool(args.from_hf) == bool(args.from_) or bool(args.from_hf) != bool(args.to) or \
-                    bool(args.from_) != bool(args.to_hf):
+            if (
+                bool(args.from_hf) == bool(args.from_)
+                or bool(args.from_hf) != bool(args.to)
+                or bool(args.from_) != bool(args.to_hf)
+            ):
                 raise UserError("convert: give either --from-hf DIR --to DIR, or --from DIR --to-hf DIR")
             if args.from_hf:
                 pretrained.convert_from_hf(args.from_hf, args.to)

@@ -8,10 +8,10 @@ names the field or file and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
-from jaxrl.config_checks import ConfigError, _check, _check_finite_floats, _check_learning_rate  # noqa: F401
-from jaxrl.config_agent import AgentConfig  # noqa: F401  (re-exported)
+from jaxrl.config_agent import AgentConfig
+from jaxrl.config_checks import ConfigError, _check, _check_finite_floats, _check_learning_rate
 from jaxrl.config_rollout import EngineConfig, RolloutConfig, SpeculativeConfig  # noqa: F401  (re-exported)
 
 
@@ -69,9 +69,15 @@ class ModelConfig:
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
             v = getattr(self, name)
             _check(v > 0, f"{prefix}.{name}", "a positive integer", v)
-        _check(self.vocab_size >= 0, f"{prefix}.vocab_size", "0 (from tokenizer) or a positive integer", self.vocab_size)
-        _check(self.n_heads % self.n_kv_heads == 0, f"{prefix}.n_kv_heads",
-               f"a divisor of n_heads={self.n_heads}", self.n_kv_heads)
+        _check(
+            self.vocab_size >= 0, f"{prefix}.vocab_size", "0 (from tokenizer) or a positive integer", self.vocab_size
+        )
+        _check(
+            self.n_heads % self.n_kv_heads == 0,
+            f"{prefix}.n_kv_heads",
+            f"a divisor of n_heads={self.n_heads}",
+            self.n_kv_heads,
+        )
         _check(self.head_dim % 2 == 0, f"{prefix}.head_dim", "an even integer (RoPE rotates pairs)", self.head_dim)
         _check(self.rope_theta > 0, f"{prefix}.rope_theta", "a positive number", self.rope_theta)
         _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "'float32' or 'bfloat16'", self.dtype)
@@ -79,38 +85,81 @@ class ModelConfig:
         self._validate_checkpoint_features(prefix)
 
     def _validate_checkpoint_features(self, prefix: str) -> None:
-        _check(self.rope_scaling in ("none", "llama3"), f"{prefix}.rope_scaling", "'none' or 'llama3'",
-               self.rope_scaling)
-        _check(self.rope_scaling_factor >= 1, f"{prefix}.rope_scaling_factor", "a number >= 1",
-               self.rope_scaling_factor)
-        _check(self.rope_low_freq_factor > 0, f"{prefix}.rope_low_freq_factor", "a positive number",
-               self.rope_low_freq_factor)
-        _check(self.rope_high_freq_factor > self.rope_low_freq_factor, f"{prefix}.rope_high_freq_factor",
-               f"a number > rope_low_freq_factor={self.rope_low_freq_factor}", self.rope_high_freq_factor)
-        _check(self.rope_original_max_len > 0, f"{prefix}.rope_original_max_len", "a positive integer",
-               self.rope_original_max_len)
-        _check(not self.shared_expert_gate or self.n_shared_experts > 0, f"{prefix}.shared_expert_gate",
-               "False unless n_shared_experts > 0", self.shared_expert_gate)
-        _check(self.hf_max_position_embeddings >= 0, f"{prefix}.hf_max_position_embeddings",
-               "0 (not from a checkpoint) or a positive integer", self.hf_max_position_embeddings)
+        _check(
+            self.rope_scaling in ("none", "llama3"), f"{prefix}.rope_scaling", "'none' or 'llama3'", self.rope_scaling
+        )
+        _check(
+            self.rope_scaling_factor >= 1, f"{prefix}.rope_scaling_factor", "a number >= 1", self.rope_scaling_factor
+        )
+        _check(
+            self.rope_low_freq_factor > 0,
+            f"{prefix}.rope_low_freq_factor",
+            "a positive number",
+            self.rope_low_freq_factor,
+        )
+        _check(
+            self.rope_high_freq_factor > self.rope_low_freq_factor,
+            f"{prefix}.rope_high_freq_factor",
+            f"a number > rope_low_freq_factor={self.rope_low_freq_factor}",
+            self.rope_high_freq_factor,
+        )
+        _check(
+            self.rope_original_max_len > 0,
+            f"{prefix}.rope_original_max_len",
+            "a positive integer",
+            self.rope_original_max_len,
+        )
+        _check(
+            not self.shared_expert_gate or self.n_shared_experts > 0,
+            f"{prefix}.shared_expert_gate",
+            "False unless n_shared_experts > 0",
+            self.shared_expert_gate,
+        )
+        _check(
+            self.hf_max_position_embeddings >= 0,
+            f"{prefix}.hf_max_position_embeddings",
+            "0 (not from a checkpoint) or a positive integer",
+            self.hf_max_position_embeddings,
+        )
 
     def _validate_moe(self, prefix: str) -> None:
         _check(self.n_experts >= 0, f"{prefix}.n_experts", "0 (dense) or a positive integer", self.n_experts)
         tail = self.dense_tail_layers
-        _check(tail == 0 or (self.n_experts > 0 and 0 < tail < self.n_layers), f"{prefix}.dense_tail_layers",
-               f"0, or with n_experts > 0 an integer in [0, n_layers={self.n_layers})", tail)
+        _check(
+            tail == 0 or (self.n_experts > 0 and 0 < tail < self.n_layers),
+            f"{prefix}.dense_tail_layers",
+            f"0, or with n_experts > 0 an integer in [0, n_layers={self.n_layers})",
+            tail,
+        )
         what = f"n_layers - dense_tail_layers={self.n_layers - tail}" if tail else f"n_layers={self.n_layers}"
-        _check(self.moe_every > 0 and (self.n_layers - tail) % self.moe_every == 0, f"{prefix}.moe_every",
-               f"a positive divisor of {what}", self.moe_every)
-        _check(self.experts_per_token > 0 and (self.n_experts == 0 or self.experts_per_token <= self.n_experts),
-               f"{prefix}.experts_per_token", f"an integer in [1, n_experts={self.n_experts}]", self.experts_per_token)
-        _check(self.expert_mlp_dim >= 0, f"{prefix}.expert_mlp_dim", "0 (= mlp_dim) or a positive integer",
-               self.expert_mlp_dim)
-        _check(self.n_shared_experts >= 0, f"{prefix}.n_shared_experts", "a non-negative integer",
-               self.n_shared_experts)
+        _check(
+            self.moe_every > 0 and (self.n_layers - tail) % self.moe_every == 0,
+            f"{prefix}.moe_every",
+            f"a positive divisor of {what}",
+            self.moe_every,
+        )
+        _check(
+            self.experts_per_token > 0 and (self.n_experts == 0 or self.experts_per_token <= self.n_experts),
+            f"{prefix}.experts_per_token",
+            f"an integer in [1, n_experts={self.n_experts}]",
+            self.experts_per_token,
+        )
+        _check(
+            self.expert_mlp_dim >= 0,
+            f"{prefix}.expert_mlp_dim",
+            "0 (= mlp_dim) or a positive integer",
+            self.expert_mlp_dim,
+        )
+        _check(
+            self.n_shared_experts >= 0, f"{prefix}.n_shared_experts", "a non-negative integer", self.n_shared_experts
+        )
         _check(self.router in ("softmax", "sigmoid"), f"{prefix}.router", "'softmax' or 'sigmoid'", self.router)
-        _check(self.moe_dispatch in ("dropless", "capacity", "naive"), f"{prefix}.moe_dispatch",
-               "'dropless', 'capacity' or 'naive'", self.moe_dispatch)
+        _check(
+            self.moe_dispatch in ("dropless", "capacity", "naive"),
+            f"{prefix}.moe_dispatch",
+            "'dropless', 'capacity' or 'naive'",
+            self.moe_dispatch,
+        )
         _check(self.capacity_factor > 0, f"{prefix}.capacity_factor", "a positive number", self.capacity_factor)
         _check(self.moe_aux_coef >= 0, f"{prefix}.moe_aux_coef", "a non-negative number", self.moe_aux_coef)
         _check(self.moe_z_coef >= 0, f"{prefix}.moe_z_coef", "a non-negative number", self.moe_z_coef)
@@ -137,14 +186,26 @@ class DataConfig:
     def validate(self, prefix: str = "data") -> None:
         tasks = ("arithmetic", "countdown", "long_addition", "math_jsonl", "agent_calculator", "agent_gridworld")
         _check(self.task in tasks, f"{prefix}.task", " or ".join(map(repr, tasks)), self.task)
-        _check(self.task != "math_jsonl" or bool(self.train_file), f"{prefix}.train_file",
-               "a JSONL file when task='math_jsonl'", self.train_file)
-        _check("{question}" in self.prompt_template, f"{prefix}.prompt_template", "a string containing '{question}'",
-               self.prompt_template)
+        _check(
+            self.task != "math_jsonl" or bool(self.train_file),
+            f"{prefix}.train_file",
+            "a JSONL file when task='math_jsonl'",
+            self.train_file,
+        )
+        _check(
+            "{question}" in self.prompt_template,
+            f"{prefix}.prompt_template",
+            "a string containing '{question}'",
+            self.prompt_template,
+        )
         max_digits = 8 if self.task == "long_addition" else 6  # long_addition: its longest-solution tail
         _check(1 <= self.digits <= max_digits, f"{prefix}.digits", f"an integer in [1, {max_digits}]", self.digits)
-        _check(len(self.operations) > 0 and set(self.operations) <= set("+-*"), f"{prefix}.operations",
-               "a non-empty string over '+-*'", self.operations)
+        _check(
+            len(self.operations) > 0 and set(self.operations) <= set("+-*"),
+            f"{prefix}.operations",
+            "a non-empty string over '+-*'",
+            self.operations,
+        )
         _check(self.num_train > 0, f"{prefix}.num_train", "a positive integer", self.num_train)
         _check(self.num_test > 0, f"{prefix}.num_test", "a positive integer", self.num_test)
         _check(self.max_prompt_len > 0, f"{prefix}.max_prompt_len", "a positive integer", self.max_prompt_len)
@@ -195,21 +256,34 @@ class LossConfig:
     """
 
     preset: str = "grpo"
-    eps_low: Optional[float] = None
-    eps_high: Optional[float] = None
+    eps_low: float | None = None
+    eps_high: float | None = None
     kl_beta: float = 0.0
-    adv_eps: Optional[float] = None
-    reward_weights: Optional[tuple] = None  # one per reward function (rewards_BxK column); None = all 1
+    adv_eps: float | None = None
+    reward_weights: tuple | None = None  # one per reward function (rewards_BxK column); None = all 1
     options: str = ""
 
     def validate(self, prefix: str = "loss") -> None:
-        _check(self.eps_low is None or self.eps_low >= 0, f"{prefix}.eps_low", "None or a non-negative number", self.eps_low)
-        _check(self.eps_high is None or self.eps_high >= 0, f"{prefix}.eps_high", "None or a non-negative number",
-               self.eps_high)
+        _check(
+            self.eps_low is None or self.eps_low >= 0,
+            f"{prefix}.eps_low",
+            "None or a non-negative number",
+            self.eps_low,
+        )
+        _check(
+            self.eps_high is None or self.eps_high >= 0,
+            f"{prefix}.eps_high",
+            "None or a non-negative number",
+            self.eps_high,
+        )
         _check(self.kl_beta >= 0, f"{prefix}.kl_beta", "a non-negative number", self.kl_beta)
         _check(self.adv_eps is None or self.adv_eps > 0, f"{prefix}.adv_eps", "None or a positive number", self.adv_eps)
-        _check(self.reward_weights is None or len(self.reward_weights) > 0, f"{prefix}.reward_weights",
-               "None (all 1) or one weight per reward function", self.reward_weights)
+        _check(
+            self.reward_weights is None or len(self.reward_weights) > 0,
+            f"{prefix}.reward_weights",
+            "None (all 1) or one weight per reward function",
+            self.reward_weights,
+        )
         parse_loss_options(self.options, f"{prefix}.options")
 
 
@@ -284,14 +358,28 @@ class TrainConfig:
     def validate(self, prefix: str = "train") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)
         _check(self.ppo_epochs > 0, f"{prefix}.ppo_epochs", "a positive integer", self.ppo_epochs)
-        _check(self.microbatches >= 0, f"{prefix}.microbatches", "0 (auto, from memory_budget_gib) or a positive integer",
-               self.microbatches)
-        _check(self.memory_budget_gib > 0, f"{prefix}.memory_budget_gib", "a positive number of GiB",
-               self.memory_budget_gib)
-        _check(self.logits_chunk >= 0, f"{prefix}.logits_chunk", "0 (unchunked) or a positive integer",
-               self.logits_chunk)
+        _check(
+            self.microbatches >= 0,
+            f"{prefix}.microbatches",
+            "0 (auto, from memory_budget_gib) or a positive integer",
+            self.microbatches,
+        )
+        _check(
+            self.memory_budget_gib > 0,
+            f"{prefix}.memory_budget_gib",
+            "a positive number of GiB",
+            self.memory_budget_gib,
+        )
+        _check(
+            self.logits_chunk >= 0, f"{prefix}.logits_chunk", "0 (unchunked) or a positive integer", self.logits_chunk
+        )
         _check(self.remat in REMAT, f"{prefix}.remat", " or ".join(map(repr, REMAT)), self.remat)
-        _check(self.eval_every >= 0, f"{prefix}.eval_every", "a non-negative integer (0 = only at the end)", self.eval_every)
+        _check(
+            self.eval_every >= 0,
+            f"{prefix}.eval_every",
+            "a non-negative integer (0 = only at the end)",
+            self.eval_every,
+        )
         _check(self.eval_prompts > 0, f"{prefix}.eval_prompts", "a positive integer", self.eval_prompts)
         _check(self.log_every > 0, f"{prefix}.log_every", "a positive integer", self.log_every)
 
@@ -324,8 +412,12 @@ class MeshConfig:
         for name, owner in (("tensor", "fsdp_tensor"), ("expert", "fsdp_expert")):
             v = getattr(self, name)
             _check(v > 0, f"{prefix}.{name}", "a positive integer", v)
-            _check(v == 1 or self.preset == owner, f"{prefix}.{name}",
-                   f"1 unless mesh.preset={owner!r} (preset is {self.preset!r})", v)
+            _check(
+                v == 1 or self.preset == owner,
+                f"{prefix}.{name}",
+                f"1 unless mesh.preset={owner!r} (preset is {self.preset!r})",
+                v,
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,13 +433,17 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     agent: AgentConfig = AgentConfig()
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         for f in dataclasses.fields(self):
             _check_finite_floats(getattr(self, f.name), f.name)
             getattr(self, f.name).validate(f.name)
         b = self.rollout.prompts_per_step * self.rollout.group_size
-        _check(self.train.microbatches == 0 or b % self.train.microbatches == 0, "train.microbatches",
-               f"a divisor of the rollout batch prompts_per_step*group_size={b}", self.train.microbatches)
+        _check(
+            self.train.microbatches == 0 or b % self.train.microbatches == 0,
+            "train.microbatches",
+            f"a divisor of the rollout batch prompts_per_step*group_size={b}",
+            self.train.microbatches,
+        )
         return self
 
 

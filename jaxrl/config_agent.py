@@ -33,6 +33,10 @@ class AgentConfig:
         _check(self.max_obs_tokens > 0, f"{prefix}.max_obs_tokens", "a positive integer", self.max_obs_tokens)
         _check(self.env_workers > 0, f"{prefix}.env_workers", "a positive integer", self.env_workers)
         _check(self.shaping_weight >= 0, f"{prefix}.shaping_weight", "a non-negative number", self.shaping_weight)
-        _check(0 < self.keep_top_variance <= 1, f"{prefix}.keep_top_variance", "a fraction in (0, 1]",
-               self.keep_top_variance)
+        _check(
+            0 < self.keep_top_variance <= 1,
+            f"{prefix}.keep_top_variance",
+            "a fraction in (0, 1]",
+            self.keep_top_variance,
+        )
         _check(self.tool_max_output > 0, f"{prefix}.tool_max_output", "a positive integer", self.tool_max_output)

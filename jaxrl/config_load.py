@@ -9,7 +9,7 @@ import importlib.util
 import pathlib
 import types
 import typing
-from typing import Any, Optional
+from typing import Any
 
 from jaxrl.config import Config, ConfigError
 
@@ -121,7 +121,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return cfg
 
 
-def load_config(path: str | pathlib.Path, overrides: Optional[list[str]] = None) -> Config:
+def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) -> Config:
     """Load `get_config()` from a config file, apply `--set` overrides, check types and ranges."""
     path = pathlib.Path(path)
     if not path.is_file():

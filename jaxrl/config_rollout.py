@@ -48,23 +48,38 @@ class SpeculativeConfig:
     fallback: str = "none"  # reuse: self-drafter for rows without a live reused draft (none | early_exit | int8)
 
     def validate(self, prefix: str = "rollout.speculative") -> None:
-        _check(self.drafter in ("early_exit", "int8", "reuse"), f"{prefix}.drafter",
-               "'early_exit', 'int8' or 'reuse'", self.drafter)
+        _check(
+            self.drafter in ("early_exit", "int8", "reuse"),
+            f"{prefix}.drafter",
+            "'early_exit', 'int8' or 'reuse'",
+            self.drafter,
+        )
         _check(self.draft_layers > 0, f"{prefix}.draft_layers", "a positive integer", self.draft_layers)
         _check(self.max_draft > 0, f"{prefix}.max_draft", "a positive integer", self.max_draft)
         _check(self.draft_cost > 0, f"{prefix}.draft_cost", "a positive number", self.draft_cost)
         _check(self.verify_cost > 0, f"{prefix}.verify_cost", "a positive number", self.verify_cost)
-        _check(0 < self.initial_acceptance < 1, f"{prefix}.initial_acceptance", "a number in (0, 1)",
-               self.initial_acceptance)
+        _check(
+            0 < self.initial_acceptance < 1,
+            f"{prefix}.initial_acceptance",
+            "a number in (0, 1)",
+            self.initial_acceptance,
+        )
         _check(self.max_active_rows > 0, f"{prefix}.max_active_rows", "a positive integer", self.max_active_rows)
-        _check(self.draft_vocab >= 0, f"{prefix}.draft_vocab", "0 (the full vocabulary) or a positive integer",
-               self.draft_vocab)
+        _check(
+            self.draft_vocab >= 0,
+            f"{prefix}.draft_vocab",
+            "0 (the full vocabulary) or a positive integer",
+            self.draft_vocab,
+        )
         _check(self.probe_every > 0, f"{prefix}.probe_every", "a positive integer", self.probe_every)
         _check(self.reuse_width > 0, f"{prefix}.reuse_width", "a positive integer", self.reuse_width)
-        _check(self.reuse_rule in ("exact", "spec_rl"), f"{prefix}.reuse_rule", "'exact' or 'spec_rl'",
-               self.reuse_rule)
-        _check(self.fallback in ("none", "early_exit", "int8"), f"{prefix}.fallback",
-               "'none', 'early_exit' or 'int8'", self.fallback)
+        _check(self.reuse_rule in ("exact", "spec_rl"), f"{prefix}.reuse_rule", "'exact' or 'spec_rl'", self.reuse_rule)
+        _check(
+            self.fallback in ("none", "early_exit", "int8"),
+            f"{prefix}.fallback",
+            "'none', 'early_exit' or 'int8'",
+            self.fallback,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,16 +127,27 @@ class EngineConfig:
         _check(self.chunk > 0, f"{prefix}.chunk", "a positive integer (decode steps between admissions)", self.chunk)
         _check(self.admit_groups > 0, f"{prefix}.admit_groups", "a positive integer", self.admit_groups)
         _check(self.admission in ("exact", "fill"), f"{prefix}.admission", "'exact' or 'fill'", self.admission)
-        _check(self.max_staleness >= -1, f"{prefix}.max_staleness", "-1 (no bound) or an integer >= 0",
-               self.max_staleness)
-        _check(self.max_extra_groups >= 0, f"{prefix}.max_extra_groups", "0 or a positive integer",
-               self.max_extra_groups)
-        _check(self.prompt_filter in ("none", "beta"), f"{prefix}.prompt_filter", "'none' or 'beta'",
-               self.prompt_filter)
-        _check(0 <= self.filter_low < self.filter_high <= 1, f"{prefix}.filter_low/filter_high",
-               "0 <= filter_low < filter_high <= 1", (self.filter_low, self.filter_high))
-        _check(len(self.filter_prior) == 2 and min(self.filter_prior) > 0, f"{prefix}.filter_prior",
-               "two positive numbers (a, b)", self.filter_prior)
+        _check(
+            self.max_staleness >= -1, f"{prefix}.max_staleness", "-1 (no bound) or an integer >= 0", self.max_staleness
+        )
+        _check(
+            self.max_extra_groups >= 0, f"{prefix}.max_extra_groups", "0 or a positive integer", self.max_extra_groups
+        )
+        _check(
+            self.prompt_filter in ("none", "beta"), f"{prefix}.prompt_filter", "'none' or 'beta'", self.prompt_filter
+        )
+        _check(
+            0 <= self.filter_low < self.filter_high <= 1,
+            f"{prefix}.filter_low/filter_high",
+            "0 <= filter_low < filter_high <= 1",
+            (self.filter_low, self.filter_high),
+        )
+        _check(
+            len(self.filter_prior) == 2 and min(self.filter_prior) > 0,
+            f"{prefix}.filter_prior",
+            "two positive numbers (a, b)",
+            self.filter_prior,
+        )
         _check(self.allocation in ("uniform", "vigor"), f"{prefix}.allocation", "'uniform' or 'vigor'", self.allocation)
         _check(self.allocation_rounds > 0, f"{prefix}.allocation_rounds", "a positive integer", self.allocation_rounds)
 
@@ -129,16 +155,36 @@ class EngineConfig:
         """allocation=vigor against the group size: n0 < G <= cap, and synchronous admission."""
         if self.allocation != "vigor":
             return
-        _check(self.enabled, f"{prefix}.allocation", "'uniform' unless rollout.engine.enabled=true (vigor "
-               "allocates the engine's samples)", self.allocation)
-        _check(0 < self.initial_samples < group_size, f"{prefix}.initial_samples",
-               f"1..group_size-1={group_size - 1} (allocation=vigor)", self.initial_samples)
-        _check(self.max_group_samples == 0 or self.max_group_samples >= group_size, f"{prefix}.max_group_samples",
-               f"0 (2 * group_size) or at least group_size={group_size}", self.max_group_samples)
-        _check(self.admission == "exact", f"{prefix}.admission", "'exact' with allocation=vigor (its samples "
-               "are drawn and scored within the step)", self.admission)
-        _check(not self.dynamic_sampling, f"{prefix}.dynamic_sampling", "false with allocation=vigor (vigor "
-               "gives uninformative prompts fewer samples instead of dropping them)", self.dynamic_sampling)
+        _check(
+            self.enabled,
+            f"{prefix}.allocation",
+            "'uniform' unless rollout.engine.enabled=true (vigor allocates the engine's samples)",
+            self.allocation,
+        )
+        _check(
+            0 < self.initial_samples < group_size,
+            f"{prefix}.initial_samples",
+            f"1..group_size-1={group_size - 1} (allocation=vigor)",
+            self.initial_samples,
+        )
+        _check(
+            self.max_group_samples == 0 or self.max_group_samples >= group_size,
+            f"{prefix}.max_group_samples",
+            f"0 (2 * group_size) or at least group_size={group_size}",
+            self.max_group_samples,
+        )
+        _check(
+            self.admission == "exact",
+            f"{prefix}.admission",
+            "'exact' with allocation=vigor (its samples are drawn and scored within the step)",
+            self.admission,
+        )
+        _check(
+            not self.dynamic_sampling,
+            f"{prefix}.dynamic_sampling",
+            "false with allocation=vigor (vigor gives uninformative prompts fewer samples instead of dropping them)",
+            self.dynamic_sampling,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +208,15 @@ class RolloutConfig:
         self.speculative.validate(f"{prefix}.speculative")
         self.engine.validate(f"{prefix}.engine")
         self.engine.check_allocation(self.group_size, f"{prefix}.engine")
-        _check(not (self.engine.enabled and self.speculative.enabled) or self.speculative.drafter == "early_exit",
-               f"{prefix}.speculative.drafter", f"'early_exit' with {prefix}.engine.enabled=true (the engine's only "
-               "drafter)", self.speculative.drafter)
-        _check(not self.engine.enabled or self.engine.slots >= self.group_size, f"{prefix}.engine.slots",
-               f"at least group_size={self.group_size} (a group is admitted into free slots at once)", self.engine.slots)
+        _check(
+            not (self.engine.enabled and self.speculative.enabled) or self.speculative.drafter == "early_exit",
+            f"{prefix}.speculative.drafter",
+            f"'early_exit' with {prefix}.engine.enabled=true (the engine's only drafter)",
+            self.speculative.drafter,
+        )
+        _check(
+            not self.engine.enabled or self.engine.slots >= self.group_size,
+            f"{prefix}.engine.slots",
+            f"at least group_size={self.group_size} (a group is admitted into free slots at once)",
+            self.engine.slots,
+        )

@@ -17,11 +17,12 @@ and each process feeds and reads only the rows its own devices hold (`process_ro
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.config import ConfigError, MeshConfig
 
@@ -41,12 +42,21 @@ PRESETS = {
     # ZeRO-3 style: the batch and every parameter's `embed` dimension split over all devices.
     "fsdp": MeshPreset(("fsdp",), (("batch", "fsdp"), ("embed", "fsdp"))),
     # fsdp x Megatron tensor parallelism: mlp / heads / vocab split over `tensor` (mesh.tensor).
-    "fsdp_tensor": MeshPreset(("fsdp", "tensor"), (
-        ("batch", "fsdp"), ("embed", "fsdp"),
-        ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"))),
+    "fsdp_tensor": MeshPreset(
+        ("fsdp", "tensor"),
+        (
+            ("batch", "fsdp"),
+            ("embed", "fsdp"),
+            ("mlp", "tensor"),
+            ("heads", "tensor"),
+            ("kv_heads", "tensor"),
+            ("vocab", "tensor"),
+        ),
+    ),
     # fsdp x expert parallelism: experts split over `expert` (mesh.expert), the batch over both axes.
-    "fsdp_expert": MeshPreset(("fsdp", "expert"), (
-        ("batch", ("fsdp", "expert")), ("embed", "fsdp"), ("expert", "expert"))),
+    "fsdp_expert": MeshPreset(
+        ("fsdp", "expert"), (("batch", ("fsdp", "expert")), ("embed", "fsdp"), ("expert", "expert"))
+    ),
 }
 
 
@@ -59,21 +69,28 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
     field = "tensor" if cfg.preset == "fsdp_tensor" else "expert"
     size = getattr(cfg, field)
     if n_devices % size:
-        raise ConfigError(f"mesh.{field}={size} does not divide the {n_devices} devices "
-                          f"(mesh.preset={cfg.preset!r} needs devices = fsdp * {field})")
+        raise ConfigError(
+            f"mesh.{field}={size} does not divide the {n_devices} devices "
+            f"(mesh.preset={cfg.preset!r} needs devices = fsdp * {field})"
+        )
     return (n_devices // size, size)
 
 
-def make_mesh(cfg: MeshConfig, devices: Optional[list] = None) -> tuple[Mesh, MeshPreset]:
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> tuple[Mesh, MeshPreset]:
     devices = list(devices if devices is not None else jax.devices())
     preset = PRESETS[cfg.preset]
     shape = mesh_shape(cfg, len(devices))
     if cfg.preset == "single" and jax.process_count() > 1:
-        raise ConfigError(f"mesh.preset='single' uses one device, but this run has {jax.process_count()} "
-                          "processes; choose 'data', 'fsdp', 'fsdp_tensor' or 'fsdp_expert'")
+        raise ConfigError(
+            f"mesh.preset='single' uses one device, but this run has {jax.process_count()} "
+            "processes; choose 'data', 'fsdp', 'fsdp_tensor' or 'fsdp_expert'"
+        )
     n = int(np.prod(shape))
-    mesh = Mesh(np.asarray(devices[:n]).reshape(shape), preset.axis_names,
-                axis_types=(jax.sharding.AxisType.Auto,) * len(preset.axis_names))
+    mesh = Mesh(
+        np.asarray(devices[:n]).reshape(shape),
+        preset.axis_names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(preset.axis_names),
+    )
     return mesh, preset
 
 
@@ -87,7 +104,7 @@ def _is_axes(x) -> bool:
     return isinstance(x, P) or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
 
 
-def spec_for(mesh: Mesh, preset: MeshPreset, logical: tuple, shape: Optional[tuple] = None) -> P:
+def spec_for(mesh: Mesh, preset: MeshPreset, logical: tuple, shape: tuple | None = None) -> P:
     """Logical axis names -> PartitionSpec; with `shape`, a dimension that does not divide over its
     mesh axis (e.g. 1 kv head over tensor=2) is replicated instead."""
     rules = dict(preset.rules)
@@ -101,17 +118,22 @@ def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_
     """A pytree of logical-axis specs (e.g. `param_logical_axes(cfg)`) -> NamedShardings. With the
     matching abstract (or concrete) params, non-dividing dimensions are replicated."""
     if abstract_tree is None:
-        return jax.tree.map(lambda ax: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax))), logical_tree,
-                            is_leaf=_is_axes)
-    return jax.tree.map(lambda ax, a: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax), a.shape)),
-                        logical_tree, abstract_tree, is_leaf=_is_axes)
+        return jax.tree.map(
+            lambda ax: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax))), logical_tree, is_leaf=_is_axes
+        )
+    return jax.tree.map(
+        lambda ax, a: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax), a.shape)),
+        logical_tree,
+        abstract_tree,
+        is_leaf=_is_axes,
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def rows_axis(name: str) -> Optional[int]:
+def rows_axis(name: str) -> int | None:
     """Which axis of an array named with shape letters is the batch: `tokens_BxT` -> 0,
     `routing_LxBxTxk` -> 1, `num_steps` -> None."""
     letters = name.rsplit("_", 1)[-1].split("x") if "_" in name else []
@@ -131,7 +153,10 @@ def named_sharding(mesh: Mesh, preset: MeshPreset, name: str) -> NamedSharding:
 def named_shardings(mesh: Mesh, preset: MeshPreset, tree: Any) -> Any:
     """Shardings for a dict or NamedTuple of (abstract) arrays, chosen by each field's shape-letter
     name; a None field (e.g. a dense model's routing) stays None."""
-    pick = lambda name, v: None if v is None else named_sharding(mesh, preset, name)  # noqa: E731
+
+    def pick(name, v):
+        return None if v is None else named_sharding(mesh, preset, name)
+
     if hasattr(tree, "_fields"):
         return type(tree)(*(pick(f, getattr(tree, f)) for f in tree._fields))
     return {k: pick(k, v) for k, v in tree.items()}
@@ -145,8 +170,9 @@ def check_batch_divides(mesh: Mesh, preset: MeshPreset, batch_size: int, field: 
     axis = dict(preset.rules).get("batch")
     n = _axis_size(mesh, axis)
     if batch_size % n:
-        raise ConfigError(f"{field}: batch of {batch_size} rows does not divide over the {n} devices "
-                          f"of mesh axis {axis!r}")
+        raise ConfigError(
+            f"{field}: batch of {batch_size} rows does not divide over the {n} devices of mesh axis {axis!r}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +198,7 @@ def process_rows(sharding: NamedSharding, n_rows: int, axis: int = 0) -> slice:
 def put_rows(sharding: NamedSharding, local: Any, n_rows: int, axis: int = 0) -> jax.Array:
     """This process's rows (`process_rows`) of a global array -> the global jax.Array."""
     local = np.asarray(local)
-    shape = local.shape[:axis] + (n_rows,) + local.shape[axis + 1:]
+    shape = local.shape[:axis] + (n_rows,) + local.shape[axis + 1 :]
     return jax.make_array_from_process_local_data(sharding, local, shape)
 
 
@@ -228,8 +254,15 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int, time
     never arrives makes every process exit nonzero after `timeout_s` seconds (XLA aborts)."""
     import sys
 
-    print(f"jaxrl: process {process_id} of {num_processes} joining {coordinator} (timeout {timeout_s} s)",
-          file=sys.stderr, flush=True)
+    print(
+        f"jaxrl: process {process_id} of {num_processes} joining {coordinator} (timeout {timeout_s} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id, initialization_timeout=int(timeout_s))
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=int(timeout_s),
+    )

@@ -4,17 +4,30 @@ import os
 import pathlib
 import sys
 
+import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache as cc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "grpo_arithmetic.py"
 
 # Small enough that a run of a dozen steps takes seconds on 2 cores.
 TINY = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
-    "model.mlp_dim=64", "data.num_train=600", "data.num_test=60", "rollout.prompts_per_step=4",
-    "rollout.group_size=4", "warmstart.steps=10", "warmstart.batch_size=16", "train.eval_prompts=20",
-    "train.eval_every=4", "train.progress=false",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=16",
+    "model.mlp_dim=64",
+    "data.num_train=600",
+    "data.num_test=60",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "warmstart.steps=10",
+    "warmstart.batch_size=16",
+    "train.eval_prompts=20",
+    "train.eval_every=4",
+    "train.progress=false",
 ]
 
 
@@ -38,6 +51,25 @@ def in_process_cache(cache_env, monkeypatch):
     monkeypatch.setenv("JAXRL_DATA_DIR", cache_env["JAXRL_DATA_DIR"])
     monkeypatch.setenv("JAXRL_CACHE_DIR", cache_env["JAXRL_CACHE_DIR"])
     return cache_env
+
+
+@pytest.fixture(scope="module")
+def fast_compiles(tmp_path_factory):
+    """For this module only: a persistent XLA cache and low optimisation effort (restored after)."""
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_disable_most_optimizations",
+    )
+    before = {n: getattr(jax.config, n) if hasattr(jax.config, n) else jax.config.read(n) for n in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_disable_most_optimizations", True)
+    cc.reset_cache()  # make JAX re-read the cache settings
+    yield
+    for n, v in before.items():
+        jax.config.update(n, v)
+    cc.reset_cache()
 
 
 def jaxrl_cmd(*args: str) -> list[str]:

@@ -6,18 +6,22 @@ import json
 # Qwen2.5's template, rewritten here for the tests: `tools=[...]` listed in the system message (its own
 # default system prompt otherwise), assistant tool calls, consecutive tool messages grouped in one user
 # message, the generation prompt.
-QWEN25_TOOLS_INTRO = ("\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-                      "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>")
-QWEN25_TOOLS_OUTRO = ("\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-                      "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-                      "{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n")
+QWEN25_TOOLS_INTRO = (
+    "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+QWEN25_TOOLS_OUTRO = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n'
+)
 QWEN25 = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
     "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
-    "{{- \"" + QWEN25_TOOLS_INTRO + "\" }}"
-    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
-    "{{- \"" + QWEN25_TOOLS_OUTRO + "\" }}"
+    '{{- "' + QWEN25_TOOLS_INTRO + '" }}'
+    '{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}'
+    '{{- "' + QWEN25_TOOLS_OUTRO + '" }}'
     "{%- else %}"
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -30,14 +34,15 @@ QWEN25 = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
     "{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
     "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_SPECIALS = ["<tool_call>", "</tool_call>"]  # Qwen2.5's added tokens for the Hermes tool format
@@ -51,11 +56,16 @@ def save_bpe_tokenizer(directory, corpus, vocab_size: int, specials, tokenizer_c
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config})
+    )
     return tok
 
 
@@ -64,10 +74,18 @@ def save_tiny_qwen2(directory, vocab_size: int, eos_token_id: int, pad_token_id:
     import torch
     import transformers
 
-    cfg = transformers.AutoConfig.for_model("qwen2", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                            tie_word_embeddings=tie, eos_token_id=eos_token_id,
-                                            pad_token_id=pad_token_id)
+    cfg = transformers.AutoConfig.for_model(
+        "qwen2",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tie,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(directory)

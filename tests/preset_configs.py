@@ -11,11 +11,9 @@ for programs that run twice).
 import math
 import pathlib
 
-import jax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache as cc
-
 from conftest import REPO, TINY
+
 from jaxrl.config import load_config
 from jaxrl.losses import PRESETS
 
@@ -34,24 +32,14 @@ def config_path(preset: str) -> pathlib.Path:
 
 def overrides(preset: str) -> list[str]:
     tiny = [t for t in TINY if not t.startswith(("rollout.group_size=", "train.eval_"))]
-    return tiny + [f"rollout.group_size={GROUP.get(preset, 4)}", "rollout.prompts_per_step=4", "train.steps=2",
-                   "train.eval_every=0", "train.eval_prompts=4", "checkpoint.every=0"]
-
-
-@pytest.fixture(scope="module")
-def fast_compiles(tmp_path_factory):
-    """For this module only: a persistent XLA cache and low optimisation effort (restored after)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_disable_most_optimizations")
-    before = {n: getattr(jax.config, n) if hasattr(jax.config, n) else jax.config.read(n) for n in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_disable_most_optimizations", True)
-    cc.reset_cache()  # make JAX re-read the cache settings
-    yield
-    for n, v in before.items():
-        jax.config.update(n, v)
-    cc.reset_cache()
+    return tiny + [
+        f"rollout.group_size={GROUP.get(preset, 4)}",
+        "rollout.prompts_per_step=4",
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.eval_prompts=4",
+        "checkpoint.every=0",
+    ]
 
 
 def check_config_trains_two_steps(preset: str, workdir: pathlib.Path) -> None:
@@ -64,8 +52,16 @@ def check_config_trains_two_steps(preset: str, workdir: pathlib.Path) -> None:
     rows = train(load_config(path, overrides(preset)), workdir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
-        for key in ("loss", "grad_norm", "ratio", "ratio_min", "ratio_max", "entropy", "mismatch_abs_logp",
-                    "rows_dropped"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "ratio",
+            "ratio_min",
+            "ratio_max",
+            "entropy",
+            "mismatch_abs_logp",
+            "rows_dropped",
+        ):
             assert math.isfinite(row[key]), (key, row[key])
         assert "kl" not in row  # no KL term in the shipped configs: no reference policy, no kl metric
         # synchronous loop: the sampler's log-probs are the trainer's up to float error

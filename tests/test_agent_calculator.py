@@ -14,16 +14,26 @@ from jaxrl.data.tokenizer import CharTokenizer
 RECORD = {"id": "123*456", "prompt": "123*456=", "expression": "123*456", "answer": "56088"}
 
 
-@pytest.mark.parametrize("expression, value", [
-    ("123*456", "56088"),  # 123*400 + 123*56 = 49200 + 6888
-    ("2+3*4", "14"), ("(2+3)*4", "20"), ("10-4-3", "3"),  # left-associative: (10-4)-3
-    ("-(2+3)*4-5", "-25"), ("2*-3", "-6"), (" 7 * ( 1 + 1 ) ", "14"), ("999*999", "998001")])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("123*456", "56088"),  # 123*400 + 123*56 = 49200 + 6888
+        ("2+3*4", "14"),
+        ("(2+3)*4", "20"),
+        ("10-4-3", "3"),  # left-associative: (10-4)-3
+        ("-(2+3)*4-5", "-25"),
+        ("2*-3", "-6"),
+        (" 7 * ( 1 + 1 ) ", "14"),
+        ("999*999", "998001"),
+    ],
+)
 def test_calculate(expression, value):
     assert calculate(expression) == value
 
 
-@pytest.mark.parametrize("expression", ["", "1/2", "2**3", "1+", "(1+2", "1+2)", "__import__('os')", "1e3",
-                                        "1" * 65, "٣*2"])
+@pytest.mark.parametrize(
+    "expression", ["", "1/2", "2**3", "1+", "(1+2", "1+2)", "__import__('os')", "1e3", "1" * 65, "٣*2"]
+)
 def test_calculate_rejects_what_it_does_not_evaluate(expression):
     with pytest.raises(ToolError):
         calculate(expression)
@@ -50,10 +60,15 @@ def test_wrong_final_answer_scores_zero(answer):
     assert (result.reward, result.done, result.info["success"]) == (0.0, True, False)
 
 
-@pytest.mark.parametrize("turn, observation", [("[calc 1+]", ">error: expression ends early\n"),
-                                               ("[calc 1/2]", ">error: unexpected _/_ at 1\n"),
-                                               ("[sqrt 4]", ">error: unknown tool sqrt\n"),
-                                               ("calc 1]", ">error: bad call, expected [tool argument]\n")])
+@pytest.mark.parametrize(
+    "turn, observation",
+    [
+        ("[calc 1+]", ">error: expression ends early\n"),
+        ("[calc 1/2]", ">error: unexpected _/_ at 1\n"),
+        ("[sqrt 4]", ">error: unknown tool sqrt\n"),
+        ("calc 1]", ">error: bad call, expected [tool argument]\n"),
+    ],
+)
 def test_bad_calls_are_counted_and_the_episode_goes_on(turn, observation):
     env = _env()
     result = env.step(turn)

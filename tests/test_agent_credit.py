@@ -26,11 +26,21 @@ def _group(returns, shaping, prompt_len=3):
     logp = np.where(loss_mask > 0, -0.5, 0.0).astype(np.float32)
     ones = np.ones(G)
     return SimpleNamespace(
-        prompt_P=np.array([0, 5, 6][:prompt_len], np.int32), prompt_mask_P=np.array([0, 1, 1][:prompt_len], np.int32),
-        tokens_GxT=tokens, loss_mask_GxT=loss_mask, logp_GxT=logp, truncated_G=np.array([False] * (G - 1) + [True]),
-        return_G=np.asarray(returns, np.float64), shaping_G=np.asarray(shaping, np.float64), turns_G=2 * ones,
-        tool_calls_G=ones, tool_errors_G=0 * ones, env_errors_G=0 * ones, obs_cut_G=0 * ones,
-        success_G=np.asarray(returns) > 0)
+        prompt_P=np.array([0, 5, 6][:prompt_len], np.int32),
+        prompt_mask_P=np.array([0, 1, 1][:prompt_len], np.int32),
+        tokens_GxT=tokens,
+        loss_mask_GxT=loss_mask,
+        logp_GxT=logp,
+        truncated_G=np.array([False] * (G - 1) + [True]),
+        return_G=np.asarray(returns, np.float64),
+        shaping_G=np.asarray(shaping, np.float64),
+        turns_G=2 * ones,
+        tool_calls_G=ones,
+        tool_errors_G=0 * ones,
+        env_errors_G=0 * ones,
+        obs_cut_G=0 * ones,
+        success_G=np.asarray(returns) > 0,
+    )
 
 
 def test_rewards_are_the_return_and_the_weighted_shaping():
@@ -42,10 +52,12 @@ def test_rewards_are_the_return_and_the_weighted_shaping():
 
 
 def test_starpo_s_keeps_the_most_varied_groups_in_draw_order():
-    rewards = [np.array([[1, 0], [1, 0]], np.float32),  # std 0
-               np.array([[1, 0], [0, 0]], np.float32),  # std 0.5
-               np.array([[0.2, 0], [0, 0]], np.float32),  # std 0.1
-               np.array([[0, 0], [1, 0]], np.float32)]  # std 0.5
+    rewards = [
+        np.array([[1, 0], [1, 0]], np.float32),  # std 0
+        np.array([[1, 0], [0, 0]], np.float32),  # std 0.5
+        np.array([[0.2, 0], [0, 0]], np.float32),  # std 0.1
+        np.array([[0, 0], [1, 0]], np.float32),
+    ]  # std 0.5
     assert keep_most_varied(rewards, 2, None) == [1, 3]
     assert keep_most_varied(rewards, 3, None) == [1, 2, 3]
     # The combined reward decides: weighting column 1 alone makes group 0 (std 0 there too) no better.
@@ -92,17 +104,23 @@ def test_every_preset_leaves_observation_tokens_out(name):
     rng = np.random.default_rng(7)
     mask = np.tile(np.array([1, 1, 0, 0, 0, 1, 1, 0], np.float32), (B, 1))
     mask[1, 5:] = 0  # an episode that ended after its first turn
-    holes = (mask == 0)
+    holes = mask == 0
     logp = (-2.0 * rng.random((B, T))).astype(np.float32)
     old = logp + 0.3 * rng.standard_normal((B, T)).astype(np.float32)
     rewards = rng.integers(0, 2, (B, 2)).astype(np.float32)
 
     def batch_with(garbage):
         g = np.where(holes, garbage, 0).astype(np.float32)
-        return {"completion_mask_BxT": mask, "old_logp_BxT": old + g, "ref_logp_BxT": old - g,
-                "rollout_logp_BxT": old + g, "entropy_BxT": np.ones((B, T), np.float32),
-                "old_entropy_BxT": np.ones((B, T), np.float32) + np.abs(g),
-                "truncated_B": np.zeros(B, np.float32), "rewards_BxK": rewards}
+        return {
+            "completion_mask_BxT": mask,
+            "old_logp_BxT": old + g,
+            "ref_logp_BxT": old - g,
+            "rollout_logp_BxT": old + g,
+            "entropy_BxT": np.ones((B, T), np.float32),
+            "old_entropy_BxT": np.ones((B, T), np.float32) + np.abs(g),
+            "truncated_B": np.zeros(B, np.float32),
+            "rewards_BxK": rewards,
+        }
 
     batch = batch_with(37.0)
     batch["advantages_B"] = batch_advantages(loss, batch, G, L_MAX)  # as the update step does
@@ -111,9 +129,13 @@ def test_every_preset_leaves_observation_tokens_out(name):
     assert np.max(np.abs(grad)) > 0
     np.testing.assert_array_equal(grad[holes], 0.0)
     order_BxT = np.argsort(holes, axis=1, kind="stable")  # model positions first, in order
-    move = lambda x: np.take_along_axis(x, order_BxT, axis=1) if x.ndim == 2 and x.shape[1] == T else x
+
+    def move(x):
+        return np.take_along_axis(x, order_BxT, axis=1) if x.ndim == 2 and x.shape[1] == T else x
+
     other = dict(batch_with(-11.0), advantages_B=batch["advantages_B"])
-    value2, grad2, _, _ = _run(loss, G, move(logp - np.where(holes, 50.0, 0).astype(np.float32)),
-                               {k: move(v) for k, v in other.items()})
+    value2, grad2, _, _ = _run(
+        loss, G, move(logp - np.where(holes, 50.0, 0).astype(np.float32)), {k: move(v) for k, v in other.items()}
+    )
     np.testing.assert_allclose(float(value), float(value2), rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(move(grad), np.asarray(grad2), rtol=2e-5, atol=1e-8)

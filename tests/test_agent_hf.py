@@ -14,11 +14,11 @@ pytest.importorskip("tokenizers")
 
 from conftest import REPO  # noqa: E402
 from hf_stand_in import CHATML_SPECIALS, QWEN25, TOOL_SPECIALS, save_bpe_tokenizer, save_tiny_qwen2  # noqa: E402
+
 from jaxrl.agents.calculator import CALC_PARAMETERS, SUITE, records  # noqa: E402
 from jaxrl.agents.tools import HermesFormat  # noqa: E402
 from jaxrl.config import AgentConfig, ConfigError, load_config  # noqa: E402
 from jaxrl.data.hf_tokenizer import load_tokenizer  # noqa: E402
-from preset_configs import fast_compiles  # noqa: E402,F401  (fixture)
 
 CONFIG = REPO / "configs" / "agent_calculator.py"
 EOT_ID, EOS_ID = 4, 2  # </tool_call> and <|im_end|>: specials come first in the BPE's ids
@@ -47,10 +47,18 @@ def qwen_agent(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen_agent")
     fmt = HermesFormat(QWEN25)
     env = SUITE.make(AgentConfig(), fmt)
-    call = lambda r: f'<tool_call>{{"name": "calc", "arguments": {{"expression": "{r["expression"]}"}}}}</tool_call>'
+
+    def call(r):
+        return f'<tool_call>{{"name": "calc", "arguments": {{"expression": "{r["expression"]}"}}}}</tool_call>'
+
     corpus = [env.reset(r, np.random.default_rng(0)) + env.step(call(r)).observation for r in records("train", 20, 0)]
-    tok = save_bpe_tokenizer(d, corpus * 5, VOCAB - 12, CHATML_SPECIALS + TOOL_SPECIALS,
-                             {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25})
+    tok = save_bpe_tokenizer(
+        d,
+        corpus * 5,
+        VOCAB - 12,
+        CHATML_SPECIALS + TOOL_SPECIALS,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25},
+    )
     assert (tok.token_to_id("<|im_end|>"), tok.token_to_id("</tool_call>")) == (EOS_ID, EOT_ID)
     model = save_tiny_qwen2(d, VOCAB, eos_token_id=EOS_ID, pad_token_id=0, tie=False)
     _bias_stops(model, 3.5, 2.0)
@@ -66,25 +74,40 @@ def test_hermes_calculator_episode_renders_the_chat_and_scores_the_answer(qwen_a
     prompt = env.reset(record, np.random.default_rng(0))
     # The prompt is what the checkpoint's template gives for the user message with the calculator's schema
     # as `tools` (transformers' own renderer of tokenizer_config.json's template, not ours) ...
-    schema = {"type": "function", "function": {"name": "calc", "description": "integer arithmetic with + - * and "
-                                                "parentheses", "parameters": CALC_PARAMETERS}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "integer arithmetic with + - * and parentheses",
+            "parameters": CALC_PARAMETERS,
+        },
+    }
     hf_tok = transformers.AutoTokenizer.from_pretrained(qwen_agent)
     user = [{"role": "user", "content": "123*456="}]
     assert prompt == hf_tok.apply_chat_template(user, tools=[schema], tokenize=False, add_generation_prompt=True)
     # ... a system message listing the schema as one JSON line, then the user message and the generation prompt.
     assert "<tools>\n" + json.dumps(schema) + "\n</tools>" in prompt
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith(
-        "<|im_start|>user\n123*456=<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\n123*456=<|im_end|>\n<|im_start|>assistant\n"
+    )
     # A valid JSON call -> the tool message as the template renders it (123*456 = 49200 + 6888 = 56088).
     call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "123*456"}}\n</tool_call>'
     step = env.step(call)
-    assert step.observation == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n"
-                                "<|im_start|>assistant\n")
+    assert step.observation == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert (step.reward, step.done, step.info["tool_calls"], step.info["tool_errors"]) == (0.0, False, 1, 0)
-    conversation = user + [{"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": "calc", "arguments": {"expression": "123*456"}}}]}, {"role": "tool", "content": "56088"}]
+    conversation = user + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "calc", "arguments": {"expression": "123*456"}}}],
+        },
+        {"role": "tool", "content": "56088"},
+    ]
     assert prompt + call + step.observation == hf_tok.apply_chat_template(
-        conversation, tools=[schema], tokenize=False, add_generation_prompt=True)
+        conversation, tools=[schema], tokenize=False, add_generation_prompt=True
+    )
     final = env.step("56088")  # the final turn (its EOS is not part of the action)
     assert (final.reward, final.done, final.info["success"]) == (1.0, True, True)
     wrong = SUITE.make(AgentConfig(), fmt)
@@ -93,16 +116,34 @@ def test_hermes_calculator_episode_renders_the_chat_and_scores_the_answer(qwen_a
 
 
 def _agent_cfg(d, *extra):
-    return load_config(CONFIG, [
-        f"model.hf_path={d}", "model.dtype=float32", "model.max_seq_len=288", f"data.max_prompt_len={PROMPT_LEN}",
-        "data.num_train=40", "data.num_test=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=48", "rollout.engine.slots=4", "agent.max_obs_tokens=48", "train.steps=2",
-        "train.eval_every=0", "train.eval_prompts=2", "train.microbatches=1", "train.progress=false",
-        "checkpoint.every=0", "mesh.preset=single", "optim.warmup_steps=0", *extra])
+    return load_config(
+        CONFIG,
+        [
+            f"model.hf_path={d}",
+            "model.dtype=float32",
+            "model.max_seq_len=288",
+            f"data.max_prompt_len={PROMPT_LEN}",
+            "data.num_train=40",
+            "data.num_test=4",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=48",
+            "rollout.engine.slots=4",
+            "agent.max_obs_tokens=48",
+            "train.steps=2",
+            "train.eval_every=0",
+            "train.eval_prompts=2",
+            "train.microbatches=1",
+            "train.progress=false",
+            "checkpoint.every=0",
+            "mesh.preset=single",
+            "optim.warmup_steps=0",
+            *extra,
+        ],
+    )
 
 
-def test_agent_calculator_trains_two_steps_on_a_qwen_checkpoint(qwen_agent, tmp_path, in_process_cache,
-                                                                  fast_compiles):
+def test_agent_calculator_trains_two_steps_on_a_qwen_checkpoint(qwen_agent, tmp_path, in_process_cache, fast_compiles):
     from jaxrl.agents.formats import check_prompt_fits, episode_format
     from jaxrl.train.loop import train
 
@@ -157,11 +198,19 @@ def test_end_of_turn_split_by_the_tokenizer_is_a_one_line_error(tmp_path):
     """A checkpoint whose tokenizer has no </tool_call> token cannot end Hermes turns."""
     from jaxrl.agents.formats import episode_format
 
-    save_bpe_tokenizer(tmp_path, ["<tool_call> calc </tool_call>"] * 5, 300, CHATML_SPECIALS,
-                       {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25})
+    save_bpe_tokenizer(
+        tmp_path,
+        ["<tool_call> calc </tool_call>"] * 5,
+        300,
+        CHATML_SPECIALS,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25},
+    )
     cfg = _agent_cfg(tmp_path)
-    with pytest.raises(ConfigError, match=rf"^model.hf_path='{tmp_path}': the tokenizer splits the end of turn "
-                                          r"'</tool_call>' into \d+ tokens; .*as in Qwen2.5\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^model.hf_path='{tmp_path}': the tokenizer splits the end of turn "
+        r"'</tool_call>' into \d+ tokens; .*as in Qwen2.5\)$",
+    ):
         episode_format(cfg, load_tokenizer(tmp_path), SUITE)
 
 

@@ -41,10 +41,12 @@ def test_code_that_raises_is_a_counted_error():
 
 
 def test_hanging_code_is_killed_at_the_timeout_with_its_process_group():
-    code = ("import os, sys, time\n"
-            "try:\n    pid = os.fork()\nexcept OSError:\n    print('nofork', flush=True); time.sleep(60)\n"
-            "if pid == 0:\n    time.sleep(60)\n"
-            "print(pid, flush=True); time.sleep(60)\n")
+    code = (
+        "import os, sys, time\n"
+        "try:\n    pid = os.fork()\nexcept OSError:\n    print('nofork', flush=True); time.sleep(60)\n"
+        "if pid == 0:\n    time.sleep(60)\n"
+        "print(pid, flush=True); time.sleep(60)\n"
+    )
     start = time.monotonic()
     result = run_python(code, **LIMITS)
     assert time.monotonic() - start < LIMITS["timeout_s"] + 1.0
@@ -100,8 +102,10 @@ def test_network_namespace_blocks_even_a_determined_connection():
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     port = server.getsockname()[1]
-    code = ("import sys\ndel sys.modules['_socket']\nimport _socket\n"
-            f"s = _socket.socket()\ns.settimeout(0.5)\ns.connect(('127.0.0.1', {port}))\nprint('connected')")
+    code = (
+        "import sys\ndel sys.modules['_socket']\nimport _socket\n"
+        f"s = _socket.socket()\ns.settimeout(0.5)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+    )
     try:
         result = run_python(code, **LIMITS)
     finally:

@@ -5,12 +5,20 @@ import json
 import time
 
 import pytest
-
 from hf_stand_in import QWEN25  # Qwen2.5's chat template (tools included), shared with test_agent_hf.py
+
 from jaxrl.agents.calculator import calculate
 from jaxrl.agents.env import AGENT_ALPHABET
-from jaxrl.agents.tools import (QWEN_TOOL_HEAD, QWEN_TOOL_SEP, QWEN_TOOL_TAIL, HermesFormat, TagFormat, Tool,
-                                ToolRegistry, ToolUse)
+from jaxrl.agents.tools import (
+    QWEN_TOOL_HEAD,
+    QWEN_TOOL_SEP,
+    QWEN_TOOL_TAIL,
+    HermesFormat,
+    TagFormat,
+    Tool,
+    ToolRegistry,
+    ToolUse,
+)
 from jaxrl.config import ConfigError
 from jaxrl.data.hf_tokenizer import render_chat_template
 
@@ -20,12 +28,15 @@ def _boom(_=None):
 
 
 def _tools(fmt, max_output=2000):
-    registry = ToolRegistry([
-        Tool("calc", calculate, "integer arithmetic"),
-        Tool("boom", _boom, "always raises"),
-        Tool("slow", lambda _=None: time.sleep(5), "outlives its limit", timeout_s=0.2),
-        Tool("long", lambda _=None: "x" * 100, "a long result"),
-    ], max_output=max_output)
+    registry = ToolRegistry(
+        [
+            Tool("calc", calculate, "integer arithmetic"),
+            Tool("boom", _boom, "always raises"),
+            Tool("slow", lambda _=None: time.sleep(5), "outlives its limit", timeout_s=0.2),
+            Tool("long", lambda _=None: "x" * 100, "a long result"),
+        ],
+        max_output=max_output,
+    )
     return ToolUse(registry, fmt)
 
 
@@ -42,17 +53,23 @@ def test_a_turn_without_a_call_is_no_tool_turn():
     assert _tools(HermesFormat()).respond("The answer is 56088.") is None
 
 
-@pytest.mark.parametrize("turn", ["[calc 1+2", "calc 1+2]", "[1+2]", "[calc [1]]", "[calc 1] [calc 2]", "[]",
-                                  "[calc  1]x"])
+@pytest.mark.parametrize(
+    "turn", ["[calc 1+2", "calc 1+2]", "[1+2]", "[calc [1]]", "[calc 1] [calc 2]", "[]", "[calc  1]x"]
+)
 def test_tag_malformed_call_is_an_error_observation(turn):
     out = _tools(TagFormat()).respond(turn)
     assert out.observation.startswith(">error: ") and out.observation.endswith("\n")
     assert out.info == {"tool_calls": 1, "tool_errors": 1, "tool_truncated": 0}
 
 
-@pytest.mark.parametrize("turn, message", [("[nope 1]", ">error: unknown tool nope\n"),
-                                           ("[boom 1]", ">error: valueerror: boom _n_code _\n"),
-                                           ("[slow]", ">error: timeout after 0.2s\n")])
+@pytest.mark.parametrize(
+    "turn, message",
+    [
+        ("[nope 1]", ">error: unknown tool nope\n"),
+        ("[boom 1]", ">error: valueerror: boom _n_code _\n"),
+        ("[slow]", ">error: timeout after 0.2s\n"),
+    ],
+)
 def test_tag_failing_tools_are_error_observations_in_the_alphabet(turn, message):
     start = time.monotonic()
     out = _tools(TagFormat()).respond(turn)
@@ -76,21 +93,32 @@ def _hermes_call(name, arguments):
 
 def test_hermes_call_gives_a_qwen_tool_response():
     out = _tools(HermesFormat()).respond("Let me compute.\n" + _hermes_call("calc", {"expression": "123*456"}))
-    assert out.observation == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n"
-                               "<|im_start|>assistant\n")
+    assert out.observation == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert out.info == {"tool_calls": 1, "tool_errors": 0, "tool_truncated": 0}
-    two = _tools(HermesFormat()).respond(_hermes_call("calc", {"expression": "2*3"}) + "\n"
-                                         + _hermes_call("calc", {"expression": "4*5"}))
+    two = _tools(HermesFormat()).respond(
+        _hermes_call("calc", {"expression": "2*3"}) + "\n" + _hermes_call("calc", {"expression": "4*5"})
+    )
     assert two.observation == QWEN_TOOL_HEAD + "6" + QWEN_TOOL_SEP + "20" + QWEN_TOOL_TAIL
     assert two.info["tool_calls"] == 2
 
 
-@pytest.mark.parametrize("turn", ["<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
-                                  '<tool_call>{"name": "calc", "arguments": [1]}</tool_call>',
-                                  '<tool_call>{"name": "calc", "arguments": "x"}</tool_call>',
-                                  '<tool_call>{"name": "calc"', "oops</tool_call>",
-                                  _hermes_call("calc", {"wrong": "1"}), _hermes_call("nope", {}),
-                                  _hermes_call("boom", {}), _hermes_call("slow", {})])
+@pytest.mark.parametrize(
+    "turn",
+    [
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "calc", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "calc", "arguments": "x"}</tool_call>',
+        '<tool_call>{"name": "calc"',
+        "oops</tool_call>",
+        _hermes_call("calc", {"wrong": "1"}),
+        _hermes_call("nope", {}),
+        _hermes_call("boom", {}),
+        _hermes_call("slow", {}),
+    ],
+)
 def test_hermes_bad_calls_are_error_observations(turn):
     out = _tools(HermesFormat()).respond(turn)
     assert out.observation.startswith(QWEN_TOOL_HEAD + "error: ") and out.observation.endswith(QWEN_TOOL_TAIL)
@@ -111,17 +139,23 @@ def test_hermes_observation_matches_the_chat_template_transcript():
     prompt = render_chat_template(QWEN25, user, add_generation_prompt=True)
     turn = '<tool_call>\n{"name": "calc", "arguments": {"expression": "123*456"}}\n</tool_call>'
     observation = _tools(fmt).respond(turn).observation
-    structured = user + [{"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": "calc", "arguments": {"expression": "123*456"}}}]},
-        {"role": "tool", "content": "56088"}]
+    structured = user + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "calc", "arguments": {"expression": "123*456"}}}],
+        },
+        {"role": "tool", "content": "56088"},
+    ]
     # The template writes "\n" between "<|im_start|>assistant" and a call when content is empty; the prompt
     # already ends with that newline (the generation prompt), so the model's turn starts at "<tool_call>".
     assert prompt + turn + observation == render_chat_template(QWEN25, structured, add_generation_prompt=True)
 
 
 def test_hermes_template_without_tool_messages_is_a_config_error():
-    plain = ("{% for m in messages %}{% if m.role != 'tool' %}{{ m.role + ': ' + m.content + '\\n' }}{% endif %}"
-             "{% endfor %}")
+    plain = (
+        "{% for m in messages %}{% if m.role != 'tool' %}{{ m.role + ': ' + m.content + '\\n' }}{% endif %}{% endfor %}"
+    )
     with pytest.raises(ConfigError, match="tool"):
         HermesFormat(plain)
 
@@ -136,12 +170,16 @@ def test_hermes_observation_tokenizes_with_the_checkpoints_special_tokens(tmp_pa
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["tool_response user assistant 56088 calc expression"] * 10,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["tool_response user assistant 56088 calc expression"] * 10,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25})
+    )
     hf = load_tokenizer(tmp_path)
     out = _tools(HermesFormat(hf.chat_template)).respond(_hermes_call("calc", {"expression": "123*456"}))
     ids = hf.encode(out.observation)

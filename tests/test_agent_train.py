@@ -5,18 +5,28 @@ its episodes are in flight resumes to the same metrics as an uninterrupted run."
 import subprocess
 
 import pytest
-
 from conftest import REPO, TINY, jaxrl_cmd
-from jaxrl.config import load_config
-from preset_configs import fast_compiles  # noqa: F401  (fixture)
 from test_resume import straight_and_killed_runs
+
+from jaxrl.config import load_config
 
 # Timing-dependent fields: wall-clock figures, and how the environment time split into hidden and
 # exposed (which depends on thread scheduling). Everything else must replay exactly.
-TIMING = {"rollout/seconds", "rollout/tokens_per_s", "step_seconds", "wall_time", "agent/env_seconds",
-          "agent/env_exposed_seconds", "agent/env_hidden_seconds"}
+TIMING = {
+    "rollout/seconds",
+    "rollout/tokens_per_s",
+    "step_seconds",
+    "wall_time",
+    "agent/env_seconds",
+    "agent/env_exposed_seconds",
+    "agent/env_hidden_seconds",
+}
 SMALL = [t for t in TINY if not t.startswith("data.")] + [
-    "data.num_train=200", "data.num_test=20", "rollout.engine.slots=8", "train.eval_prompts=8"]
+    "data.num_train=200",
+    "data.num_test=20",
+    "rollout.engine.slots=8",
+    "train.eval_prompts=8",
+]
 
 
 def _config(name: str):
@@ -34,8 +44,17 @@ def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_ca
     rows = train(_cfg(name, "train.steps=2", "train.eval_every=2"), tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     step = rows[1]
-    for key in ("agent/turns_mean", "agent/tool_calls_mean", "agent/tool_errors", "agent/env_seconds",
-                "agent/env_exposed_seconds", "agent/env_hidden_seconds", "agent/reward_std_mean", "loss", "grad_norm"):
+    for key in (
+        "agent/turns_mean",
+        "agent/tool_calls_mean",
+        "agent/tool_errors",
+        "agent/env_seconds",
+        "agent/env_exposed_seconds",
+        "agent/env_hidden_seconds",
+        "agent/reward_std_mean",
+        "loss",
+        "grad_norm",
+    ):
         assert key in step, key
     # 4 prompts x 4 episodes; an episode the token budget cuts mid-turn ends without a step
     assert step["agent/turns_mean"] >= 1 and step["agent/env_steps"] > 0
@@ -51,18 +70,25 @@ def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_proces
     assert rows[1]["agent/kept_reward_std_mean"] >= rows[1]["agent/reward_std_mean"]
 
 
-@pytest.mark.parametrize("extra, field", [
-    (["rollout.speculative.enabled=true"], "rollout.speculative.enabled"),
-    (["rollout.engine.dynamic_sampling=true"], "rollout.engine.dynamic_sampling"),
-    (["agent.keep_top_variance=0"], "agent.keep_top_variance"),
-    (["agent.max_turns=0"], "agent.max_turns"),
-    (["data.skip_long_prompts=true"], "data.skip_long_prompts"),
-    (["data.task=agent_gridworld"], "data.max_prompt_len=9: the rendered prompt"),  # the calculator's 9 < 21
-])
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (["rollout.speculative.enabled=true"], "rollout.speculative.enabled"),
+        (["rollout.engine.dynamic_sampling=true"], "rollout.engine.dynamic_sampling"),
+        (["agent.keep_top_variance=0"], "agent.keep_top_variance"),
+        (["agent.max_turns=0"], "agent.max_turns"),
+        (["data.skip_long_prompts=true"], "data.skip_long_prompts"),
+        (["data.task=agent_gridworld"], "data.max_prompt_len=9: the rendered prompt"),  # the calculator's 9 < 21
+    ],
+)
 def test_agent_config_errors_name_the_field(tmp_path, extra, field):
     sets = sum((["--set", t] for t in SMALL + extra), [])
-    proc = subprocess.run(jaxrl_cmd("train", str(_config("calculator")), *sets,
-                                    "--workdir", str(tmp_path / "run")), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        jaxrl_cmd("train", str(_config("calculator")), *sets, "--workdir", str(tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("jaxrl: error:") and field in last, proc.stderr[-2000:]
@@ -70,8 +96,16 @@ def test_agent_config_errors_name_the_field(tmp_path, extra, field):
 
 
 STEPS = 4
-RUN_ARGS = [str(_config("gridworld")), *sum((["--set", t] for t in SMALL), []), "--set", f"train.steps={STEPS}",
-            "--set", "checkpoint.every=1", "--set", "train.eval_every=2"]
+RUN_ARGS = [
+    str(_config("gridworld")),
+    *sum((["--set", t] for t in SMALL), []),
+    "--set",
+    f"train.steps={STEPS}",
+    "--set",
+    "checkpoint.every=1",
+    "--set",
+    "train.eval_every=2",
+]
 
 
 def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env):
@@ -79,6 +113,9 @@ def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env):
     the previous step's checkpoint and replays that step's episodes from scratch: same environment
     seeds, same token keys, so every metric but the timing ones matches the uninterrupted run."""
     reference, _, resumed, _ = straight_and_killed_runs(RUN_ARGS, tmp_path, cache_env, STEPS, kill_at=2)
-    untimed = lambda row: {k: v for k, v in row.items() if k not in TIMING}
+
+    def untimed(row):
+        return {k: v for k, v in row.items() if k not in TIMING}
+
     for step in range(1, STEPS + 1):
         assert untimed(resumed[step]) == untimed(reference[step]), step

@@ -8,8 +8,22 @@ import pytest
 
 from jaxrl.agents import load_suite
 from jaxrl.agents.env import AGENT_ALPHABET
-from jaxrl.agents.gridworld import (INVALID, MAX_TURNS, MIN_DISTANCE, MAX_DISTANCE, TRAP_SHARE, GridWorld, best_move,
-                                    careless_move, goal_distances, is_trap, parse_map, records, split_of, teacher)
+from jaxrl.agents.gridworld import (
+    INVALID,
+    MAX_DISTANCE,
+    MAX_TURNS,
+    MIN_DISTANCE,
+    TRAP_SHARE,
+    GridWorld,
+    best_move,
+    careless_move,
+    goal_distances,
+    is_trap,
+    parse_map,
+    records,
+    split_of,
+    teacher,
+)
 from jaxrl.config import ConfigError
 
 # 0123
@@ -104,7 +118,10 @@ def test_records_are_deterministic_disjoint_solvable_and_render_in_the_alphabet(
     train, test = records("train", 400, 7), records("test", 100, 7)
     assert train == records("train", 400, 7) and train != records("train", 400, 8)
     assert records("train", 50, 7) == train[:50]  # a prefix: n does not reshuffle
-    keys = lambda rs: {(r["map"], r["start"]) for r in rs}  # noqa: E731
+
+    def keys(rs):
+        return {(r["map"], r["start"]) for r in rs}
+
     assert len(keys(train)) == 400 and len(keys(test)) == 100 and not keys(train) & keys(test)
     assert all(split_of(r["map"], r["start"]) == "train" for r in train)
     for r in train + test:

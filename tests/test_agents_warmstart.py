@@ -20,8 +20,16 @@ from jaxrl.train.warmstart import cache_key, make_sft_step, sft_loss, train_base
 
 TOK = CharTokenizer(AGENT_ALPHABET)
 SUITE = load_suite("agent_gridworld")
-MODEL = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
-                    mlp_dim=64, max_seq_len=24 + 136)
+MODEL = ModelConfig(
+    vocab_size=TOK.vocab_size,
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    mlp_dim=64,
+    max_seq_len=24 + 136,
+)
 P, T = 24, 136  # data.max_prompt_len, rollout.max_new_tokens of the gridworld config
 
 
@@ -108,15 +116,23 @@ def test_the_sft_step_loss_ignores_an_observation_target():
     for last in ("\n", "#"):
         tok = tokens_T.copy()
         tok[len("up]....\n.p..\n") - 1] = _ids(last)[0]
-        batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": tok[None],
-                 "completion_mask_BxT": mask_T[None]}
+        batch = {
+            "prompt_tokens_BxP": prompt_BxP,
+            "prompt_mask_BxP": pmask_BxP,
+            "tokens_BxT": tok[None],
+            "completion_mask_BxT": mask_T[None],
+        }
         losses.append(float(step(params, optimizer.init(params), batch)[2]))
     assert losses[0] == losses[1]
     # A model token's target does count: "up]" -> "dn]" changes the loss.
     tok = tokens_T.copy()
     tok[:2] = _ids("dn")
-    batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": tok[None],
-             "completion_mask_BxT": mask_T[None]}
+    batch = {
+        "prompt_tokens_BxP": prompt_BxP,
+        "prompt_mask_BxP": pmask_BxP,
+        "tokens_BxT": tok[None],
+        "completion_mask_BxT": mask_T[None],
+    }
     assert float(step(params, optimizer.init(params), batch)[2]) != losses[0]
 
 
@@ -133,9 +149,12 @@ def test_a_few_sft_steps_on_teacher_episodes_lower_the_loss():
 
 
 def _agent_cfg(**warmstart):
-    return Config(model=MODEL, data=DataConfig(task="agent_gridworld", num_train=40, num_test=8, max_prompt_len=P),
-                  rollout=RolloutConfig(max_new_tokens=T),
-                  warmstart=WarmStartConfig(steps=2, batch_size=4, **warmstart))
+    return Config(
+        model=MODEL,
+        data=DataConfig(task="agent_gridworld", num_train=40, num_test=8, max_prompt_len=P),
+        rollout=RolloutConfig(max_new_tokens=T),
+        warmstart=WarmStartConfig(steps=2, batch_size=4, **warmstart),
+    )
 
 
 def test_train_base_on_an_agent_task_uses_the_teacher_episodes():

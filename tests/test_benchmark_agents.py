@@ -12,13 +12,22 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_quick_run_prints_the_speedup_json_last():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "agents.py"), "--quick"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "agents.py"), "--quick"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "agents" and result["config"] == "quick" and result["same_episodes"] is True
-    assert result["speedup_async_env"] == round(result["overlap"]["episodes_per_s"] /
-                                                result["turn_sync"]["episodes_per_s"], 2) > 0
+    assert (
+        result["speedup_async_env"]
+        == round(result["overlap"]["episodes_per_s"] / result["turn_sync"]["episodes_per_s"], 2)
+        > 0
+    )
     for mode in ("overlap", "turn_sync"):
         r = result[mode]
         assert r["episodes_per_s"] > 0 and r["tokens_per_s"] > 0 and r["env_steps"] > 0

@@ -8,17 +8,30 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `benchmarks` is a folder at the root
-from benchmarks.engine_training import ARMS, overrides, summarise  # noqa: E402
+from benchmarks.engine_training import ARMS, overrides, summarise
 
 
 def _rows():
     return [
         {"step": 0, "eval/accuracy": 0.2, "wall_time": 100.0},
         {"step": 1, "reward/mean": 0.1, "response_len/mean": 10.0, "wall_time": 130.0, "rollout/samples": 64},
-        {"step": 2, "reward/mean": 0.2, "response_len/mean": 20.0, "wall_time": 132.0, "rollout/samples": 96,
-         "engine/restarted_samples": 8, "eval/accuracy": 0.3},
-        {"step": 3, "reward/mean": 0.3, "response_len/mean": 30.0, "wall_time": 135.0, "rollout/samples": 64,
-         "eval/accuracy": 0.5},
+        {
+            "step": 2,
+            "reward/mean": 0.2,
+            "response_len/mean": 20.0,
+            "wall_time": 132.0,
+            "rollout/samples": 96,
+            "engine/restarted_samples": 8,
+            "eval/accuracy": 0.3,
+        },
+        {
+            "step": 3,
+            "reward/mean": 0.3,
+            "response_len/mean": 30.0,
+            "wall_time": 135.0,
+            "rollout/samples": 64,
+            "eval/accuracy": 0.5,
+        },
     ]
 
 

@@ -12,8 +12,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_moe_benchmark_small_prints_json_last():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe.py"), "--small"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--small"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) >= 5, proc.stdout  # one line per path, a summary and the EP line, then the JSON

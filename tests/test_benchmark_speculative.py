@@ -12,8 +12,21 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_small_run_prints_speedups_json_last(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--small", "--skip-tail",
-                           "--root", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "speculative.py"),
+            "--small",
+            "--skip-tail",
+            "--root",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "speculative" and result["config"] == "tiny"
@@ -32,8 +45,21 @@ def test_small_tail_part_prints_its_json_last(tmp_path):
     rows, the costs and threshold, a whole rollout with the toggle forced to 2 rows) in seconds."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--small", "--only-tail",
-                           "--root", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "speculative.py"),
+            "--small",
+            "--only-tail",
+            "--root",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     tail = result["tail"]

@@ -13,8 +13,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def _run(*args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, *args, "--small"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, *args, "--small"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) >= 2, proc.stdout  # readable lines, then the JSON
@@ -26,8 +27,9 @@ def test_update_run_peer_reports_same_run_speedup():
     torch = result["torch"]
     assert torch["tokens_per_s"] > 0 and torch["torch_threads"] >= 1 and torch["cpu_seconds"] > 0
     assert math.isclose(result["speedup_vs_torch"], result["tokens_per_s"] / torch["tokens_per_s"])
-    assert math.isclose(result["speedup_vs_torch_cpu"],
-                        result["tokens_per_cpu_s_x_cores"] / torch["tokens_per_cpu_s_x_cores"])
+    assert math.isclose(
+        result["speedup_vs_torch_cpu"], result["tokens_per_cpu_s_x_cores"] / torch["tokens_per_cpu_s_x_cores"]
+    )
     # The peer trains on the same 8 x 24 tokens (every token counts); its loss is the next-token NLL,
     # ~ln V at random init (V = 256: 5.545).
     assert torch["trained_tokens"] == result["trained_tokens"] == 8 * 24

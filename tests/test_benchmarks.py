@@ -11,15 +11,21 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is a plain folder at the repository root
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common  # noqa: E402  (imports jaxrl.config only: no jax work happens)
 from jaxrl.config import ModelConfig  # noqa: E402
 
 
 def _run(script: str, *flags: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--small", *flags], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--small", *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) >= 2, proc.stdout  # human-readable lines, then the JSON
@@ -45,8 +51,9 @@ def test_script_small_prints_json_last(script):
 
 
 def test_model_flops_per_token_matches_hand_count():
-    cfg = ModelConfig(vocab_size=10, d_model=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=3, mlp_dim=5,
-                      tie_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=10, d_model=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=3, mlp_dim=5, tie_embeddings=False
+    )
     # Per layer: q 4*2*3=24, k 4*1*3=12, v 12, o 2*3*4=24, gate/up/down 3*4*5=60 -> 132 params in
     # matmuls; 2 layers = 264, plus the LM head 4*10=40 -> 304. Forward: 2 FLOPs per matmul param.
     assert common.matmul_params(cfg) == 304
@@ -65,8 +72,9 @@ def test_model_flops_per_token_matches_hand_count():
 def test_update_flops_with_and_without_shared_prompts_by_hand():
     from benchmarks.update import update_flops
 
-    cfg = ModelConfig(vocab_size=10, d_model=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=3, mlp_dim=5,
-                      tie_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=10, d_model=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=3, mlp_dim=5, tie_embeddings=False
+    )
     # 608 FLOPs per token with the head (2 x 304 matmul params), the head alone 2*4*10 = 80; attention
     # 4*L*H*Hd = 48 per key. Batch 4, prompt 2, completion 3.
     # One pass: 5 tokens attending 1+2+3+4+5 = 15 keys, head on 3 of them:
@@ -80,22 +88,43 @@ def test_update_flops_with_and_without_shared_prompts_by_hand():
 def test_bench_small_shape():
     cfg = common.bench_small()
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size) == (
-        512, 8, 8, 2, 64, 1408, 8192)
+        512,
+        8,
+        8,
+        2,
+        64,
+        1408,
+        8192,
+    )
     assert cfg.dtype == "float32" and not cfg.tie_embeddings
     cfg.validate()
 
 
-TINY_RUN = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
-            "model.mlp_dim=64", "data.num_train=600", "data.num_test=60", "rollout.prompts_per_step=4",
-            "warmstart.steps=10", "warmstart.batch_size=16"]
+TINY_RUN = [
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=16",
+    "model.mlp_dim=64",
+    "data.num_train=600",
+    "data.num_test=60",
+    "rollout.prompts_per_step=4",
+    "warmstart.steps=10",
+    "warmstart.batch_size=16",
+]
 
 
 def test_variants_summary_by_hand():
     from benchmarks import variants
 
-    rows = [{"step": 0, "eval/accuracy": 0.4}, {"step": 1, "reward/mean": 0.5, "response_len/mean": 3.0},
-            {"step": 2, "reward/mean": 1.0, "response_len/mean": 5.0, "clip_frac": 0.2, "eval/accuracy": 0.72},
-            {"step": 4, "eval/accuracy": 0.69}, {"step": 6, "eval/accuracy": 0.8}]
+    rows = [
+        {"step": 0, "eval/accuracy": 0.4},
+        {"step": 1, "reward/mean": 0.5, "response_len/mean": 3.0},
+        {"step": 2, "reward/mean": 1.0, "response_len/mean": 5.0, "clip_frac": 0.2, "eval/accuracy": 0.72},
+        {"step": 4, "eval/accuracy": 0.69},
+        {"step": 6, "eval/accuracy": 0.8},
+    ]
     s = variants.summarise_run(rows, target=0.7)
     assert s["final_accuracy"] == 0.8 and s["base_accuracy"] == 0.4
     assert s["steps_to_target"] == 2  # the first evaluated step at or above 0.7, even if it dips after
@@ -111,10 +140,22 @@ def test_variants_tables_and_mc_grpo_gap_from_synthetic_runs(tmp_path):
 
     arms = [variants.Arm("grpo", "grpo"), variants.Arm("mc_grpo", "mc_grpo"), *variants.MC_STUDY]
     final = {"grpo": [0.8, 0.9], "mc_grpo": [0.7, 0.7], "grpo G=2": [0.5, 0.6], "mc_grpo G=2 (draws 3)": [0.7, 0.8]}
-    runs = [{"label": label, "preset": label.split()[0], "seed": seed, "final_accuracy": acc, "base_accuracy": 0.4,
-             "curve": [(0, 0.4), (5, acc)], "steps_to_target": 5 if acc >= 0.7 else None, "response_len": 3.0,
-             "final_reward": acc, "clip_frac": 0.0}
-            for label, accs in final.items() for seed, acc in enumerate(accs)]
+    runs = [
+        {
+            "label": label,
+            "preset": label.split()[0],
+            "seed": seed,
+            "final_accuracy": acc,
+            "base_accuracy": 0.4,
+            "curve": [(0, 0.4), (5, acc)],
+            "steps_to_target": 5 if acc >= 0.7 else None,
+            "response_len": 3.0,
+            "final_reward": acc,
+            "clip_frac": 0.0,
+        }
+        for label, accs in final.items()
+        for seed, acc in enumerate(accs)
+    ]
     runs.append({"label": "grpo", "preset": "grpo", "seed": 2, "error": "boom"})
     budget = variants.Budget(steps=5, eval_every=5, eval_prompts=10, target=0.7)
     out = tmp_path / "variants"
@@ -130,9 +171,25 @@ def test_variants_tables_and_mc_grpo_gap_from_synthetic_runs(tmp_path):
 
 
 def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
-    args = [sys.executable, str(REPO / "benchmarks" / "variants.py"), "--presets", "grpo", "--seeds", "1",
-            "--no-mc-study", "--steps", "2", "--eval-every", "1", "--eval-prompts", "8",
-            "--root", str(tmp_path / "runs"), "--out", str(tmp_path / "out" / "variants")]
+    args = [
+        sys.executable,
+        str(REPO / "benchmarks" / "variants.py"),
+        "--presets",
+        "grpo",
+        "--seeds",
+        "1",
+        "--no-mc-study",
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--eval-prompts",
+        "8",
+        "--root",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "out" / "variants"),
+    ]
     for s in TINY_RUN:
         args += ["--set", s]
     first = subprocess.run(args, cwd=REPO, env=cache_env, capture_output=True, text=True, timeout=600)
@@ -152,8 +209,14 @@ def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
 def test_checkpoint_benchmark_small_reports_block_fractions():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--small"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--small"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     run, state = result["default_run"], result["bench_small"]

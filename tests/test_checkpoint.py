@@ -1,8 +1,6 @@
 """Checkpoints that no longer restore are set aside (never deleted) and the run resumes from the newest
 one that does; non-finite parameters are never saved."""
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +8,6 @@ import pytest
 from jaxrl.config import CheckpointConfig
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.state import TrainState
-
 
 # Orbax leaves the cancelled reads of a failed restore as never-awaited coroutines: noise, not a fault.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -22,8 +19,12 @@ def _weights(step: int, width: int = 4096) -> np.ndarray:
 
 
 def _state(step: int, width: int = 4096) -> TrainState:
-    return TrainState(step=jnp.asarray(step, jnp.int32), params={"w": jnp.asarray(_weights(step, width))},
-                      opt_state={}, rng=jnp.zeros((2,), jnp.uint32))
+    return TrainState(
+        step=jnp.asarray(step, jnp.int32),
+        params={"w": jnp.asarray(_weights(step, width))},
+        opt_state={},
+        rng=jnp.zeros((2,), jnp.uint32),
+    )
 
 
 def _saved_run(workdir, steps=(1, 2, 3), keep=3):

@@ -5,9 +5,9 @@ import json
 import os
 
 import pytest
+from conftest import DEFAULT_CONFIG, TINY
 
 from jaxrl import cli
-from conftest import DEFAULT_CONFIG, TINY
 
 TINY_ARGS = sum((["--set", t] for t in TINY), [])
 
@@ -18,15 +18,18 @@ def _run(capsys, *args):
     return code, err
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("train.stepz=3", "train.stepz: unknown field 'stepz'"),
-    ("train.steps=ten", "train.steps: got 'ten', expected an integer"),
-    ("rollout.prompts_per_step=-8", "rollout.prompts_per_step: got -8, expected a positive integer"),
-    ("data.num_train=0", "data.num_train: got 0"),
-    ("optim.learning_rate=inf", "optim.learning_rate: got inf, expected a finite number"),
-    ("optim.learning_rate=nan", "optim.learning_rate: got nan, expected a finite number"),
-    ("warmstart.learning_rate=inf", "warmstart.learning_rate: got inf, expected a finite number"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.stepz=3", "train.stepz: unknown field 'stepz'"),
+        ("train.steps=ten", "train.steps: got 'ten', expected an integer"),
+        ("rollout.prompts_per_step=-8", "rollout.prompts_per_step: got -8, expected a positive integer"),
+        ("data.num_train=0", "data.num_train: got 0"),
+        ("optim.learning_rate=inf", "optim.learning_rate: got inf, expected a finite number"),
+        ("optim.learning_rate=nan", "optim.learning_rate: got nan, expected a finite number"),
+        ("warmstart.learning_rate=inf", "warmstart.learning_rate: got inf, expected a finite number"),
+    ],
+)
 def test_bad_config_values(capsys, tmp_path, override, needle):
     code, err = _run(capsys, str(DEFAULT_CONFIG), "--workdir", str(tmp_path), "--set", override)
     assert code == 2
@@ -40,8 +43,15 @@ def test_missing_config_file(capsys, tmp_path):
 
 
 def test_prompt_longer_than_limit_names_record_and_lengths(capsys, tmp_path, in_process_cache):
-    code, err = _run(capsys, str(DEFAULT_CONFIG), "--workdir", str(tmp_path), *sum((["--set", t] for t in TINY), []),
-                     "--set", "data.max_prompt_len=4")
+    code, err = _run(
+        capsys,
+        str(DEFAULT_CONFIG),
+        "--workdir",
+        str(tmp_path),
+        *sum((["--set", t] for t in TINY), []),
+        "--set",
+        "data.max_prompt_len=4",
+    )
     assert code == 2, err
     assert len(err.splitlines()) == 1
     assert "record 'train/" in err and "data.max_prompt_len=4" in err
@@ -49,12 +59,22 @@ def test_prompt_longer_than_limit_names_record_and_lengths(capsys, tmp_path, in_
 
 
 def test_empty_split_is_rejected(capsys, tmp_path, in_process_cache):
-    code, err = _run(capsys, str(DEFAULT_CONFIG), "--workdir", str(tmp_path), *sum((["--set", t] for t in TINY), []),
-                     "--set", "data.digits=1", "--set", "data.num_train=100", "--set", "data.num_test=1")
+    code, err = _run(
+        capsys,
+        str(DEFAULT_CONFIG),
+        "--workdir",
+        str(tmp_path),
+        *sum((["--set", t] for t in TINY), []),
+        "--set",
+        "data.digits=1",
+        "--set",
+        "data.num_train=100",
+        "--set",
+        "data.num_test=1",
+    )
     # 1-digit addition has only 100 distinct problems: 100 train + 1 test cannot be disjoint.
     assert code == 2
     assert "data.num" in err and len(err.splitlines()) == 1
-
 
 
 def test_eval_split_with_every_prompt_too_long_names_the_fields():
@@ -130,8 +150,9 @@ def _fake_run(workdir, overrides=()):
     from jaxrl.config import load_config, to_dict
 
     workdir.mkdir()
-    (workdir / "config.json").write_text(json.dumps(to_dict(load_config(DEFAULT_CONFIG, [*TINY, *overrides])),
-                                                    indent=1))
+    (workdir / "config.json").write_text(
+        json.dumps(to_dict(load_config(DEFAULT_CONFIG, [*TINY, *overrides])), indent=1)
+    )
     (workdir / "checkpoints" / "2").mkdir(parents=True)
     return (workdir / "config.json").read_bytes()
 
@@ -142,8 +163,9 @@ def test_rerun_with_another_model_is_refused_before_writing(capsys, tmp_path, in
     err = _workdir_error(capsys, run, "--set", "model.d_model=64")
     assert "model.d_model 32 -> 64" in err and "new --workdir" in err
     assert (run / "config.json").read_bytes() == saved
-    assert "model.d_model 32 -> 64" in _workdir_error(capsys, run, "--set", "model.d_model=64",
-                                                      "--allow-config-change")  # never allowed
+    assert "model.d_model 32 -> 64" in _workdir_error(
+        capsys, run, "--set", "model.d_model=64", "--allow-config-change"
+    )  # never allowed
     assert (run / "config.json").read_bytes() == saved
 
 
@@ -173,8 +195,17 @@ def test_second_run_on_a_held_workdir_is_refused(capsys, tmp_path, in_process_ca
 def test_non_utf8_jsonl_names_file_and_line(capsys, tmp_path, in_process_cache):
     data = tmp_path / "problems.jsonl"
     data.write_bytes(b'{"question": "1+1?", "answer": "2"}\n{"question": "caf\xe9?", "answer": "3"}\n')
-    code, err = _run(capsys, str(DEFAULT_CONFIG), "--workdir", str(tmp_path / "run"), *TINY_ARGS,
-                     "--set", "data.task=math_jsonl", "--set", f"data.train_file={data}")
+    code, err = _run(
+        capsys,
+        str(DEFAULT_CONFIG),
+        "--workdir",
+        str(tmp_path / "run"),
+        *TINY_ARGS,
+        "--set",
+        "data.task=math_jsonl",
+        "--set",
+        f"data.train_file={data}",
+    )
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "problems.jsonl:2: not UTF-8 (byte 0xe9 at column 18)" in err
 
@@ -197,9 +228,23 @@ def test_nan_loss_stops_without_saving_it(capsys, tmp_path, in_process_cache):
     import orbax.checkpoint as ocp
 
     run = tmp_path / "run"
-    code, err = _run(capsys, str(DEFAULT_CONFIG), "--workdir", str(run), *TINY_ARGS, "--set", "train.steps=8",
-                     "--set", "checkpoint.every=1", "--set", "optim.learning_rate=1e30", "--set",
-                     "optim.warmup_steps=0", "--set", "loss.reward_weights=1,1")
+    code, err = _run(
+        capsys,
+        str(DEFAULT_CONFIG),
+        "--workdir",
+        str(run),
+        *TINY_ARGS,
+        "--set",
+        "train.steps=8",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "optim.learning_rate=1e30",
+        "--set",
+        "optim.warmup_steps=0",
+        "--set",
+        "loss.reward_weights=1,1",
+    )
     assert code == 1 and len(err.splitlines()) == 1, err
     bad_step = int(err.split("step ")[1].split(":")[0])
     assert "is nan" in err or "is inf" in err

@@ -17,8 +17,10 @@ def test_default_config_file_loads_and_validates():
 
 
 def test_override_parses_to_field_type():
-    cfg = C.apply_overrides(C.Config(), ["train.steps=12", "optim.learning_rate=1e-3",
-                                         "model.tie_embeddings=false", "loss.reward_weights=1,0.5"])
+    cfg = C.apply_overrides(
+        C.Config(),
+        ["train.steps=12", "optim.learning_rate=1e-3", "model.tie_embeddings=false", "loss.reward_weights=1,0.5"],
+    )
     assert cfg.train.steps == 12 and isinstance(cfg.train.steps, int)
     assert cfg.optim.learning_rate == pytest.approx(1e-3)
     assert cfg.model.tie_embeddings is False

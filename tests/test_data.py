@@ -207,7 +207,9 @@ def test_record_source_bounds():
 
 def test_resolve_data_dir_order(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXRL_DATA_DIR", str(tmp_path / "env"))
-    assert tasks.resolve_data_dir(DataConfig(data_dir=str(tmp_path / "cfg")), str(tmp_path / "arg")) == str(tmp_path / "arg")
+    assert tasks.resolve_data_dir(DataConfig(data_dir=str(tmp_path / "cfg")), str(tmp_path / "arg")) == str(
+        tmp_path / "arg"
+    )
     assert tasks.resolve_data_dir(DataConfig(data_dir=str(tmp_path / "cfg"))) == str(tmp_path / "cfg")
     assert tasks.resolve_data_dir(DataConfig()) == str(tmp_path / "env")
     monkeypatch.delenv("JAXRL_DATA_DIR")

@@ -22,11 +22,11 @@ def _setup():
     rng = np.random.default_rng(3)
     mask = np.zeros((3, P), np.int32)
     for i, n in enumerate((2, 5, 4)):
-        mask[i, P - n:] = 1
+        mask[i, P - n :] = 1
     prompt = jnp.asarray(np.where(mask, rng.integers(1, 29, (3, P)), 0), jnp.int32)
     cache, lparams, _, last_B = prefill_groups(params, CFG, prompt, jnp.asarray(mask), 1, S, S)
     fed_Bx4 = jnp.concatenate([last_B[:, None], jnp.asarray(rng.integers(1, 29, (3, 3)), jnp.int32)], axis=1)
-    return lparams, cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1:].set(True)), fed_Bx4
+    return lparams, cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True)), fed_Bx4
 
 
 def test_rows_at_one_fill_level_give_the_samplers_logits():
@@ -54,9 +54,12 @@ def test_rows_advance_at_their_own_rate():
         fill_B, col_B = fill_B + advance_B, col_B + advance_B
     _, ref_cache, _ = _setup()
     for b in range(3):
-        row = LayerCache(tuple((k[b:b + 1], v[b:b + 1]) for k, v in ref_cache.kv), ref_cache.valid_BxS[b:b + 1],
-                         ref_cache.pos_B[b:b + 1])
-        ref, _, _ = decode_layers(lparams, CFG, fed_Bx4[b:b + 1, :3 - b], row, P - 1)
+        row = LayerCache(
+            tuple((k[b : b + 1], v[b : b + 1]) for k, v in ref_cache.kv),
+            ref_cache.valid_BxS[b : b + 1],
+            ref_cache.pos_B[b : b + 1],
+        )
+        ref, _, _ = decode_layers(lparams, CFG, fed_Bx4[b : b + 1, : 3 - b], row, P - 1)
         np.testing.assert_allclose(logits_BxV[b], ref[0, -1], atol=1e-5)
     np.testing.assert_array_equal(cache.pos_B - ref_cache.pos_B, [3, 2, 1])
 

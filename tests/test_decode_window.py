@@ -20,7 +20,7 @@ def _setup():
     rng = np.random.default_rng(3)
     mask = np.zeros((3, P), np.int32)
     for i, n in enumerate((2, 5, 4)):
-        mask[i, P - n:] = 1
+        mask[i, P - n :] = 1
     prompt = jnp.asarray(np.where(mask, rng.integers(1, 29, (3, P)), 0), jnp.int32)
     cache, lparams, _, last_B = prefill_groups(params, CFG, prompt, jnp.asarray(mask), 1, S, S)
     fed_Bx4 = jnp.concatenate([last_B[:, None], jnp.asarray(rng.integers(1, 29, (3, 3)), jnp.int32)], axis=1)
@@ -28,7 +28,7 @@ def _setup():
 
 
 def _window_cache(cache: LayerCache) -> LayerCache:
-    return cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1:].set(True))
+    return cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True))
 
 
 def test_window_calls_equal_decode_layers():
@@ -57,12 +57,14 @@ def test_commit_keeps_a_different_number_of_tokens_per_row():
     keep_B = jnp.asarray([1, 3, 2], jnp.int32)
     committed = commit_window(wcache, window, fill_B, keep_B)
     next_B = jnp.asarray([11, 12, 13], jnp.int32)
-    got_BxV, _, _ = window_layers(lparams, CFG, next_B[:, None], committed, fill_B + keep_B,
-                                  empty_window(committed, 4, CFG.n_layers), 0)
+    got_BxV, _, _ = window_layers(
+        lparams, CFG, next_B[:, None], committed, fill_B + keep_B, empty_window(committed, 4, CFG.n_layers), 0
+    )
     for b in range(3):
-        row = LayerCache(tuple((k[b:b + 1], v[b:b + 1]) for k, v in cache.kv), cache.valid_BxS[b:b + 1],
-                         cache.pos_B[b:b + 1])
-        tokens = jnp.concatenate([fed_Bx4[b, :int(keep_B[b])], next_B[b:b + 1]])[None]
+        row = LayerCache(
+            tuple((k[b : b + 1], v[b : b + 1]) for k, v in cache.kv), cache.valid_BxS[b : b + 1], cache.pos_B[b : b + 1]
+        )
+        tokens = jnp.concatenate([fed_Bx4[b, : int(keep_B[b])], next_B[b : b + 1]])[None]
         ref, _, _ = decode_layers(lparams, CFG, tokens, row, P - 1)
         np.testing.assert_allclose(got_BxV[b, 0], ref[0, -1], atol=1e-5)
 

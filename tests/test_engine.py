@@ -25,7 +25,7 @@ P, T, G = 5, 6, 2
 LENGTHS = (2, 5, 4, 1, 3)  # real prompt tokens per prompt (left-padded to P)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(cfg=CFG, scale=1.0):
     params = tf.init_params(cfg, jax.random.PRNGKey(0))
     return dict(params, embedding=params["embedding"] * scale)  # scale > 1: peakier distributions
@@ -35,7 +35,7 @@ def _prompts(lengths=LENGTHS, seed=3):
     toks = np.random.default_rng(seed).integers(1, CFG.vocab_size, (len(lengths), P), dtype=np.int32)
     mask = np.zeros((len(lengths), P), np.int32)
     for i, n in enumerate(lengths):
-        mask[i, P - n:] = 1
+        mask[i, P - n :] = 1
     return np.where(mask, toks, PAD), mask
 
 
@@ -47,17 +47,38 @@ def _items():
 
 def _plain(cfg, eos_id, greedy=True, temperature=1.0, rng=0):
     prompt, mask = _prompts()
-    return sample(_params(cfg), cfg, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(rng), group_size=G,
-                  max_new_tokens=T, temperature=temperature, eos_id=eos_id, pad_id=PAD, greedy=greedy)
+    return sample(
+        _params(cfg),
+        cfg,
+        jnp.asarray(prompt),
+        jnp.asarray(mask),
+        jax.random.PRNGKey(rng),
+        group_size=G,
+        max_new_tokens=T,
+        temperature=temperature,
+        eos_id=eos_id,
+        pad_id=PAD,
+        greedy=greedy,
+    )
 
 
 def _engine(cfg, eos_id, slots, chunk, admit_groups=1, admission="exact", greedy=True, temperature=1.0, seed=0):
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=admit_groups, admission=admission)
-    return Engine(cfg, ecfg, group_size=G, prompt_len=P, max_new_tokens=T, temperature=temperature, eos_id=eos_id,
-                  pad_id=PAD, rng=jax.random.PRNGKey(seed), greedy=greedy)
+    return Engine(
+        cfg,
+        ecfg,
+        group_size=G,
+        prompt_len=P,
+        max_new_tokens=T,
+        temperature=temperature,
+        eos_id=eos_id,
+        pad_id=PAD,
+        rng=jax.random.PRNGKey(seed),
+        greedy=greedy,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _eos(cfg):
     """A token that some greedy row first emits at a step t >= 2 and another row never emits: as
     EOS it makes groups finish at different steps (so slots free up at different times)."""
@@ -82,14 +103,17 @@ def _check_same_rollout(batch, ref, cfg):
     np.testing.assert_allclose(batch["rollout_logp_BxT"], np.asarray(ref.logp_BxT), atol=1e-5, rtol=0)
     if cfg.n_experts:  # experts per slot; left-padding slots attend to nothing real and are not compared
         pmask = np.repeat(_prompts()[1] > 0, G, axis=0)
-        live = np.concatenate([pmask[:, :P - 1], np.asarray(ref.completion_mask_BxT) > 0], 1)
-        np.testing.assert_array_equal(batch["routing_BxSxLxK"][:, :P - 1 + T][live],
-                                      np.asarray(ref.routing_BxSxLxK)[:, :P - 1 + T][live])
+        live = np.concatenate([pmask[:, : P - 1], np.asarray(ref.completion_mask_BxT) > 0], 1)
+        np.testing.assert_array_equal(
+            batch["routing_BxSxLxK"][:, : P - 1 + T][live], np.asarray(ref.routing_BxSxLxK)[:, : P - 1 + T][live]
+        )
 
 
-@pytest.mark.parametrize("cfg,slots,chunk,admit_groups,reverse", [
-    (CFG, 4, 1, 1, False), (CFG, 4, 3, 2, True), (CFG, 6, 7, 1, True), (CFG, 10, 3, 5, False), (MOE, 4, 3, 1, True)],
-    ids=["S4-chunk1", "S4-chunk3-admit2-reversed", "S6-chunk7-reversed", "all-at-once", "moe-S4-chunk3-reversed"])
+@pytest.mark.parametrize(
+    "cfg,slots,chunk,admit_groups,reverse",
+    [(CFG, 4, 1, 1, False), (CFG, 4, 3, 2, True), (CFG, 6, 7, 1, True), (CFG, 10, 3, 5, False), (MOE, 4, 3, 1, True)],
+    ids=["S4-chunk1", "S4-chunk3-admit2-reversed", "S6-chunk7-reversed", "all-at-once", "moe-S4-chunk3-reversed"],
+)
 def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, admit_groups, reverse):
     """Five prompts of lengths 1..5, G=2: tokens, masks, truncation (and MoE routing) identical to
     `sampler.sample(greedy=True)`, log-probs to float32 noise, with slots reused and groups admitted
@@ -115,8 +139,9 @@ def test_direct_api_staggered_admission_and_versions():
     at version 4; the rest at version 5. Each token records its chunk's version, and both samples
     equal the greedy sampler's although they were admitted 2 steps apart."""
     prompt, mask = _prompts()
-    spec = es.EngineSpec(CFG, slots=6, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD,
-                         greedy=True)
+    spec = es.EngineSpec(
+        CFG, slots=6, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD, greedy=True
+    )
     params = _params()
     state = es.init_state(spec, jax.random.PRNGKey(0))
     # Two prompts per prefill call; the second is padding (dest 6 = S: dropped).
@@ -142,9 +167,16 @@ def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     eos = _eos(cfg)
     engine = _engine(cfg, eos, slots=4, chunk=2, greedy=False, temperature=0.7, seed=3)
     batch = assemble_batch(engine.collect(_params(cfg), 0, _items(), n_groups=len(LENGTHS)))
-    logp, _ = tf.token_logprobs(_params(cfg), cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                batch["tokens_BxT"], batch["completion_mask_BxT"], 0.7,
-                                replay_BxSxLxK=batch.get("routing_BxSxLxK"))
+    logp, _ = tf.token_logprobs(
+        _params(cfg),
+        cfg,
+        batch["prompt_tokens_BxP"],
+        batch["prompt_mask_BxP"],
+        batch["tokens_BxT"],
+        batch["completion_mask_BxT"],
+        0.7,
+        replay_BxSxLxK=batch.get("routing_BxSxLxK"),
+    )
     mask = batch["completion_mask_BxT"] > 0
     assert mask.sum() > 15 and not mask.all()
     np.testing.assert_allclose(batch["rollout_logp_BxT"][mask], np.asarray(logp)[mask], atol=2e-5, rtol=0)
@@ -181,12 +213,15 @@ def test_collect_with_too_few_prompts_returns_what_there_is():
     assert sorted(g.tag for g in groups) == [0, 1] and engine.groups_in_flight == 0
 
 
-@pytest.mark.parametrize("item, needle", [
-    ("rollout.engine.slots=0", "rollout.engine.slots: got 0, expected a positive integer"),
-    ("rollout.engine.chunk=-1", "rollout.engine.chunk: got -1"),
-    ("rollout.engine.admit_groups=0", "rollout.engine.admit_groups: got 0"),
-    ("rollout.engine.admission=greedy", "rollout.engine.admission: got 'greedy', expected 'exact' or 'fill'"),
-])
+@pytest.mark.parametrize(
+    "item, needle",
+    [
+        ("rollout.engine.slots=0", "rollout.engine.slots: got 0, expected a positive integer"),
+        ("rollout.engine.chunk=-1", "rollout.engine.chunk: got -1"),
+        ("rollout.engine.admit_groups=0", "rollout.engine.admit_groups: got 0"),
+        ("rollout.engine.admission=greedy", "rollout.engine.admission: got 'greedy', expected 'exact' or 'fill'"),
+    ],
+)
 def test_engine_config_errors_name_the_field(item, needle):
     with pytest.raises(ConfigError) as e:
         C.apply_overrides(C.Config(), [item]).validate()

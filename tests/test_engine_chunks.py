@@ -6,9 +6,23 @@ import numpy as np
 
 from jaxrl.rollout import engine as engine_mod
 from jaxrl.rollout import engine_state as es
-from tests.test_engine import (CFG, G, NEVER, PAD, P, T, _by_tag, _check_same_rollout, _engine, _eos, _items, _params,
-                               _plain, _prompts)
 from jaxrl.rollout.engine import assemble_batch
+from tests.test_engine import (
+    CFG,
+    NEVER,
+    PAD,
+    G,
+    P,
+    T,
+    _by_tag,
+    _check_same_rollout,
+    _engine,
+    _eos,
+    _items,
+    _params,
+    _plain,
+    _prompts,
+)
 
 
 def test_chunk_stops_once_stop_at_slots_are_done():
@@ -18,8 +32,9 @@ def test_chunk_stops_once_stop_at_slots_are_done():
     last chunk (split params, no stop_at) runs to the end, and all four samples equal the greedy
     sampler's."""
     prompt, mask = _prompts()
-    spec = es.EngineSpec(CFG, slots=6, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD,
-                         greedy=True)
+    spec = es.EngineSpec(
+        CFG, slots=6, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD, greedy=True
+    )
     params = _params()
     state = es.init_state(spec, jax.random.PRNGKey(0))
     state = es.admit(params, spec, state, prompt[[0]], mask[[0]], np.asarray([0, 1], np.int32))

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from chi_square import chi_square_pvalue
+
 from jaxrl.config import EngineConfig, ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout import acceptance, engine_state
@@ -23,7 +23,7 @@ PROMPTS = ((2, 4, 3), (3, 2))  # real tokens; left-padded to P = 4
 N_GROUPS = 1500  # per prompt: 6000 samples each
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params():
     params = tf.init_params(SMALL, jax.random.PRNGKey(0))
     return dict(params, embedding=params["embedding"] * 1.5)
@@ -35,7 +35,7 @@ def _exact_distribution(prompt, temperature, top_k):
     strings = np.array(list(itertools.product(range(SMALL.vocab_size), repeat=T)), np.int32)
     seq = np.concatenate([np.repeat(np.asarray([prompt], np.int32), len(strings), 0), strings], 1)
     n = len(prompt)
-    logits = np.asarray(tf.forward(_params(), SMALL, seq, np.ones_like(seq)))[:, n - 1:n - 1 + T]
+    logits = np.asarray(tf.forward(_params(), SMALL, seq, np.ones_like(seq)))[:, n - 1 : n - 1 + T]
     probs = np.asarray(acceptance.target_probs(jnp.asarray(logits), temperature, top_k, 1.0))
     dist = {}
     for s, p in zip(strings, probs):
@@ -50,8 +50,18 @@ def _exact_distribution(prompt, temperature, top_k):
 def _engine_samples(temperature, top_k, seed):
     """All samples of 2 x N_GROUPS groups (the two prompts alternating), through 64 slots."""
     ecfg = EngineConfig(enabled=True, slots=64, chunk=2, admit_groups=8)
-    engine = Engine(SMALL, ecfg, group_size=G, prompt_len=P, max_new_tokens=T, temperature=temperature, top_k=top_k,
-                    eos_id=EOS, pad_id=PAD, rng=jax.random.PRNGKey(seed))
+    engine = Engine(
+        SMALL,
+        ecfg,
+        group_size=G,
+        prompt_len=P,
+        max_new_tokens=T,
+        temperature=temperature,
+        top_k=top_k,
+        eos_id=EOS,
+        pad_id=PAD,
+        rng=jax.random.PRNGKey(seed),
+    )
     items = ((i % 2, PROMPTS[i % 2]) for i in range(2 * N_GROUPS))
     groups = engine.collect(_params(), 0, items, n_groups=2 * N_GROUPS)
     assert len(groups) == 2 * N_GROUPS and engine.counts["chunks"] > 100  # 64 slots reused many times

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import test_engine as te
 import test_engine_distribution as td
 from chi_square import chi_square_pvalue
+
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.rollout import draft_vocab
@@ -37,7 +37,8 @@ def test_subset_head_gives_the_full_logits_at_its_ids(tied):
     equal to the full head's logits at columns ids, in the ids' order."""
     import dataclasses
 
-    from jaxrl.models import decode, transformer as tf
+    from jaxrl.models import decode
+    from jaxrl.models import transformer as tf
 
     cfg = dataclasses.replace(te.CFG, tie_embeddings=tied)
     lparams = decode.layer_params(tf.init_params(cfg, jax.random.PRNGKey(1)), cfg)
@@ -56,13 +57,24 @@ def test_sampled_distribution_equals_enumeration_with_a_two_token_draft_head():
     5 ids: chi-square p-value > 1e-3 against the exact distribution (fixed seed), though the target
     puts much of its mass on tokens the drafter never proposes, with drafts both accepted and rejected."""
     ecfg = EngineConfig(enabled=True, slots=64, chunk=2, admit_groups=8)
-    engine = Engine(td.SMALL, ecfg, group_size=td.G, prompt_len=td.P, max_new_tokens=td.T, temperature=1.0,
-                    eos_id=td.EOS, pad_id=td.PAD, rng=jax.random.PRNGKey(11),
-                    speculative=_spec(len(SUBSET), max_draft=2), draft_ids=SUBSET)
+    engine = Engine(
+        td.SMALL,
+        ecfg,
+        group_size=td.G,
+        prompt_len=td.P,
+        max_new_tokens=td.T,
+        temperature=1.0,
+        eos_id=td.EOS,
+        pad_id=td.PAD,
+        rng=jax.random.PRNGKey(11),
+        speculative=_spec(len(SUBSET), max_draft=2),
+        draft_ids=SUBSET,
+    )
     assert engine.spec.draft_ids == SUBSET
     n_groups = 750
-    groups = engine.collect(td._params(), 0, ((i % 2, td.PROMPTS[i % 2]) for i in range(2 * n_groups)),
-                            n_groups=2 * n_groups)
+    groups = engine.collect(
+        td._params(), 0, ((i % 2, td.PROMPTS[i % 2]) for i in range(2 * n_groups)), n_groups=2 * n_groups
+    )
     samples = {0: [], 1: []}
     for g in groups:
         samples[g.tag] += [tuple(int(t) for t in row[m > 0]) for row, m in zip(g.tokens_GxT, g.completion_mask_GxT)]
@@ -85,8 +97,20 @@ def test_greedy_equals_sampler_with_a_reduced_draft_head():
     ref = te._plain(cfg, eos)
     ids = draft_vocab.frequent_ids(np.asarray(ref.tokens_BxT), 8, cfg.vocab_size, first=(eos,))
     ecfg = EngineConfig(enabled=True, slots=4, chunk=3, admit_groups=2)
-    engine = Engine(cfg, ecfg, group_size=te.G, prompt_len=te.P, max_new_tokens=te.T, temperature=1.0, eos_id=eos,
-                    pad_id=te.PAD, rng=jax.random.PRNGKey(0), greedy=True, speculative=_spec(8), draft_ids=ids)
+    engine = Engine(
+        cfg,
+        ecfg,
+        group_size=te.G,
+        prompt_len=te.P,
+        max_new_tokens=te.T,
+        temperature=1.0,
+        eos_id=eos,
+        pad_id=te.PAD,
+        rng=jax.random.PRNGKey(0),
+        greedy=True,
+        speculative=_spec(8),
+        draft_ids=ids,
+    )
     batch = assemble_batch(te._by_tag(engine.collect(te._params(cfg), 0, te._items(), n_groups=len(te.LENGTHS))))
     te._check_same_rollout(batch, ref, cfg)
     assert 0 < engine.counts["accepted"] < engine.counts["drafted"], engine.counts
@@ -95,11 +119,27 @@ def test_greedy_equals_sampler_with_a_reduced_draft_head():
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match=r"^rollout.speculative.draft_vocab: got -1, expected 0 \(the full"):
         C.apply_overrides(C.Config(), ["rollout.speculative.draft_vocab=-1"]).validate()
-    make = lambda n, ids: Engine(te.CFG, EngineConfig(enabled=True, slots=4, chunk=1), group_size=te.G,
-                                 prompt_len=te.P, max_new_tokens=te.T, temperature=1.0, eos_id=te.NEVER,
-                                 pad_id=te.PAD, rng=jax.random.PRNGKey(0), speculative=_spec(n), draft_ids=ids)
-    with pytest.raises(ConfigError, match=r"^rollout.speculative.draft_vocab: got 30, expected at most the "
-                                          r"vocabulary size 29$"):
+
+    def make(n, ids):
+        return Engine(
+            te.CFG,
+            EngineConfig(enabled=True, slots=4, chunk=1),
+            group_size=te.G,
+            prompt_len=te.P,
+            max_new_tokens=te.T,
+            temperature=1.0,
+            eos_id=te.NEVER,
+            pad_id=te.PAD,
+            rng=jax.random.PRNGKey(0),
+            speculative=_spec(n),
+            draft_ids=ids,
+        )
+
+    with pytest.raises(
+        ConfigError,
+        match=r"^rollout.speculative.draft_vocab: got 30, expected at most the "
+        r"vocabulary size 29$",
+    ):
         make(30, tuple(range(30)))
     with pytest.raises(ConfigError, match=r"^rollout.speculative.draft_vocab: got 3, but the engine was given 2 "):
         make(3, (1, 2))
@@ -120,15 +160,21 @@ def test_training_source_ranks_the_draft_ids_over_the_task(in_process_cache):
     import collections
     import dataclasses
 
+    from preset_configs import config_path, overrides
+
     from jaxrl.data.stream import StreamState
     from jaxrl.data.tasks import load_task
     from jaxrl.data.tokenizer import CharTokenizer
     from jaxrl.models import transformer as tf
     from jaxrl.train.group_sources import EngineSource
-    from preset_configs import config_path, overrides
 
-    on = ["rollout.engine.enabled=true", "rollout.engine.slots=8", "rollout.speculative.enabled=true",
-          "rollout.speculative.max_draft=2", "rollout.speculative.draft_vocab=12"]
+    on = [
+        "rollout.engine.enabled=true",
+        "rollout.engine.slots=8",
+        "rollout.speculative.enabled=true",
+        "rollout.speculative.max_draft=2",
+        "rollout.speculative.draft_vocab=12",
+    ]
     cfg = C.load_config(config_path("grpo"), overrides("grpo") + on + ["model.n_layers=2"])
     tok = CharTokenizer()
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)

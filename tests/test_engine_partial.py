@@ -1,13 +1,13 @@
 """Partial rollouts on the slot engine: the staleness bound (groups restarted whole from their
 prompt) and the re-prefill of carried samples under new params (jaxrl.rollout.engine_partial)."""
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_engine import CFG, MOE, NEVER, PAD, G, P, T, _eos, _items, _params, _plain, _prompts
 
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig
@@ -15,15 +15,30 @@ from jaxrl.models import transformer as tf
 from jaxrl.rollout import engine_state as es
 from jaxrl.rollout.engine import Engine, assemble_batch, left_pad
 from jaxrl.rollout.engine_partial import fed_mask, release_slots, reprefill
-from preset_configs import fast_compiles  # noqa: F401  (fixture)
-from test_engine import CFG, MOE, G, NEVER, P, PAD, T, _eos, _items, _params, _plain, _prompts
 
 
 def _engine(max_staleness=-1, reprefill=False, slots=6, chunk=1, eos=None, greedy=True, seed=0, temperature=1.0):
-    ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=1, admission="fill",
-                        max_staleness=max_staleness, reprefill=reprefill)
-    return Engine(CFG, ecfg, group_size=G, prompt_len=P, max_new_tokens=T, temperature=temperature,
-                  eos_id=_eos(CFG) if eos is None else eos, pad_id=PAD, rng=jax.random.PRNGKey(seed), greedy=greedy)
+    ecfg = EngineConfig(
+        enabled=True,
+        slots=slots,
+        chunk=chunk,
+        admit_groups=1,
+        admission="fill",
+        max_staleness=max_staleness,
+        reprefill=reprefill,
+    )
+    return Engine(
+        CFG,
+        ecfg,
+        group_size=G,
+        prompt_len=P,
+        max_new_tokens=T,
+        temperature=temperature,
+        eos_id=_eos(CFG) if eos is None else eos,
+        pad_id=PAD,
+        rng=jax.random.PRNGKey(seed),
+        greedy=greedy,
+    )
 
 
 def _one_group_per_version(engine, params=None):
@@ -93,8 +108,9 @@ def test_staleness_bound_sampled_returns_valid_versions():
 
 
 def test_release_slots_stops_only_the_marked_slots():
-    spec = es.EngineSpec(CFG, slots=4, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD,
-                         greedy=True)
+    spec = es.EngineSpec(
+        CFG, slots=4, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD, greedy=True
+    )
     prompt, mask = _prompts()
     state = es.init_state(spec, jax.random.PRNGKey(0))
     state = es.admit(_params(), spec, state, prompt[[0, 1]], mask[[0, 1]], np.arange(4, dtype=np.int32))
@@ -111,14 +127,22 @@ def test_release_slots_stops_only_the_marked_slots():
 K = 3  # tokens drawn under params A before the switch to B
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params_b(cfg=CFG):
     return tf.init_params(cfg, jax.random.PRNGKey(1))
 
 
 def _spec(prompt_len=P, max_new_tokens=T, greedy=True, cfg=CFG):
-    return es.EngineSpec(cfg, slots=4, prompt_len=prompt_len, max_new_tokens=max_new_tokens, group_size=G,
-                         eos_id=NEVER, pad_id=PAD, greedy=greedy)
+    return es.EngineSpec(
+        cfg,
+        slots=4,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        group_size=G,
+        eos_id=NEVER,
+        pad_id=PAD,
+        greedy=greedy,
+    )
 
 
 def _after_k_under_a(greedy=True, redo=True, cfg=CFG):
@@ -162,8 +186,9 @@ def test_reprefill_equals_a_clean_prefill_under_the_new_params(cfg, greedy):
             np.testing.assert_allclose(ours[fed_SxC], theirs[fed_SxC], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(state.last_S)[1:3], np.asarray(fresh.last_S)[1:3])
     if cfg.n_experts:  # the recorded routing of the fed slots is the re-prefill's, as a fresh prefill's
-        np.testing.assert_array_equal(np.asarray(state.routing_SxCxLxK)[1:3][fed_SxC],
-                                      np.asarray(fresh.routing_SxCxLxK)[1:3][fed_SxC])
+        np.testing.assert_array_equal(
+            np.asarray(state.routing_SxCxLxK)[1:3][fed_SxC], np.asarray(fresh.routing_SxCxLxK)[1:3][fed_SxC]
+        )
     # Continuing under B draws what the fresh engine draws (same key stream, same slots).
     state = es.decode_chunk(_params_b(cfg), spec, state, T, 1, 1.0)
     fresh = es.decode_chunk(_params_b(cfg), spec_b, fresh, T, 1, 1.0)
@@ -203,8 +228,13 @@ def test_engine_reprefill_option_makes_continued_logprobs_the_new_params(redo):
     assert carried > 0 and engine.counts["reprefilled_samples"] == (carried * G if redo else 0)
     batch = assemble_batch(first + rest)
     mask, version = batch["completion_mask_BxT"] > 0, batch["version_BxT"]
-    args = (batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"], batch["completion_mask_BxT"],
-            0.7)
+    args = (
+        batch["prompt_tokens_BxP"],
+        batch["prompt_mask_BxP"],
+        batch["tokens_BxT"],
+        batch["completion_mask_BxT"],
+        0.7,
+    )
     logp_a, logp_b = (np.asarray(tf.token_logprobs(p, CFG, *args)[0]) for p in (_params(), _params_b()))
     spans_B = np.any(mask & (version == 0), 1) & np.any(mask & (version == 1), 1)
     assert spans_B.any()
@@ -217,10 +247,15 @@ def test_engine_reprefill_option_makes_continued_logprobs_the_new_params(redo):
         assert gap.max() > 1e-2
 
 
-@pytest.mark.parametrize("item, needle", [
-    ("rollout.engine.max_staleness=-2",
-     "rollout.engine.max_staleness: got -2, expected -1 (no bound) or an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "item, needle",
+    [
+        (
+            "rollout.engine.max_staleness=-2",
+            "rollout.engine.max_staleness: got -2, expected -1 (no bound) or an integer >= 0",
+        ),
+    ],
+)
 def test_partial_config_errors_name_the_field(item, needle):
     with pytest.raises(ConfigError) as e:
         C.apply_overrides(C.Config(), [item]).validate()
@@ -261,8 +296,9 @@ def test_update_splits_the_logprob_mismatch_by_staleness():
 
 
 def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_process_cache):
-    from jaxrl.data.stream import StreamState
     from test_engine_train import _cfg, _source
+
+    from jaxrl.data.stream import StreamState
 
     fill = ["rollout.engine.slots=32", "rollout.engine.chunk=1", "rollout.engine.admission=fill"]
     for extra, bound in ((["rollout.engine.max_staleness=0"], 0), (["rollout.engine.reprefill=true"], None)):
@@ -286,18 +322,28 @@ def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_proc
 
 
 def test_grpo_trains_with_partial_rollouts_and_reports_the_split_mismatch(tmp_path, in_process_cache, fast_compiles):
-    from jaxrl.train.loop import train
     from test_engine_train import _cfg
+
+    from jaxrl.train.loop import train
 
     # 24 slots hold 6 groups of 4; a step needs 4: the 2 groups over are returned by step 2, drawn
     # by version 0 (1 version old, within the bound): about half of step 2's tokens.
-    cfg = _cfg("rollout.engine.slots=24", "rollout.engine.admission=fill", "rollout.engine.max_staleness=1",
-               "rollout.engine.reprefill=true")
+    cfg = _cfg(
+        "rollout.engine.slots=24",
+        "rollout.engine.admission=fill",
+        "rollout.engine.max_staleness=1",
+        "rollout.engine.reprefill=true",
+    )
     rows = train(cfg, tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
-        for key in ("engine/restarted_samples", "engine/reprefilled_samples", "mismatch_abs_logp_stale",
-                    "mismatch_abs_logp_fresh", "stale_tokens"):
+        for key in (
+            "engine/restarted_samples",
+            "engine/reprefilled_samples",
+            "mismatch_abs_logp_stale",
+            "mismatch_abs_logp_fresh",
+            "stale_tokens",
+        ):
             assert key in row and np.isfinite(row[key]), key
         share = row["stale_tokens"]
         mix = share * row["mismatch_abs_logp_stale"] + (1 - share) * row["mismatch_abs_logp_fresh"]

@@ -10,8 +10,9 @@ import json
 import jax
 import numpy as np
 import pytest
+from preset_configs import config_path, overrides
+from test_resume import straight_and_killed_runs
 
-from conftest import TINY
 from jaxrl.config import ConfigError, load_config
 from jaxrl.data.stream import StreamState
 from jaxrl.data.tasks import load_task
@@ -19,13 +20,15 @@ from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.group_sources import EngineSource
 from jaxrl.train.warmstart import load_or_train_base
-from preset_configs import config_path, fast_compiles, overrides  # noqa: F401  (fixture)
-from test_resume import straight_and_killed_runs
 
 # Slots for 8 groups, 4 a step, one decode step a chunk: groups are in flight at every step boundary,
 # some with members already read out (finished) while others still decode.
-FILL = ["rollout.engine.enabled=true", "rollout.engine.slots=32", "rollout.engine.chunk=1",
-        "rollout.engine.admission=fill"]
+FILL = [
+    "rollout.engine.enabled=true",
+    "rollout.engine.slots=32",
+    "rollout.engine.chunk=1",
+    "rollout.engine.admission=fill",
+]
 TIMING = {"rollout/seconds", "rollout/tokens_per_s", "step_seconds", "wall_time"}
 
 
@@ -53,12 +56,16 @@ def _same_step(a, b):
     assert sorted(a.host_batch) == sorted(b.host_batch)
     for k in a.host_batch:
         np.testing.assert_array_equal(a.host_batch[k], b.host_batch[k], err_msg=k)
-    assert {k: v for k, v in a.metrics.items() if k not in TIMING} == \
-           {k: v for k, v in b.metrics.items() if k not in TIMING}
+    assert {k: v for k, v in a.metrics.items() if k not in TIMING} == {
+        k: v for k, v in b.metrics.items() if k not in TIMING
+    }
 
 
-@pytest.mark.parametrize("extra, saved_at", [((), 2), (("rollout.engine.max_staleness=1", "rollout.engine.reprefill=true"), 5)],
-                         ids=["unbounded", "bounded-reprefill"])
+@pytest.mark.parametrize(
+    "extra, saved_at",
+    [((), 2), (("rollout.engine.max_staleness=1", "rollout.engine.reprefill=true"), 5)],
+    ids=["unbounded", "bounded-reprefill"],
+)
 def test_restored_engine_continues_like_the_original(in_process_cache, extra, saved_at):
     # bounded-reprefill: the version that admitted each flight is part of the state (a restore
     # without it restarts different groups).
@@ -114,9 +121,21 @@ def test_engine_state_without_drafting_does_not_load_into_a_drafting_engine():
     from jaxrl.rollout.engine import Engine
 
     model = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
-    make = lambda spec: Engine(model, EngineConfig(enabled=True, slots=4), group_size=2, prompt_len=4,
-                               max_new_tokens=5, temperature=1.0, eos_id=1, pad_id=0, rng=jax.random.key(0),
-                               speculative=spec)
+
+    def make(spec):
+        return Engine(
+            model,
+            EngineConfig(enabled=True, slots=4),
+            group_size=2,
+            prompt_len=4,
+            max_new_tokens=5,
+            temperature=1.0,
+            eos_id=1,
+            pad_id=0,
+            rng=jax.random.key(0),
+            speculative=spec,
+        )
+
     host, arrays = make(None).to_state()
     drafting = make(SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=1))
     with pytest.raises(ConfigError, match=r"rollout.speculative.enabled/max_draft: .* caches hold \d+ positions"):
@@ -134,8 +153,14 @@ def test_save_refuses_device_arrays_in_the_arrays_item(tmp_path):
 
 
 STEPS = 10
-RUN_ARGS = [str(config_path("grpo")), *sum((["--set", t] for t in overrides("grpo") + FILL), []),
-            "--set", f"train.steps={STEPS}", "--set", "checkpoint.every=1"]
+RUN_ARGS = [
+    str(config_path("grpo")),
+    *sum((["--set", t] for t in overrides("grpo") + FILL), []),
+    "--set",
+    f"train.steps={STEPS}",
+    "--set",
+    "checkpoint.every=1",
+]
 
 
 def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_path, cache_env):
@@ -147,7 +172,10 @@ def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_pat
     assert reference[restored]["engine/in_flight_groups"] > 0
     assert reference[restored + 1]["engine/staleness_max"] >= 1
     for step in range(1, STEPS + 1):
-        untimed = lambda row: {k: v for k, v in row.items() if k not in TIMING}
+
+        def untimed(row):
+            return {k: v for k, v in row.items() if k not in TIMING}
+
         assert untimed(resumed[step]) == untimed(reference[step]), step
 
 
@@ -164,6 +192,7 @@ def test_checkpoint_without_engine_state_resumes_with_the_engine(tmp_path, in_pr
     assert rows[2]["engine/chunks"] > 0 and rows[2]["engine/partial_frac"] == 0  # nothing was carried in
     host = json.loads((workdir / "checkpoints" / "2" / "host" / "metadata").read_text())
     assert host["engine"]["flights"]  # the engine's samples in flight were saved
-    rows = train(dataclasses.replace(static, train=dataclasses.replace(static.train, steps=3)), workdir,
-                 allow_config_change=True)
+    rows = train(
+        dataclasses.replace(static, train=dataclasses.replace(static.train, steps=3)), workdir, allow_config_change=True
+    )
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and "engine/chunks" not in rows[3]

@@ -5,13 +5,13 @@ plain sampler's distribution (chi-square against enumeration)."""
 
 import jax
 import numpy as np
-
+import test_engine_distribution as dist
 from chi_square import chi_square_pvalue
+from test_engine import CFG, LENGTHS, _engine, _eos, _items, _params
+
 from jaxrl.config import EngineConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine import Engine, assemble_batch, concat_groups
-from test_engine import CFG, LENGTHS, _eos, _engine, _items, _params
-import test_engine_distribution as dist
 
 
 def test_more_greedy_samples_of_a_scored_prompt_equal_its_first_ones():
@@ -46,8 +46,15 @@ def test_sampled_logprobs_equal_trainer_recomputation():
     items = _items()
     groups = engine.sample(_params(), 0, [(i, items[i][1], k) for i, k in ((0, 3), (3, 1), (4, 4))])
     batch = assemble_batch(groups)
-    logp, _ = tf.token_logprobs(_params(), CFG, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                batch["tokens_BxT"], batch["completion_mask_BxT"], 0.7)
+    logp, _ = tf.token_logprobs(
+        _params(),
+        CFG,
+        batch["prompt_tokens_BxP"],
+        batch["prompt_mask_BxP"],
+        batch["tokens_BxT"],
+        batch["completion_mask_BxT"],
+        0.7,
+    )
     mask = batch["completion_mask_BxT"] > 0
     assert mask.sum() > 15
     np.testing.assert_allclose(batch["rollout_logp_BxT"][mask], np.asarray(logp)[mask], atol=2e-5, rtol=0)
@@ -60,8 +67,18 @@ def test_sample_draws_have_the_plain_distribution():
     enumeration (tests/test_engine_distribution.py's model and prompts)."""
     temperature, top_k = 0.8, 3
     ecfg = EngineConfig(enabled=True, slots=64, chunk=2, admit_groups=8)
-    engine = Engine(dist.SMALL, ecfg, group_size=dist.G, prompt_len=dist.P, max_new_tokens=dist.T,
-                    temperature=temperature, top_k=top_k, eos_id=dist.EOS, pad_id=dist.PAD, rng=jax.random.PRNGKey(7))
+    engine = Engine(
+        dist.SMALL,
+        ecfg,
+        group_size=dist.G,
+        prompt_len=dist.P,
+        max_new_tokens=dist.T,
+        temperature=temperature,
+        top_k=top_k,
+        eos_id=dist.EOS,
+        pad_id=dist.PAD,
+        rng=jax.random.PRNGKey(7),
+    )
     requests = [(0, dist.PROMPTS[0], 3), (1, dist.PROMPTS[1], 5)] * 600
     out = {0: [], 1: []}
     for g in engine.sample(dist._params(), 0, requests):

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import test_engine as te
 import test_engine_distribution as td
 from chi_square import chi_square_pvalue
+
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
@@ -29,9 +29,19 @@ def _spec(max_draft=K, drafter="early_exit"):
 
 def _engine(cfg, eos_id, slots, chunk, admit_groups=1, greedy=True, temperature=1.0, seed=0, speculative=None):
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=admit_groups)
-    return Engine(cfg, ecfg, group_size=te.G, prompt_len=te.P, max_new_tokens=te.T, temperature=temperature,
-                  eos_id=eos_id, pad_id=te.PAD, rng=jax.random.PRNGKey(seed), greedy=greedy,
-                  speculative=_spec() if speculative is None else speculative)
+    return Engine(
+        cfg,
+        ecfg,
+        group_size=te.G,
+        prompt_len=te.P,
+        max_new_tokens=te.T,
+        temperature=temperature,
+        eos_id=eos_id,
+        pad_id=te.PAD,
+        rng=jax.random.PRNGKey(seed),
+        greedy=greedy,
+        speculative=_spec() if speculative is None else speculative,
+    )
 
 
 def _check_drafts_tested(counts):
@@ -39,9 +49,11 @@ def _check_drafts_tested(counts):
     assert counts["drafted"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
 
 
-@pytest.mark.parametrize("cfg,slots,chunk,admit_groups,reverse", [
-    (te.CFG, 4, 1, 1, False), (te.CFG, 4, 3, 2, True), (te.MOE, 4, 3, 1, True)],
-    ids=["S4-chunk1", "S4-chunk3-admit2-reversed", "moe-S4-chunk3-reversed"])
+@pytest.mark.parametrize(
+    "cfg,slots,chunk,admit_groups,reverse",
+    [(te.CFG, 4, 1, 1, False), (te.CFG, 4, 3, 2, True), (te.MOE, 4, 3, 1, True)],
+    ids=["S4-chunk1", "S4-chunk3-admit2-reversed", "moe-S4-chunk3-reversed"],
+)
 def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups, reverse):
     """Five prompts of lengths 1..5, G=2, greedy: tokens, masks, truncation (and MoE routing) identical
     to `sampler.sample(greedy=True)`, log-probs to float32 noise, with slots reused and groups admitted
@@ -86,8 +98,15 @@ def test_recorded_logprobs_and_versions_equal_trainer_recomputation():
     groups = engine.collect(te._params(cfg), 5, items, n_groups=2)
     groups += engine.collect(te._params(cfg), 6, items, n_groups=3)
     batch = assemble_batch(groups)
-    logp, _ = tf.token_logprobs(te._params(cfg), cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                batch["tokens_BxT"], batch["completion_mask_BxT"], 0.7)
+    logp, _ = tf.token_logprobs(
+        te._params(cfg),
+        cfg,
+        batch["prompt_tokens_BxP"],
+        batch["prompt_mask_BxP"],
+        batch["tokens_BxT"],
+        batch["completion_mask_BxT"],
+        0.7,
+    )
     mask = batch["completion_mask_BxT"] > 0
     assert mask.sum() > 15 and not mask.all()
     np.testing.assert_allclose(batch["rollout_logp_BxT"][mask], np.asarray(logp)[mask], atol=2e-5, rtol=0)
@@ -119,12 +138,28 @@ def test_eos_inside_an_accepted_draft_ends_the_sample():
     was never kept. The whole batch equals `sampler.sample`'s."""
     params = _perfect_drafter_params()
     prompt, mask = te._prompts()
-    run = lambda eos, t: sample(params, te.CFG, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(0),
-                                group_size=te.G, max_new_tokens=t, temperature=1.0, eos_id=eos, pad_id=te.PAD,
-                                greedy=True)
+
+    def run(eos, t):
+        return sample(
+            params,
+            te.CFG,
+            jnp.asarray(prompt),
+            jnp.asarray(mask),
+            jax.random.PRNGKey(0),
+            group_size=te.G,
+            max_new_tokens=t,
+            temperature=1.0,
+            eos_id=eos,
+            pad_id=te.PAD,
+            greedy=True,
+        )
+
     toks = np.asarray(run(te.NEVER, te.T + 2).tokens_BxT)  # two columns past T: the second window's end
-    eos = next(e for e in range(te.CFG.vocab_size)
-               if {1} <= {_first(r, e) for r in toks} and {6, 7} & {_first(r, e) for r in toks})
+    eos = next(
+        e
+        for e in range(te.CFG.vocab_size)
+        if {1} <= {_first(r, e) for r in toks} and {6, 7} & {_first(r, e) for r in toks}
+    )
     early = next(r for r in range(len(toks)) if _first(toks[r], eos) == 1)
     late = next(r for r in range(len(toks)) if _first(toks[r], eos) in (6, 7))
     ref = run(eos, te.T)
@@ -134,9 +169,12 @@ def test_eos_inside_an_accepted_draft_ends_the_sample():
     np.testing.assert_array_equal(batch["tokens_BxT"][early], [toks[early, 0], eos] + [te.PAD] * (te.T - 2))
     np.testing.assert_array_equal(batch["completion_mask_BxT"][early], [1, 1] + [0] * (te.T - 2))
     assert batch["truncated_B"][early] == 0 and batch["truncated_B"][late] == 1
-    np.testing.assert_array_equal(batch["tokens_BxT"][late], toks[late, :te.T])
-    for name, want in (("tokens_BxT", ref.tokens_BxT), ("completion_mask_BxT", ref.completion_mask_BxT),
-                       ("truncated_B", (~np.asarray(ref.finished_B)).astype(np.float32))):
+    np.testing.assert_array_equal(batch["tokens_BxT"][late], toks[late, : te.T])
+    for name, want in (
+        ("tokens_BxT", ref.tokens_BxT),
+        ("completion_mask_BxT", ref.completion_mask_BxT),
+        ("truncated_B", (~np.asarray(ref.finished_B)).astype(np.float32)),
+    ):
         np.testing.assert_array_equal(batch[name], np.asarray(want))
 
 
@@ -147,8 +185,18 @@ N_GROUPS = 750  # per prompt: 3,000 samples each
 
 def _speculative_samples(seed, n_groups=N_GROUPS):
     ecfg = EngineConfig(enabled=True, slots=64, chunk=2, admit_groups=8)
-    engine = Engine(td.SMALL, ecfg, group_size=td.G, prompt_len=td.P, max_new_tokens=td.T, temperature=1.0,
-                    eos_id=td.EOS, pad_id=td.PAD, rng=jax.random.PRNGKey(seed), speculative=_spec(max_draft=2))
+    engine = Engine(
+        td.SMALL,
+        ecfg,
+        group_size=td.G,
+        prompt_len=td.P,
+        max_new_tokens=td.T,
+        temperature=1.0,
+        eos_id=td.EOS,
+        pad_id=td.PAD,
+        rng=jax.random.PRNGKey(seed),
+        speculative=_spec(max_draft=2),
+    )
     items = ((i % 2, td.PROMPTS[i % 2]) for i in range(2 * n_groups))
     groups = engine.collect(td._params(), 0, items, n_groups=2 * n_groups)
     assert len(groups) == 2 * n_groups and engine.counts["chunks"] > n_groups // 20  # 64 slots reused many times
@@ -172,12 +220,17 @@ def test_sampled_distribution_equals_enumeration():
 
 # --- configuration, the training loop's source, the benchmark -------------------------------------
 
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError) as e:
-        C.apply_overrides(C.Config(), ["rollout.engine.enabled=true", "rollout.speculative.enabled=true",
-                                       "rollout.speculative.drafter=int8"]).validate()
-    assert str(e.value) == ("rollout.speculative.drafter: got 'int8', expected 'early_exit' with "
-                            "rollout.engine.enabled=true (the engine's only drafter)")
+        C.apply_overrides(
+            C.Config(),
+            ["rollout.engine.enabled=true", "rollout.speculative.enabled=true", "rollout.speculative.drafter=int8"],
+        ).validate()
+    assert str(e.value) == (
+        "rollout.speculative.drafter: got 'int8', expected 'early_exit' with "
+        "rollout.engine.enabled=true (the engine's only drafter)"
+    )
     C.apply_overrides(C.Config(), ["rollout.speculative.enabled=true", "rollout.speculative.drafter=int8"]).validate()
     with pytest.raises(ConfigError, match=r"^rollout.speculative.drafter: got 'reuse', expected 'early_exit'"):
         _engine(te.CFG, te.NEVER, 4, 1, speculative=_spec(drafter="reuse"))
@@ -186,8 +239,13 @@ def test_config_errors_name_the_field():
 
 
 def test_from_config_picks_the_speculative_chunk_only_when_enabled():
-    base = ["model.n_layers=2", "rollout.engine.enabled=true", "rollout.group_size=2", "rollout.engine.slots=4",
-            "rollout.speculative.max_draft=2"]
+    base = [
+        "model.n_layers=2",
+        "rollout.engine.enabled=true",
+        "rollout.group_size=2",
+        "rollout.engine.slots=4",
+        "rollout.speculative.max_draft=2",
+    ]
     for extra, speculative in (([], False), (["rollout.speculative.enabled=true"], True)):
         cfg = C.apply_overrides(C.Config(), base + extra)
         cfg.validate()
@@ -224,14 +282,19 @@ def test_training_source_uses_the_speculative_engine(in_process_cache):
     is a config error naming draft_layers."""
     import dataclasses
 
+    from preset_configs import config_path, overrides
+
     from jaxrl.data.stream import StreamState
     from jaxrl.data.tasks import load_task
     from jaxrl.data.tokenizer import CharTokenizer
     from jaxrl.train.group_sources import EngineSource
-    from preset_configs import config_path, overrides
 
-    on = ["rollout.engine.enabled=true", "rollout.engine.slots=8", "rollout.speculative.enabled=true",
-          "rollout.speculative.max_draft=2"]
+    on = [
+        "rollout.engine.enabled=true",
+        "rollout.engine.slots=8",
+        "rollout.speculative.enabled=true",
+        "rollout.speculative.max_draft=2",
+    ]
     cfg = C.load_config(config_path("grpo"), overrides("grpo") + on + ["model.n_layers=2"])
     tok = CharTokenizer()
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
@@ -247,6 +310,7 @@ def test_training_source_uses_the_speculative_engine(in_process_cache):
 
 
 # --- last: it clears jax's compile caches ------------------------------------------------------
+
 
 def _accept_every_draft(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None):
     """A broken rule: keep every draft, then draw the bonus token from the last p."""

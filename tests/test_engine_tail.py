@@ -9,10 +9,10 @@ import json
 import jax
 import numpy as np
 import pytest
-
 import test_engine as te
 import test_engine_distribution as td
 from chi_square import chi_square_pvalue
+
 from jaxrl.config import EngineConfig, SpeculativeConfig
 from jaxrl.rollout.calibrate import StepCosts, expected_tokens, tail_gain, tail_threshold
 from jaxrl.rollout.engine import Engine, assemble_batch
@@ -43,8 +43,9 @@ def test_tail_threshold_from_costs_and_acceptance_by_hand():
 
 
 def _toggle(max_active_rows, max_draft=3):
-    return SpeculativeConfig(enabled=True, drafter="early_exit", draft_layers=1, max_draft=max_draft,
-                             max_active_rows=max_active_rows)
+    return SpeculativeConfig(
+        enabled=True, drafter="early_exit", draft_layers=1, max_draft=max_draft, max_active_rows=max_active_rows
+    )
 
 
 def _both_kinds_ran(counts):
@@ -59,8 +60,19 @@ def test_greedy_with_the_toggle_equals_plain_engine_and_sampler(cfg=te.CFG):
     eos = te._eos(cfg)
     ref = te._plain(cfg, eos)
     ecfg = EngineConfig(enabled=True, slots=4, chunk=1, admit_groups=1)
-    engine = Engine(cfg, ecfg, group_size=te.G, prompt_len=te.P, max_new_tokens=te.T, temperature=1.0, eos_id=eos,
-                    pad_id=te.PAD, rng=jax.random.PRNGKey(0), greedy=True, speculative=_toggle(2))
+    engine = Engine(
+        cfg,
+        ecfg,
+        group_size=te.G,
+        prompt_len=te.P,
+        max_new_tokens=te.T,
+        temperature=1.0,
+        eos_id=eos,
+        pad_id=te.PAD,
+        rng=jax.random.PRNGKey(0),
+        greedy=True,
+        speculative=_toggle(2),
+    )
     assert engine.tail_rows == 2
     batch = assemble_batch(te._by_tag(engine.collect(te._params(cfg), 0, te._items(), n_groups=len(te.LENGTHS))))
     te._check_same_rollout(batch, ref, cfg)
@@ -81,8 +93,18 @@ def _switching_samples(seed):
     samples in lockstep and, once one of them has drawn EOS, finishes the others speculatively
     (7 gathered rows), so samples switch chunk kinds mid-completion."""
     ecfg = EngineConfig(enabled=True, slots=8, chunk=1, admit_groups=2)
-    engine = Engine(td.SMALL, ecfg, group_size=td.G, prompt_len=td.P, max_new_tokens=td.T, temperature=TEMP,
-                    eos_id=td.EOS, pad_id=td.PAD, rng=jax.random.PRNGKey(seed), speculative=_toggle(7, 2))
+    engine = Engine(
+        td.SMALL,
+        ecfg,
+        group_size=td.G,
+        prompt_len=td.P,
+        max_new_tokens=td.T,
+        temperature=TEMP,
+        eos_id=td.EOS,
+        pad_id=td.PAD,
+        rng=jax.random.PRNGKey(seed),
+        speculative=_toggle(7, 2),
+    )
     items = iter([(i % 2, td.PROMPTS[i % 2]) for i in range(2 * N_GROUPS)])
     groups = []
     for _ in range(N_GROUPS):
@@ -113,9 +135,22 @@ def test_resumed_toggle_engine_continues_like_the_original():
     the last draining the tail with speculative chunks, and the same counters as the engine that
     went on."""
     ecfg = EngineConfig(enabled=True, slots=8, chunk=1, admit_groups=1, admission="fill")
-    make = lambda: Engine(te.CFG, ecfg, group_size=te.G, prompt_len=te.P, max_new_tokens=te.T, temperature=1.0,
-                          eos_id=te._eos(te.CFG), pad_id=te.PAD, rng=jax.random.PRNGKey(3), greedy=False,
-                          speculative=_toggle(3))
+
+    def make():
+        return Engine(
+            te.CFG,
+            ecfg,
+            group_size=te.G,
+            prompt_len=te.P,
+            max_new_tokens=te.T,
+            temperature=1.0,
+            eos_id=te._eos(te.CFG),
+            pad_id=te.PAD,
+            rng=jax.random.PRNGKey(3),
+            greedy=False,
+            speculative=_toggle(3),
+        )
+
     items = te._items() * 4  # 20 prompts
     engine = make()
     engine.collect(te._params(te.CFG), 0, iter(items[:8]), n_groups=2)
@@ -144,13 +179,20 @@ def test_rows_chunk_over_every_slot_in_order_equals_the_full_chunk():
     spec = speculative_spec(EngineSpec(te.CFG, 4, te.P, te.T, te.G, te.NEVER, te.PAD), _toggle(4))
     params = te._params(te.CFG)
     prompt, mask = te._prompts()
-    state = admit(params, spec, init_state(spec, jax.random.PRNGKey(1)), prompt[1:2], mask[1:2],
-                  np.array([1, 3], np.int32))
-    copy = lambda: jax.tree.map(jax.numpy.copy, state)
+    state = admit(
+        params, spec, init_state(spec, jax.random.PRNGKey(1)), prompt[1:2], mask[1:2], np.array([1, 3], np.int32)
+    )
+
+    def copy():
+        return jax.tree.map(jax.numpy.copy, state)
+
     full, d_full, a_full = speculative_chunk(params, spec, copy(), 3, 0, 1.0)
     rows, d_rows, a_rows = speculative_rows_chunk(params, spec, copy(), np.arange(4, dtype=np.int32), 3, 0, 1.0)
     assert (int(d_full), int(a_full)) == (int(d_rows), int(a_rows)) and 0 < int(a_full) < int(d_full)
-    same = lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    def same(x, y):
+        return np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
     jax.tree.map(same, full._replace(rng=None), rows._replace(rng=None))
     same(jax.random.key_data(full.rng), jax.random.key_data(rows.rng))
     assert not np.array_equal(jax.random.key_data(full.rng), jax.random.key_data(state.rng))

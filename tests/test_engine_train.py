@@ -9,8 +9,8 @@ import math
 import jax
 import numpy as np
 import pytest
+from preset_configs import config_path, overrides
 
-from conftest import TINY
 from jaxrl.config import ConfigError, load_config
 from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
@@ -19,7 +19,6 @@ from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params
 from jaxrl.train.group_sources import EngineSource, PromptFeed, engine_metrics
 from jaxrl.train.warmstart import load_or_train_base
-from preset_configs import config_path, fast_compiles, overrides  # noqa: F401  (fixture)
 
 
 def _cfg(*extra):
@@ -99,7 +98,7 @@ def test_engine_metrics_staleness_by_hand():
     assert (m["engine/staleness_0"], m["engine/staleness_1"], m["engine/staleness_2+"]) == (0.6, 0.4, 0.0)
 
 
-def test_grpo_trains_with_the_engine(tmp_path, in_process_cache, fast_compiles):  # noqa: F811
+def test_grpo_trains_with_the_engine(tmp_path, in_process_cache, fast_compiles):
     from jaxrl.train.loop import train
 
     cfg = _cfg("rollout.engine.slots=8", "rollout.engine.admission=fill")

@@ -7,14 +7,13 @@ import math
 
 import numpy as np
 import pytest
+from test_engine_train import _cfg, _source
 
 from jaxrl import config as C
 from jaxrl.config import ConfigError
 from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
 from jaxrl.train.group_sources import EngineSource, PromptFeed
-from test_engine_train import _cfg, _source
-from preset_configs import fast_compiles  # noqa: F401  (fixture)
 
 VIGOR = ["rollout.engine.slots=8", "rollout.engine.allocation=vigor", "rollout.engine.initial_samples=2"]
 
@@ -60,7 +59,7 @@ def test_vigor_step_has_b_rows_one_group_per_prompt_and_unequal_sizes(in_process
     assert m["engine/staleness_0"] == 1.0
 
 
-def test_grpo_trains_with_vigor(tmp_path, in_process_cache, fast_compiles):  # noqa: F811
+def test_grpo_trains_with_vigor(tmp_path, in_process_cache, fast_compiles):
     from jaxrl.train.loop import train
 
     rows = train(_cfg(*VIGOR), tmp_path / "run")
@@ -71,19 +70,30 @@ def test_grpo_trains_with_vigor(tmp_path, in_process_cache, fast_compiles):  # n
             assert math.isfinite(row[key]), key
 
 
-@pytest.mark.parametrize("items, needle", [
-    (["rollout.engine.allocation=best"], "rollout.engine.allocation: got 'best', expected 'uniform' or 'vigor'"),
-    (["rollout.engine.allocation=vigor"], "rollout.engine.allocation: got 'vigor', expected 'uniform' unless"),
-    (VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.initial_samples=8"],
-     "rollout.engine.initial_samples: got 8, expected 1..group_size-1=7"),
-    (VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.max_group_samples=4"],
-     "rollout.engine.max_group_samples: got 4, expected 0 (2 * group_size) or at least group_size=8"),
-    (VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.admission=fill"],
-     "rollout.engine.admission: got 'fill', expected 'exact' with allocation=vigor"),
-    (VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.dynamic_sampling=true"],
-     "rollout.engine.dynamic_sampling: got True, expected false with allocation=vigor"),
-    (["rollout.engine.allocation_rounds=0"], "rollout.engine.allocation_rounds: got 0"),
-])
+@pytest.mark.parametrize(
+    "items, needle",
+    [
+        (["rollout.engine.allocation=best"], "rollout.engine.allocation: got 'best', expected 'uniform' or 'vigor'"),
+        (["rollout.engine.allocation=vigor"], "rollout.engine.allocation: got 'vigor', expected 'uniform' unless"),
+        (
+            VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.initial_samples=8"],
+            "rollout.engine.initial_samples: got 8, expected 1..group_size-1=7",
+        ),
+        (
+            VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.max_group_samples=4"],
+            "rollout.engine.max_group_samples: got 4, expected 0 (2 * group_size) or at least group_size=8",
+        ),
+        (
+            VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.admission=fill"],
+            "rollout.engine.admission: got 'fill', expected 'exact' with allocation=vigor",
+        ),
+        (
+            VIGOR[1:] + ["rollout.engine.enabled=true", "rollout.engine.dynamic_sampling=true"],
+            "rollout.engine.dynamic_sampling: got True, expected false with allocation=vigor",
+        ),
+        (["rollout.engine.allocation_rounds=0"], "rollout.engine.allocation_rounds: got 0"),
+    ],
+)
 def test_vigor_config_errors_name_the_field(items, needle):
     with pytest.raises(ConfigError) as e:
         C.apply_overrides(C.Config(), items).validate()

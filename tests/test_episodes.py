@@ -2,13 +2,11 @@
 host loop over the plain sampler, recorded log-probs against the trainer's recomputation, and
 episodes that do not depend on how long environment steps take."""
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from episode_helpers import CFG, MOE, RECORDS, TOK, CountEnv, P, T, engine, params, reference_episode, requests
 
-from episode_helpers import CFG, MOE, P, RECORDS, T, TOK, CountEnv, engine, params, reference_episode, requests
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.episodes import EpisodeGroup
 from jaxrl.rollout.sampler import sample
@@ -51,8 +49,16 @@ def test_recorded_logps_equal_the_trainers_recomputation_over_the_multi_turn_seq
     prompt = np.repeat(np.stack([g.prompt_P for g in groups]), 3, 0)
     mask = np.repeat(np.stack([g.prompt_mask_P for g in groups]), 3, 0)
     replay = None if cfg.n_experts == 0 else jnp.asarray(_stack(groups, "routing_GxCxLxK"))
-    logp, _ = tf.token_logprobs(params(cfg), cfg, jnp.asarray(prompt), jnp.asarray(mask), jnp.asarray(tokens),
-                                jnp.asarray(loss), 0.7, replay_BxSxLxK=replay)
+    logp, _ = tf.token_logprobs(
+        params(cfg),
+        cfg,
+        jnp.asarray(prompt),
+        jnp.asarray(mask),
+        jnp.asarray(tokens),
+        jnp.asarray(loss),
+        0.7,
+        replay_BxSxLxK=replay,
+    )
     recorded = _stack(groups, "logp_GxT")
     on = loss > 0
     np.testing.assert_allclose(recorded[on], np.asarray(logp)[on], atol=2e-5, rtol=0)
@@ -102,7 +108,10 @@ def test_episodes_do_not_depend_on_environment_timing():
     outs = []
     for sleep_seed, overlap in [(1, True), (2, True), (3, False)]:
         sleeper = np.random.default_rng(sleep_seed)
-        env = lambda: CountEnv(sleep=lambda _: sleeper.uniform(0, 0.02))
+
+        def env(sleeper=sleeper):
+            return CountEnv(sleep=lambda _: sleeper.uniform(0, 0.02))
+
         eng = engine(slots=4, chunk=2, temperature=1.0, make_env=env, overlap=overlap)
         outs.append(eng.run(params(), 0, requests(), 3, (9, 4)))
     for other in outs[1:]:
@@ -136,19 +145,45 @@ def test_an_end_of_turn_token_ends_decoding_without_eos_and_place_starts_like_th
     prompt, mask = np.zeros((2, P), np.int32), np.zeros((2, P), np.int32)
     for r, rec in enumerate([RECORDS[0], RECORDS[2]]):
         ids = [TOK.bos_id] + TOK.encode(rec["prompt"])
-        prompt[r, P - len(ids):], mask[r, P - len(ids):] = ids, 1
+        prompt[r, P - len(ids) :], mask[r, P - len(ids) :] = ids, 1
     spec = es.EngineSpec(CFG, 3, P, T, 1, TOK.eos_id, TOK.pad_id, greedy=True, stop_ids=(eot,), slot_keys=True)
     state = es.init_state(spec, jax.random.PRNGKey(0))
-    blank = lambda fill, dtype: np.full((2, T), fill, dtype)
+
+    def blank(fill, dtype):
+        return np.full((2, T), fill, dtype)
+
     keys = np.zeros((2, 2), np.uint32)
-    state = place(params(), spec, state, np.array([2, 0], np.int32), prompt, mask, blank(0, np.int32),
-                  blank(0, np.float32), blank(0, np.float32), blank(-1, np.int32), np.zeros(2, np.int32), keys)
+    state = place(
+        params(),
+        spec,
+        state,
+        np.array([2, 0], np.int32),
+        prompt,
+        mask,
+        blank(0, np.int32),
+        blank(0, np.float32),
+        blank(0, np.float32),
+        blank(-1, np.int32),
+        np.zeros(2, np.int32),
+        keys,
+    )
     state = es.decode_chunk(params(), spec, state, 4, 0, 1.0, None)
     host = es.host_slots(state)
     # Greedy with eot "1": record 0 writes "1" first (one token), record 2 writes "2222..." (no "1" yet).
     assert host.done_S[2] and not host.eos_S[2] and host.col_S[2] == 1 and host.tokens_SxT[2, 0] == eot
     assert not host.done_S[0] and host.col_S[0] == 4 and host.done_S[1]  # slot 1 was never placed
-    ref = sample(params(), CFG, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(0), group_size=1,
-                 max_new_tokens=4, temperature=1.0, eos_id=TOK.eos_id, pad_id=TOK.pad_id, greedy=True)
+    ref = sample(
+        params(),
+        CFG,
+        jnp.asarray(prompt),
+        jnp.asarray(mask),
+        jax.random.PRNGKey(0),
+        group_size=1,
+        max_new_tokens=4,
+        temperature=1.0,
+        eos_id=TOK.eos_id,
+        pad_id=TOK.pad_id,
+        greedy=True,
+    )
     np.testing.assert_array_equal(host.tokens_SxT[0, :4], np.asarray(ref.tokens_BxT[1]))
     assert int(ref.tokens_BxT[0, 0]) == eot

@@ -3,8 +3,8 @@ the token budget, and the user mistakes EpisodeEngine refuses."""
 
 import numpy as np
 import pytest
+from episode_helpers import RECORDS, TOK, CountEnv, P, engine, params, requests
 
-from episode_helpers import CFG, P, RECORDS, T, TOK, CountEnv, engine, params, requests
 from jaxrl.config import SpeculativeConfig
 
 

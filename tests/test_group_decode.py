@@ -21,7 +21,7 @@ def _prompts(lengths=LENGTHS, prompt_len=P, seed=3):
     rng = np.random.default_rng(seed)
     mask = np.zeros((len(lengths), prompt_len), np.int32)
     for i, n in enumerate(lengths):
-        mask[i, prompt_len - n:] = 1
+        mask[i, prompt_len - n :] = 1
     prompt = np.where(mask, rng.integers(1, CFG.vocab_size, mask.shape), 0)
     return jnp.asarray(prompt, jnp.int32), jnp.asarray(mask)
 

@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from preset_configs import config_path, overrides
 
 from jaxrl.config import ConfigError, load_config
 from jaxrl.data.rewards import score
@@ -20,7 +21,6 @@ from jaxrl.train import prompt_filter as prompt_filter_module
 from jaxrl.train.group_filters import ScoredGroup, informative, select_informative
 from jaxrl.train.group_sources import EngineSource
 from jaxrl.train.prompt_filter import BetaPromptFilter
-from preset_configs import config_path, overrides
 
 # ---------------------------------------------------------------------------------------------
 # Dynamic sampling, by hand
@@ -83,8 +83,11 @@ def test_dynamic_sampling_stops_when_the_prompts_run_out():
 
 
 def _cfg(*extra):
-    return load_config(config_path("grpo"), overrides("grpo") + [
-        "rollout.engine.enabled=true", "rollout.engine.slots=8", "rollout.engine.admission=exact", *extra])
+    return load_config(
+        config_path("grpo"),
+        overrides("grpo")
+        + ["rollout.engine.enabled=true", "rollout.engine.slots=8", "rollout.engine.admission=exact", *extra],
+    )
 
 
 def _first_char_verifier(completion, finished, record):
@@ -139,7 +142,12 @@ def test_engine_source_at_the_cap_fills_the_batch_with_dropped_groups(in_process
     assert produced.host_batch["tokens_BxT"].shape[0] == N * G
     np.testing.assert_array_equal(produced.host_batch["group_id_B"], np.repeat(np.arange(N), G))
     # 4 + 3 drawn, all uninformative: 7 dropped, the first 4 put back
-    assert (m["engine/dyn_extra"], m["engine/dyn_dropped"], m["engine/dyn_filled"], m["engine/dyn_cap_hit"]) == (3, 7, 4, 1)
+    assert (m["engine/dyn_extra"], m["engine/dyn_dropped"], m["engine/dyn_filled"], m["engine/dyn_cap_hit"]) == (
+        3,
+        7,
+        4,
+        1,
+    )
     assert produced.stream.index == N + 3
 
 

@@ -28,33 +28,92 @@ from jaxrl.models.transformer import forward  # noqa: E402
 from jaxrl.rollout.sampler import sample  # noqa: E402
 
 V = 96
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 # name -> (model_type, config kwargs, save_pretrained kwargs / how the checkpoint is stored)
 CASES = {
-    "llama": ("llama", dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=False,
-                            rope_theta=500000.0, rope_scaling=LLAMA3), {}),
+    "llama": (
+        "llama",
+        dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA3),
+        {},
+    ),
     "qwen2": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6), {"bf16": True}),
-    "qwen3": ("qwen3", dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=False),
-              {"max_shard_size": "40KB"}),
-    "qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                    moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2,
-                                    tie_word_embeddings=True), {}),
-    "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                    moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                                    norm_topk_prob=False, tie_word_embeddings=False), {}),
+    "qwen3": ("qwen3", dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=False), {"max_shard_size": "40KB"}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        {},
+    ),
     # transformers: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
     # 3 layers, step 2: only layer 1 is MoE, layer 2 is a trailing dense layer.
-    "qwen3_moe_tail": ("qwen3_moe", dict(num_hidden_layers=3, num_key_value_heads=2, num_experts=4,
-                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                                         decoder_sparse_step=2, tie_word_embeddings=True), {}),
+    "qwen3_moe_tail": (
+        "qwen3_moe",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
     # 5 layers, step 2, mlp_only_layers=[3]: only layer 1 is MoE; layers 2, 3, 4 are dense.
-    "qwen2_moe_mlp_only": ("qwen2_moe", dict(num_hidden_layers=5, num_key_value_heads=2, num_experts=4,
-                                             num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
-                                             mlp_only_layers=[3], shared_expert_intermediate_size=32,
-                                             norm_topk_prob=False, tie_word_embeddings=False), {}),
+    "qwen2_moe_mlp_only": (
+        "qwen2_moe",
+        dict(
+            num_hidden_layers=5,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            shared_expert_intermediate_size=32,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        {},
+    ),
 }
 
 
@@ -116,8 +175,13 @@ def test_checkpoints_cover_the_cases(models):
     assert (tail.moe_every, tail.n_moe_layers, tail.dense_tail_layers) == (2, 1, 1)
     assert (only.moe_every, only.n_moe_layers, only.dense_tail_layers) == (2, 1, 3)
     # The transformers models agree: which layers hold experts.
-    assert [type(l.mlp).__name__ for l in models["qwen2_moe_mlp_only"][1].model.layers] == [
-        "Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock", "Qwen2MoeMLP", "Qwen2MoeMLP", "Qwen2MoeMLP"]
+    assert [type(layer.mlp).__name__ for layer in models["qwen2_moe_mlp_only"][1].model.layers] == [
+        "Qwen2MoeMLP",
+        "Qwen2MoeSparseMoeBlock",
+        "Qwen2MoeMLP",
+        "Qwen2MoeMLP",
+        "Qwen2MoeMLP",
+    ]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -130,13 +194,30 @@ def test_logits_and_greedy_generation_match_transformers(models, name):
 
     prompt = _tokens(2, (2, 6))
     with torch.no_grad():
-        want = ref.generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-                            do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None,
-                            pad_token_id=0)[:, prompt.shape[1]:].numpy()
+        want = ref.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=20,
+            min_new_tokens=20,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[:, prompt.shape[1] :].numpy()
     if cfg.n_experts:  # the naive (every-expert) dispatch compiles twice as fast on CPU; logits above used dropless
         cfg = dataclasses.replace(cfg, moe_dispatch="naive")
-    out = sample(params, cfg, jnp.asarray(prompt, jnp.int32), jnp.ones(prompt.shape, bool), jax.random.key(0),
-                 group_size=1, max_new_tokens=20, temperature=1.0, eos_id=V + 1, pad_id=0, greedy=True)
+    out = sample(
+        params,
+        cfg,
+        jnp.asarray(prompt, jnp.int32),
+        jnp.ones(prompt.shape, bool),
+        jax.random.key(0),
+        group_size=1,
+        max_new_tokens=20,
+        temperature=1.0,
+        eos_id=V + 1,
+        pad_id=0,
+        greedy=True,
+    )
     np.testing.assert_array_equal(np.asarray(out.tokens_BxT), want)
 
 
@@ -151,9 +232,17 @@ def test_left_padded_row_matches_unpadded_transformers_logits(models):
     np.testing.assert_allclose(ours[1:], _hf_logits(ref, tokens[1:]), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name,dtype,shard", [("llama", "float32", 0), ("qwen3", "float32", 30_000),
-                                              ("qwen3_moe", "float32", 0), ("qwen2_moe", "bfloat16", 0),
-                                              ("qwen3_moe_tail", "float32", 0), ("qwen2_moe_mlp_only", "float32", 0)])
+@pytest.mark.parametrize(
+    "name,dtype,shard",
+    [
+        ("llama", "float32", 0),
+        ("qwen3", "float32", 30_000),
+        ("qwen3_moe", "float32", 0),
+        ("qwen2_moe", "bfloat16", 0),
+        ("qwen3_moe_tail", "float32", 0),
+        ("qwen2_moe_mlp_only", "float32", 0),
+    ],
+)
 def test_export_reloads_in_transformers_with_identical_logits(models, tmp_path, name, dtype, shard):
     d, ref = models[name]
     cfg, params = hf.load(d)
@@ -184,8 +273,11 @@ def _copy_with(src, dst, edit):
 
 def test_missing_tensor_is_named(models, tmp_path):
     d = _copy_with(models["qwen2"][0], tmp_path / "c", lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
-    with pytest.raises(hf.CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.bias' is missing "
-                                                 r"\(expected shape \(32,\)"):
+    with pytest.raises(
+        hf.CheckpointError,
+        match=r"'model\.layers\.1\.self_attn\.k_proj\.bias' is missing "
+        r"\(expected shape \(32,\)",
+    ):
         hf.load(d)
 
 
@@ -219,16 +311,20 @@ def test_unsupported_architecture_and_config_keys_are_named(models, tmp_path):
     msg = _config_error(models, tmp_path, lambda c: c.update(architectures=["MistralForCausalLM"]))
     assert "architecture 'MistralForCausalLM' is not supported" in msg and "LlamaForCausalLM" in msg
     shutil.rmtree(tmp_path / "c")
-    msg = _config_error(models, tmp_path, lambda c: c.update(
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}))
+    msg = _config_error(
+        models, tmp_path, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    )
     assert "rope scaling type 'yarn' is not supported" in msg
     shutil.rmtree(tmp_path / "c")
     msg = _config_error(models, tmp_path, lambda c: c.update(attention_bias=True))
     assert "attention_bias=True is not supported" in msg
     moe = hf.read_config(models["qwen3_moe"][0])
     # A dense layer between MoE layers has no place in the scanned stack: refused, naming the layers.
-    with pytest.raises(hf.CheckpointError, match=r"mlp_only_layers=\[0\] makes layers \[1, 2, 3\] MoE, which is "
-                                                 r"not supported"):
+    with pytest.raises(
+        hf.CheckpointError,
+        match=r"mlp_only_layers=\[0\] makes layers \[1, 2, 3\] MoE, which is "
+        r"not supported",
+    ):
         hf.model_config({**moe, "num_hidden_layers": 4, "decoder_sparse_step": 1, "mlp_only_layers": [0]})
     with pytest.raises(hf.CheckpointError, match="decoder_sparse_step=0 is not supported"):
         hf.model_config({**moe, "decoder_sparse_step": 0})
@@ -237,12 +333,19 @@ def test_unsupported_architecture_and_config_keys_are_named(models, tmp_path):
     assert hf.model_config({**moe, "mlp_only_layers": [1]}).n_experts == 0
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("rope_scaling", "yarn", "model.rope_scaling: got 'yarn', expected 'none' or 'llama3'"),
-    ("rope_high_freq_factor", 0.5, "model.rope_high_freq_factor: got 0.5, expected a number > rope_low_freq_factor"),
-    ("rope_original_max_len", 0, "model.rope_original_max_len: got 0"),
-    ("shared_expert_gate", True, "model.shared_expert_gate: got True, expected False unless n_shared_experts > 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("rope_scaling", "yarn", "model.rope_scaling: got 'yarn', expected 'none' or 'llama3'"),
+        (
+            "rope_high_freq_factor",
+            0.5,
+            "model.rope_high_freq_factor: got 0.5, expected a number > rope_low_freq_factor",
+        ),
+        ("rope_original_max_len", 0, "model.rope_original_max_len: got 0"),
+        ("shared_expert_gate", True, "model.shared_expert_gate: got True, expected False unless n_shared_experts > 0"),
+    ],
+)
 def test_new_model_fields_are_validated(field, value, match):
     from jaxrl.config import ConfigError, ModelConfig
 
@@ -259,12 +362,26 @@ def test_trailing_dense_layers_sample_replay_and_train(models):
     cfg, params = hf.load(models["qwen2_moe_mlp_only"][0])
     cfg = dataclasses.replace(cfg, moe_dispatch="naive")
     prompt, G = jnp.asarray(_tokens(5, (2, 6)), jnp.int32), 2
-    out = sample(params, cfg, prompt, jnp.ones(prompt.shape, bool), jax.random.key(1), group_size=G,
-                 max_new_tokens=5, temperature=1.0, eos_id=V + 1, pad_id=0)
+    out = sample(
+        params,
+        cfg,
+        prompt,
+        jnp.ones(prompt.shape, bool),
+        jax.random.key(1),
+        group_size=G,
+        max_new_tokens=5,
+        temperature=1.0,
+        eos_id=V + 1,
+        pad_id=0,
+    )
     assert out.routing_BxSxLxK.shape == (2 * G, 6 + 5, 1, 2)  # one MoE layer of five
-    batch = {"prompt_tokens_BxP": jnp.repeat(prompt, G, 0), "prompt_mask_BxP": jnp.ones((2 * G, 6), jnp.int32),
-             "tokens_BxT": out.tokens_BxT, "completion_mask_BxT": out.completion_mask_BxT,
-             "routing_BxSxLxK": out.routing_BxSxLxK}
+    batch = {
+        "prompt_tokens_BxP": jnp.repeat(prompt, G, 0),
+        "prompt_mask_BxP": jnp.ones((2 * G, 6), jnp.int32),
+        "tokens_BxT": out.tokens_BxT,
+        "completion_mask_BxT": out.completion_mask_BxT,
+        "routing_BxSxLxK": out.routing_BxSxLxK,
+    }
     logp_fn = jax.jit(make_logp_fn(cfg, 1.0, routing_replay=True))
     logp, _, extra = logp_fn(params, batch)
     np.testing.assert_allclose(logp, out.logp_BxT, atol=1e-5)
@@ -301,8 +418,13 @@ def test_export_keeps_the_checkpoint_context_length_and_rope_scaling(models, tmp
     for out in ("direct", "via_convert"):
         written = json.loads((tmp_path / out / "config.json").read_text())
         assert written["max_position_embeddings"] == 4096, out  # was 512: max(32, 64 * 8) from the rope fields
-        assert written["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, out
+        assert written["rope_scaling"] == {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }, out
         assert written["rope_theta"] == 500000.0, out
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype=torch.float32).eval()
         assert back.config.max_position_embeddings == 4096

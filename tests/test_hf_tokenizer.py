@@ -12,17 +12,23 @@ from jaxrl.config import ConfigError  # noqa: E402
 from jaxrl.data.hf_tokenizer import load_tokenizer  # noqa: E402
 from jaxrl.data.tokenizer import encode_prompts  # noqa: E402
 
-CORPUS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
-          "How many clips did Natalia sell altogether in April and May? #### 72",
-          "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting."] * 20
+CORPUS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "How many clips did Natalia sell altogether in April and May? #### 72",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.",
+] * 20
 # A Qwen-style ChatML template (system default, generation prompt).
-CHATML = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
-          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-LLAMA = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-         "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 
 
 def _train(specials):
@@ -31,8 +37,12 @@ def _train(specials):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return tok
 
 
@@ -40,9 +50,17 @@ def _train(specials):
 def qwen_like(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen_tok")
     _train(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]).save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHATML}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHATML,
+            }
+        )
+    )
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "pad_token_id": 0}))
     return d
 
@@ -53,12 +71,20 @@ def llama_like(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("llama_tok")
     tok = _train(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                                       special_tokens=[("<|begin_of_text|>", 0)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|eot_id|>", "chat_template": LLAMA}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|eot_id|>",
+                "chat_template": LLAMA,
+            }
+        )
+    )
     (d / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [4, 1], "vocab_size": 400}))
     return d
 
@@ -67,8 +93,15 @@ def test_ids_and_special_tokens_from_the_checkpoint(qwen_like, llama_like):
     q = load_tokenizer(qwen_like)
     assert (q.eos_id, q.eos_ids, q.pad_id, q.add_bos) == (2, (2, 0), 0, False)
     assert q.vocab_size == q.tokenizer.get_vocab_size()
-    l = load_tokenizer(llama_like)
-    assert (l.bos_id, l.eos_id, l.eos_ids, l.pad_id, l.add_bos, l.vocab_size) == (0, 4, (4, 1), 4, True, 400)
+    tok = load_tokenizer(llama_like)
+    assert (tok.bos_id, tok.eos_id, tok.eos_ids, tok.pad_id, tok.add_bos, tok.vocab_size) == (
+        0,
+        4,
+        (4, 1),
+        4,
+        True,
+        400,
+    )
 
 
 @pytest.mark.parametrize("which", ["qwen_like", "llama_like"])
@@ -82,11 +115,15 @@ def test_encode_decode_and_chat_template_match_transformers(which, request):
     # decode stops at EOS and drops PAD/BOS
     ids = [ours.bos_id] * ours.add_bos + ours.encode("clips") + [ours.eos_id] + ours.encode("May")
     assert ours.decode(ids) == "clips"
-    messages = [{"role": "user", "content": "How many clips?"}, {"role": "assistant", "content": "72"},
-                {"role": "user", "content": "And in May?"}]
+    messages = [
+        {"role": "user", "content": "How many clips?"},
+        {"role": "assistant", "content": "72"},
+        {"role": "user", "content": "And in May?"},
+    ]
     for gen in (True, False):
         assert ours.apply_chat_template(messages, add_generation_prompt=gen) == ref.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=gen)
+            messages, tokenize=False, add_generation_prompt=gen
+        )
 
 
 def test_prompts_get_bos_only_when_the_tokenizer_adds_it(qwen_like, llama_like):

@@ -15,17 +15,19 @@ pytest.importorskip("tokenizers")
 
 from conftest import REPO  # noqa: E402
 from hf_stand_in import CHATML_SPECIALS, save_bpe_tokenizer, save_tiny_qwen2  # noqa: E402
+
 from jaxrl.cli import main  # noqa: E402
 from jaxrl.config import load_config  # noqa: E402
 from jaxrl.data.math_jsonl import extract_answer, verify_math_answer  # noqa: E402
 
 RECIPE = REPO / "configs" / "qwen2.5_0.5b_gsm8k_grpo.py"
-PROBLEMS = [("Natalia sold 48 clips in April and half as many in May. How many in total?", "48 + 24 = 72\n#### 72"),
-            ("Weng earns $12 an hour. How much for 50 minutes?", "12/60*50 = 10\n#### 10"),
-            ("Betty needs $100 and has half. Parents give $15, grandparents twice that. How much more?",
-             "#### 5"),
-            ("James writes 3 pages to 2 friends twice a week. Pages a year?", "3*2*2*52 = 624\n#### 624"),
-            ("Mark has 10 yellow flowers and 80% more purple ones. How many purple?", "#### 1,800")]
+PROBLEMS = [
+    ("Natalia sold 48 clips in April and half as many in May. How many in total?", "48 + 24 = 72\n#### 72"),
+    ("Weng earns $12 an hour. How much for 50 minutes?", "12/60*50 = 10\n#### 10"),
+    ("Betty needs $100 and has half. Parents give $15, grandparents twice that. How much more?", "#### 5"),
+    ("James writes 3 pages to 2 friends twice a week. Pages a year?", "3*2*2*52 = 624\n#### 624"),
+    ("Mark has 10 yellow flowers and 80% more purple ones. How many purple?", "#### 1,800"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,13 @@ def stand_in(tmp_path_factory):
     root = tmp_path_factory.mktemp("stand_in")
     d = root / "qwen_tiny"
     d.mkdir()
-    save_bpe_tokenizer(d, [q + " " + a for q, a in PROBLEMS] * 10, 300, CHATML_SPECIALS,
-                       {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    save_bpe_tokenizer(
+        d,
+        [q + " " + a for q, a in PROBLEMS] * 10,
+        300,
+        CHATML_SPECIALS,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    )
     save_tiny_qwen2(d, 320, eos_token_id=2, pad_token_id=0)
     jsonl = root / "gsm8k.jsonl"
     jsonl.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in PROBLEMS))
@@ -56,19 +63,52 @@ def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_proce
     from jaxrl.train.loop import train
 
     d, jsonl = stand_in
-    cfg = load_config(RECIPE, [
-        f"model.hf_path={d}", f"data.train_file={jsonl}", "data.test_file=", "data.num_test=1", "model.dtype=float32",
-        "data.prompt_template=Q: {question} A:", "data.max_prompt_len=64", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
-        "train.steps=2", "train.eval_prompts=1", "train.eval_every=0", "train.microbatches=1", "train.progress=false",
-        "checkpoint.every=0", "mesh.preset=single", "optim.learning_rate=1e-3", "optim.warmup_steps=0"])
+    cfg = load_config(
+        RECIPE,
+        [
+            f"model.hf_path={d}",
+            f"data.train_file={jsonl}",
+            "data.test_file=",
+            "data.num_test=1",
+            "model.dtype=float32",
+            "data.prompt_template=Q: {question} A:",
+            "data.max_prompt_len=64",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=6",
+            "train.steps=2",
+            "train.eval_prompts=1",
+            "train.eval_every=0",
+            "train.microbatches=1",
+            "train.progress=false",
+            "checkpoint.every=0",
+            "mesh.preset=single",
+            "optim.learning_rate=1e-3",
+            "optim.warmup_steps=0",
+        ],
+    )
     rows = train(cfg, tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows[1:])
 
     # The trained policy goes back to transformers (bfloat16, sharded), with the checkpoint's tokenizer.
     out = tmp_path / "hf_out"
-    assert main(["convert", "--from", str(tmp_path / "run"), "--to-hf", str(out), "--dtype", "bfloat16",
-                 "--max-shard-mb", "0"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                str(tmp_path / "run"),
+                "--to-hf",
+                str(out),
+                "--dtype",
+                "bfloat16",
+                "--max-shard-mb",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert (out / "tokenizer.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert back.config.eos_token_id == 2 and back.dtype == torch.bfloat16
@@ -114,7 +154,8 @@ for d, preset, sizes in ((sys.argv[1], "fsdp_tensor", {"tensor": 2}), (sys.argv[
     mesh, p = make_mesh(MeshConfig(preset=preset, **sizes))
     cfg, params = hf.load(d, shardings_fn=_shardings_fn(mesh, p))
     split = sum(not a.sharding.is_fully_replicated for a in jax.tree.leaves(params))
-    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)))
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(ref))
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
     with jax.set_mesh(mesh):
         got = np.asarray(forward(params, cfg, tokens, jnp.ones(tokens.shape, bool)))
     out[f"{d}:{preset}"] = {"split": split, "same": same, "diff": float(np.abs(got - want).max())}
@@ -127,13 +168,23 @@ def test_loading_onto_an_8_device_mesh(stand_in, tmp_path, cache_env):
     and an MoE one under fsdp x expert, split, bit-identical to the unsharded load, same logits."""
     d, _ = stand_in
     moe = tmp_path / "moe"
-    cfg = transformers.AutoConfig.for_model("qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(moe)
     env = dict(cache_env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, "-c", MESH_WORKER, str(d), str(moe)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", MESH_WORKER, str(d), str(moe)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result) == 2

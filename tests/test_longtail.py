@@ -6,9 +6,8 @@ import re
 import statistics
 
 import pytest
-from preset_configs import fast_compiles  # noqa: F401 -- a fixture, used by name below
-
 from conftest import REPO, TINY
+
 from jaxrl.config import ConfigError, DataConfig, load_config
 from jaxrl.data import long_addition, tasks
 from jaxrl.data.rewards import VERIFIERS, score, verify_long_addition
@@ -29,8 +28,12 @@ def shipped():
 
 
 def _record(a: int, b: int) -> dict:
-    return {"id": "t/0", "prompt": f"{a}+{b}=", "answer": long_addition.solution(a, b),
-            "info": json.dumps({"a": a, "b": b, "op": "+", "answer": a + b})}
+    return {
+        "id": "t/0",
+        "prompt": f"{a}+{b}=",
+        "answer": long_addition.solution(a, b),
+        "info": json.dumps({"a": a, "b": b, "op": "+", "answer": a + b}),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,8 +74,7 @@ def test_uses_only_the_existing_alphabet(shipped):
 
 def test_reference_solutions_are_all_verified_correct(shipped):
     _, records = shipped
-    rewards_BxK, n_failed = score(verify_long_addition, [r["answer"] for r in records], [True] * len(records),
-                                  records)
+    rewards_BxK, n_failed = score(verify_long_addition, [r["answer"] for r in records], [True] * len(records), records)
     assert n_failed == 0
     assert rewards_BxK.tolist() == [[1.0, 1.0]] * len(records)
 
@@ -136,20 +138,23 @@ def test_too_small_space_and_bad_parameters_name_the_field():
 # The verifier: (correctness of the final answer, format of the worked solution)
 
 
-@pytest.mark.parametrize("text, finished, expected", [
-    ("7+8+0=15,5+6+1=12:125", True, (1.0, 1.0)),  # 57 + 68 = 125, worked right
-    ("7+8+0=15,5+6+1=12:125", False, (1.0, 0.0)),  # no EOS: right answer, not formatted
-    ("7+8+0=15,5+6+0=11:115", True, (0.0, 1.0)),  # forgot the carry: well formed, wrong
-    ("7+8+0=15,5+6+1=12:0125", True, (0.0, 0.0)),  # leading zero: not the canonical answer
-    ("7+8=15,5+6+1=12:125", True, (1.0, 0.0)),  # a step without its carry: malformed, answer right
-    ("7+8+0=15;5+6+1=12:125", True, (1.0, 0.0)),  # wrong separator
-    ("7+8+0=15,5+6+2=13:125", True, (1.0, 0.0)),  # carry 2 is not a carry
-    ("7+8+0=15,5+6+1=12", True, (0.0, 0.0)),  # no final answer
-    (":125", True, (1.0, 0.0)),  # the answer alone: no worked steps
-    ("7+8+0=15,5+6+1=12:125 ", True, (1.0, 1.0)),  # surrounding spaces are ignored
-    ("7+8+0=15,5+6+1=12:125:3", True, (0.0, 0.0)),  # the last ':' holds the answer
-    ("", True, (0.0, 0.0)),
-])
+@pytest.mark.parametrize(
+    "text, finished, expected",
+    [
+        ("7+8+0=15,5+6+1=12:125", True, (1.0, 1.0)),  # 57 + 68 = 125, worked right
+        ("7+8+0=15,5+6+1=12:125", False, (1.0, 0.0)),  # no EOS: right answer, not formatted
+        ("7+8+0=15,5+6+0=11:115", True, (0.0, 1.0)),  # forgot the carry: well formed, wrong
+        ("7+8+0=15,5+6+1=12:0125", True, (0.0, 0.0)),  # leading zero: not the canonical answer
+        ("7+8=15,5+6+1=12:125", True, (1.0, 0.0)),  # a step without its carry: malformed, answer right
+        ("7+8+0=15;5+6+1=12:125", True, (1.0, 0.0)),  # wrong separator
+        ("7+8+0=15,5+6+2=13:125", True, (1.0, 0.0)),  # carry 2 is not a carry
+        ("7+8+0=15,5+6+1=12", True, (0.0, 0.0)),  # no final answer
+        (":125", True, (1.0, 0.0)),  # the answer alone: no worked steps
+        ("7+8+0=15,5+6+1=12:125 ", True, (1.0, 1.0)),  # surrounding spaces are ignored
+        ("7+8+0=15,5+6+1=12:125:3", True, (0.0, 0.0)),  # the last ':' holds the answer
+        ("", True, (0.0, 0.0)),
+    ],
+)
 def test_verify_long_addition_hand_written(text, finished, expected):
     assert verify_long_addition(text, finished, _record(57, 68)) == expected
 
@@ -187,14 +192,18 @@ def test_load_task_builds_and_reads_back(tmp_path):
     assert record["answer"] == long_addition.solution(info["a"], info["b"])
 
 
-def test_config_trains_two_steps(tmp_path, in_process_cache, fast_compiles):  # noqa: F811
+def test_config_trains_two_steps(tmp_path, in_process_cache, fast_compiles):
     from jaxrl.train.loop import train
 
     cfg = load_config(CONFIG)
     assert cfg.loss.reward_weights == (1.0, 0.0) and cfg.data.task == "long_addition"
     tiny = [t for t in TINY if not t.startswith("train.eval_")]
-    rows = train(load_config(CONFIG, tiny + ["train.steps=2", "train.eval_every=2", "train.eval_prompts=4",
-                                             "checkpoint.every=0"]), tmp_path / "run")
+    rows = train(
+        load_config(
+            CONFIG, tiny + ["train.steps=2", "train.eval_every=2", "train.eval_prompts=4", "checkpoint.every=0"]
+        ),
+        tmp_path / "run",
+    )
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["reward/failed"] == 0 and 0.0 <= rows[1]["reward/format"] <= 1.0  # the verifier ran
     assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0

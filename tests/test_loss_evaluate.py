@@ -5,7 +5,6 @@ max_new_tokens that do not fit the batch, reward weights for another task); `Los
 A toy policy (one logit vector shared by every position) keeps each update program to a second.
 """
 
-import pathlib
 import re
 
 import jax
@@ -13,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import REPO
-from jaxrl import losses
+
 from jaxrl.config import ConfigError, LossConfig, load_config
 from jaxrl.losses import PRESETS, evaluate_loss, make_loss
 from jaxrl.train import steps as steps_lib
@@ -44,17 +42,22 @@ REF = {"w": PARAMS["w"] * 0.5}
 def _batch(seed=0):
     rng = np.random.default_rng(seed)
     mask = (np.arange(T)[None, :] < LENGTHS[:, None]).astype(np.float32)
-    return {"tokens_BxT": rng.integers(0, V, (6, T)).astype(np.int32), "completion_mask_BxT": mask,
-            "rewards_BxK": REWARDS, "truncated_B": (LENGTHS == T).astype(np.float32),
-            # the sampler's log-probs, away from the trainer's: M2PO has tokens to mask
-            "rollout_logp_BxT": np.where(mask > 0, -1.6 + 0.8 * rng.standard_normal((6, T)), 0).astype(np.float32)}
+    return {
+        "tokens_BxT": rng.integers(0, V, (6, T)).astype(np.int32),
+        "completion_mask_BxT": mask,
+        "rewards_BxK": REWARDS,
+        "truncated_B": (LENGTHS == T).astype(np.float32),
+        # the sampler's log-probs, away from the trainer's: M2PO has tokens to mask
+        "rollout_logp_BxT": np.where(mask > 0, -1.6 + 0.8 * rng.standard_normal((6, T)), 0).astype(np.float32),
+    }
 
 
 def _update(loss, batch, **kw):
     """One update (one PPO epoch, 2 microbatches of 3 rows: groups split across them, plain SGD)."""
     opt = optax.sgd(LR)
-    step = steps_lib.make_update_step(_toy_logp, loss, opt, ppo_epochs=1, microbatches=2, max_new_tokens=T,
-                                      group_size=G, **kw)
+    step = steps_lib.make_update_step(
+        _toy_logp, loss, opt, ppo_epochs=1, microbatches=2, max_new_tokens=T, group_size=G, **kw
+    )
     state = init_state(PARAMS, opt, jax.random.key(0), ref_params=REF if loss.needs_ref else None)
     return jax.jit(step)(state, batch)
 
@@ -117,8 +120,9 @@ def test_group_size_and_max_new_tokens_must_fit_the_batch():
     with pytest.raises(ValueError, match=r"max_new_tokens=5 but the batch's completions are T=4 wide"):
         evaluate_loss(loss, logp, batch, group_size=G, max_new_tokens=5)
     opt = optax.sgd(LR)
-    step = steps_lib.make_update_step(_toy_logp, loss, opt, ppo_epochs=1, microbatches=1, max_new_tokens=6,
-                                      group_size=G)
+    step = steps_lib.make_update_step(
+        _toy_logp, loss, opt, ppo_epochs=1, microbatches=1, max_new_tokens=6, group_size=G
+    )
     with pytest.raises(ValueError, match=r"max_new_tokens=6 but the batch's completions are T=4 wide"):
         jax.jit(step)(init_state(PARAMS, opt, jax.random.key(0)), batch)
     with pytest.raises(ValueError, match=r"batch\['rewards_BxK'\] has shape \(5, 1\)"):
@@ -161,8 +165,9 @@ def _forwards_traced(loss, **kw):
         return _toy_logp(params, batch)
 
     opt = optax.sgd(LR)
-    step = steps_lib.make_update_step(counting_logp, loss, opt, ppo_epochs=1, microbatches=1, max_new_tokens=T,
-                                      group_size=G, **kw)
+    step = steps_lib.make_update_step(
+        counting_logp, loss, opt, ppo_epochs=1, microbatches=1, max_new_tokens=T, group_size=G, **kw
+    )
     state = init_state(PARAMS, opt, jax.random.key(0), ref_params=REF if loss.needs_ref or kw.get("use_ref") else None)
     jax.eval_shape(step, state, _batch())
     return len(calls)
@@ -185,7 +190,7 @@ def _readme_example() -> str:
 
 def test_readme_loss_evaluation_example_runs(capsys):
     namespace = {}
-    exec(compile(_readme_example(), "README.md example", "exec"), namespace)  # noqa: S102
+    exec(compile(_readme_example(), "README.md example", "exec"), namespace)
     ev, grad_BxT = namespace["ev"], namespace["grad_BxT"]
     # the README's hand values: A = [.5, -.5, 0, 0], w = 1/(B L_max) = 1/12, ratio 1
     np.testing.assert_allclose(ev.batch["advantages_B"], [0.5, -0.5, 0, 0])

@@ -13,9 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl.losses import PRESETS, evaluate_loss, segments
+from jaxrl.losses import PRESETS, evaluate_loss, multi_reward, segments
 from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import multi_reward
 from jaxrl.losses.evaluate import check_batch, prepare_batch
 from jaxrl.train import steps as steps_lib
 from jaxrl.train.state import init_state
@@ -38,9 +37,14 @@ def _rows(n, rng):
     rewards = np.stack([rng.integers(0, 2, n), rng.integers(0, 3, n) / 2.0, rng.integers(0, 2, n)], 1)
     rewards = rewards.astype(np.float32)
     old = -2.0 * rng.random((n, T), np.float32)
-    return {"completion_mask_BxT": mask, "rewards_BxK": rewards, "truncated_B": (lengths == T).astype(np.float32),
-            "old_logp_BxT": old, "rollout_logp_BxT": old + 0.5 * rng.standard_normal((n, T), np.float32),
-            "old_entropy_BxT": 3.0 * rng.random((n, T)).astype(np.float32)}
+    return {
+        "completion_mask_BxT": mask,
+        "rewards_BxK": rewards,
+        "truncated_B": (lengths == T).astype(np.float32),
+        "old_logp_BxT": old,
+        "rollout_logp_BxT": old + 0.5 * rng.standard_normal((n, T), np.float32),
+        "old_entropy_BxT": 3.0 * rng.random((n, T)).astype(np.float32),
+    }
 
 
 def _unequal_batch(sizes, seed=0, n_pad=2):
@@ -48,20 +52,21 @@ def _unequal_batch(sizes, seed=0, n_pad=2):
     rng = np.random.default_rng(seed)
     batch = _rows(sum(sizes) + n_pad, rng)
     if sizes != ODD:  # a constant group (every reward column, and short rows: no overlong shaping): no signal
-        batch["rewards_BxK"][:sizes[0]] = 1.0
-        batch["completion_mask_BxT"][:sizes[0], 1:] = 0.0
-        batch["truncated_B"][:sizes[0]] = 0.0
+        batch["rewards_BxK"][: sizes[0]] = 1.0
+        batch["completion_mask_BxT"][: sizes[0], 1:] = 0.0
+        batch["truncated_B"][: sizes[0]] = 0.0
     ids = np.concatenate([np.full(n, 10 * g + 7, np.int32) for g, n in enumerate(sizes)] + [np.zeros(n_pad, np.int32)])
-    ids[len(ids) - n_pad:] = ids[:n_pad]  # padding shares a real group's id: it must still count nowhere
-    batch["completion_mask_BxT"][len(ids) - n_pad:] = 0.0
+    ids[len(ids) - n_pad :] = ids[:n_pad]  # padding shares a real group's id: it must still count nowhere
+    batch["completion_mask_BxT"][len(ids) - n_pad :] = 0.0
     batch["group_id_B"] = ids
     perm = rng.permutation(len(ids))
     return {k: v[perm] for k, v in batch.items()}
 
 
 def _prepared(name, batch, group_size=1):
-    out = prepare_batch(PRESETS[name](), {k: jnp.asarray(v) for k, v in batch.items()},
-                        group_size=group_size, max_new_tokens=T)
+    out = prepare_batch(
+        PRESETS[name](), {k: jnp.asarray(v) for k, v in batch.items()}, group_size=group_size, max_new_tokens=T
+    )
     return np.asarray(out["advantages_B"]), np.asarray(out["completion_mask_BxT"])
 
 
@@ -130,10 +135,10 @@ def test_rloo_leaves_one_out_of_each_groups_own_size():
     # [1, 0, 0] (n=3): baselines (0+0)/2, (1+0)/2, (1+0)/2 -> A = [1, -.5, -.5]
     # [1, 0] (n=2): A = [1, -1];  [1] (n=1): no baseline -> 0
     # [.5, 1, 0, .5] (n=4, sum 2): baselines 1.5/3, 1/3, 2/3, 1.5/3 -> A = [0, 2/3, -2/3, 0]
-    r = np.array([1, 0, 0, 1, 0, 1, .5, 1, 0, .5], np.float32)
+    r = np.array([1, 0, 0, 1, 0, 1, 0.5, 1, 0, 0.5], np.float32)
     ids = np.array([0, 0, 0, 1, 1, 2, 3, 3, 3, 3], np.int32)
     perm = np.array([9, 2, 5, 0, 7, 3, 1, 8, 4, 6])
-    want = np.array([1, -.5, -.5, 1, -1, 0, 0, 2 / 3, -2 / 3, 0], np.float32)
+    want = np.array([1, -0.5, -0.5, 1, -1, 0, 0, 2 / 3, -2 / 3, 0], np.float32)
     out = adv_lib.rloo(jnp.asarray(r[perm]), segments.from_ids(jnp.asarray(ids[perm])))
     np.testing.assert_allclose(out, want[perm], rtol=1e-6, atol=1e-7)
 
@@ -147,7 +152,7 @@ def test_mc_grpo_median_mad_and_rescale_with_each_groups_own_size():
     # n=4 (even, LOWER median) [0, 1, 1, .5]: sorted [0, .5, 1, 1], position (4-1)//2 = 1: M = .5 (pivot row 3),
     #   A = [-.5, .5, .5, 0]; |A| sorted [0, .5, .5, .5] -> MAD = .5 -> A / .501 = [-.998004, .998004, .998004, 0];
     #   3 nonzero -> x 4/3 -> [-1.330672, 1.330672, 1.330672, 0]
-    r = np.array([1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, .5], np.float32)
+    r = np.array([1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0.5], np.float32)
     ids = np.array([0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], np.int32)
     want = np.array([3000, 0, 0, 0, 0, 0, -2500, -2500, -1.330672, 1.330672, 1.330672, 0], np.float32)
     perm = np.random.default_rng(0).permutation(12)
@@ -160,8 +165,11 @@ def test_mc_grpo_median_mad_and_rescale_with_each_groups_own_size():
     np.testing.assert_allclose(adv_lib.group_median()(jnp.asarray(r[perm]), g), want[perm], rtol=1e-5)
     np.testing.assert_array_equal(adv_lib.median_pivot(jnp.asarray(r[perm]), g), pivot[perm])
     # the preset drops exactly those pivot rows from the loss
-    batch = {"completion_mask_BxT": np.ones((12, T), np.float32), "rewards_BxK": r[perm][:, None],
-             "group_id_B": ids[perm]}
+    batch = {
+        "completion_mask_BxT": np.ones((12, T), np.float32),
+        "rewards_BxK": r[perm][:, None],
+        "group_id_B": ids[perm],
+    }
     adv, mask = _prepared("mc_grpo", batch)
     np.testing.assert_allclose(adv, want[perm], rtol=1e-5)
     np.testing.assert_array_equal(mask[:, 0], 1.0 - pivot[perm])
@@ -204,9 +212,12 @@ def test_dapo_drops_whole_constant_groups_and_keeps_zero_rows_of_informative_one
     # ids 2: r [1, 0, .5] -> A = [1, -1, 0]: informative, its A = 0 row stays; ids 5: r [1, 1] constant -> dropped;
     # ids 8: r [0, 1, 1, 0] informative. Short rows: no overlong shaping (L_max = 5, L_c = 1, |y| = 2).
     ids = np.array([2, 5, 8, 2, 8, 5, 2, 8, 8], np.int32)
-    r = np.array([1, 1, 0, 0, 1, 1, .5, 1, 0], np.float32)
-    batch = {"completion_mask_BxT": (np.arange(T)[None, :] < 2).repeat(9, 0).astype(np.float32),
-             "rewards_BxK": r[:, None], "group_id_B": ids}
+    r = np.array([1, 1, 0, 0, 1, 1, 0.5, 1, 0], np.float32)
+    batch = {
+        "completion_mask_BxT": (np.arange(T)[None, :] < 2).repeat(9, 0).astype(np.float32),
+        "rewards_BxK": r[:, None],
+        "group_id_B": ids,
+    }
     adv, mask = _prepared("dapo", batch)
     assert adv[6] == 0.0
     np.testing.assert_array_equal(mask[:, 0], (ids != 5).astype(np.float32))
@@ -282,8 +293,12 @@ def test_check_batch_validates_group_id_B():
     check_batch(dict(batch, group_id_B=np.arange(5, dtype=np.int32)), 2, T)  # 5 rows, no groups of 2: fine with ids
     with pytest.raises(ValueError, match="group_size=2 does not divide"):
         check_batch(batch, 2, T)
-    for bad, what in ((np.arange(4, dtype=np.int32), "shape"), (np.zeros((5, 1), np.int32), "shape"),
-                      (np.arange(5, dtype=np.float32), "dtype"), (np.arange(5, dtype=np.uint32), "dtype")):
+    for bad, what in (
+        (np.arange(4, dtype=np.int32), "shape"),
+        (np.zeros((5, 1), np.int32), "shape"),
+        (np.arange(5, dtype=np.float32), "dtype"),
+        (np.arange(5, dtype=np.uint32), "dtype"),
+    ):
         with pytest.raises(ValueError, match=rf"group_id_B.*{what}"):
             check_batch(dict(batch, group_id_B=bad), 2, T)
 
@@ -299,18 +314,23 @@ def test_update_step_reads_group_id_B_across_microbatches():
         return logp_BxT, jnp.zeros_like(logp_BxT)
 
     params = {"w": jnp.linspace(-1.0, 1.0, V)}
-    batch = {"tokens_BxT": rng.integers(0, V, (6, T)).astype(np.int32),
-             "completion_mask_BxT": np.ones((6, T), np.float32),
-             "rewards_BxK": np.array([[1], [0], [1], [0], [0], [0]], np.float32),
-             "group_id_B": np.array([0, 1, 1, 0, 0, 1], np.int32)}
+    batch = {
+        "tokens_BxT": rng.integers(0, V, (6, T)).astype(np.int32),
+        "completion_mask_BxT": np.ones((6, T), np.float32),
+        "rewards_BxK": np.array([[1], [0], [1], [0], [0], [0]], np.float32),
+        "group_id_B": np.array([0, 1, 1, 0, 0, 1], np.int32),
+    }
     loss = PRESETS["grpo"]()
-    step = steps_lib.make_update_step(logp_fn, loss, optax.sgd(0.1), ppo_epochs=1, microbatches=2, max_new_tokens=T,
-                                      group_size=2)
+    step = steps_lib.make_update_step(
+        logp_fn, loss, optax.sgd(0.1), ppo_epochs=1, microbatches=2, max_new_tokens=T, group_size=2
+    )
     state, _ = jax.jit(step)(init_state(params, optax.sgd(0.1), jax.random.key(0)), batch)
     applied = (params["w"] - state.params["w"]) / 0.1  # SGD: the update applied -0.1 * its gradient
 
     def grad(b):
-        value = lambda p: evaluate_loss(loss, logp_fn(p, b)[0], b, group_size=2, max_new_tokens=T).loss  # noqa: E731
+        def value(p):
+            return evaluate_loss(loss, logp_fn(p, b)[0], b, group_size=2, max_new_tokens=T).loss
+
         return jax.grad(value)(params)["w"]
 
     want, without_ids = grad(batch), grad({k: v for k, v in batch.items() if k != "group_id_B"})

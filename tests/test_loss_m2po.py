@@ -10,14 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxrl.losses import m2po
-from jaxrl.losses import objectives as obj
-from jaxrl.losses import ratios
-from jaxrl.losses.objectives import ppo_clip
-from jaxrl.losses.presets import PRESETS, policy_token_loss
 from test_loss_parts import _close, _value_grad
 from test_preset_numbers import U, _tiny
+
+from jaxrl.losses import m2po, ratios
+from jaxrl.losses import objectives as obj
+from jaxrl.losses.objectives import ppo_clip
+from jaxrl.losses.presets import PRESETS, policy_token_loss
 
 LOG = math.log
 
@@ -54,8 +53,11 @@ def test_m2po_prepare_and_exact_under_microbatching():
     logp = (-1.0 - rng.random((4, 3))).astype(np.float32)
     # current vs old log-ratio = -offset: all inside PPO's [0.8, 1.2], so only the mask can zero a gradient
     old = logp + np.array([[0.05, 0.05, 0.1], [0.02, 0.0, -0.1], [0.1, 0.05, 50.0], [0.15, 0.0, 0.03]], np.float32)
-    batch = {"completion_mask_BxT": mask, "old_logp_BxT": old,
-             "advantages_B": np.array([1.0, -1.0, 0.5, -0.5], np.float32)}
+    batch = {
+        "completion_mask_BxT": mask,
+        "old_logp_BxT": old,
+        "advantages_B": np.array([1.0, -1.0, 0.5, -0.5], np.float32),
+    }
     # Staleness log(old / rollout) lives in the data: the rollout log-probs are shifted by known amounts
     # (the masked (2,2) entry holds garbage).
     stale = np.array([[0.05, 0.6, 0.1], [0.02, 0.0, 0.1], [0.1, 0.05, 0.0], [0.45, 0.0, 0.03]], np.float32)
@@ -80,8 +82,9 @@ def test_m2po_prepare_and_exact_under_microbatching():
 
     full = dict(prepared, w=weights)
     v_full, g_full = value_grad(jnp.asarray(logp), full)
-    halves = [value_grad(jnp.asarray(logp[i:i + 2]), {k: np.asarray(v)[i:i + 2] for k, v in full.items()})
-              for i in (0, 2)]
+    halves = [
+        value_grad(jnp.asarray(logp[i : i + 2]), {k: np.asarray(v)[i : i + 2] for k, v in full.items()}) for i in (0, 2)
+    ]
     _close(v_full, halves[0][0] + halves[1][0], atol=1e-6)
     _close(g_full, np.concatenate([halves[0][1], halves[1][1]]), atol=1e-6)
     # The dropped token: gradient exactly 0 (unmasked it would be -A rho w = -e^-0.05 / 11); the
@@ -101,8 +104,12 @@ def _m2po_batch():
     mask = np.ones((4, 3), np.float32)
     mask[2, 2] = 0.0
     old = np.full((4, 3), -1.0, np.float32)
-    return {"completion_mask_BxT": mask, "old_logp_BxT": old, "rollout_logp_BxT": old - stale,
-            "advantages_B": np.array([1.0, -1.0, 0.5, -0.5], np.float32)}
+    return {
+        "completion_mask_BxT": mask,
+        "old_logp_BxT": old,
+        "rollout_logp_BxT": old - stale,
+        "advantages_B": np.array([1.0, -1.0, 0.5, -0.5], np.float32),
+    }
 
 
 def test_m2po_trust_region_token_set_by_hand():
@@ -151,8 +158,12 @@ def test_apply_keep_mask_blocks_gradient_through_sequence_ratio():
     #   s = e^{0.1} = 1.1051709; loss on kept tokens -s each, on the dropped one 0.
     #   grad: d(-2 s)/d logp_j = -2 s / 3 = -0.7368 for j = 0, 1 ; 0 for j = 2.
     logp = jnp.array([[0.1, -0.1, 0.3]])
-    batch = {"completion_mask_BxT": jnp.ones((1, 3)), "old_logp_BxT": jnp.zeros((1, 3)),
-             "advantages_B": jnp.array([1.0]), "keep": jnp.array([[1.0, 1.0, 0.0]])}
+    batch = {
+        "completion_mask_BxT": jnp.ones((1, 3)),
+        "old_logp_BxT": jnp.zeros((1, 3)),
+        "advantages_B": jnp.array([1.0]),
+        "keep": jnp.array([[1.0, 1.0, 0.0]]),
+    }
     tl = m2po.apply_keep_mask(policy_token_loss(ratios.sequence_log_ratio, ppo_clip(1.0)), key="keep")
     loss, g, _ = _value_grad(lambda lp, _a, _m: tl(lp, batch), logp, None, None)
     _close(loss, [[-1.1051709, -1.1051709, 0.0]])
@@ -171,8 +182,12 @@ def test_m2po_mask_through_prepare_by_hand():
     old = np.full((2, 4), -1.0, np.float32)
     stale = np.full((2, 4), 0.1, np.float32)
     stale[0, 1] = 0.9
-    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0]], np.float32), "old_logp_BxT": old,
-             "rollout_logp_BxT": old - stale}
+    batch = {
+        "completion_mask_BxT": mask,
+        "rewards_BxK": np.array([[1.0], [0.0]], np.float32),
+        "old_logp_BxT": old,
+        "rollout_logp_BxT": old - stale,
+    }
     g = math.exp(0.1) * U / 6
     for token_set in ("trust_region", "all"):
         loss = PRESETS["m2po"](token_set=token_set)

@@ -15,9 +15,8 @@ import pytest
 
 from jaxrl.config import ConfigError
 from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import multi_reward
+from jaxrl.losses import multi_reward, ratios
 from jaxrl.losses import objectives as obj
-from jaxrl.losses import ratios
 from jaxrl.losses.objectives import ppo_clip
 from jaxrl.losses.presets import policy_token_loss
 
@@ -46,8 +45,10 @@ def test_group_mean_batch_std_by_hand():
     _close(adv, [1.0, -1.0, 0.0, 0.0])
     assert np.all(np.asarray(adv)[2:] == 0.0)
     # ddof 0: var .75 / 4 = .1875, std .4330127 -> A = +-0.5 / .4330127 = +-1.1547005
-    _close(_adv(adv_lib.group_mean_batch_std(1e-6, ddof=0), jnp.array([1.0, 0.0, 1.0, 1.0]), 2),
-           [1.1547005, -1.1547005, 0.0, 0.0])
+    _close(
+        _adv(adv_lib.group_mean_batch_std(1e-6, ddof=0), jnp.array([1.0, 0.0, 1.0, 1.0]), 2),
+        [1.1547005, -1.1547005, 0.0, 0.0],
+    )
     # GRPO's per-group std would give +-.5 / .7071068 = +-.7071068: make sure the batch std is used.
     assert abs(float(adv[0]) - 0.7071068) > 0.1
     # A constant batch: every group constant, std 0 -> exactly 0, never NaN.
@@ -71,15 +72,17 @@ def test_reinforce_pp_baseline_by_hand():
     _close(adv, [1.1180340, -1.1180340, 0, 0, -1.1180340, 1.1180340])
     assert np.all(np.asarray(adv)[2:4] == 0.0)  # constant group: exact zeros, no whitening residue
     # ddof 0: std = sqrt(1 / 6) = 0.4082483 -> 0.5 / 0.4082483 = 1.2247449
-    _close(_adv(adv_lib.group_mean_batch_whiten(1e-6, ddof=0), jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), 2),
-           [1.2247449, -1.2247449, 0, 0, -1.2247449, 1.2247449])
+    _close(
+        _adv(adv_lib.group_mean_batch_whiten(1e-6, ddof=0), jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), 2),
+        [1.2247449, -1.2247449, 0, 0, -1.2247449, 1.2247449],
+    )
     # Whitening subtracts the batch mean: centred values [2,-2], unbiased std sqrt(8 / 1) = 2.8284271
     # -> [.7071068, -.7071068] (ddof 0: std 2 -> [1, -1]).
     _close(_adv(adv_lib.group_mean_batch_whiten(), jnp.array([4.0, 0.0]), 2), [0.7071068, -0.7071068])
     _close(_adv(adv_lib.group_mean_batch_whiten(ddof=0), jnp.array([4.0, 0.0]), 2), [1.0, -1.0])
 
 
-MC_R = [1.0, 0.0, 0.0,  0.0, 1.0, 1.0,  3.0, 1.0, 2.0,  0.7, 0.7, 0.7]  # noqa: E241  G+1 = 3
+MC_R = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 3.0, 1.0, 2.0, 0.7, 0.7, 0.7]  # G+1 = 3 per group
 
 
 def test_mc_grpo_median_baseline_and_pivot():
@@ -190,8 +193,9 @@ def test_gd2po_our_reading_by_hand():
     _close(adv, [0, 0, 0] + gdpo_adv[3:])
     np.testing.assert_array_equal(keep, [0, 0, 0, 1, 1, 1])
     # power 0 disables the reweighting; threshold >= 1 disables the masking: GD2PO == GDPO.
-    _close(_adv(multi_reward.gd2po(weights=(1.0, 0.5), conflict_threshold=1.0, consensus_power=0.0), GD2PO_R, 3),
-           gdpo_adv)
+    _close(
+        _adv(multi_reward.gd2po(weights=(1.0, 0.5), conflict_threshold=1.0, consensus_power=0.0), GD2PO_R, 3), gdpo_adv
+    )
     with pytest.raises(ValueError, match="conflict_threshold"):
         multi_reward.gd2po(conflict_threshold=-1.0)
 
@@ -231,7 +235,7 @@ def test_prefix_log_ratio_pnpo():
     # log rho = [0.3, -0.1, 0.4]: prefix means 0.3, 0.2/2 = 0.1, 0.6/3 = 0.2 ; padding 0.
     _close(ratios.prefix_log_ratio(R_LOGP, R_OLD, R_MASK), [[0.3, 0.1, 0.2, 0.0], [0, 0, 0, 0]])
     # d log w_t / d logp_j = 1/n_t for j <= t (causal).
-    _close(_jac_row0(ratios.prefix_log_ratio), [[1, 0, 0, 0], [.5, .5, 0, 0], [1 / 3, 1 / 3, 1 / 3, 0], [0] * 4])
+    _close(_jac_row0(ratios.prefix_log_ratio), [[1, 0, 0, 0], [0.5, 0.5, 0, 0], [1 / 3, 1 / 3, 1 / 3, 0], [0] * 4])
     # t counts live tokens only: mask [1,0,1,0] -> t0: 0.3 ; t2: (0.3 + 0.4) / 2 = 0.35 (not / 3).
     gap = jnp.array([[1.0, 0.0, 1.0, 0.0], [0.0] * 4])
     _close(ratios.prefix_log_ratio(R_LOGP, R_OLD, gap), [[0.3, 0.0, 0.35, 0.0], [0, 0, 0, 0]])
@@ -244,6 +248,7 @@ def test_prefix_log_ratio_pnpo():
 def _value_grad(objective, log_ratio_BxT, adv_BxT, mask_BxT):
     """(loss_BxT, d sum(loss) / d log_ratio_BxT, stats). Jitted: one compile per objective and shape
     is much cheaper on CPU than the dozens of per-op eager compiles of a fresh objective."""
+
     def total(x):
         loss, stats = objective(x, adv_BxT, mask_BxT)
         return jnp.sum(loss), (loss, stats)
@@ -268,8 +273,9 @@ def test_dual_clip_by_hand():
     #   rho .5, A -1: PPO low clip: loss 0.8, grad 0
     #   rho e^100, A -1: huge stale ratio: loss 3, grad 0, finite
     #   rho 3 (= c), A -2: tie -> unclipped branch: loss 6, grad 6
-    loss, g, st = _obj_grad(obj.dual_clip(0.2, 0.2, c=3.0), [LOG(4), LOG(2), LOG(4), LOG(.5), 100.0, LOG(3)],
-                            [-1, -1, 1, -1, -1, -2])
+    loss, g, st = _obj_grad(
+        obj.dual_clip(0.2, 0.2, c=3.0), [LOG(4), LOG(2), LOG(4), LOG(0.5), 100.0, LOG(3)], [-1, -1, 1, -1, -1, -2]
+    )
     _close(loss, [3, 2, -1.2, 0.8, 3, 6], atol=1e-4)
     _close(g, [0, 2, 0, 0, 0, 6], atol=1e-4)
     np.testing.assert_array_equal(st["clipped_dual_BxT"], [1, 0, 0, 0, 1, 0])
@@ -311,14 +317,18 @@ def test_cispo_reports_minus_w_a_logp_like_trl_with_the_same_gradient():
     #   (the log-ratio form would report [-1.2 ln 1.5, -.5 * -2 * ln .5] = [-.4865581, -.6931472])
     #   gradient d l / d logp = -w A = [-1.2, 1.0] either way.
     logp = jnp.array([[-1.0, -2.0]])
-    batch = {"completion_mask_BxT": jnp.ones((1, 2)), "old_logp_BxT": jnp.array([[-1.0 - LOG(1.5), -2.0 - LOG(0.5)]]),
-             "advantages_BxT": jnp.array([[1.0, -2.0]])}
+    batch = {
+        "completion_mask_BxT": jnp.ones((1, 2)),
+        "old_logp_BxT": jnp.array([[-1.0 - LOG(1.5), -2.0 - LOG(0.5)]]),
+        "advantages_BxT": jnp.array([[1.0, -2.0]]),
+    }
     token_loss = policy_token_loss(ratios.token_log_ratio, obj.cispo(cap=1.2))
     loss, g, _ = _value_grad(lambda lp, _a, _m: token_loss(lp, batch), logp, None, None)
     _close(loss, [[1.2, -2.0]])
     _close(g, [[-1.2, 1.0]])
     # The preset: eps_high .2 is the RELATIVE bound, cap = 1 + .2 = TRL's absolute epsilon_high 1.2.
     from jaxrl.losses.presets import PRESETS
+
     preset = PRESETS["cispo"](eps_high=0.2)
     loss, g, _ = _value_grad(lambda lp, _a, _m: preset.token_loss(lp, batch), logp, None, None)
     _close(loss, [[1.2, -2.0]])
@@ -402,8 +412,12 @@ def test_gmpo_by_hand():
 # Every objective on one shared batch: masked tokens (with garbage log-ratios) and a fully masked row
 # give loss 0 and gradient 0, and nothing is NaN.
 ALL_OBJECTIVES = {
-    "dual_clip": obj.dual_clip(), "cispo": obj.cispo(1.28), "sapo": obj.sapo(),
-    "strict_double_side": obj.strict_double_side(), "mu_grpo": obj.mu_grpo(0.3, 0.3, 0.5), "gmpo": obj.gmpo(),
+    "dual_clip": obj.dual_clip(),
+    "cispo": obj.cispo(1.28),
+    "sapo": obj.sapo(),
+    "strict_double_side": obj.strict_double_side(),
+    "mu_grpo": obj.mu_grpo(0.3, 0.3, 0.5),
+    "gmpo": obj.gmpo(),
 }
 
 

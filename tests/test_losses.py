@@ -43,6 +43,7 @@ def test_group_of_one_gets_zero_advantage_not_nan():
     one = jnp.array([0.7])
     assert np.asarray(adv_lib.group_mean_batch_std(ddof=1)(one, 1)).tolist() == [0.0]
     from jaxrl.losses import multi_reward
+
     assert np.asarray(multi_reward.gdpo(ddof=1)(jnp.array([[1.0, 0.0]]), 1)).tolist() == [0.0]
 
 
@@ -108,7 +109,8 @@ def _ppo_batch(rhos, advs):
 def _loss_stats_grad(token_loss, logp, batch):
     """(loss_BxT, stats, d sum(loss) / d logp); jitted because eager dispatch compiles per op."""
     (_, (loss, stats)), grad = jax.value_and_grad(
-        lambda lp: (lambda out: (jnp.sum(out[0]), out))(token_loss(lp, batch)), has_aux=True)(logp)
+        lambda lp: (lambda out: (jnp.sum(out[0]), out))(token_loss(lp, batch)), has_aux=True
+    )(logp)
     return loss, stats, grad
 
 
@@ -149,10 +151,13 @@ def test_kl_estimators_by_hand():
     # k3 = 0.5 + ln 2 - 1 = 0.1931472 ; dk3/dlogp = 1 - exp(d) = 0.5
     # k1 = ln 2 = 0.6931472, dk1/dlogp = 1 ; k2 = (ln 2)^2 / 2 = 0.2402265, dk2/dlogp = ln 2
     logp, ref = jnp.array([[math.log(0.5)]]), jnp.array([[math.log(0.25)]])
-    for fn, value, grad in [(losses.kl_k3, 0.1931472, 0.5), (losses.kl_k1, 0.6931472, 1.0),
-                            (losses.kl_k2, 0.2402265, 0.6931472)]:
+    for fn, value, grad in [
+        (losses.kl_k3, 0.1931472, 0.5),
+        (losses.kl_k1, 0.6931472, 1.0),
+        (losses.kl_k2, 0.2402265, 0.6931472),
+    ]:
         np.testing.assert_allclose(fn(logp, ref), [[value]], atol=ATOL)
-        np.testing.assert_allclose(jax.grad(lambda lp: jnp.sum(fn(lp, ref)))(logp), [[grad]], atol=ATOL)
+        np.testing.assert_allclose(jax.grad(lambda lp, fn=fn: jnp.sum(fn(lp, ref)))(logp), [[grad]], atol=ATOL)
 
 
 def test_k3_nonnegative_and_zero_on_equal():
@@ -212,13 +217,16 @@ def test_aggregation_all_empty_is_zero_not_nan(fn):
 
 def test_reduce_stats_by_hand_and_partials_merge_exactly():
     mask = jnp.array([[1, 1, 0], [1, 0, 0]], jnp.float32)
-    stats = {"ratio_BxT": jnp.array([[0.5, 1.5, 9.0], [2.0, 9.0, 9.0]]),
-             "clipped_high_BxT": jnp.array([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])}
+    stats = {
+        "ratio_BxT": jnp.array([[0.5, 1.5, 9.0], [2.0, 9.0, 9.0]]),
+        "clipped_high_BxT": jnp.array([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]),
+    }
     out = losses.reduce_stats(stats, mask)
     # live ratios 0.5, 1.5, 2.0 -> mean 4/3, min 0.5, max 2 ; clipped_high 2 of 3 live tokens
-    np.testing.assert_allclose([out["ratio"], out["ratio_min"], out["ratio_max"], out["clipped_high"]],
-                               [4 / 3, 0.5, 2.0, 2 / 3], atol=1e-6)
-    halves = [losses.stat_partials({k: v[i:i + 1] for k, v in stats.items()}, mask[i:i + 1]) for i in (0, 1)]
+    np.testing.assert_allclose(
+        [out["ratio"], out["ratio_min"], out["ratio_max"], out["clipped_high"]], [4 / 3, 0.5, 2.0, 2 / 3], atol=1e-6
+    )
+    halves = [losses.stat_partials({k: v[i : i + 1] for k, v in stats.items()}, mask[i : i + 1]) for i in (0, 1)]
     merged = losses.finalize_stats(losses.merge_stat_partials(*halves))
     for k in out:
         np.testing.assert_allclose(merged[k], out[k], atol=1e-6)
@@ -234,8 +242,9 @@ def test_make_loss_reads_config_and_rejects_unknown_preset():
     np.testing.assert_allclose(loss.token_loss(logp, batch)[0], [[-1.25]], atol=ATOL)
     # reward_weights (1, 0.1): r = [1.1, 0.1], mean 0.6, deviations +-.5; unbiased var (.25 + .25) / 1 = .5,
     # std .7071068 -> A = +-.5 / .7071068 = +-.7071068 (to eps)
-    np.testing.assert_allclose(loss.advantages(jnp.array([[1.0, 1.0], [0.0, 1.0]]), 2), [0.7071068, -0.7071068],
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        loss.advantages(jnp.array([[1.0, 1.0], [0.0, 1.0]]), 2), [0.7071068, -0.7071068], atol=1e-4
+    )
     assert losses.make_loss(LossConfig(preset="dr_grpo")).name == "dr_grpo"
     with pytest.raises(ConfigError, match=r"loss\.preset.*'dr_grpo'.*'grpo'"):
         losses.make_loss(LossConfig(preset="nope"))
@@ -244,10 +253,16 @@ def test_make_loss_reads_config_and_rejects_unknown_preset():
 def test_losses_never_import_models():
     import ast
     import pathlib
+
     for path in pathlib.Path(losses.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n.startswith("jaxrl.models") for n in names), path
 
 
@@ -259,10 +274,14 @@ B = G * N_GROUPS
 
 def _dapo_like(**kw):
     # A composition not in PRESETS, to show the parts combine: clip-higher + token-mean.
-    return losses.Loss("dapo_like", losses.estimator(losses.reward_sum(), losses.group_mean_std()),
-                       losses.token_mean,
-                       losses.policy_token_loss(losses.token_log_ratio, losses.ppo_clip(0.2, 0.28),
-                                                [losses.kl_penalty(kw.get("kl_beta", 0.0))]))
+    return losses.Loss(
+        "dapo_like",
+        losses.estimator(losses.reward_sum(), losses.group_mean_std()),
+        losses.token_mean,
+        losses.policy_token_loss(
+            losses.token_log_ratio, losses.ppo_clip(0.2, 0.28), [losses.kl_penalty(kw.get("kl_beta", 0.0))]
+        ),
+    )
 
 
 # The GRPO-family presets this file grew with, plus a composition outside the registry. The contract
@@ -283,16 +302,23 @@ def _contract_inputs():
     ref = logp + 0.3 * rng.standard_normal((B, T), np.float32)
     garbage = np.where(rng.random((B, T)) < 0.5, 1e4, -1e4).astype(np.float32)
     old, ref = np.where(mask > 0, old, garbage), np.where(mask > 0, ref, -garbage)
-    batch = {"completion_mask_BxT": mask, "old_logp_BxT": old, "ref_logp_BxT": ref,
-             "rollout_logp_BxT": old, "entropy_BxT": np.ones((B, T), np.float32)}
+    batch = {
+        "completion_mask_BxT": mask,
+        "old_logp_BxT": old,
+        "ref_logp_BxT": ref,
+        "rollout_logp_BxT": old,
+        "entropy_BxT": np.ones((B, T), np.float32),
+    }
     return jnp.asarray(logp), {k: jnp.asarray(v) for k, v in batch.items()}, jnp.asarray(rewards)
 
 
 def _mb_step(token_loss, logp, weights, batch):
     """One microbatch: (weighted_sum(w, loss), stat partials) and d/dlogp, as an update step would."""
+
     def f(lp):
         loss_BxT, stats = token_loss(lp, batch)
         return losses.weighted_sum(weights, loss_BxT), losses.stat_partials(stats, batch["completion_mask_BxT"])
+
     return jax.value_and_grad(f, has_aux=True)(logp)
 
 
@@ -306,7 +332,10 @@ def _loss_and_grad(loss, logp, batch, microbatches=1, jit=False):
     Returns (loss, d loss / d logp in row order, metrics merged from per-microbatch partials)."""
     weights = loss.weights(batch["completion_mask_BxT"], L_MAX)
     step = _mb_step_jit if jit else _mb_step
-    split = lambda x: np.split(np.asarray(x), microbatches)  # noqa: E731  (host slicing is free)
+
+    def split(x):  # host slicing is free
+        return np.split(np.asarray(x), microbatches)
+
     keys = sorted(batch)
     value, grads, partials = 0.0, [], None
     for lp, w, *vals in zip(split(logp), split(weights), *(split(batch[k]) for k in keys)):
@@ -327,8 +356,11 @@ def _contract_results(loss, logp, batch, rewards):
     batch = dict(batch, advantages_B=loss.advantages(rewards, G))
     out = {"adv": batch["advantages_B"], "weights": loss.weights(mask, L_MAX)}
     out["full"] = _loss_and_grad(loss, logp, batch)
+
     # Padding columns: masked, with garbage old/ref log-probs there.
-    pad = lambda x, c: np.pad(np.asarray(x), ((0, 0), (0, PAD)), constant_values=c)  # noqa: E731
+    def pad(x, c):
+        return np.pad(np.asarray(x), ((0, 0), (0, PAD)), constant_values=c)
+
     padded = {k: pad(v, 1e4) if v.ndim == 2 else v for k, v in batch.items()}
     padded["completion_mask_BxT"] = pad(mask, 0.0)
     out["pad"] = _loss_and_grad(loss, pad(logp, -5.0), padded)
@@ -401,6 +433,6 @@ def test_contract_detects_per_microbatch_normalisers():
     host = {k: np.asarray(v) for k, v in dict(batch, logp=logp).items()}
     wrong = 0.0
     for i in range(0, B, 4):
-        mb = {k: v[i:i + 4] for k, v in host.items()}
+        mb = {k: v[i : i + 4] for k, v in host.items()}
         wrong += losses.weighted_sum(loss.weights(mb["completion_mask_BxT"], L_MAX), loss.token_loss(mb["logp"], mb)[0])
     assert abs(float(wrong) - float(full)) > 1e-4

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import DEFAULT_CONFIG, TINY
 from jax import lax
 
-from conftest import DEFAULT_CONFIG, TINY
 from jaxrl.config import REMAT, ConfigError, load_config
 from jaxrl.models.transformer import REMAT_POLICIES
 from jaxrl.train import loop
@@ -53,6 +53,7 @@ def test_auto_jit_compiles_real_candidates_and_returns_the_chosen_one():
         def grads(x, w):
             one = jax.grad(lambda w, xs: jnp.sum(jnp.tanh(xs @ w) ** 2))
             return lax.scan(lambda g, xs: (g + one(w, xs), None), jnp.zeros_like(w), x.reshape(n, -1, 64))[0]
+
         return jax.jit(grads)
 
     def temp(n):
@@ -69,9 +70,12 @@ def test_auto_jit_compiles_real_candidates_and_returns_the_chosen_one():
 def test_config_fields_validated():
     cfg = load_config(DEFAULT_CONFIG, ["train.microbatches=0"])  # 0 (auto) passes the divisibility check
     assert cfg.train.microbatches == 0
-    for bad, field in [("train.memory_budget_gib=0", "train.memory_budget_gib"),
-                       ("train.logits_chunk=-1", "train.logits_chunk"), ("train.remat=some", "train.remat"),
-                       ("train.microbatches=-1", "train.microbatches")]:
+    for bad, field in [
+        ("train.memory_budget_gib=0", "train.memory_budget_gib"),
+        ("train.logits_chunk=-1", "train.logits_chunk"),
+        ("train.remat=some", "train.remat"),
+        ("train.microbatches=-1", "train.microbatches"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             load_config(DEFAULT_CONFIG, [bad])
     assert set(REMAT) == set(REMAT_POLICIES)
@@ -79,7 +83,16 @@ def test_config_fields_validated():
 
 def test_training_run_with_auto_microbatches(tmp_path, in_process_cache):
     base = [t for t in TINY if not t.startswith("train.eval_")] + [
-        "train.steps=1", "train.eval_every=0", "train.eval_prompts=2", "checkpoint.every=0"]
-    rows = loop.train(load_config(DEFAULT_CONFIG, base + ["train.microbatches=0", "train.memory_budget_gib=64",
-                                                          "train.logits_chunk=8", "train.remat=full"]), tmp_path / "a")
+        "train.steps=1",
+        "train.eval_every=0",
+        "train.eval_prompts=2",
+        "checkpoint.every=0",
+    ]
+    rows = loop.train(
+        load_config(
+            DEFAULT_CONFIG,
+            base + ["train.microbatches=0", "train.memory_budget_gib=64", "train.logits_chunk=8", "train.remat=full"],
+        ),
+        tmp_path / "a",
+    )
     assert rows[-1]["microbatches"] == 1  # recorded in the metrics row

@@ -16,7 +16,7 @@ CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2
 S = 9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(cfg=CFG):
     return tf.init_params(cfg, jax.random.PRNGKey(0))
 
@@ -31,7 +31,7 @@ def _left_padded(lengths, width=S, seed=1, pad_tok=0):
     toks = np.asarray(_tokens((len(lengths), width), seed))
     mask = np.zeros((len(lengths), width), np.int32)
     for i, n in enumerate(lengths):
-        mask[i, width - n:] = 1
+        mask[i, width - n :] = 1
     return jnp.asarray(np.where(mask, toks, pad_tok)), jnp.asarray(mask)
 
 
@@ -52,12 +52,21 @@ def test_shapes_and_dtypes():
 def test_init_params_distribution():
     """init_params draws all noise at once; each param must still get its own std, layers differ."""
     params = _params()
-    boxed = jax.eval_shape(tf.Transformer(CFG).init, jax.random.PRNGKey(1), jnp.zeros((1, 1), jnp.int32),
-                           jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool))["params"]
+    boxed = jax.eval_shape(
+        tf.Transformer(CFG).init,
+        jax.random.PRNGKey(1),
+        jnp.zeros((1, 1), jnp.int32),
+        jnp.zeros((1, 1), jnp.int32),
+        jnp.ones((1, 1), bool),
+    )["params"]
     assert jax.tree.structure(params) == jax.tree.structure(tf.nn.meta.unbox(boxed))
     np.testing.assert_array_equal(params["blocks"]["attn_norm"]["scale"], 1.0)
-    for w, std in [(params["blocks"]["attn"]["q"], 32**-0.5), (params["blocks"]["attn"]["o"], 32**-0.5),
-                   (params["blocks"]["mlp"]["down"], 64**-0.5), (params["embedding"], 32**-0.5)]:
+    for w, std in [
+        (params["blocks"]["attn"]["q"], 32**-0.5),
+        (params["blocks"]["attn"]["o"], 32**-0.5),
+        (params["blocks"]["mlp"]["down"], 64**-0.5),
+        (params["embedding"], 32**-0.5),
+    ]:
         assert abs(float(jnp.std(w)) / std - 1) < 0.1
         assert float(jnp.max(jnp.abs(w))) <= 2 * std / 0.8796 + 1e-6  # truncated at 2 sigma
     q = params["blocks"]["attn"]["q"]
@@ -87,8 +96,9 @@ def test_rope_matches_rotate_half_convention():
     got = np.asarray(apply_rope(x, pos, 100.0))[0, 0, 0]
     ang = 3 * 100.0 ** (-np.arange(0, 8, 2) / 8)
     x1, x2 = np.arange(1.0, 5.0), np.arange(5.0, 9.0)
-    np.testing.assert_allclose(got, np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
-                                                    x2 * np.cos(ang) + x1 * np.sin(ang)]), rtol=1e-5)
+    np.testing.assert_allclose(
+        got, np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)]), rtol=1e-5
+    )
     np.testing.assert_allclose(apply_rope(x, jnp.array([[0]]), 100.0), x)
 
 
@@ -163,9 +173,10 @@ def test_token_logprobs_matches_forward():
     prompt, pmask = _left_padded([3, 5], P)
     comp = _tokens((2, T), seed=9)
     logp, ent = tf.token_logprobs(params, CFG, prompt, pmask, comp, jnp.ones((2, T)), 0.7)
-    full = tf.forward(params, CFG, jnp.concatenate([prompt, comp], 1),
-                      jnp.concatenate([pmask, jnp.ones((2, T), jnp.int32)], 1))
-    lp_all = jax.nn.log_softmax(full[:, P - 1:P + T - 1] / 0.7, -1)
+    full = tf.forward(
+        params, CFG, jnp.concatenate([prompt, comp], 1), jnp.concatenate([pmask, jnp.ones((2, T), jnp.int32)], 1)
+    )
+    lp_all = jax.nn.log_softmax(full[:, P - 1 : P + T - 1] / 0.7, -1)
     np.testing.assert_allclose(logp, jnp.take_along_axis(lp_all, comp[..., None], -1)[..., 0], atol=1e-5)
     np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(lp_all) * lp_all, -1), atol=1e-5)
     assert np.all(np.asarray(ent) > 0) and np.all(np.asarray(logp) < 0)
@@ -175,7 +186,10 @@ def test_token_logprobs_gradient_reaches_every_param():
     params = _params()
     prompt, pmask = _left_padded([3, 5], 5)
     comp = _tokens((2, 4), seed=9)
-    loss = lambda p: jnp.sum(tf.token_logprobs(p, CFG, prompt, pmask, comp, jnp.ones((2, 4)), 1.0)[0])
+
+    def loss(p):
+        return jnp.sum(tf.token_logprobs(p, CFG, prompt, pmask, comp, jnp.ones((2, 4)), 1.0)[0])
+
     grads = jax.jit(jax.grad(loss))(params)
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         assert np.all(np.isfinite(np.asarray(g))) and float(jnp.max(jnp.abs(g))) > 0, path
@@ -187,8 +201,9 @@ def test_prefill_then_decode_matches_forward(cfg):
     P, T = 5, 4
     prompt, pmask = _left_padded([2, 5], P)
     gen = _tokens((2, T), seed=11)
-    full = tf.forward(params, cfg, jnp.concatenate([prompt, gen], 1),
-                      jnp.concatenate([pmask, jnp.ones((2, T), jnp.int32)], 1))
+    full = tf.forward(
+        params, cfg, jnp.concatenate([prompt, gen], 1), jnp.concatenate([pmask, jnp.ones((2, T), jnp.int32)], 1)
+    )
     cache = tf.init_cache(cfg, 2, P + T + 2)  # spare slots must stay invisible
     logits, cache = tf.prefill(params, cfg, prompt, pmask, cache)
     np.testing.assert_allclose(logits, full[:, P - 1], atol=1e-5, rtol=0)

@@ -36,6 +36,8 @@ def _fast_jit(fn):
 
 def _fast(fn, *args):
     return _fast_jit(fn)(*args)
+
+
 B, T = 2, 6  # N = 12 tokens
 
 
@@ -43,12 +45,14 @@ def _x(seed=0, shape=(B, T, D)):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_params(n_shared: int):
     spec = moe.MoESpec(E, K, F, n_shared)
     boxed = moe.MoE(D, spec).init(jax.random.PRNGKey(0), _x(), jnp.ones((B, T), bool))["params"]
-    return jax.tree.map(lambda p: p * 3.0 if p.ndim == 2 and p.shape[-1] == E else p,  # a peakier router
-                        nn.meta.unbox(boxed))
+    return jax.tree.map(
+        lambda p: p * 3.0 if p.ndim == 2 and p.shape[-1] == E else p,  # a peakier router
+        nn.meta.unbox(boxed),
+    )
 
 
 def _run(spec, params, x, mask, replay=None):
@@ -76,11 +80,20 @@ def test_dispatch_paths_equal_naive_loop_outputs_and_gradients(router, n_shared)
     # lax.ragged_dot is the same code whatever the router: checked once, to save a CPU compile.
     paths = ("dropless", "blocked", "capacity") if router == "softmax" else ("blocked", "capacity")
     for dispatch in ("naive",) + paths:
-        spec = moe.MoESpec(E, K, F, n_shared, router, "dropless" if dispatch == "blocked" else dispatch,
-                           capacity_factor=E / K, grouped_matmul="blocked" if dispatch == "blocked" else "ragged")
+        spec = moe.MoESpec(
+            E,
+            K,
+            F,
+            n_shared,
+            router,
+            "dropless" if dispatch == "blocked" else dispatch,
+            capacity_factor=E / K,
+            grouped_matmul="blocked" if dispatch == "blocked" else "ragged",
+        )
         assert dispatch != "capacity" or moe.capacity(B * T, K, E, E / K) == B * T
-        (_, aux), grads = _fast(jax.value_and_grad(functools.partial(loss, spec), argnums=(0, 1), has_aux=True),
-                                params, x)
+        (_, aux), grads = _fast(
+            jax.value_and_grad(functools.partial(loss, spec), argnums=(0, 1), has_aux=True), params, x
+        )
         out[dispatch] = aux, grads
     (y0, st0), g0 = out["naive"]
     assert float(st0.dropped_frac) == 0.0 and len(set(np.asarray(st0.experts_NxK).ravel().tolist())) == E
@@ -141,8 +154,11 @@ def test_router_losses_hand_worked():
     np.testing.assert_allclose(moe.router_z_loss(logits, mask), math.log(4.0) ** 2, rtol=1e-6)
     # Perfect balance gives exactly 1 (the loss's minimum under uniform probs).
     uniform = jnp.zeros((4, 2))
-    np.testing.assert_allclose(moe.load_balance_loss(jax.nn.softmax(uniform), jnp.array([[0], [1], [0], [1]]),
-                                                     jnp.ones(4), "softmax"), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(
+        moe.load_balance_loss(jax.nn.softmax(uniform), jnp.array([[0], [1], [0], [1]]), jnp.ones(4), "softmax"),
+        1.0,
+        rtol=1e-6,
+    )
     # Top-2 of 3 renormalised (Qwen3-MoE): probs (.5, .3, .2) -> gates (.5/.8, .3/.8); sigmoid likewise.
     lg = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))
     g, ex, _, _ = moe.route(lg, 2, "softmax")
@@ -177,19 +193,37 @@ def test_dense_defaults_leave_the_model_unchanged():
     toks = jnp.asarray(np.arange(18).reshape(2, 9) % 29, jnp.int32)
     params = tf.init_params(cfg, jax.random.PRNGKey(0))
     assert "moe" not in str(jax.tree_util.tree_structure(params))
-    shapes = lambda c: jax.tree.map(lambda a: a.shape, jax.eval_shape(tf.init_params, c, jax.random.PRNGKey(0)))
+
+    def shapes(c):
+        return jax.tree.map(lambda a: a.shape, jax.eval_shape(tf.init_params, c, jax.random.PRNGKey(0)))
+
     assert shapes(inert) == shapes(cfg)
     lg = np.asarray(tf.forward(params, cfg, toks, jnp.ones((2, 9), jnp.int32)))
-    np.testing.assert_allclose(lg[:, -1, :4], [[0.7207121, 0.30973983, -0.66454387, 0.38622206],
-                                               [-0.91664314, 1.1282098, 1.2681333, 1.0652928]], rtol=1e-5)
+    np.testing.assert_allclose(
+        lg[:, -1, :4],
+        [[0.7207121, 0.30973983, -0.66454387, 0.38622206], [-0.91664314, 1.1282098, 1.2681333, 1.0652928]],
+        rtol=1e-5,
+    )
     np.testing.assert_allclose(lg.sum(), 59.542930603027344, rtol=1e-4)
 
 
-MCFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=48,
-                   n_experts=4, moe_every=2, experts_per_token=2, expert_mlp_dim=32, n_shared_experts=1)
+MCFG = ModelConfig(
+    vocab_size=29,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    mlp_dim=48,
+    n_experts=4,
+    moe_every=2,
+    experts_per_token=2,
+    expert_mlp_dim=32,
+    n_shared_experts=1,
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mparams(cfg=MCFG):
     return tf.init_params(cfg, jax.random.PRNGKey(0))
 
@@ -218,7 +252,10 @@ def test_moe_forward_equals_prefill_and_decode_paths():
     logits, _, out = _fast(lambda p: tf._apply(p, MCFG, seq, tf.positions_from_mask(smask), smask.astype(bool)), params)
     experts = np.asarray(out.experts_LxBxTxK)  # (1, 2, P+Tg, 2)
     cache = tf.init_cache(MCFG, 2, P + Tg)
-    prefill = lambda p, t, m, c: tf.prefill_routed(p, MCFG, t, m, c)  # noqa: E731
+
+    def prefill(p, t, m, c):
+        return tf.prefill_routed(p, MCFG, t, m, c)
+
     last, cache, pre_experts = _fast(prefill, params, prompt, pmask, cache)
     np.testing.assert_allclose(last, logits[:, P - 1], atol=1e-5)
     np.testing.assert_array_equal(pre_experts, experts[:, :, :P])
@@ -247,29 +284,51 @@ def test_sampler_routing_replay_and_mismatch():
     rng = np.random.default_rng(6)
     prompt = jnp.asarray(rng.integers(1, 29, (2, P)), jnp.int32)
     pmask = jnp.array([[0, 1, 1, 1, 1], [1] * 5], jnp.int32)
-    out = _fast(lambda p, pr, pm: sample(p, MCFG, pr, pm, jax.random.PRNGKey(1), group_size=G, max_new_tokens=Tn,
-                                         temperature=1.0, eos_id=29, pad_id=0), params, prompt, pmask)
+    out = _fast(
+        lambda p, pr, pm: sample(
+            p,
+            MCFG,
+            pr,
+            pm,
+            jax.random.PRNGKey(1),
+            group_size=G,
+            max_new_tokens=Tn,
+            temperature=1.0,
+            eos_id=29,
+            pad_id=0,
+        ),
+        params,
+        prompt,
+        pmask,
+    )
     routing = out.routing_BxSxLxK
     assert routing.shape == (2 * G, P + Tn, 1, 2) and routing.dtype == jnp.int32
-    batch = {"prompt_tokens_BxP": jnp.repeat(prompt, G, 0), "prompt_mask_BxP": jnp.repeat(pmask, G, 0),
-             "tokens_BxT": out.tokens_BxT, "completion_mask_BxT": out.completion_mask_BxT, "routing_BxSxLxK": routing}
+    batch = {
+        "prompt_tokens_BxP": jnp.repeat(prompt, G, 0),
+        "prompt_mask_BxP": jnp.repeat(pmask, G, 0),
+        "tokens_BxT": out.tokens_BxT,
+        "completion_mask_BxT": out.completion_mask_BxT,
+        "routing_BxSxLxK": routing,
+    }
     seq = jnp.concatenate([batch["prompt_tokens_BxP"], out.tokens_BxT], 1)
     smask = jnp.concatenate([batch["prompt_mask_BxP"], jnp.ones_like(out.tokens_BxT)], 1)
     _, _, fwd = _fast(lambda p: tf._apply(p, MCFG, seq, tf.positions_from_mask(smask), smask.astype(bool)), params)
     own = np.transpose(np.asarray(fwd.experts_LxBxTxK), (1, 2, 0, 3))
-    live = np.asarray(smask, bool)[:, :P + Tn - 1]  # padding slots' outputs are never read; the last is never fed
-    np.testing.assert_array_equal(np.asarray(routing)[:, :P + Tn - 1][live], own[:, :P + Tn - 1][live])
+    live = np.asarray(smask, bool)[:, : P + Tn - 1]  # padding slots' outputs are never read; the last is never fed
+    np.testing.assert_array_equal(np.asarray(routing)[:, : P + Tn - 1][live], own[:, : P + Tn - 1][live])
     replay_fn, plain_fn = _fast_jit(make_logp_fn(MCFG, 1.0, routing_replay=True)), _fast_jit(make_logp_fn(MCFG, 1.0))
     logp, _, ex = replay_fn(params, batch)
     np.testing.assert_allclose(logp, out.logp_BxT, atol=1e-5)
     assert float(jnp.sum(ex["moe/routing_mismatch_BxT"])) == 0.0
     assert float(ex["moe/aux_loss"]) > 0.5 and float(ex["moe/z_loss"]) > 0 and float(ex["moe/dropped_frac"]) == 0
     # The update's gradient program: with zero token weights its loss is exactly the router penalty.
-    grad_fn = _fast_jit(make_grad_fn(make_logp_fn(MCFG, 1.0, routing_replay=True), _ZeroLoss(), microbatches=1,
-                                   old_logp_recorded=True))
+    grad_fn = _fast_jit(
+        make_grad_fn(make_logp_fn(MCFG, 1.0, routing_replay=True), _ZeroLoss(), microbatches=1, old_logp_recorded=True)
+    )
     value, grads, sums = grad_fn(params, dict(batch, weights_BxT=jnp.zeros_like(out.logp_BxT)))
-    np.testing.assert_allclose(value, MCFG.moe_aux_coef * ex["moe/aux_loss"] + MCFG.moe_z_coef * ex["moe/z_loss"],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        value, MCFG.moe_aux_coef * ex["moe/aux_loss"] + MCFG.moe_z_coef * ex["moe/z_loss"], rtol=1e-5
+    )
     np.testing.assert_allclose(sums["moe/aux_loss"], ex["moe/aux_loss"], rtol=1e-6)
     assert float(sums["moe/routing_mismatch"]) == 0.0
     assert float(jnp.max(jnp.abs(grads["blocks"]["moe"]["moe"]["router"]))) > 0
@@ -288,10 +347,23 @@ def test_sampler_routing_replay_and_mismatch():
     np.testing.assert_allclose(np.asarray(logp_r)[~rows], np.asarray(logp_p)[~rows], atol=1e-5)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("n_experts", -1), ("moe_every", 3), ("moe_every", 0), ("experts_per_token", 0), ("experts_per_token", 5),
-    ("expert_mlp_dim", -1), ("n_shared_experts", -1), ("router", "relu"), ("moe_dispatch", "sorted"),
-    ("capacity_factor", 0.0), ("moe_aux_coef", -0.1), ("moe_z_coef", -1.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n_experts", -1),
+        ("moe_every", 3),
+        ("moe_every", 0),
+        ("experts_per_token", 0),
+        ("experts_per_token", 5),
+        ("expert_mlp_dim", -1),
+        ("n_shared_experts", -1),
+        ("router", "relu"),
+        ("moe_dispatch", "sorted"),
+        ("capacity_factor", 0.0),
+        ("moe_aux_coef", -0.1),
+        ("moe_z_coef", -1.0),
+    ],
+)
 def test_config_validation_names_the_field(field, value):
     cfg = dataclasses.replace(MCFG, **{field: value})
     with pytest.raises(ConfigError, match=rf"^model\.{field}: got"):
@@ -314,11 +386,15 @@ def test_blocked_grouped_matmul_skewed_groups():
     experts = experts.at[0, 1].set(1)
     gates = jnp.asarray(rng.uniform(size=(n, 2)), jnp.float32)
     blocked = jax.jit(functools.partial(moe.dispatch_dropless, grouped_matmul="blocked"))
-    np.testing.assert_allclose(blocked(x, wg, wu, wd, experts, gates), _naive(x, wg, wu, wd, experts, gates),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        blocked(x, wg, wu, wd, experts, gates), _naive(x, wg, wu, wd, experts, gates), rtol=1e-4, atol=1e-4
+    )
     # The blocked path's backward is hand-written: every gradient, including an expert with no slot.
     r = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
-    loss = lambda f: lambda *a: jnp.sum(f(*a, experts, gates) * r)
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a, experts, gates) * r)
+
     got = jax.jit(jax.grad(loss(blocked), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
     want = jax.grad(loss(_naive), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
     for name, g, w in zip(("x", "w_gate", "w_up", "w_down"), got, want):

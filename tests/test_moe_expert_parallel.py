@@ -9,7 +9,7 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np
@@ -45,18 +45,19 @@ for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 assert {s.data.shape for s in g_ep[0][0].addressable_shards} == {(1, D, F)}  # gradients stay expert-sharded
 print("OK")
-'''
+"""
 
 
 def test_expert_parallel_dispatch_on_8_fake_devices():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
-MODEL_SCRIPT = r'''
+MODEL_SCRIPT = r"""
 import os
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                            "--xla_llvm_disable_expensive_passes=true")
@@ -115,7 +116,7 @@ for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=5e-3)
 print("losses, grad norms", got_loss, flush=True)
 print("OK")
-'''
+"""
 
 
 def test_moe_model_under_fsdp_expert_uses_all_to_all_and_matches_one_device():
@@ -124,6 +125,7 @@ def test_moe_model_under_fsdp_expert_uses_all_to_all_and_matches_one_device():
     compiled step) and the losses and parameters equal one device's."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", MODEL_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", MODEL_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -11,18 +11,43 @@ import subprocess
 import time
 
 import numpy as np
-
 from conftest import DEFAULT_CONFIG, TINY, jaxrl_cmd
 
 STEPS = 3
-ARGS = [str(DEFAULT_CONFIG), *sum((["--set", t] for t in TINY), []), "--set", f"train.steps={STEPS}",
-        "--set", "mesh.preset=data", "--set", "checkpoint.every=0", "--set", "train.eval_every=0",
-        # 8 prompts: split over the 8 devices, so each process feeds only its own 4 (2 groups of 2 rows each)
-        "--set", "rollout.prompts_per_step=8", "--set", "rollout.group_size=2",
-        # a warm start long enough, and the format reward, so that advantages and gradients are not 0
-        "--set", "warmstart.steps=60", "--set", "loss.reward_weights=1,1"]
-COMPARED = ("reward/mean", "reward/correctness", "reward/format", "loss", "grad_norm", "kl", "entropy",
-            "response_len/mean", "eval/accuracy", "eval/format")
+ARGS = [
+    str(DEFAULT_CONFIG),
+    *sum((["--set", t] for t in TINY), []),
+    "--set",
+    f"train.steps={STEPS}",
+    "--set",
+    "mesh.preset=data",
+    "--set",
+    "checkpoint.every=0",
+    "--set",
+    "train.eval_every=0",
+    # 8 prompts: split over the 8 devices, so each process feeds only its own 4 (2 groups of 2 rows each)
+    "--set",
+    "rollout.prompts_per_step=8",
+    "--set",
+    "rollout.group_size=2",
+    # a warm start long enough, and the format reward, so that advantages and gradients are not 0
+    "--set",
+    "warmstart.steps=60",
+    "--set",
+    "loss.reward_weights=1,1",
+]
+COMPARED = (
+    "reward/mean",
+    "reward/correctness",
+    "reward/format",
+    "loss",
+    "grad_norm",
+    "kl",
+    "entropy",
+    "response_len/mean",
+    "eval/accuracy",
+    "eval/format",
+)
 RUN_TIMEOUT_S = 300
 INIT_TIMEOUT_S = 10
 
@@ -35,8 +60,10 @@ def _free_port() -> int:
 
 def _env(cache_env: dict, devices: int, root=None) -> dict:
     env = dict(cache_env)
-    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true")
+    env["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0 "
+        "--xla_llvm_disable_expensive_passes=true"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     if root is not None:  # its own data and warm-start caches: nothing is shared with the reference run
         env["JAXRL_DATA_DIR"], env["JAXRL_CACHE_DIR"] = str(root / "tfds"), str(root / "warmstart")
@@ -74,14 +101,31 @@ def test_two_processes_match_one_process_and_a_missing_peer_fails(tmp_path, cach
     multi = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--init-timeout", "120"]
     procs = {
         "one_x8": start([*ARGS, "--workdir", str(tmp_path / "one")], _env(cache_env, 8)),
-        "p0": start([*ARGS, "--workdir", str(tmp_path / "two"), *multi, "--process-id", "0"],
-                    _env(cache_env, 4, tmp_path / "cache2")),
-        "p1": start([*ARGS, "--workdir", str(tmp_path / "two"), *multi, "--process-id", "1"],
-                    _env(cache_env, 4, tmp_path / "cache2")),
+        "p0": start(
+            [*ARGS, "--workdir", str(tmp_path / "two"), *multi, "--process-id", "0"],
+            _env(cache_env, 4, tmp_path / "cache2"),
+        ),
+        "p1": start(
+            [*ARGS, "--workdir", str(tmp_path / "two"), *multi, "--process-id", "1"],
+            _env(cache_env, 4, tmp_path / "cache2"),
+        ),
         # process 0 of 2 whose peer never starts
-        "lonely": start([*ARGS, "--workdir", str(tmp_path / "lonely"), "--coordinator", f"localhost:{lonely_port}",
-                         "--num-processes", "2", "--process-id", "0", "--init-timeout", str(INIT_TIMEOUT_S)],
-                        _env(cache_env, 4, tmp_path / "cache3")),
+        "lonely": start(
+            [
+                *ARGS,
+                "--workdir",
+                str(tmp_path / "lonely"),
+                "--coordinator",
+                f"localhost:{lonely_port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+                "--init-timeout",
+                str(INIT_TIMEOUT_S),
+            ],
+            _env(cache_env, 4, tmp_path / "cache3"),
+        ),
     }
     done = _finish(procs, time.time() + RUN_TIMEOUT_S)
 
@@ -110,13 +154,20 @@ def test_bad_multiprocess_flags_are_one_line_errors(capsys, monkeypatch):
     for name in ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID", "JAXRL_INIT_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
     cases = [
-        (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
-         "--process-id 2: expected 0..1 for --num-processes 2"),
-        (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
-         "--coordinator 'localhost': expected host:port"),
-        (["--num-processes", "2"], "--coordinator, --num-processes and --process-id go together (or "
-         "JAXRL_COORDINATOR, JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID); got coordinator=None, num_processes=2, "
-         "process_id=None"),
+        (
+            ["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
+            "--process-id 2: expected 0..1 for --num-processes 2",
+        ),
+        (
+            ["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+            "--coordinator 'localhost': expected host:port",
+        ),
+        (
+            ["--num-processes", "2"],
+            "--coordinator, --num-processes and --process-id go together (or "
+            "JAXRL_COORDINATOR, JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID); got coordinator=None, num_processes=2, "
+            "process_id=None",
+        ),
     ]
     for flags, message in cases:
         assert main(["train", str(DEFAULT_CONFIG), *flags]) == 2

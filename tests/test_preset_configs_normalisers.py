@@ -2,14 +2,14 @@
 process (see preset_configs.py)."""
 
 import pytest
-
 from conftest import REPO
+from preset_configs import FILES, check_config_trains_two_steps
+
 from jaxrl.losses import PRESETS
-from preset_configs import FILES, check_config_trains_two_steps, fast_compiles  # noqa: F401  (fixture)
 
 
 @pytest.mark.parametrize("preset", FILES["normalisers"])
-def test_config_trains_two_steps(preset, tmp_path, in_process_cache, fast_compiles):  # noqa: F811
+def test_config_trains_two_steps(preset, tmp_path, in_process_cache, fast_compiles):
     check_config_trains_two_steps(preset, tmp_path / preset)
 
 

@@ -2,10 +2,9 @@
 preset_configs.py)."""
 
 import pytest
-
-from preset_configs import FILES, check_config_trains_two_steps, fast_compiles  # noqa: F401  (fixture)
+from preset_configs import FILES, check_config_trains_two_steps
 
 
 @pytest.mark.parametrize("preset", FILES["objectives"])
-def test_config_trains_two_steps(preset, tmp_path, in_process_cache, fast_compiles):  # noqa: F811
+def test_config_trains_two_steps(preset, tmp_path, in_process_cache, fast_compiles):
     check_config_trains_two_steps(preset, tmp_path / preset)

@@ -14,16 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_presets import _close, _run
 
 from jaxrl import losses
 from jaxrl.config import Config, ConfigError, LossConfig, apply_overrides
-from jaxrl.losses import aggregation, corrections, objectives, ratios
 from jaxrl.losses import advantages as adv_lib
+from jaxrl.losses import aggregation, corrections, objectives, ratios
 from jaxrl.losses import prepare as prep
 from jaxrl.losses.presets import PRESETS, make_loss, preset_parameters
 from jaxrl.train import steps as steps_lib
 from jaxrl.train.state import init_state
-from test_presets import _close, _run
 
 LOG = math.log
 
@@ -86,8 +86,11 @@ def _tiny(loss, G, batch, logp=None):
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_gradient_at_ratio_one_by_hand(name):
     assert set(TABLE) == set(PRESETS) - {"mc_grpo"}  # MC-GRPO needs an odd group: its own test below
-    batch = {"completion_mask_BxT": TINY_MASK, "rewards_BxK": np.array([[1.0], [0.0]], np.float32),
-             "truncated_B": np.zeros(2, np.float32)}
+    batch = {
+        "completion_mask_BxT": TINY_MASK,
+        "rewards_BxK": np.array([[1.0], [0.0]], np.float32),
+        "truncated_B": np.zeros(2, np.float32),
+    }
     _, grad, _, _ = _tiny(PRESETS[name](), 2, batch)
     row0, row1 = TABLE[name]
     _close(grad, [[row0, 0, 0, 0], row1 + [0]], atol=1e-6, rtol=1e-5)
@@ -112,8 +115,12 @@ def test_dapo_clip_higher_token_mean_overlong_and_dynamic_sampling_by_hand():
     logp[0, :2] += [LOG(1.25), LOG(1.3)]
     logp[1, 0] += LOG(0.7)
     logp[4:, :] += 0.5  # dropped rows: any ratio, no gradient
-    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0], [1], [1], [0], [0]], np.float32),
-             "old_logp_BxT": old, "truncated_B": np.zeros(6, np.float32)}
+    batch = {
+        "completion_mask_BxT": mask,
+        "rewards_BxK": np.array([[1.0], [0], [1], [1], [0], [0]], np.float32),
+        "old_logp_BxT": old,
+        "truncated_B": np.zeros(6, np.float32),
+    }
     value, grad, metrics, kept = _tiny(PRESETS["dapo"](overlong_buffer_frac=0.25), 2, batch, logp)
     _close(value, 4.27 * U / 11, atol=1e-5)
     want = np.zeros((6, 4))
@@ -136,8 +143,11 @@ def test_mc_grpo_pivot_gets_no_gradient_and_is_not_counted():
     #   row 1: A = 0, KL only: .1 * .5 / (1 * 2) = .025 ; row 2 (pivot): 0, KL included.
     mask = np.array([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]], np.float32)
     logp = np.full((3, 4), -1.0, np.float32)
-    batch = {"completion_mask_BxT": mask, "rewards_BxK": np.array([[1.0], [0.0], [0.0]], np.float32),
-             "ref_logp_BxT": logp - LOG(2.0)}
+    batch = {
+        "completion_mask_BxT": mask,
+        "rewards_BxK": np.array([[1.0], [0.0], [0.0]], np.float32),
+        "ref_logp_BxT": logp - LOG(2.0),
+    }
     plain = PRESETS["mc_grpo"](kl_beta=0.1, mad_scale=False, nonzero_rescale=False)
     _, grad, metrics, kept = _tiny(plain, 3, batch)
     _close(grad, [[-0.2375, -0.2375, 0, 0], [0.025, 0, 0, 0], [0, 0, 0, 0]])
@@ -190,8 +200,10 @@ def test_tbpo_caps_a_negative_sample_whose_sequence_ratio_exploded():
     value, grad, _, _ = _tiny(PRESETS["gspo"](), 2, batch, logp)
     _close(value, (-U + 4 * U) / 2, atol=1e-5)
     _close(grad, [[-U / 4, -U / 4, 0, 0], [U, U, 0, 0]], atol=1e-5)
-    assert "dual_clip(0.1, 0.2, c=2)" in make_loss(LossConfig(preset="tbpo", eps_low=0.1, eps_high=0.2,
-                                                              options="c=2")).parts
+    assert (
+        "dual_clip(0.1, 0.2, c=2)"
+        in make_loss(LossConfig(preset="tbpo", eps_low=0.1, eps_high=0.2, options="c=2")).parts
+    )
 
 
 # ============================================================================= new parts, by hand
@@ -210,8 +222,10 @@ def test_seq_mean_token_sum_and_constant_norm_weights():
 
 
 def test_overlong_penalty_and_truncation_rows():
-    batch = {"completion_mask_BxT": (np.arange(5)[None, :] < np.array([3, 4, 5])[:, None]).astype(np.float32),
-             "truncated_B": np.array([0.0, 0.0, 1.0], np.float32)}
+    batch = {
+        "completion_mask_BxT": (np.arange(5)[None, :] < np.array([3, 4, 5])[:, None]).astype(np.float32),
+        "truncated_B": np.array([0.0, 0.0, 1.0], np.float32),
+    }
     # L_max 5, L_c = 1: L_max - L_c = 4 -> [0, 0, -1] ; L_c = 2: 3 -> [0, (3-4)/2 = -.5, -1]
     _close(prep.overlong_penalty(0.2)(batch, 5), [0, 0, -1])
     _close(prep.overlong_penalty(0.4)(batch, 5), [0, -0.5, -1])
@@ -224,10 +238,12 @@ def test_overlong_penalty_and_truncation_rows():
 def test_kl_reward_and_shaped_advantages():
     # one token each; rollout - ref = ln 2 and 0: k1 = [ln 2, 0]; beta .5 -> bonus [-.3465736, 0];
     # rewards [1, 1] -> shaped [.6534264, 1] -> group_mean [-.1732868, .1732868].
-    batch = {"completion_mask_BxT": np.array([[1.0, 0.0], [1.0, 0.0]], np.float32),
-             "rollout_logp_BxT": np.array([[LOG(0.5), 9e3], [-1.0, -9e3]], np.float32),
-             "ref_logp_BxT": np.array([[LOG(0.25), -9e3], [-1.0, 9e3]], np.float32),
-             "rewards_BxK": np.ones((2, 1), np.float32)}
+    batch = {
+        "completion_mask_BxT": np.array([[1.0, 0.0], [1.0, 0.0]], np.float32),
+        "rollout_logp_BxT": np.array([[LOG(0.5), 9e3], [-1.0, -9e3]], np.float32),
+        "ref_logp_BxT": np.array([[LOG(0.25), -9e3], [-1.0, 9e3]], np.float32),
+        "rewards_BxK": np.ones((2, 1), np.float32),
+    }
     _close(prep.kl_reward(0.5)(batch, 2), [-0.5 * LOG(2), 0.0])
     shaped = prep.shaped_estimator(adv_lib.reward_sum(), adv_lib.group_mean)
     _close(shaped(batch["rewards_BxK"], 2, prep.kl_reward(0.5)(batch, 2)), [-0.1732868, 0.1732868])
@@ -246,8 +262,10 @@ def test_informative_rows_and_batch_mean():
 def test_top_entropy_keep_by_hand():
     # 5 live tokens H = [3, 1, 2 | 2, 0.5] (masked 9 ignored); frac .4 -> k = ceil(2) = 2 -> threshold
     # = 2nd largest = 2 -> keep H >= 2: 3 and BOTH 2s (ties kept); frac .2 -> k = 1 -> keep only 3.
-    batch = {"completion_mask_BxT": np.array([[1, 1, 1], [1, 1, 0]], np.float32),
-             "old_entropy_BxT": np.array([[3.0, 1.0, 2.0], [2.0, 0.5, 9.0]], np.float32)}
+    batch = {
+        "completion_mask_BxT": np.array([[1, 1, 1], [1, 1, 0]], np.float32),
+        "old_entropy_BxT": np.array([[3.0, 1.0, 2.0], [2.0, 0.5, 9.0]], np.float32),
+    }
     _close(prep.top_entropy_keep(0.4)(batch)["entropy_keep_BxT"], [[1, 0, 1], [1, 0, 1]])
     _close(prep.top_entropy_keep(0.2)(batch)["entropy_keep_BxT"], [[1, 0, 0], [0, 0, 1]])
     _close(prep.top_entropy_keep(1.0)(batch)["entropy_keep_BxT"], 1.0)
@@ -260,7 +278,8 @@ def _ppo_token_loss():
 @functools.partial(jax.jit, static_argnums=0)
 def _loss_grad(token_loss, logp, batch):
     (_, (loss, stats)), g = jax.value_and_grad(
-        lambda lp: (lambda o: (jnp.sum(o[0]), o))(token_loss(lp, batch)), has_aux=True)(logp)
+        lambda lp: (lambda o: (jnp.sum(o[0]), o))(token_loss(lp, batch)), has_aux=True
+    )(logp)
     return loss, g, stats
 
 
@@ -271,9 +290,12 @@ def test_tis_and_mis_token_and_sequence_by_hand():
     # TIS sequence, cap 2: products row 0: 3 -> 2 ; row 1: .25 (under the cap).
     # MIS token [0.6, 2.5]: drop 3 and both .5s ; MIS sequence [0.3, 2.5]: drop row 0 (3) and row 1 (.25).
     old = np.full((2, 2), -1.0, np.float32)
-    batch = {"completion_mask_BxT": np.ones((2, 2), np.float32), "old_logp_BxT": old,
-             "rollout_logp_BxT": old - np.array([[LOG(3), 0], [LOG(0.5), LOG(0.5)]], np.float32),
-             "advantages_B": np.ones(2, np.float32)}
+    batch = {
+        "completion_mask_BxT": np.ones((2, 2), np.float32),
+        "old_logp_BxT": old,
+        "rollout_logp_BxT": old - np.array([[LOG(3), 0], [LOG(0.5), LOG(0.5)]], np.float32),
+        "advantages_B": np.ones(2, np.float32),
+    }
     inner = _ppo_token_loss()
     loss, g, st = _loss_grad(corrections.tis(inner, 2.0, "token"), old, batch)
     _close(loss, [[-2, -1], [-0.5, -0.5]], atol=1e-5)
@@ -291,17 +313,25 @@ def test_tis_and_mis_token_and_sequence_by_hand():
     _close(st["mis_masked_BxT"], 1.0)
     # A dropped token gets no gradient even through GSPO's sequence ratio.
     gspo_inner = losses.policy_token_loss(ratios.sequence_log_ratio, objectives.ppo_clip(10.0))
-    _, g, _ = _loss_grad(corrections.mis(gspo_inner, 0.6, 2.5, "token"),
-                         old, dict(batch, rollout_logp_BxT=old - np.array([[0, 0], [0, LOG(0.5)]], np.float32)))
+    _, g, _ = _loss_grad(
+        corrections.mis(gspo_inner, 0.6, 2.5, "token"),
+        old,
+        dict(batch, rollout_logp_BxT=old - np.array([[0, 0], [0, LOG(0.5)]], np.float32)),
+    )
     # row 1: token 1 dropped; token 0 kept: loss -s, d s / d logp_0 = s/2 = .5 -> grad -.5 ; token 1: 0
     _close(g, [[-1, -1], [-0.5, 0]], atol=1e-5)
 
 
 def test_unclipped_objective():
-    loss, g, _ = _loss_grad(losses.policy_token_loss(ratios.token_log_ratio, objectives.unclipped()),
-                            jnp.array([[LOG(3.0), 0.0]]),
-                            {"completion_mask_BxT": np.array([[1.0, 0.0]], np.float32),
-                             "old_logp_BxT": np.array([[0.0, 1e4]], np.float32), "advantages_B": np.array([2.0])})
+    loss, g, _ = _loss_grad(
+        losses.policy_token_loss(ratios.token_log_ratio, objectives.unclipped()),
+        jnp.array([[LOG(3.0), 0.0]]),
+        {
+            "completion_mask_BxT": np.array([[1.0, 0.0]], np.float32),
+            "old_logp_BxT": np.array([[0.0, 1e4]], np.float32),
+            "advantages_B": np.array([2.0]),
+        },
+    )
     _close(loss, [[-6.0, 0.0]], atol=1e-5)  # -rho A = -3 * 2 ; masked 0
     _close(g, [[-6.0, 0.0]], atol=1e-5)
 
@@ -326,10 +356,12 @@ def test_loss_options():
     assert "tis(cap=2, sequence)" in parts and "entropy_bonus(0.001)" in parts
     cfg = apply_overrides(Config(), ["loss.preset=mu_grpo", "loss.options=delta=0.3,mask_truncated=true"])
     assert "drop rows: mask_truncated" in make_loss(cfg.loss).parts
-    for options, needle in [("tua=0.1", r"loss\.options: preset 'm2po' has no parameter 'tua'; allowed: tau, "),
-                            ("eps_low=0.1", r"loss\.options: 'eps_low' is a LossConfig field"),
-                            ("tis_cap=-1", r"loss \(preset 'm2po'\): tis_cap: got -1"),
-                            ("is_level=row", r"is_level: got 'row'")]:
+    for options, needle in [
+        ("tua=0.1", r"loss\.options: preset 'm2po' has no parameter 'tua'; allowed: tau, "),
+        ("eps_low=0.1", r"loss\.options: 'eps_low' is a LossConfig field"),
+        ("tis_cap=-1", r"loss \(preset 'm2po'\): tis_cap: got -1"),
+        ("is_level=row", r"is_level: got 'row'"),
+    ]:
         with pytest.raises(ConfigError, match=needle):
             make_loss(LossConfig(preset="m2po", options=options))
     with pytest.raises(ConfigError, match=r"loss\.options: got 'tau'.*name=value"):
@@ -366,15 +398,26 @@ def _toy_batch(B, seed=0):
     lengths = rng.integers(1, 5, B)
     mask = (np.arange(4)[None, :] < lengths[:, None]).astype(np.float32)
     tokens = rng.integers(0, V, (B, 4)).astype(np.int32)
-    return {"tokens_BxT": tokens, "completion_mask_BxT": mask,
-            "rewards_BxK": rng.integers(0, 3, (B, 1)).astype(np.float32),
-            "rollout_logp_BxT": np.where(mask > 0, -1.5 + 0.4 * rng.standard_normal((B, 4)), 0).astype(np.float32)}
+    return {
+        "tokens_BxT": tokens,
+        "completion_mask_BxT": mask,
+        "rewards_BxK": rng.integers(0, 3, (B, 1)).astype(np.float32),
+        "rollout_logp_BxT": np.where(mask > 0, -1.5 + 0.4 * rng.standard_normal((B, 4)), 0).astype(np.float32),
+    }
 
 
 def _update(loss, G, batch, microbatches, ppo_epochs, lr=0.5):
     opt = optax.sgd(lr)
-    step = steps_lib.make_update_step(_toy_logp, loss, opt, ppo_epochs=ppo_epochs, microbatches=microbatches,
-                                      max_new_tokens=4, use_ref=True, group_size=G)
+    step = steps_lib.make_update_step(
+        _toy_logp,
+        loss,
+        opt,
+        ppo_epochs=ppo_epochs,
+        microbatches=microbatches,
+        max_new_tokens=4,
+        use_ref=True,
+        group_size=G,
+    )
     params = {"w": jnp.asarray(np.linspace(-1, 1, V), jnp.float32)}
     state = init_state(params, opt, jax.random.key(0), ref_params={"w": params["w"] * 0.5})
     return jax.jit(step)(state, batch), params
@@ -399,8 +442,12 @@ def test_update_step_runs_prepare_and_reports_exact_metrics():
     # epoch 1 is a plain gradient step on the prepared batch: check it against _run by hand.
     (s_one, _), _ = _update(loss, 3, batch, 1, 1)
     logp, _ = _toy_logp(params, batch)
-    hand = dict(batch, advantages_B=loss.advantages(batch["rewards_BxK"], 3), old_logp_BxT=logp,
-                ref_logp_BxT=_toy_logp({"w": params["w"] * 0.5}, batch)[0])
+    hand = dict(
+        batch,
+        advantages_B=loss.advantages(batch["rewards_BxK"], 3),
+        old_logp_BxT=logp,
+        ref_logp_BxT=_toy_logp({"w": params["w"] * 0.5}, batch)[0],
+    )
     grad_w = jax.grad(lambda p: _run(loss, 3, _toy_logp(p, hand)[0], hand)[0])(params)["w"]
     _close(s_one.params["w"], params["w"] - 0.5 * grad_w, atol=1e-6)
 

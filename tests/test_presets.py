@@ -38,15 +38,31 @@ N_ROWS = {"sao": 16}
 # KL in the reward).
 EXTRA_CASES = {
     "grpo+is_seq": ("grpo", dict(tis_cap=1.5, mis_low=0.5, mis_high=2.0, is_level="sequence")),
-    "bnpo+extras": ("bnpo", dict(tis_cap=1.2, mis_low=0.7, mis_high=1.4, entropy_coef=0.01, top_entropy_frac=0.5,
-                                 mask_truncated=True, kl_reward_beta=0.1, kl_reward_estimator="k3")),
+    "bnpo+extras": (
+        "bnpo",
+        dict(
+            tis_cap=1.2,
+            mis_low=0.7,
+            mis_high=1.4,
+            entropy_coef=0.01,
+            top_entropy_frac=0.5,
+            mask_truncated=True,
+            kl_reward_beta=0.1,
+            kl_reward_estimator="k3",
+        ),
+    ),
 }
 CASES = sorted(PRESETS) + sorted(EXTRA_CASES)
 # Metrics that must be > 0 on the contract batch (the batch does exercise what the preset reports).
 CLIPS = ("clipped_low", "clipped_high")
-EXPECT = {"cispo": ("clipped_high",), "sapo": ("gate",), "m2po": ("m2po_masked",), "mu_grpo": CLIPS + ("vetoed",),
-          "grpo+is_seq": CLIPS + ("is_weight", "is_truncated", "mis_masked"),
-          "bnpo+extras": CLIPS + ("is_weight", "mis_masked", "entropy_masked")}
+EXPECT = {
+    "cispo": ("clipped_high",),
+    "sapo": ("gate",),
+    "m2po": ("m2po_masked",),
+    "mu_grpo": CLIPS + ("vetoed",),
+    "grpo+is_seq": CLIPS + ("is_weight", "is_truncated", "mis_masked"),
+    "bnpo+extras": CLIPS + ("is_weight", "mis_masked", "entropy_masked"),
+}
 
 
 def _case(name):
@@ -68,11 +84,16 @@ def _inputs(G, B):
     rollout = old + 0.3 * rng.standard_normal((B, T), np.float32)  # sampler != trainer: TIS / MIS / M2PO act
     garbage = np.where(rng.random((B, T)) < 0.5, 1e4, -1e4).astype(np.float32)
     dead = mask == 0
-    batch = {"completion_mask_BxT": mask, "old_logp_BxT": np.where(dead, garbage, old),
-             "ref_logp_BxT": np.where(dead, -garbage, ref), "rollout_logp_BxT": np.where(dead, garbage, rollout),
-             "entropy_BxT": np.ones((B, T), np.float32),
-             "old_entropy_BxT": np.where(dead, garbage, 3.0 * rng.random((B, T))).astype(np.float32),
-             "truncated_B": (lengths == T).astype(np.float32), "rewards_BxK": rewards}
+    batch = {
+        "completion_mask_BxT": mask,
+        "old_logp_BxT": np.where(dead, garbage, old),
+        "ref_logp_BxT": np.where(dead, -garbage, ref),
+        "rollout_logp_BxT": np.where(dead, garbage, rollout),
+        "entropy_BxT": np.ones((B, T), np.float32),
+        "old_entropy_BxT": np.where(dead, garbage, 3.0 * rng.random((B, T))).astype(np.float32),
+        "truncated_B": (lengths == T).astype(np.float32),
+        "rewards_BxK": rewards,
+    }
     return logp, batch
 
 
@@ -91,8 +112,10 @@ def _run(loss, G, logp, batch, microbatches=1, max_new_tokens=L_MAX, grad=True):
     def one(mb):
         def f(lp):
             loss_BxT, stats = loss.token_loss(lp, mb)
-            return (aggregation.weighted_sum(mb["weights_BxT"], loss_BxT),
-                    aggregation.stat_partials(stats, mb["completion_mask_BxT"]))
+            return (
+                aggregation.weighted_sum(mb["weights_BxT"], loss_BxT),
+                aggregation.stat_partials(stats, mb["completion_mask_BxT"]),
+            )
 
         if not grad:
             v, part = f(mb["logp_BxT"])
@@ -107,7 +130,8 @@ def _run(loss, G, logp, batch, microbatches=1, max_new_tokens=L_MAX, grad=True):
         part_shape = jax.eval_shape(one, jax.tree.map(lambda x: x[0], mbs))[2]
         init = jax.tree_util.tree_map_with_path(
             lambda path, x: jnp.full(x.shape, {"min": jnp.inf, "max": -jnp.inf}.get(path[-1].key, 0.0), x.dtype),
-            part_shape)
+            part_shape,
+        )
 
         def body(carry, mb):
             v, g, part = one(mb)
@@ -131,8 +155,12 @@ def _variants(loss, G, logp, batch, perm_rows):
     full_batch = dict(batch, advantages_B=adv)
     permuted = {k: v[perm_rows] for k, v in batch.items()}
     permuted["advantages_B"] = adv_perm = batch_advantages(loss, permuted, G, L_MAX)
-    out = {"adv": adv, "adv_perm": adv_perm, "full": _run(loss, G, logp, full_batch),
-           "perm": _run(loss, G, logp[perm_rows], permuted)}
+    out = {
+        "adv": adv,
+        "adv_perm": adv_perm,
+        "full": _run(loss, G, logp, full_batch),
+        "perm": _run(loss, G, logp[perm_rows], permuted),
+    }
     padded = {k: _pad(k, v, 1e4) for k, v in full_batch.items()}
     padded["completion_mask_BxT"] = _pad("_BxT", batch["completion_mask_BxT"], 0.0)
     out["pad_mb"] = _run(loss, G, _pad("_BxT", logp, -5.0), padded, logp.shape[0] // MB_ROWS)
@@ -196,5 +224,3 @@ def test_variants_command_lists_every_preset(capsys):
         assert preset.paper in row and f"configs/{name}_arithmetic.py" in row
         assert " ; ".join(preset.parts) in row
     assert "arXiv:2503.14476" in out and "tis_cap" in out
-
-

@@ -13,18 +13,23 @@ import shutil
 
 import orbax.checkpoint as ocp
 import pytest
-
 from conftest import DEFAULT_CONFIG, TINY
+
 from jaxrl.config import ConfigError, load_config
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import loop
-from preset_configs import fast_compiles  # noqa: F401  (a fixture)
 
 STEPS = 4
 # The format reward too (the tiny policy gets no sum right): groups differ, the policy moves.
 OVERRIDES = [t for t in TINY if not t.startswith("train.eval_")] + [
-    f"train.steps={STEPS}", "checkpoint.every=2", "train.eval_every=0", "train.eval_prompts=4",
-    "loss.reward_weights=1,1", "optim.learning_rate=1e-2", "optim.warmup_steps=0"]
+    f"train.steps={STEPS}",
+    "checkpoint.every=2",
+    "train.eval_every=0",
+    "train.eval_prompts=4",
+    "loss.reward_weights=1,1",
+    "optim.learning_rate=1e-2",
+    "optim.warmup_steps=0",
+]
 DETERMINISTIC = ("reward/mean", "loss", "grad_norm", "entropy", "clip_frac", "response_len/mean", "kl")
 
 
@@ -33,8 +38,10 @@ def _config(*extra):
 
 
 def _holds_ref(workdir: pathlib.Path, step: int) -> bool:
-    return ocp.StandardCheckpointHandler().metadata(workdir / "checkpoints" / str(step) / "state").get(
-        "ref_params") is not None
+    return (
+        ocp.StandardCheckpointHandler().metadata(workdir / "checkpoints" / str(step) / "state").get("ref_params")
+        is not None
+    )
 
 
 def _size(path: pathlib.Path) -> int:
@@ -57,8 +64,9 @@ def _assert_same_steps(resumed: list[dict], straight: list[dict]) -> None:
             assert by_step[row["step"]].get(key) == row.get(key), (row["step"], key)
 
 
-def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(tmp_path, in_process_cache,
-                                                                           fast_compiles, monkeypatch):  # noqa: F811
+def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(
+    tmp_path, in_process_cache, fast_compiles, monkeypatch
+):
     cfg = _config()
     assert cfg.loss.kl_beta == 0
     # The code before this change: every state (and checkpoint) held a reference copy, unused by the loss.
@@ -77,8 +85,7 @@ def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(tmp_pa
     assert 0.6 < without / with_ref < 0.85, (without, with_ref)
 
 
-def test_kl_run_keeps_its_reference_logs_kl_and_resumes_exactly(tmp_path, in_process_cache,
-                                                               fast_compiles):  # noqa: F811
+def test_kl_run_keeps_its_reference_logs_kl_and_resumes_exactly(tmp_path, in_process_cache, fast_compiles):
     cfg = _config("loss.kl_beta=0.05")
     straight = loop.train(cfg, tmp_path / "kl")
     assert _holds_ref(tmp_path / "kl", 2) and _holds_ref(tmp_path / "kl", STEPS)

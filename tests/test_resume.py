@@ -9,14 +9,28 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import DEFAULT_CONFIG, TINY, jaxrl_cmd
 
 STEPS = 12
-ARGS = [str(DEFAULT_CONFIG), *sum((["--set", t] for t in TINY), []), "--set", f"train.steps={STEPS}",
-        "--set", "checkpoint.every=3"]
-DETERMINISTIC = ("reward/mean", "reward/correctness", "loss", "kl", "entropy", "clip_frac", "response_len/mean",
-                 "eval/accuracy", "grad_norm")
+ARGS = [
+    str(DEFAULT_CONFIG),
+    *sum((["--set", t] for t in TINY), []),
+    "--set",
+    f"train.steps={STEPS}",
+    "--set",
+    "checkpoint.every=3",
+]
+DETERMINISTIC = (
+    "reward/mean",
+    "reward/correctness",
+    "loss",
+    "kl",
+    "entropy",
+    "clip_frac",
+    "response_len/mean",
+    "eval/accuracy",
+    "grad_norm",
+)
 
 
 def _rows(workdir: pathlib.Path) -> dict[int, dict]:
@@ -92,8 +106,14 @@ def test_corrupt_newest_checkpoint_is_set_aside_and_the_run_finishes(tmp_path, c
     from jaxrl import cli
 
     workdir = tmp_path / "run"
-    args = ["train", *[a.replace(f"train.steps={STEPS}", "train.steps=6") for a in ARGS],
-            "--set", "checkpoint.every=2", "--workdir", str(workdir)]
+    args = [
+        "train",
+        *[a.replace(f"train.steps={STEPS}", "train.steps=6") for a in ARGS],
+        "--set",
+        "checkpoint.every=2",
+        "--workdir",
+        str(workdir),
+    ]
     assert cli.main(args) == 0
     assert _finished_checkpoints(workdir) == [2, 4, 6]
     first = _rows(workdir)

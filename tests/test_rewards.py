@@ -25,8 +25,12 @@ def _arith(answer):
 
 
 def _cd(numbers, target):
-    return {"id": "t/0", "prompt": countdown.format_prompt(numbers, target), "answer": "",
-            "info": json.dumps({"numbers": numbers, "target": target})}
+    return {
+        "id": "t/0",
+        "prompt": countdown.format_prompt(numbers, target),
+        "answer": "",
+        "info": json.dumps({"numbers": numbers, "target": target}),
+    }
 
 
 def test_reward_names():

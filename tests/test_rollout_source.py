@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import DEFAULT_CONFIG, TINY
+
 from jaxrl.config import load_config
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params, param_logical_axes
@@ -20,12 +20,13 @@ from jaxrl.sharding import make_mesh, param_shardings
 from jaxrl.train.batching import prompt_width
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.speculation import SpecControl, control_state, restored_control, speculate_now, updated
-from preset_configs import fast_compiles  # noqa: F401  (fixture: the three sources' rollouts compile once)
 
 
 def _stats(acceptance, reuse_acceptance):
     zeros = {f: jnp.int32(0) for f in SpecStats._fields}
-    return SpecStats(**{**zeros, "acceptance": jnp.float32(acceptance), "reuse_acceptance": jnp.float32(reuse_acceptance)})
+    return SpecStats(
+        **{**zeros, "acceptance": jnp.float32(acceptance), "reuse_acceptance": jnp.float32(reuse_acceptance)}
+    )
 
 
 def test_control_update_takes_a_rollouts_estimates_and_leaves_the_old_control_alone():
@@ -49,18 +50,27 @@ def test_control_is_saved_under_the_keys_existing_checkpoints_hold():
 
 
 def test_speculate_now_probes_on_schedule_else_asks_whether_reuse_gains():
-    spec = load_config(DEFAULT_CONFIG, ["rollout.speculative.enabled=true", "rollout.speculative.drafter=reuse",
-                                        "rollout.speculative.reuse_width=4", "rollout.speculative.probe_every=3"]
-                       ).rollout.speculative
+    spec = load_config(
+        DEFAULT_CONFIG,
+        [
+            "rollout.speculative.enabled=true",
+            "rollout.speculative.drafter=reuse",
+            "rollout.speculative.reuse_width=4",
+            "rollout.speculative.probe_every=3",
+        ],
+    ).rollout.speculative
 
     def no_gather():
         raise AssertionError("the draft lengths are gathered only when the decision needs them")
 
     control = SpecControl(0.7, 0.7, StepCosts(jnp.ones((4,), jnp.float32), jnp.float32(0.05)))
     assert speculate_now(control, spec, 1, no_gather) and speculate_now(control, spec, 4, no_gather)
+
     # Reuse only (fallback none): 4 drafted tokens at r = 0.7 expect (1 - 0.7^5) / 0.3 = 2.773 tokens per
     # verify; a verify costing 1 step gains (2.77 > 1), one costing 13 steps does not (0.21).
-    four = lambda: np.full((16,), 4, np.int32)
+    def four():
+        return np.full((16,), 4, np.int32)
+
     assert speculate_now(control, spec, 2, four)
     dear = control._replace(costs=StepCosts(jnp.full((4,), 13.0, jnp.float32), jnp.float32(0.05)))
     assert not speculate_now(dear, spec, 2, four)
@@ -68,10 +78,18 @@ def test_speculate_now_probes_on_schedule_else_asks_whether_reuse_gains():
 
 
 @pytest.fixture(scope="module")
-def reuse_setup(fast_compiles):  # noqa: F811
-    cfg = load_config(DEFAULT_CONFIG, TINY + ["rollout.speculative.enabled=true", "rollout.speculative.drafter=reuse",
-                                              "rollout.speculative.reuse_width=4", "rollout.speculative.probe_every=1",
-                                              "rollout.speculative.calibrate=false"])
+def reuse_setup(fast_compiles):
+    cfg = load_config(
+        DEFAULT_CONFIG,
+        TINY
+        + [
+            "rollout.speculative.enabled=true",
+            "rollout.speculative.drafter=reuse",
+            "rollout.speculative.reuse_width=4",
+            "rollout.speculative.probe_every=1",
+            "rollout.speculative.calibrate=false",
+        ],
+    )
     tokenizer = CharTokenizer()
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     mesh, preset = make_mesh(cfg.mesh)
@@ -80,8 +98,12 @@ def reuse_setup(fast_compiles):  # noqa: F811
     params = jax.device_put(params, param_sh)
     P, n = prompt_width(cfg.data), cfg.rollout.prompts_per_step
     prompt_BxP = np.asarray(jax.random.randint(jax.random.key(4), (n, P), 3, tokenizer.vocab_size), np.int32)
-    build = lambda host: SamplerSource(cfg, model_cfg, tokenizer, mesh, preset, param_sh, params, jax.random.key(0),
-                                       host, cost_cache_dir=None)
+
+    def build(host):
+        return SamplerSource(
+            cfg, model_cfg, tokenizer, mesh, preset, param_sh, params, jax.random.key(0), host, cost_cache_dir=None
+        )
+
     return build, params, prompt_BxP, np.ones_like(prompt_BxP, bool)
 
 

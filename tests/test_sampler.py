@@ -16,7 +16,7 @@ PAD = 0
 P, T = 5, 6
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(cfg=CFG):
     return tf.init_params(cfg, jax.random.PRNGKey(0))
 
@@ -25,14 +25,26 @@ def _prompts(lengths=(2, 5, 4), seed=1, vocab=CFG.vocab_size):
     toks = np.random.default_rng(seed).integers(1, vocab, (len(lengths), P), dtype=np.int32)
     mask = np.zeros((len(lengths), P), np.int32)
     for i, n in enumerate(lengths):
-        mask[i, P - n:] = 1
+        mask[i, P - n :] = 1
     return jnp.asarray(np.where(mask, toks, PAD)), jnp.asarray(mask)
 
 
 def _greedy(eos_id, group_size=1, **kw):
     prompt, pmask = _prompts()
-    return sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(0), group_size=group_size, max_new_tokens=T,
-                  temperature=1.0, eos_id=eos_id, pad_id=PAD, greedy=True, **kw)
+    return sample(
+        _params(),
+        CFG,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(0),
+        group_size=group_size,
+        max_new_tokens=T,
+        temperature=1.0,
+        eos_id=eos_id,
+        pad_id=PAD,
+        greedy=True,
+        **kw,
+    )
 
 
 def _check_oracle(out, eos_id, group_size):
@@ -92,8 +104,19 @@ def test_greedy_matches_full_recompute_every_step_and_groups_share_prefill():
 
 def test_top_k_1_equals_greedy():
     prompt, pmask = _prompts()
-    out = sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(3), group_size=1, max_new_tokens=T,
-                 temperature=1.0, top_k=1, eos_id=NEVER, pad_id=PAD)
+    out = sample(
+        _params(),
+        CFG,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(3),
+        group_size=1,
+        max_new_tokens=T,
+        temperature=1.0,
+        top_k=1,
+        eos_id=NEVER,
+        pad_id=PAD,
+    )
     greedy = _greedy(NEVER)
     np.testing.assert_array_equal(out.tokens_BxT, greedy.tokens_BxT)
     np.testing.assert_allclose(out.logp_BxT, greedy.logp_BxT, atol=1e-6)  # logp ignores truncation
@@ -118,17 +141,28 @@ def _truncated_probs(logits_V, temperature, top_k, top_p):
 def test_sampled_logp_matches_token_logprobs_and_draws_follow_top_k_top_p():
     temperature, top_k, top_p, G = 1.5, 8, 0.7, 2000
     prompt, pmask = _prompts()
-    out = sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(7), group_size=G, max_new_tokens=T,
-                 temperature=temperature, top_k=top_k, top_p=top_p, eos_id=NEVER, pad_id=PAD)
+    out = sample(
+        _params(),
+        CFG,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(7),
+        group_size=G,
+        max_new_tokens=T,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=NEVER,
+        pad_id=PAD,
+    )
     tokens = np.asarray(out.tokens_BxT)
     assert np.all(np.asarray(out.completion_mask_BxT) == 1)
     # Recorded logp = untruncated log-softmax(logits / temperature) of the drawn token.
     prompt_g, pmask_g = jnp.repeat(prompt, G, 0), jnp.repeat(pmask, G, 0)
-    logp, _ = tf.token_logprobs(_params(), CFG, prompt_g, pmask_g, out.tokens_BxT, out.completion_mask_BxT,
-                                temperature)
+    logp, _ = tf.token_logprobs(_params(), CFG, prompt_g, pmask_g, out.tokens_BxT, out.completion_mask_BxT, temperature)
     np.testing.assert_allclose(np.asarray(out.logp_BxT), np.asarray(logp), atol=1e-5, rtol=0)
     # Rows of a group draw independently.
-    assert all(len({tuple(r) for r in tokens[i * G:(i + 1) * G]}) > G // 2 for i in range(3))
+    assert all(len({tuple(r) for r in tokens[i * G : (i + 1) * G]}) > G // 2 for i in range(3))
     # First token: frequencies within each group match the reference top-k-then-top-p distribution.
     first_logits = np.asarray(tf.forward(_params(), CFG, prompt, pmask))[:, -1]
     for i in range(3):
@@ -137,13 +171,19 @@ def test_sampled_logp_matches_token_logprobs_and_draws_follow_top_k_top_p():
         n_k = (_truncated_probs(first_logits[i], temperature, top_k, 1.0)[0] > 0).sum()
         n_p = (_truncated_probs(first_logits[i], temperature, 0, top_p)[0] > 0).sum()
         assert 3 <= (want > 0).sum() < min(n_k, n_p), i
-        got = np.bincount(tokens[i * G:(i + 1) * G, 0], minlength=CFG.vocab_size) / G
+        got = np.bincount(tokens[i * G : (i + 1) * G, 0], minlength=CFG.vocab_size) / G
         assert np.all(got[want == 0] == 0)  # only allowed tokens are ever drawn
         np.testing.assert_allclose(got, want, atol=0.04, err_msg=f"prompt {i}")  # ~4 sigma at G=2000
     # Later steps: every drawn token lies in its step's (full-recompute) top-k / top-p set.
     rows = np.concatenate([np.arange(i * G, i * G + 20) for i in range(3)])
-    logits = np.asarray(tf.forward(_params(), CFG, jnp.concatenate([prompt_g[rows], out.tokens_BxT[rows]], 1),
-                                   jnp.concatenate([pmask_g[rows], jnp.ones((len(rows), T), jnp.int32)], 1)))
+    logits = np.asarray(
+        tf.forward(
+            _params(),
+            CFG,
+            jnp.concatenate([prompt_g[rows], out.tokens_BxT[rows]], 1),
+            jnp.concatenate([pmask_g[rows], jnp.ones((len(rows), T), jnp.int32)], 1),
+        )
+    )
     for j, r in enumerate(rows):
         for t in range(T):
             _, before, order = _truncated_probs(logits[j, P - 1 + t], temperature, top_k, top_p)
@@ -155,15 +195,32 @@ def test_eos_stops_rows_and_loop_exits_early():
     cfg = dataclasses.replace(CFG, vocab_size=3)  # EOS (id 2) is drawn ~1/3 of the time
     eos, pad, max_new = 2, 1, 40
     prompt, pmask = _prompts(lengths=(3, 5), vocab=3)
-    out = sample(_params(cfg), cfg, prompt, pmask, jax.random.PRNGKey(5), group_size=8, max_new_tokens=max_new,
-                 temperature=1.0, eos_id=eos, pad_id=pad)
+    out = sample(
+        _params(cfg),
+        cfg,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(5),
+        group_size=8,
+        max_new_tokens=max_new,
+        temperature=1.0,
+        eos_id=eos,
+        pad_id=pad,
+    )
     _check_eos_layout(out, eos, pad)
     assert np.all(np.asarray(out.finished_B))
     lengths = np.asarray(out.length_B)
     assert len(set(lengths.tolist())) > 1  # rows stopped at different steps
     assert int(out.num_steps) == lengths.max() < max_new  # exited as soon as the last row finished
-    logp, _ = tf.token_logprobs(_params(cfg), cfg, jnp.repeat(prompt, 8, 0), jnp.repeat(pmask, 8, 0),
-                                out.tokens_BxT, out.completion_mask_BxT, 1.0)
+    logp, _ = tf.token_logprobs(
+        _params(cfg),
+        cfg,
+        jnp.repeat(prompt, 8, 0),
+        jnp.repeat(pmask, 8, 0),
+        out.tokens_BxT,
+        out.completion_mask_BxT,
+        1.0,
+    )
     mask = np.asarray(out.completion_mask_BxT) > 0
     np.testing.assert_allclose(np.asarray(out.logp_BxT)[mask], np.asarray(logp)[mask], atol=1e-5, rtol=0)
 
@@ -175,8 +232,18 @@ def test_temperature_zero_is_greedy_with_finite_logprobs():
     prompt, pmask = _prompts()
     greedy = _greedy(NEVER)
     for key in (0, 1):  # the draw no longer depends on the key
-        out = sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(key), group_size=1, max_new_tokens=T,
-                     temperature=0.0, eos_id=NEVER, pad_id=PAD)
+        out = sample(
+            _params(),
+            CFG,
+            prompt,
+            pmask,
+            jax.random.PRNGKey(key),
+            group_size=1,
+            max_new_tokens=T,
+            temperature=0.0,
+            eos_id=NEVER,
+            pad_id=PAD,
+        )
         np.testing.assert_array_equal(np.asarray(out.tokens_BxT), np.asarray(greedy.tokens_BxT))
         logp = np.asarray(out.logp_BxT)
         assert np.all(np.isfinite(logp))
@@ -194,5 +261,15 @@ def test_temperature_zero_ties_and_negative_temperature():
     np.testing.assert_allclose(np.asarray(scaled_logits(logits, 2.0)), np.asarray(logits) / 2.0)
     prompt, pmask = _prompts()
     with pytest.raises(ValueError, match="temperature: got -0.5"):
-        sample(_params(), CFG, prompt, pmask, jax.random.PRNGKey(0), group_size=1, max_new_tokens=T,
-               temperature=-0.5, eos_id=NEVER, pad_id=PAD)
+        sample(
+            _params(),
+            CFG,
+            prompt,
+            pmask,
+            jax.random.PRNGKey(0),
+            group_size=1,
+            max_new_tokens=T,
+            temperature=-0.5,
+            eos_id=NEVER,
+            pad_id=PAD,
+        )

@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import DEFAULT_CONFIG, REPO, TINY, jaxrl_cmd
 
 PRESETS = {"single": {}, "data": {}, "fsdp": {}, "fsdp_tensor": {"tensor": 2}, "fsdp_expert": {"expert": 2}}
@@ -32,8 +31,9 @@ def _worker() -> None:
     from jaxrl.train.steps import make_logp_fn, make_update_step
 
     assert jax.device_count() == 8, jax.devices()
-    model_cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
-                            max_seq_len=32)
+    model_cfg = ModelConfig(
+        vocab_size=32, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=32
+    )
     B, P, T, G = 16, 6, 5, 4
     rng = np.random.default_rng(0)
     lengths_B = rng.integers(1, T + 1, B)
@@ -49,8 +49,16 @@ def _worker() -> None:
     loss = make_loss(LossConfig(preset="grpo", kl_beta=0.05))
     optimizer = make_optimizer(OptimConfig(learning_rate=3e-2, warmup_steps=0), 10)
     base = jax.tree.map(np.asarray, init_params(model_cfg, jax.random.key(1)))
-    update_fn = make_update_step(make_logp_fn(model_cfg, 1.0), loss, optimizer, ppo_epochs=1, microbatches=2,
-                                 max_new_tokens=T, use_ref=True, group_size=G)
+    update_fn = make_update_step(
+        make_logp_fn(model_cfg, 1.0),
+        loss,
+        optimizer,
+        ppo_epochs=1,
+        microbatches=2,
+        max_new_tokens=T,
+        use_ref=True,
+        group_size=G,
+    )
 
     results = {}
     for name, sizes in PRESETS.items():
@@ -72,16 +80,24 @@ def _worker() -> None:
         p = state.params
         mu = state.opt_state[1][0].mu  # adamw's first moment, laid out like the params
         results[name] = {
-            "loss": losses, "grad_norm": norms, "kl": float(metrics["kl"]),
-            "params": {"/".join(str(k.key) for k in path): np.asarray(v).ravel().tolist()
-                       for path, v in jax.tree_util.tree_flatten_with_path(p)[0]},
-            "spec": {"embedding": str(p["embedding"].sharding.spec),
-                     "gate": str(p["blocks"]["mlp"]["gate"].sharding.spec),
-                     "q": str(p["blocks"]["attn"]["q"].sharding.spec),
-                     "mu_gate": str(mu["blocks"]["mlp"]["gate"].sharding.spec)},
-            "shard_shape": {"embedding": list(p["embedding"].addressable_shards[0].data.shape),
-                            "gate": list(p["blocks"]["mlp"]["gate"].addressable_shards[0].data.shape),
-                            "mu_gate": list(mu["blocks"]["mlp"]["gate"].addressable_shards[0].data.shape)},
+            "loss": losses,
+            "grad_norm": norms,
+            "kl": float(metrics["kl"]),
+            "params": {
+                "/".join(str(k.key) for k in path): np.asarray(v).ravel().tolist()
+                for path, v in jax.tree_util.tree_flatten_with_path(p)[0]
+            },
+            "spec": {
+                "embedding": str(p["embedding"].sharding.spec),
+                "gate": str(p["blocks"]["mlp"]["gate"].sharding.spec),
+                "q": str(p["blocks"]["attn"]["q"].sharding.spec),
+                "mu_gate": str(mu["blocks"]["mlp"]["gate"].sharding.spec),
+            },
+            "shard_shape": {
+                "embedding": list(p["embedding"].addressable_shards[0].data.shape),
+                "gate": list(p["blocks"]["mlp"]["gate"].addressable_shards[0].data.shape),
+                "mu_gate": list(mu["blocks"]["mlp"]["gate"].addressable_shards[0].data.shape),
+            },
             "n_devices": len(p["embedding"].sharding.device_set),
         }
         if name == "fsdp_tensor":  # a checkpoint of the sharded state restores into the same layout
@@ -91,12 +107,18 @@ def _worker() -> None:
     mesh, preset = make_mesh(MeshConfig(preset="fsdp_expert", expert=2))
     abstract = jax.eval_shape(lambda: init_params(moe_cfg, jax.random.key(0)))
     moe_sh = param_shardings(mesh, preset, param_logical_axes(moe_cfg), abstract)
-    gate_path = [path for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]
-                 if "gate" in jax.tree_util.keystr(path) and "moe" in jax.tree_util.keystr(path)][0]
+    gate_path = [
+        path
+        for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]
+        if "gate" in jax.tree_util.keystr(path) and "moe" in jax.tree_util.keystr(path)
+    ][0]
     gate_sh = dict(jax.tree_util.tree_flatten_with_path(moe_sh)[0])[gate_path]
     gate = dict(jax.tree_util.tree_flatten_with_path(abstract)[0])[gate_path]
-    results["moe_gate"] = {"spec": str(gate_sh.spec), "shape": list(gate.shape),
-                           "shard_shape": list(gate_sh.shard_shape(gate.shape))}
+    results["moe_gate"] = {
+        "spec": str(gate_sh.spec),
+        "shape": list(gate.shape),
+        "shard_shape": list(gate_sh.shard_shape(gate.shape)),
+    }
     print("RESULT " + json.dumps(results))
 
 
@@ -115,28 +137,38 @@ def _checkpoint_roundtrip(state) -> dict:
         step, restored, host = ckpt.restore_latest(manager, ckpt.abstract_like(state))
         manager.close()
     pairs = list(zip(jax.tree.leaves(state), jax.tree.leaves(restored)))
-    raw = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
-    return {"step": step, "host": host, "n_leaves": len(pairs),
-            "same_values": all(np.array_equal(raw(a), raw(b)) for a, b in pairs),
-            "same_shardings": all(a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in pairs)}
+
+    def raw(x):
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    return {
+        "step": step,
+        "host": host,
+        "n_leaves": len(pairs),
+        "same_values": all(np.array_equal(raw(a), raw(b)) for a, b in pairs),
+        "same_shardings": all(a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in pairs),
+    }
 
 
 def _env(cache_env: dict) -> dict:
     env = dict(cache_env)
     # Cheaper CPU codegen: these tests are about layouts and numbers, not speed of the compiled code.
-    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true")
+    env["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+        "--xla_llvm_disable_expensive_passes=true"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
 @pytest.fixture(scope="module")
 def results(cache_env):
-    proc = subprocess.run([sys.executable, __file__, "worker"], env=_env(cache_env), capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, __file__, "worker"], env=_env(cache_env), capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n != "single"])
@@ -179,8 +211,13 @@ def _train_error(cache_env, workdir, *sets: str) -> subprocess.CompletedProcess:
     args = [str(DEFAULT_CONFIG), *sum((["--set", t] for t in TINY), []), "--set", "train.steps=1"]
     for s in sets:
         args += ["--set", s]
-    return subprocess.run(jaxrl_cmd("train", *args, "--workdir", str(workdir)), env=_env(cache_env),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        jaxrl_cmd("train", *args, "--workdir", str(workdir)),
+        env=_env(cache_env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_mesh_that_does_not_fit_the_devices_is_a_one_line_error(cache_env, tmp_path):
@@ -188,7 +225,8 @@ def test_mesh_that_does_not_fit_the_devices_is_a_one_line_error(cache_env, tmp_p
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "jaxrl: error: mesh.tensor=3 does not divide the 8 devices (mesh.preset='fsdp_tensor' needs devices = "
-        "fsdp * tensor)"]
+        "fsdp * tensor)"
+    ]
 
 
 def test_batch_that_does_not_divide_is_a_one_line_error(cache_env, tmp_path):
@@ -196,14 +234,18 @@ def test_batch_that_does_not_divide_is_a_one_line_error(cache_env, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "jaxrl: error: rollout.prompts_per_step*rollout.group_size: batch of 12 rows does not divide over the 8 "
-        "devices of mesh axis 'data'"]
+        "devices of mesh axis 'data'"
+    ]
 
 
 def test_mesh_sizes_are_checked_in_the_config():
     from jaxrl.config import ConfigError, MeshConfig
 
-    with pytest.raises(ConfigError, match=r"^mesh\.tensor: got 2, expected 1 unless mesh.preset='fsdp_tensor' "
-                                          r"\(preset is 'fsdp'\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^mesh\.tensor: got 2, expected 1 unless mesh.preset='fsdp_tensor' "
+        r"\(preset is 'fsdp'\)$",
+    ):
         MeshConfig(preset="fsdp", tensor=2).validate()
     with pytest.raises(ConfigError, match=r"^mesh\.preset: got 'tp', expected 'single' or 'data' or"):
         MeshConfig(preset="tp").validate()
@@ -212,8 +254,9 @@ def test_mesh_sizes_are_checked_in_the_config():
 def test_batch_axis_comes_from_the_shape_letters():
     from jaxrl.sharding import rows_axis
 
-    assert [rows_axis(n) for n in ("tokens_BxT", "advantages_B", "routing_BxSxLxK", "routing_LxBxTxk", "num_steps",
-                                   "step")] == [0, 0, 0, 1, None, None]
+    assert [
+        rows_axis(n) for n in ("tokens_BxT", "advantages_B", "routing_BxSxLxK", "routing_LxBxTxk", "num_steps", "step")
+    ] == [0, 0, 0, 1, None, None]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["worker"]:

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import DEFAULT_CONFIG, TINY
+
 from jaxrl import losses
 from jaxrl.config import LossConfig, ModelConfig, load_config
 from jaxrl.models import transformer as tf
@@ -22,8 +22,9 @@ from jaxrl.train import steps as steps_lib
 from jaxrl.train.state import init_state
 
 # 2 layers (the prompt's K/V of layer 2 depend on layer 1), GQA with 2 query heads per kv head.
-CFG = ModelConfig(vocab_size=23, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=48,
-                  max_seq_len=16)
+CFG = ModelConfig(
+    vocab_size=23, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=48, max_seq_len=16
+)
 N, G, P, T = 3, 4, 5, 6  # 3 groups of 4 rows
 TEMP = 0.7
 XLA_FAST = {"xla_backend_optimization_level": 0}
@@ -36,16 +37,18 @@ def _batch(seed=0, n=N, g=G):
     lengths = [2, 5, 1, 3][:n]
     prompt_NxP, pmask_NxP = np.zeros((n, P), np.int32), np.zeros((n, P), np.int32)
     for i, k in enumerate(lengths):
-        prompt_NxP[i, P - k:] = rng.integers(3, CFG.vocab_size, k)
-        pmask_NxP[i, P - k:] = 1
+        prompt_NxP[i, P - k :] = rng.integers(3, CFG.vocab_size, k)
+        pmask_NxP[i, P - k :] = 1
     B = n * g
     cmask_BxT = (np.arange(T)[None] < rng.integers(0, T + 1, B)[:, None]).astype(np.float32)
-    return {"prompt_tokens_BxP": jnp.asarray(np.repeat(prompt_NxP, g, 0)),
-            "prompt_mask_BxP": jnp.asarray(np.repeat(pmask_NxP, g, 0)),
-            "tokens_BxT": jnp.asarray(rng.integers(3, CFG.vocab_size, (B, T)), jnp.int32),
-            "completion_mask_BxT": jnp.asarray(cmask_BxT),
-            "rewards_BxK": jnp.asarray(rng.integers(0, 2, (B, 1)).astype(np.float32)),
-            "truncated_B": jnp.zeros((B,), jnp.float32)}
+    return {
+        "prompt_tokens_BxP": jnp.asarray(np.repeat(prompt_NxP, g, 0)),
+        "prompt_mask_BxP": jnp.asarray(np.repeat(pmask_NxP, g, 0)),
+        "tokens_BxT": jnp.asarray(rng.integers(3, CFG.vocab_size, (B, T)), jnp.int32),
+        "completion_mask_BxT": jnp.asarray(cmask_BxT),
+        "rewards_BxK": jnp.asarray(rng.integers(0, 2, (B, 1)).astype(np.float32)),
+        "truncated_B": jnp.zeros((B,), jnp.float32),
+    }
 
 
 def _params(seed=0):
@@ -53,26 +56,40 @@ def _params(seed=0):
 
 
 def _one_pass(params, b):
-    return tf.token_logprobs(params, CFG, b["prompt_tokens_BxP"], b["prompt_mask_BxP"], b["tokens_BxT"],
-                             b["completion_mask_BxT"], TEMP)
+    return tf.token_logprobs(
+        params, CFG, b["prompt_tokens_BxP"], b["prompt_mask_BxP"], b["tokens_BxT"], b["completion_mask_BxT"], TEMP
+    )
 
 
 def _shared(params, b, group_size=G, logits_chunk=0, remat="none"):
-    return token_logprobs_shared(params, CFG, b["prompt_tokens_BxP"], b["prompt_mask_BxP"], b["tokens_BxT"], TEMP,
-                                 group_size=group_size, logits_chunk=logits_chunk, remat=remat)
+    return token_logprobs_shared(
+        params,
+        CFG,
+        b["prompt_tokens_BxP"],
+        b["prompt_mask_BxP"],
+        b["tokens_BxT"],
+        TEMP,
+        group_size=group_size,
+        logits_chunk=logits_chunk,
+        remat=remat,
+    )
 
 
 # The memory options compose with sharing: a chunk of 7 (row, position) pairs splits rows, and full remat.
 @pytest.mark.parametrize("logits_chunk,remat", [(0, "none"), (7, "full")])
 def test_shared_prefix_equals_one_pass_values_and_gradients(logits_chunk, remat):
     params, b = _params(), _batch()
-    shared = lambda p, b: _shared(p, b, logits_chunk=logits_chunk, remat=remat)  # noqa: E731
+
+    def shared(p, b):
+        return _shared(p, b, logits_chunk=logits_chunk, remat=remat)
+
     w_BxT = jnp.asarray(np.random.default_rng(1).normal(size=(N * G, T)), jnp.float32)
 
     def objective(logp_fn):  # a weighted sum of log-probs plus the entropies: both outputs get gradients
         def f(p):
             logp_BxT, entropy_BxT = logp_fn(p, b)
             return jnp.sum(w_BxT * logp_BxT) + 0.3 * jnp.sum(entropy_BxT)
+
         return jax.jit(jax.value_and_grad(f)).lower(params).compile(XLA_FAST)
 
     for got, want in zip(shared(params, b), _one_pass(params, b)):
@@ -113,7 +130,10 @@ def _count_shared(monkeypatch):
 def test_make_logp_fn_shares_only_whole_groups_of_a_dense_model(monkeypatch):
     calls = _count_shared(monkeypatch)
     params, b = _params(), _batch()
-    shapes = lambda fn, batch: jax.eval_shape(fn, params, batch)  # noqa: E731  (traces, compiles nothing)
+
+    def shapes(fn, batch):  # traces, compiles nothing
+        return jax.eval_shape(fn, params, batch)
+
     shapes(steps_lib.make_logp_fn(CFG, TEMP, prompt_groups=G), b)
     assert calls == [G]
     shapes(steps_lib.make_logp_fn(CFG, TEMP, prompt_groups=G), jax.tree.map(lambda x: x[:6], b))  # 6 % 4 != 0
@@ -137,8 +157,16 @@ def test_update_step_with_shared_prompts_equals_one_pass(monkeypatch):
     params = _params(1)
     results = []
     for groups in (g, 0):
-        step = steps_lib.make_update_step(steps_lib.make_logp_fn(CFG, TEMP, prompt_groups=groups), loss, optimizer,
-                                          ppo_epochs=2, microbatches=2, max_new_tokens=T, group_size=g, use_ref=True)
+        step = steps_lib.make_update_step(
+            steps_lib.make_logp_fn(CFG, TEMP, prompt_groups=groups),
+            loss,
+            optimizer,
+            ppo_epochs=2,
+            microbatches=2,
+            max_new_tokens=T,
+            group_size=g,
+            use_ref=True,
+        )
         state = init_state(params, optimizer, jax.random.PRNGKey(0), ref_params=jax.tree.map(lambda x: x * 0.9, params))
         results.append(jax.jit(step).lower(state, b).compile(XLA_FAST)(state, b))
     assert calls and set(calls) == {g}  # the first update shared (old, ref and both epochs' forwards)

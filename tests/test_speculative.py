@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from chi_square import chi_square_pvalue
+
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout import acceptance
-from jaxrl.rollout.drafters import dequantize, quantize_int8
 from jaxrl.rollout.calibrate import StepCosts
+from jaxrl.rollout.drafters import dequantize, quantize_int8
 from jaxrl.rollout.reuse import DraftStore
 from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.speculative import choose_draft_length, sample_speculative, worth_speculating
@@ -26,7 +26,7 @@ PAD, EOS = 0, 7
 P, T = 5, 6
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(cfg=CFG, scale=1.0):
     params = tf.init_params(cfg, jax.random.PRNGKey(0))
     # A larger embedding (tied head) makes the next-token distributions peaked, like a trained policy.
@@ -37,7 +37,7 @@ def _prompts(lengths=(2, 5, 4), seed=1):
     toks = np.random.default_rng(seed).integers(1, CFG.vocab_size, (len(lengths), P), dtype=np.int32)
     mask = np.zeros((len(lengths), P), np.int32)
     for i, n in enumerate(lengths):
-        mask[i, P - n:] = 1
+        mask[i, P - n :] = 1
     return jnp.asarray(np.where(mask, toks, PAD)), jnp.asarray(mask)
 
 
@@ -60,8 +60,11 @@ def _plain(params, cfg, rng, **kw):
     return sample(params, cfg, prompt, pmask, rng, **args)
 
 
-@pytest.mark.parametrize("cfg,drafter", [(CFG, "early_exit"), (CFG, "int8"), (CFG, "reuse"), (MOE, "reuse")],
-                         ids=["early_exit", "int8", "reuse", "moe-reuse"])
+@pytest.mark.parametrize(
+    "cfg,drafter",
+    [(CFG, "early_exit"), (CFG, "int8"), (CFG, "reuse"), (MOE, "reuse")],
+    ids=["early_exit", "int8", "reuse", "moe-reuse"],
+)
 def test_greedy_equals_plain_greedy(cfg, drafter):
     """Temperature 0: every drafter gives exactly the plain greedy tokens, masks, lengths and (MoE)
     routing; log-probs agree to float32 noise. Reuse is tried with the right completion as the draft
@@ -74,8 +77,14 @@ def test_greedy_equals_plain_greedy(cfg, drafter):
         bad[:, 1] = (bad[:, 1] + 1) % cfg.vocab_size
         drafts = [(ref.tokens_BxT, ref.length_B), (jnp.asarray(bad), ref.length_B)]
     for draft in drafts:
-        out, stats = _run(params, cfg, _spec(drafter, max_draft=3, adaptive=False, reuse_width=3),
-                          jax.random.PRNGKey(0), draft, greedy=True)
+        out, stats = _run(
+            params,
+            cfg,
+            _spec(drafter, max_draft=3, adaptive=False, reuse_width=3),
+            jax.random.PRNGKey(0),
+            draft,
+            greedy=True,
+        )
         np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
         np.testing.assert_array_equal(out.completion_mask_BxT, ref.completion_mask_BxT)
         np.testing.assert_array_equal(out.length_B, ref.length_B)
@@ -84,13 +93,21 @@ def test_greedy_equals_plain_greedy(cfg, drafter):
         if cfg.n_experts:
             # Left-padding slots attend to nothing real: their (unused) routing depends on the cache length.
             pmask = np.repeat(np.asarray(_prompts()[1], bool), 2, axis=0)
-            live = np.concatenate([pmask[:, :P - 1], np.asarray(ref.completion_mask_BxT, bool)], 1)
-            np.testing.assert_array_equal(np.asarray(out.routing_BxSxLxK)[:, :P - 1 + T][live],
-                                          np.asarray(ref.routing_BxSxLxK)[:, :P - 1 + T][live])
+            live = np.concatenate([pmask[:, : P - 1], np.asarray(ref.completion_mask_BxT, bool)], 1)
+            np.testing.assert_array_equal(
+                np.asarray(out.routing_BxSxLxK)[:, : P - 1 + T][live],
+                np.asarray(ref.routing_BxSxLxK)[:, : P - 1 + T][live],
+            )
         assert int(stats.drafted) > 0 and int(stats.self_steps) + int(stats.reuse_steps) > 0
     if drafter == "reuse":  # the right draft is accepted whole: one verify step per row's completion
-        out, stats = _run(params, cfg, _spec(drafter, reuse_width=T), jax.random.PRNGKey(0),
-                          (ref.tokens_BxT, ref.length_B), greedy=True)
+        out, stats = _run(
+            params,
+            cfg,
+            _spec(drafter, reuse_width=T),
+            jax.random.PRNGKey(0),
+            (ref.tokens_BxT, ref.length_B),
+            greedy=True,
+        )
         assert int(stats.rejections) == 0 and int(out.num_steps) == 1
 
 
@@ -101,8 +118,14 @@ def test_temperature_zero_without_greedy_flag(drafter):
     params = _params(CFG, 3.0)
     ref = _plain(params, CFG, jax.random.PRNGKey(0), greedy=True)
     draft = (ref.tokens_BxT, ref.length_B) if drafter == "reuse" else None
-    out, _ = _run(params, CFG, _spec(drafter, max_draft=3, adaptive=False, reuse_width=3), jax.random.PRNGKey(5),
-                  draft, temperature=0.0)
+    out, _ = _run(
+        params,
+        CFG,
+        _spec(drafter, max_draft=3, adaptive=False, reuse_width=3),
+        jax.random.PRNGKey(5),
+        draft,
+        temperature=0.0,
+    )
     np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
     np.testing.assert_array_equal(np.asarray(out.logp_BxT), np.zeros(out.logp_BxT.shape, np.float32))
 
@@ -115,9 +138,20 @@ def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     prompt, pmask = _prompts()
     for drafter in ("early_exit",):  # the int8 drafter's tokens are checked by the greedy and chi-square tests
         out, stats = _run(params, cfg, _spec(drafter, max_draft=3), jax.random.PRNGKey(3), temperature=0.7)
-        rows = lambda x: jnp.repeat(x, 2, axis=0)
-        logp, _ = tf.token_logprobs(params, cfg, rows(prompt), rows(pmask), out.tokens_BxT, out.completion_mask_BxT,
-                                    0.7, replay_BxSxLxK=out.routing_BxSxLxK)
+
+        def rows(x):
+            return jnp.repeat(x, 2, axis=0)
+
+        logp, _ = tf.token_logprobs(
+            params,
+            cfg,
+            rows(prompt),
+            rows(pmask),
+            out.tokens_BxT,
+            out.completion_mask_BxT,
+            0.7,
+            replay_BxSxLxK=out.routing_BxSxLxK,
+        )
         mask = np.asarray(out.completion_mask_BxT) > 0
         assert mask.sum() > 6
         np.testing.assert_allclose(np.asarray(out.logp_BxT)[mask], np.asarray(logp)[mask], atol=2e-5)
@@ -142,7 +176,7 @@ def _exact_distribution(params, temperature, top_k):
     V = SMALL.vocab_size
     strings = np.array(list(itertools.product(range(V), repeat=S_T)), np.int32)
     seq = np.concatenate([np.repeat(np.asarray(prompt), len(strings), 0), strings], 1)
-    logits = np.asarray(tf.forward(params, SMALL, seq, np.ones_like(seq)))[:, S_P - 1:S_P - 1 + S_T]
+    logits = np.asarray(tf.forward(params, SMALL, seq, np.ones_like(seq)))[:, S_P - 1 : S_P - 1 + S_T]
     probs = np.asarray(acceptance.target_probs(jnp.asarray(logits), temperature, top_k, 1.0))
     dist = {}
     for s, p in zip(strings, probs):
@@ -155,8 +189,9 @@ def _exact_distribution(params, temperature, top_k):
 
 
 def _chi_square_pvalue(tokens, mask, dist):
-    return chi_square_pvalue([tuple(int(t) for t in row[m > 0]) for row, m in zip(np.asarray(tokens), np.asarray(mask))],
-                             dist)
+    return chi_square_pvalue(
+        [tuple(int(t) for t in row[m > 0]) for row, m in zip(np.asarray(tokens), np.asarray(mask))], dist
+    )
 
 
 def _sample_small(params, spec, temperature, top_k, seed, draft=None):
@@ -165,9 +200,21 @@ def _sample_small(params, spec, temperature, top_k, seed, draft=None):
     if draft is not None:
         d = jnp.broadcast_to(jnp.asarray(draft, jnp.int32), (N_SAMPLES, S_T))
         extra = dict(draft_NxT=d, draft_len_N=jnp.full((N_SAMPLES,), len(draft), jnp.int32))
-    out, stats = sample_speculative(params, SMALL, prompt, pmask, jax.random.PRNGKey(seed), spec=spec,
-                                    group_size=N_SAMPLES, max_new_tokens=S_T, temperature=temperature, top_k=top_k,
-                                    eos_id=S_EOS, pad_id=PAD, **extra)
+    out, stats = sample_speculative(
+        params,
+        SMALL,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(seed),
+        spec=spec,
+        group_size=N_SAMPLES,
+        max_new_tokens=S_T,
+        temperature=temperature,
+        top_k=top_k,
+        eos_id=S_EOS,
+        pad_id=PAD,
+        **extra,
+    )
     return out, stats
 
 
@@ -191,8 +238,9 @@ def test_sampled_distribution_equals_enumeration(small_params, drafter, temperat
     tested: a good share of them is rejected and a good share accepted."""
     spec = _spec(drafter, max_draft=2, adaptive=False, reuse_width=3)
     out, stats = _sample_small(small_params, spec, temperature, top_k, seed=11, draft=draft)
-    pvalue, df = _chi_square_pvalue(out.tokens_BxT, out.completion_mask_BxT,
-                                     _exact_distribution(small_params, temperature, top_k))
+    pvalue, df = _chi_square_pvalue(
+        out.tokens_BxT, out.completion_mask_BxT, _exact_distribution(small_params, temperature, top_k)
+    )
     assert df >= 8
     assert pvalue > 1e-3, (drafter, pvalue)
     drafted, accepted = int(stats.drafted), int(stats.accepted)
@@ -216,8 +264,9 @@ def test_chi_square_catches_a_wrong_acceptance_rule(small_params, monkeypatch, d
     monkeypatch.setattr(acceptance, "verify_sampled", _wrong_residual)
     jax.clear_caches()  # sample_speculative is jitted: retrace with the wrong rule
     try:
-        out, _ = _sample_small(small_params, _spec(drafter, max_draft=2, adaptive=False, reuse_width=3), 1.0, 0, 11,
-                               draft)
+        out, _ = _sample_small(
+            small_params, _spec(drafter, max_draft=2, adaptive=False, reuse_width=3), 1.0, 0, 11, draft
+        )
     finally:
         monkeypatch.undo()
         jax.clear_caches()
@@ -268,8 +317,9 @@ def test_costs_decide_whether_to_speculate():
     spec = _spec("early_exit", max_draft=3)
     for verify, draft, speculates in ((4.0, 1.0, False), (1.0, 0.05, True)):
         costs = StepCosts(jnp.full((3,), verify, jnp.float32), jnp.float32(draft))
-        out, stats = _run(params, CFG, spec, jax.random.PRNGKey(0), greedy=True, costs=costs,
-                          acceptance_prior=jnp.float32(0.9))
+        out, stats = _run(
+            params, CFG, spec, jax.random.PRNGKey(0), greedy=True, costs=costs, acceptance_prior=jnp.float32(0.9)
+        )
         assert (int(stats.self_steps) > 0) == speculates
         np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
     # Reuse too: a reused draft is verified only while that is expected to beat a plain step, unless
@@ -277,8 +327,15 @@ def test_costs_decide_whether_to_speculate():
     draft = (plain.tokens_BxT, plain.length_B)
     for verify, adaptive, reuses in ((1.0, True, True), (8.0, True, False), (8.0, False, True)):
         costs = StepCosts(jnp.full((T,), verify, jnp.float32), jnp.float32(0.5))
-        out, stats = _run(params, CFG, _spec("reuse", reuse_width=T, adaptive=adaptive), jax.random.PRNGKey(0),
-                          draft=draft, greedy=True, costs=costs)
+        out, stats = _run(
+            params,
+            CFG,
+            _spec("reuse", reuse_width=T, adaptive=adaptive),
+            jax.random.PRNGKey(0),
+            draft=draft,
+            greedy=True,
+            costs=costs,
+        )
         assert (int(stats.reuse_steps) > 0) == reuses, (verify, adaptive)
         np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
 
@@ -332,10 +389,22 @@ def test_spec_rl_rule_accepts_drafts_the_old_policy_rated_like_the_new():
     first = _plain(params, CFG, jax.random.PRNGKey(5))
     draft = (first.tokens_BxT, first.length_B)
     prompt, pmask = _prompts()
-    out, stats = sample_speculative(params, CFG, prompt, pmask, jax.random.PRNGKey(6),
-                                    spec=_spec("reuse", reuse_width=T, reuse_rule="spec_rl"), group_size=2,
-                                    max_new_tokens=T, temperature=1.0, eos_id=EOS, pad_id=PAD,
-                                    draft_NxT=draft[0], draft_len_N=draft[1], draft_logp_NxT=first.logp_BxT)
+    out, stats = sample_speculative(
+        params,
+        CFG,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(6),
+        spec=_spec("reuse", reuse_width=T, reuse_rule="spec_rl"),
+        group_size=2,
+        max_new_tokens=T,
+        temperature=1.0,
+        eos_id=EOS,
+        pad_id=PAD,
+        draft_NxT=draft[0],
+        draft_len_N=draft[1],
+        draft_logp_NxT=first.logp_BxT,
+    )
     assert int(stats.drafted) > 0 and int(stats.accepted) == int(stats.drafted)
     np.testing.assert_array_equal(out.tokens_BxT, first.tokens_BxT)  # every draft kept, EOS included
 
@@ -349,8 +418,13 @@ def test_draft_store_returns_each_prompts_last_completions():
     toks = np.arange(1, 13, dtype=np.int32).reshape(6, 2)  # 3 prompts x G=2 rows, T=2
     store.update(prompts[:2], masks[:2], toks[:4], np.array([2, 1, 2, 0]), np.ones((4, 2), np.float32), 2)
     padded_differently = np.array([[5, 6, 0]], np.int32)  # same real tokens, other padding column
-    d, n, lp = store.lookup(np.concatenate([prompts[1:2], padded_differently]),
-                            np.concatenate([masks[1:2], padded_differently > 0]), 2, 3, PAD)
+    d, n, lp = store.lookup(
+        np.concatenate([prompts[1:2], padded_differently]),
+        np.concatenate([masks[1:2], padded_differently > 0]),
+        2,
+        3,
+        PAD,
+    )
     np.testing.assert_array_equal(d[:, :2], [[5, 6], [7, 8], [1, 2], [3, 4]])
     np.testing.assert_array_equal(n, [2, 0, 2, 1])
     assert d.shape == (4, 3) and np.all(d[:, 2] == PAD) and lp[0, 0] == 1.0

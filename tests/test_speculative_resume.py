@@ -8,21 +8,33 @@ import shutil
 
 import numpy as np
 import pytest
+from preset_configs import config_path, overrides
 
 from jaxrl.config import load_config
 from jaxrl.rollout import calibrate
-from preset_configs import config_path, fast_compiles, overrides  # noqa: F401  (fixture)
 
 STEPS = 4
 TIMING = ("rollout/tokens_per_s", "rollout/seconds", "step_seconds", "wall_time")
-SPEC = ["rollout.speculative.enabled=true", "rollout.speculative.reuse_width=4", "rollout.speculative.max_draft=2",
-        "rollout.speculative.draft_layers=1", "rollout.speculative.probe_every=1", "rollout.speculative.calibrate=true"]
+SPEC = [
+    "rollout.speculative.enabled=true",
+    "rollout.speculative.reuse_width=4",
+    "rollout.speculative.max_draft=2",
+    "rollout.speculative.draft_layers=1",
+    "rollout.speculative.probe_every=1",
+    "rollout.speculative.calibrate=true",
+]
 
 
 def _config(drafter):
     # 8 prompts, 4 a step: every prompt comes back after 2 steps, so reuse has drafts to verify.
-    extra = [f"train.steps={STEPS}", "checkpoint.every=1", "checkpoint.keep=10", "data.num_train=8",
-             f"rollout.speculative.drafter={drafter}", "model.n_layers=2"]
+    extra = [
+        f"train.steps={STEPS}",
+        "checkpoint.every=1",
+        "checkpoint.keep=10",
+        "data.num_train=8",
+        f"rollout.speculative.drafter={drafter}",
+        "model.n_layers=2",
+    ]
     return load_config(config_path("grpo"), overrides("grpo") + SPEC + extra)
 
 
@@ -46,7 +58,9 @@ def flaky_timer(monkeypatch, tmp_path):
 
 
 def _same(rows_a, rows_b, steps):
-    by_step = lambda rows: {r["step"]: r for r in rows}
+    def by_step(rows):
+        return {r["step"]: r for r in rows}
+
     a, b = by_step(rows_a), by_step(rows_b)
     for s in steps:
         keys = (set(a[s]) | set(b[s])) - set(TIMING)
@@ -55,8 +69,14 @@ def _same(rows_a, rows_b, steps):
 
 
 @pytest.mark.parametrize("drafter", ["reuse", "early_exit", "int8"])
-def test_speculative_reruns_and_resumes_match(drafter, tmp_path, in_process_cache, fast_compiles,  # noqa: F811
-                                              flaky_timer, capsys):
+def test_speculative_reruns_and_resumes_match(
+    drafter,
+    tmp_path,
+    in_process_cache,
+    fast_compiles,
+    flaky_timer,
+    capsys,
+):
     from jaxrl.train.loop import train
 
     cfg = _config(drafter)
@@ -64,7 +84,7 @@ def test_speculative_reruns_and_resumes_match(drafter, tmp_path, in_process_cach
     assert [r["step"] for r in first] == list(range(STEPS + 1))
     assert len(flaky_timer) == 1
     # Reuse drafts from step 3 on (each prompt's previous completions); the self-drafters from step 1.
-    assert all(r["spec/speculated_frac"] > 0 for r in first[3 if drafter == "reuse" else 1:]), "never speculated"
+    assert all(r["spec/speculated_frac"] > 0 for r in first[3 if drafter == "reuse" else 1 :]), "never speculated"
     assert "measured now" in capsys.readouterr().err
 
     # A second fresh run on this machine reads the cached costs instead of timing again.

@@ -5,16 +5,20 @@ trainer's (see preset_configs.py for the cost controls)."""
 import math
 
 import pytest
+from preset_configs import config_path, overrides
 
 from jaxrl.config import load_config
-from preset_configs import config_path, fast_compiles, overrides  # noqa: F401  (fixture)
 
 
-@pytest.mark.parametrize("extra", [["rollout.speculative.drafter=int8"],
-                                   ["rollout.speculative.drafter=reuse", "rollout.speculative.reuse_width=4",
-                                    "rollout.speculative.probe_every=1"]],
-                         ids=["int8-calibrated", "reuse-every-rollout"])
-def test_grpo_trains_with_speculative_rollouts(extra, tmp_path, in_process_cache, fast_compiles, capsys):  # noqa: F811
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["rollout.speculative.drafter=int8"],
+        ["rollout.speculative.drafter=reuse", "rollout.speculative.reuse_width=4", "rollout.speculative.probe_every=1"],
+    ],
+    ids=["int8-calibrated", "reuse-every-rollout"],
+)
+def test_grpo_trains_with_speculative_rollouts(extra, tmp_path, in_process_cache, fast_compiles, capsys):
     from jaxrl.train.loop import train
 
     cfg = load_config(config_path("grpo"), overrides("grpo") + ["rollout.speculative.enabled=true", *extra])

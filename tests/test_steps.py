@@ -28,8 +28,9 @@ from jaxrl.train.state import init_state, learning_rate_schedule, make_optimizer
 V, P, T, B = 23, 4, 5, 8
 G = 2  # the update steps' group size: 4 groups of 2 adjacent rows
 PAD, BOS = 0, 1
-CFG = ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
-                  max_seq_len=16)
+CFG = ModelConfig(
+    vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=16
+)
 TEMP = 0.9
 EPS = 0.2
 KL_BETA = 0.1
@@ -58,7 +59,7 @@ def _fast_jit(fn, **jit_kwargs):
     return call
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(seed=0):
     return init_params(CFG, jax.random.PRNGKey(seed))
 
@@ -70,8 +71,7 @@ def _copy(tree):
 def _perturb(params, scale, seed):
     leaves, treedef = jax.tree.flatten(params)
     rng = np.random.default_rng(seed)
-    return jax.tree.unflatten(treedef, [x + scale * jnp.asarray(rng.normal(size=x.shape), jnp.float32)
-                                        for x in leaves])
+    return jax.tree.unflatten(treedef, [x + scale * jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in leaves])
 
 
 def _batch(seed=0, adv=None, rewards=None):
@@ -83,15 +83,17 @@ def _batch(seed=0, adv=None, rewards=None):
     prompt = np.full((B, P), PAD, np.int32)
     pmask = np.zeros((B, P), np.int32)
     for i, n in enumerate(plen):
-        prompt[i, P - n:] = rng.integers(3, V, n)
+        prompt[i, P - n :] = rng.integers(3, V, n)
         prompt[i, P - n] = BOS
-        pmask[i, P - n:] = 1
+        pmask[i, P - n :] = 1
     cmask = (np.arange(T)[None, :] < LENGTHS[:, None]).astype(np.float32)
     tokens = np.where(cmask > 0, rng.integers(3, V, (B, T)), PAD).astype(np.int32)
     adv = rng.normal(size=B).astype(np.float32) if adv is None else np.asarray(adv, np.float32)
     return {
-        "prompt_tokens_BxP": jnp.asarray(prompt), "prompt_mask_BxP": jnp.asarray(pmask),
-        "tokens_BxT": jnp.asarray(tokens), "completion_mask_BxT": jnp.asarray(cmask),
+        "prompt_tokens_BxP": jnp.asarray(prompt),
+        "prompt_mask_BxP": jnp.asarray(pmask),
+        "tokens_BxT": jnp.asarray(tokens),
+        "completion_mask_BxT": jnp.asarray(cmask),
         "advantages_B": jnp.asarray(adv),
         # carried by the real loop's batch; must split along rows without getting in the way
         "rewards_BxK": jnp.asarray(rng.random((B, 2)).astype(np.float32) if rewards is None else rewards),
@@ -110,8 +112,15 @@ def _advantages(loss, batch):
 
 def _model_logp(params, batch):
     """(logp_BxT, entropy_BxT) of the batch's completions: the model, called directly."""
-    return token_logprobs(params, CFG, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"],
-                          batch["completion_mask_BxT"], TEMP)
+    return token_logprobs(
+        params,
+        CFG,
+        batch["prompt_tokens_BxP"],
+        batch["prompt_mask_BxP"],
+        batch["tokens_BxT"],
+        batch["completion_mask_BxT"],
+        TEMP,
+    )
 
 
 _compiled_logp = _fast_jit(lambda params, *arrays: token_logprobs(params, CFG, *arrays, TEMP))
@@ -119,8 +128,9 @@ _compiled_logp = _fast_jit(lambda params, *arrays: token_logprobs(params, CFG, *
 
 def _logp(params, batch):
     """_model_logp, compiled once for every batch dict of the file's shapes."""
-    return _compiled_logp(params, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"],
-                          batch["completion_mask_BxT"])
+    return _compiled_logp(
+        params, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"], batch["completion_mask_BxT"]
+    )
 
 
 def _with_old_and_ref(params, batch, seed=1, ref_padding=None):
@@ -157,22 +167,20 @@ def _assert_trees_close(actual, expected, rel=1e-5):
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     atol = rel * max(_max_abs(expected), 1e-12)
     for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=0, atol=atol,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
 def _loss(preset, kl_beta=KL_BETA):
     return losses.PRESETS[preset](eps_low=EPS, kl_beta=kl_beta)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _grad_fn(microbatches):
     """Recorded old log-probs (the PPO-epochs path): ratios != 1, clipping, a KL term."""
-    return _fast_jit(steps_lib.make_grad_fn(LOGP_FN, _loss("grpo"), microbatches=microbatches,
-                                            old_logp_recorded=True))
+    return _fast_jit(steps_lib.make_grad_fn(LOGP_FN, _loss("grpo"), microbatches=microbatches, old_logp_recorded=True))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(preset):
     params = _params()
     batch = _with_old_and_ref(params, _batch())
@@ -197,7 +205,8 @@ def test_presets_share_token_loss_and_weights_follow_the_papers():
     _, batch = _setup("grpo")
     logp = _logp(_params(), batch)[0]
     out_g, out_d = _fast_jit(lambda lp, b: (_loss("grpo").token_loss(lp, b), _loss("dr_grpo").token_loss(lp, b)))(
-        logp, batch)
+        logp, batch
+    )
     jax.tree.map(np.testing.assert_array_equal, out_g, out_d)
     for preset in PRESETS:
         w = _loss(preset).weights(batch["completion_mask_BxT"], T)
@@ -220,9 +229,11 @@ def test_microbatches_give_the_full_batch_loss_gradient_and_stats(preset):
     logp, entropy = _logp(params, batch)
     live = batch["completion_mask_BxT"] > 0
     d = jnp.where(live, batch["ref_logp_BxT"] - logp, 0.0)
-    by_hand = {"entropy": jnp.sum(jnp.where(live, entropy, 0.0)),
-               "ratio_BxT": jnp.sum(jnp.where(live, jnp.exp(logp - batch["old_logp_BxT"]), 0.0)),
-               "kl": jnp.sum(jnp.exp(d) - d - 1.0)}
+    by_hand = {
+        "entropy": jnp.sum(jnp.where(live, entropy, 0.0)),
+        "ratio_BxT": jnp.sum(jnp.where(live, jnp.exp(logp - batch["old_logp_BxT"]), 0.0)),
+        "kl": jnp.sum(jnp.exp(d) - d - 1.0),
+    }
     for k, v in by_hand.items():
         np.testing.assert_allclose(float(s1[k]), float(v), rtol=1e-5, err_msg=k)
     # both clip sides active, so the clipped (zero-gradient) branch is part of what is compared
@@ -315,8 +326,10 @@ def test_update_step_ppo_epochs_record_old_logp_once():
     (grad, Adam) steps against those, and the epoch-2 ratios differ from 1 (with clipping)."""
     loss = _loss("grpo")
     opt = make_optimizer(_adam_cfg(), total_steps=10)
-    step_fn = _fast_jit(steps_lib.make_update_step(LOGP_FN, loss, opt, ppo_epochs=2, microbatches=2,
-                                                   max_new_tokens=T, group_size=G), donate_argnums=0)
+    step_fn = _fast_jit(
+        steps_lib.make_update_step(LOGP_FN, loss, opt, ppo_epochs=2, microbatches=2, max_new_tokens=T, group_size=G),
+        donate_argnums=0,
+    )
     params0 = _params()
     ref = _perturb(params0, 0.05, seed=3)
     batch = _batch()
@@ -327,8 +340,13 @@ def test_update_step_ppo_epochs_record_old_logp_once():
     assert _max_abs(jax.tree.map(jnp.subtract, state.params, params0)) > 1e-3
 
     # By hand: old and ref recorded once from the starting params, then two epochs.
-    hand = dict(batch, advantages_B=_advantages(loss, batch), weights_BxT=loss.weights(batch["completion_mask_BxT"], T),
-                old_logp_BxT=_logp(params0, batch)[0], ref_logp_BxT=_logp(ref, batch)[0])
+    hand = dict(
+        batch,
+        advantages_B=_advantages(loss, batch),
+        weights_BxT=loss.weights(batch["completion_mask_BxT"], T),
+        old_logp_BxT=_logp(params0, batch)[0],
+        ref_logp_BxT=_logp(ref, batch)[0],
+    )
     apply = _fast_jit(lambda g, o, p: (lambda u, o: (optax.apply_updates(p, u), o))(*opt.update(g, o, p)))
     p, opt_state, sums, values, norms = params0, opt.init(params0), [], [], []
     for _ in range(2):
@@ -353,14 +371,24 @@ def test_update_step_ppo_epochs_record_old_logp_once():
 SGD_LR = 0.3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sgd_step():
     """One PPO epoch (old = current), plain SGD, 2 microbatches, a reference but no KL in the loss
     (use_ref=True: the reference forward only for the `kl` metric)."""
     opt = optax.sgd(SGD_LR)
-    step = _fast_jit(steps_lib.make_update_step(LOGP_FN, _loss("grpo", kl_beta=0.0), opt, ppo_epochs=1,
-                                                microbatches=2, max_new_tokens=T, group_size=G, use_ref=True),
-                     donate_argnums=0)
+    step = _fast_jit(
+        steps_lib.make_update_step(
+            LOGP_FN,
+            _loss("grpo", kl_beta=0.0),
+            opt,
+            ppo_epochs=1,
+            microbatches=2,
+            max_new_tokens=T,
+            group_size=G,
+            use_ref=True,
+        ),
+        donate_argnums=0,
+    )
     return opt, step
 
 
@@ -460,7 +488,9 @@ def test_optimizer_clips_by_global_norm():
         return jax.tree.map(lambda x: x / optax.tree.norm(g), g)
 
     unit, other = direction(), direction()
-    scaled = lambda c, t: jax.tree.map(lambda x: c * x, t)
+
+    def scaled(c, t):
+        return jax.tree.map(lambda x: c * x, t)
 
     def updater(opt):
         """Adam's first step is scale-invariant, so also take a second step in another direction:

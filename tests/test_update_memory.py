@@ -16,12 +16,13 @@ from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.models.logprobs import chunked_token_logprobs
 
-CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
-                  tie_embeddings=False)
+CFG = ModelConfig(
+    vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64, tie_embeddings=False
+)
 P, T = 5, 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(cfg=CFG):
     return tf.init_params(cfg, jax.random.PRNGKey(0))
 
@@ -41,7 +42,7 @@ def _value_and_grad(cfg, temperature=0.7, **kw):
     return _cached_value_and_grad(cfg, temperature, tuple(sorted(kw.items())))
 
 
-@functools.lru_cache(maxsize=None)  # the references are shared by several tests: compile each once
+@functools.cache  # the references are shared by several tests: compile each once
 def _cached_value_and_grad(cfg, temperature, kw):
     kw = dict(kw)
     prompt, pmask, comp = _batch()
@@ -93,10 +94,15 @@ def test_chunked_logprobs_keep_less_alive():
 
     def temp_bytes(chunk):
         if chunk:
-            f = lambda hh, w: jnp.sum(chunked_token_logprobs(hh, w, tok, 1.0, chunk)[0])  # noqa: E731
+
+            def f(hh, w):
+                return jnp.sum(chunked_token_logprobs(hh, w, tok, 1.0, chunk)[0])
         else:
             from jaxrl.models.logprobs import logprob_and_entropy
-            f = lambda hh, w: jnp.sum(logprob_and_entropy(jnp.einsum("btd,dv->btv", hh, w), tok, 1.0)[0])  # noqa: E731
+
+            def f(hh, w):
+                return jnp.sum(logprob_and_entropy(jnp.einsum("btd,dv->btv", hh, w), tok, 1.0)[0])
+
         return jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, head).compile().memory_analysis().temp_size_in_bytes
 
     full, chunked = temp_bytes(0), temp_bytes(32)
@@ -123,8 +129,10 @@ def test_bfloat16_compute_float32_master_weights():
     assert logp.dtype == ent.dtype == jnp.float32  # the log-softmax runs in float32
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))  # gradients of the float32 weights
     np.testing.assert_allclose(logp, ref[0], atol=0.05)  # bfloat16 has 8 mantissa bits: ~1e-2 relative
-    cos = [float(jnp.vdot(g, h) / (jnp.linalg.norm(g) * jnp.linalg.norm(h) + 1e-30))
-           for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(ref[2]))]
+    cos = [
+        float(jnp.vdot(g, h) / (jnp.linalg.norm(g) * jnp.linalg.norm(h) + 1e-30))
+        for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(ref[2]))
+    ]
     assert min(cos) > 0.99, cos
 
 

@@ -12,8 +12,11 @@ from jaxrl.train import workdir as wd
 
 def _cfg(d_model=32, steps=6, progress=False) -> Config:
     c = Config()
-    return dataclasses.replace(c, model=dataclasses.replace(c.model, d_model=d_model),
-                               train=dataclasses.replace(c.train, steps=steps, progress=progress))
+    return dataclasses.replace(
+        c,
+        model=dataclasses.replace(c.model, d_model=d_model),
+        train=dataclasses.replace(c.train, steps=steps, progress=progress),
+    )
 
 
 def _fake_run(path, cfg: Config, steps=(2, 4)):
@@ -82,9 +85,15 @@ def test_field_missing_from_an_older_config_counts_as_its_default(tmp_path):
     saved = to_dict(_cfg())
     del saved["rollout"]["speculative"]["probe_every"]  # as written before the field existed
     assert wd.config_changes(saved, _cfg()) == {}
-    assert wd.config_changes(saved, dataclasses.replace(_cfg(), rollout=dataclasses.replace(
-        Config().rollout, speculative=dataclasses.replace(Config().rollout.speculative, probe_every=3)))) == {
-        "rollout.speculative.probe_every": (10, 3)}
+    assert wd.config_changes(
+        saved,
+        dataclasses.replace(
+            _cfg(),
+            rollout=dataclasses.replace(
+                Config().rollout, speculative=dataclasses.replace(Config().rollout.speculative, probe_every=3)
+            ),
+        ),
+    ) == {"rollout.speculative.probe_every": (10, 3)}
 
 
 def test_second_holder_is_refused_naming_the_first(tmp_path):

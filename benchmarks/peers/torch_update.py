@@ -26,18 +26,28 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks import common  # noqa: E402  (imports jaxrl.config only: no jax work happens)
+from benchmarks import common
 
 
 def qwen2_config(cfg):
     """The transformers Qwen2Config of a jaxrl ModelConfig (same widths, heads, vocab, RoPE, eps)."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim,
-                       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                       num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
-                       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-                       max_position_embeddings=cfg.max_seq_len, use_cache=False, torch_dtype="float32")
+    return Qwen2Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.mlp_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=cfg.max_seq_len,
+        use_cache=False,
+        torch_dtype="float32",
+    )
 
 
 def next_token_loss(model, tokens_BxS):
@@ -73,8 +83,9 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(qwen2_config(cfg)).float().train()
     n_params = sum(p.numel() for p in model.parameters())
-    tokens_BxS = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), dtype=torch.long,
-                               generator=torch.Generator().manual_seed(args.seed))
+    tokens_BxS = torch.randint(
+        0, cfg.vocab_size, (args.batch, args.seq), dtype=torch.long, generator=torch.Generator().manual_seed(args.seed)
+    )
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -109,13 +120,19 @@ def main(argv=None) -> dict:
         "load_average": common.load_average(),
         "torch": torch.__version__,
     }
-    print(f"torch_update [{result['config']}] {args.batch} sequences x {args.seq} tokens, forward + backward, "
-          f"{n_params / 1e6:.1f}M params, {result['torch_threads']} torch threads")
+    print(
+        f"torch_update [{result['config']}] {args.batch} sequences x {args.seq} tokens, forward + backward, "
+        f"{n_params / 1e6:.1f}M params, {result['torch_threads']} torch threads"
+    )
     print(f"  time            {seconds:.3f} s (median of {args.repeats}: {', '.join(f'{t:.3f}' for t in times)})")
-    print(f"  cpu             {cpu_seconds:.3f} CPU-s per call ({result['cores_used']:.2f} cores busy); "
-          f"{result['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores")
-    print(f"  throughput      {result['tokens_per_s']:.0f} tokens/s (loss {loss0:.3f}; ln V = "
-          f"{__import__('math').log(cfg.vocab_size):.3f})")
+    print(
+        f"  cpu             {cpu_seconds:.3f} CPU-s per call ({result['cores_used']:.2f} cores busy); "
+        f"{result['tokens_per_cpu_s_x_cores']:.0f} tokens per CPU-s x {os.cpu_count()} cores"
+    )
+    print(
+        f"  throughput      {result['tokens_per_s']:.0f} tokens/s (loss {loss0:.3f}; ln V = "
+        f"{__import__('math').log(cfg.vocab_size):.3f})"
+    )
     print(json.dumps(result, sort_keys=True), flush=True)
     return result
 

@@ -30,10 +30,30 @@ import statistics
 import time
 
 # bench-small (benchmarks/common.bench_small) and the tiny --small shape (benchmarks/common.tiny).
-BENCH_SMALL = dict(num_layers=8, vocab_size=8192, embed_dim=512, hidden_dim=1408, num_heads=8, head_dim=64,
-                   num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=False)
-TINY = dict(num_layers=2, vocab_size=256, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
-            num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=False)
+BENCH_SMALL = dict(
+    num_layers=8,
+    vocab_size=8192,
+    embed_dim=512,
+    hidden_dim=1408,
+    num_heads=8,
+    head_dim=64,
+    num_kv_heads=2,
+    rope_theta=10000,
+    norm_eps=1e-6,
+    use_tied_embedding=False,
+)
+TINY = dict(
+    num_layers=2,
+    vocab_size=256,
+    embed_dim=64,
+    hidden_dim=128,
+    num_heads=4,
+    head_dim=16,
+    num_kv_heads=2,
+    rope_theta=10000,
+    norm_eps=1e-6,
+    use_tied_embedding=False,
+)
 
 
 class IdTokenizer:
@@ -82,16 +102,18 @@ def main(argv=None) -> dict:
     N = B * G
     config = qwen2.ModelConfig(**shape, shd_config=qwen2.ShardingConfig.get_default_sharding(is_sampling=True))
     model = qwen2.Qwen2(config, rngs=nnx.Rngs(args.seed))
-    cache = sampler_lib.CacheConfig(cache_size=P + T, num_layers=shape["num_layers"],
-                                    num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"])
+    cache = sampler_lib.CacheConfig(
+        cache_size=P + T, num_layers=shape["num_layers"], num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"]
+    )
     sampler = sampler_lib.Sampler(model, IdTokenizer(), cache)
     rng = np.random.default_rng(args.seed)
     prompts = [" ".join(map(str, row)) for row in rng.integers(1, shape["vocab_size"], (B, P))]
     rows = [p for p in prompts for _ in range(G)]  # rows i*G .. i*G+G-1: prompt i, as jaxrl's sampler
 
     def call(seed):
-        out = sampler(rows, max_generation_steps=T, max_prompt_length=P, eos_tokens=[-1], temperature=1.0,
-                      top_p=1.0, seed=seed)
+        out = sampler(
+            rows, max_generation_steps=T, max_prompt_length=P, eos_tokens=[-1], temperature=1.0, top_p=1.0, seed=seed
+        )
         assert all(len(t) == T for t in out.tokens), "a row stopped early"
         return out
 
@@ -124,14 +146,17 @@ def main(argv=None) -> dict:
     }
     print(f"tunix Sampler [{result['config']}] {N} rows (prompt {P}), {T} new tokens, temperature 1")
     print(f"  time            {seconds:.3f} s (median of {args.repeats}: {', '.join(f'{t:.3f}' for t in walls)})")
-    print(f"  throughput      {result['tokens_per_s']:.0f} generated tokens/s; "
-          f"{result['tokens_per_cpu_s_x_cores']:.0f} per CPU-s x {cores} cores")
+    print(
+        f"  throughput      {result['tokens_per_s']:.0f} generated tokens/s; "
+        f"{result['tokens_per_cpu_s_x_cores']:.0f} per CPU-s x {cores} cores"
+    )
     print(json.dumps(result))
     return result
 
 
 def _version(dist: str) -> str:
     from importlib.metadata import version
+
     return version(dist)
 
 

@@ -93,8 +93,11 @@ def _factor(text: str, i: int) -> tuple[int, int]:
 
 
 # JSON calls (HermesFormat) name the argument: {"name": "calc", "arguments": {"expression": "123*456"}}.
-CALC_PARAMETERS = {"type": "object", "required": ["expression"],
-                   "properties": {"expression": {"type": "string", "description": "e.g. (12+3)*456"}}}
+CALC_PARAMETERS = {
+    "type": "object",
+    "required": ["expression"],
+    "properties": {"expression": {"type": "string", "description": "e.g. (12+3)*456"}},
+}
 
 
 def calculator_tools(max_output: int = 2000, fmt=None) -> ToolUse:
@@ -144,8 +147,7 @@ def records(split: str, n: int, seed: int) -> list:
             continue
         seen.add((a, b))
         expression = f"{a}*{b}"
-        out.append({"id": expression, "prompt": expression + "=", "expression": expression,
-                    "answer": str(a * b)})
+        out.append({"id": expression, "prompt": expression + "=", "expression": expression, "answer": str(a * b)})
     return out
 
 
@@ -168,6 +170,12 @@ def teacher(record: dict, rng: np.random.Generator, error_rate: float) -> list:
     return [(call, True), (observation, False), (observation[1:].strip(), True)]
 
 
-SUITE = EnvSuite(name="agent_calculator",
-                 make=lambda agent_cfg, fmt=None: CalculatorEnv(agent_cfg.tool_max_output, fmt),
-                 records=records, teacher=teacher, alphabet=AGENT_ALPHABET, end_of_turn="]", formats=("tag", "hermes"))
+SUITE = EnvSuite(
+    name="agent_calculator",
+    make=lambda agent_cfg, fmt=None: CalculatorEnv(agent_cfg.tool_max_output, fmt),
+    records=records,
+    teacher=teacher,
+    alphabet=AGENT_ALPHABET,
+    end_of_turn="]",
+    formats=("tag", "hermes"),
+)

@@ -24,7 +24,8 @@ episode's token noise is keyed the same way, so the replay draws the same episod
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 

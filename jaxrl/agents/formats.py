@@ -24,9 +24,11 @@ from jaxrl.train.batching import prompt_width
 def check_model_format(cfg, suite) -> None:
     """A checkpoint's run needs a suite that speaks the Hermes format (one-line error otherwise)."""
     if cfg.model.hf_path and HermesFormat.name not in suite.formats:
-        raise ConfigError(f"data.task={cfg.data.task!r} with model.hf_path={cfg.model.hf_path!r}: this environment "
-                          f"has no tool-call format for a Hugging Face tokenizer (it runs on the embedded char "
-                          f"models only); unset model.hf_path or pick data.task=agent_calculator")
+        raise ConfigError(
+            f"data.task={cfg.data.task!r} with model.hf_path={cfg.model.hf_path!r}: this environment "
+            f"has no tool-call format for a Hugging Face tokenizer (it runs on the embedded char "
+            f"models only); unset model.hf_path or pick data.task=agent_calculator"
+        )
 
 
 def episode_format(cfg, tokenizer, suite):
@@ -36,13 +38,17 @@ def episode_format(cfg, tokenizer, suite):
     check_model_format(cfg, suite)
     where = f"model.hf_path={cfg.model.hf_path!r}"
     if not tokenizer.chat_template:
-        raise ConfigError(f"{where}: the checkpoint's tokenizer_config.json has no chat_template; multi-turn "
-                          f"episodes render their prompt and tool responses with it")
+        raise ConfigError(
+            f"{where}: the checkpoint's tokenizer_config.json has no chat_template; multi-turn "
+            f"episodes render their prompt and tool responses with it"
+        )
     end_of_turn = HermesFormat.end_of_turn
     ids = tokenizer.encode(end_of_turn)
     if len(ids) != 1:
-        raise ConfigError(f"{where}: the tokenizer splits the end of turn {end_of_turn!r} into {len(ids)} tokens; "
-                          f"multi-turn episodes need it as one (a special/added token, as in Qwen2.5)")
+        raise ConfigError(
+            f"{where}: the tokenizer splits the end of turn {end_of_turn!r} into {len(ids)} tokens; "
+            f"multi-turn episodes need it as one (a special/added token, as in Qwen2.5)"
+        )
     return HermesFormat.for_tokenizer(tokenizer), end_of_turn
 
 
@@ -54,5 +60,7 @@ def check_prompt_fits(cfg, tokenizer, suite, fmt) -> None:
     bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", True) else []  # as jaxrl.rollout.episodes does
     n = len(bos) + len(tokenizer.encode(text))
     if n > prompt_width(cfg.data):
-        raise ConfigError(f"data.max_prompt_len={cfg.data.max_prompt_len}: the rendered prompt of "
-                          f"{cfg.data.task} record {record['id']!r} is {n} tokens; set data.max_prompt_len >= {n}")
+        raise ConfigError(
+            f"data.max_prompt_len={cfg.data.max_prompt_len}: the rendered prompt of "
+            f"{cfg.data.task} record {record['id']!r} is {n} tokens; set data.max_prompt_len >= {n}"
+        )

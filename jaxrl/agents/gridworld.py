@@ -71,7 +71,7 @@ def parse_map(text: str) -> list[str]:
 
 def render(rows: list[str], pos: tuple[int, int]) -> str:
     r, c = pos
-    shown = [row if i != r else row[:c] + PLAYER + row[c + 1:] for i, row in enumerate(rows)]
+    shown = [row if i != r else row[:c] + PLAYER + row[c + 1 :] for i, row in enumerate(rows)]
     return "".join(row + "\n" for row in shown)
 
 
@@ -127,7 +127,7 @@ def _moved(rows, pos, move: str) -> tuple[int, int]:
 def parse_action(action: str) -> str | None:
     """`left]` (or `left` when the policy ended with EOS) -> "left"; anything else -> None."""
     word = action.strip()
-    word = word[:-len(END_OF_TURN)] if word.endswith(END_OF_TURN) else word
+    word = word[: -len(END_OF_TURN)] if word.endswith(END_OF_TURN) else word
     return word if word in MOVES else None
 
 
@@ -168,16 +168,18 @@ class GridWorld:
         self.done = cell in (GOAL, HOLE)
         success = cell == GOAL
         observation = "" if self.done else render(self.rows, self.pos)
-        return StepResult(observation, float(success), self.done,
-                          {"tool_errors": 0, "success": success, "shaping": shaping})
+        return StepResult(
+            observation, float(success), self.done, {"tool_errors": 0, "success": success, "shaping": shaping}
+        )
 
 
-def random_map(rng: np.random.Generator, size: int = SIZE, holes: int = HOLES,
-               trap: bool | None = None) -> tuple[str, tuple[int, int]]:
+def random_map(
+    rng: np.random.Generator, size: int = SIZE, holes: int = HOLES, trap: bool | None = None
+) -> tuple[str, tuple[int, int]]:
     """A (map text, start) whose start reaches the goal in MIN_DISTANCE..MAX_DISTANCE moves around the holes;
     with trap=True / False one whose careless walk does / does not cross a hole (is_trap), None: either."""
     while True:
-        cells = rng.permutation(size * size)[:holes + 2]  # goal, start, then the holes
+        cells = rng.permutation(size * size)[: holes + 2]  # goal, start, then the holes
         grid = [[FLOOR] * size for _ in range(size)]
         goal, start = divmod(int(cells[0]), size), divmod(int(cells[1]), size)
         grid[goal[0]][goal[1]] = GOAL
@@ -191,7 +193,7 @@ def random_map(rng: np.random.Generator, size: int = SIZE, holes: int = HOLES,
 
 
 def split_of(map_text: str, start: str) -> str:
-    """"test" for one (map, start) in TEST_SHARE, by a stable hash of its text: the splits never share one."""
+    """ "test" for one (map, start) in TEST_SHARE, by a stable hash of its text: the splits never share one."""
     digest = hashlib.sha256(f"{map_text}|{start}".encode()).digest()
     return "test" if digest[0] % TEST_SHARE == 0 else "train"
 
@@ -245,6 +247,11 @@ def teacher(record: dict, rng: np.random.Generator, error_rate: float, max_turns
     return segments
 
 
-SUITE = EnvSuite(name="agent_gridworld", make=lambda agent_cfg, fmt=None: GridWorld(), records=records, teacher=teacher,
-                 alphabet=AGENT_ALPHABET,
-                 end_of_turn=END_OF_TURN)
+SUITE = EnvSuite(
+    name="agent_gridworld",
+    make=lambda agent_cfg, fmt=None: GridWorld(),
+    records=records,
+    teacher=teacher,
+    alphabet=AGENT_ALPHABET,
+    end_of_turn=END_OF_TURN,
+)

@@ -76,7 +76,7 @@ class SandboxResult(NamedTuple):
     seconds: float
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unshare_prefix() -> tuple:
     """The command prefix that runs a program in a new network namespace, () if none works here."""
     exe = shutil.which("unshare")
@@ -95,7 +95,7 @@ def network_isolated() -> bool:
     return bool(_unshare_prefix())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _drop_to() -> int:
     """The uid the child drops to: nobody when we are root and nobody can read the interpreter, else 0."""
     if os.geteuid() != 0:
@@ -124,13 +124,30 @@ def run_python(code: str, timeout_s: float, memory_mb: int, max_output: int) -> 
         with open(os.path.join(scratch, "main.py"), "w") as f:
             f.write(code)
         os.chmod(os.path.join(scratch, "main.py"), 0o644)
-        argv = [*_unshare_prefix(), sys.executable, "-I", "-S", "-c", _PRELUDE,
-                str(memory_mb << 20), str(math.ceil(timeout_s) + 1), str(fsize), str(drop)]
+        argv = [
+            *_unshare_prefix(),
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _PRELUDE,
+            str(memory_mb << 20),
+            str(math.ceil(timeout_s) + 1),
+            str(fsize),
+            str(drop),
+        ]
         out_path, err_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         start = time.monotonic()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(argv, cwd=scratch, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=scratch,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,
+            )
         timed_out = _wait_or_kill(proc, timeout_s)
         seconds = time.monotonic() - start
         output, errors = _read(out_path, max_output + 1), _read(err_path, fsize)
@@ -165,8 +182,9 @@ def _read(path: str, limit: int) -> str:
         return f.read(4 * limit).decode("utf-8", errors="replace")[:limit]
 
 
-def _result(returncode: int, output: str, errors: str, timed_out: bool, seconds: float,
-            timeout_s: float) -> SandboxResult:
+def _result(
+    returncode: int, output: str, errors: str, timed_out: bool, seconds: float, timeout_s: float
+) -> SandboxResult:
     if timed_out:
         reason = f"timeout after {timeout_s:g}s"
     elif returncode == -signal.SIGXCPU:
@@ -178,8 +196,9 @@ def _result(returncode: int, output: str, errors: str, timed_out: bool, seconds:
         reason = lines[-1] if lines else f"exit status {returncode}"
     else:
         return SandboxResult(output, False, False, seconds)
-    return SandboxResult(output + ("\n" if output and not output.endswith("\n") else "") + reason,
-                         True, timed_out, seconds)
+    return SandboxResult(
+        output + ("\n" if output and not output.endswith("\n") else "") + reason, True, timed_out, seconds
+    )
 
 
 def python_tool(timeout_s: float = 2.0, memory_mb: int = 512, max_output: int = 2000, name: str = "python") -> Tool:

@@ -40,7 +40,8 @@ import dataclasses
 import json
 import re
 import threading
-from typing import Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import NamedTuple
 
 from jaxrl.agents.env import AGENT_ALPHABET
 from jaxrl.config import ConfigError
@@ -62,19 +63,21 @@ class Tool:
     name: str
     fn: Callable[..., object]
     description: str
-    timeout_s: Optional[float] = None  # in-process wall-clock limit (None: wait for it)
-    parameters: Optional[dict] = None
+    timeout_s: float | None = None  # in-process wall-clock limit (None: wait for it)
+    parameters: dict | None = None
 
     def schema(self) -> dict:
         """The tool as chat templates take it in `tools=[...]` (the OpenAI function-calling layout)."""
         parameters = self.parameters or {"type": "object", "properties": {}}
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": parameters},
+        }
 
 
 class ToolCall(NamedTuple):
     name: str
-    arguments: Union[str, dict, None]  # tag format: the text after the name (None: no argument); JSON: a dict
+    arguments: str | dict | None  # tag format: the text after the name (None: no argument); JSON: a dict
 
 
 class CallError(NamedTuple):
@@ -131,8 +134,9 @@ def _run(tool: Tool, args: tuple, kwargs: dict):
     if tool.timeout_s is None:
         return _guarded(tool.fn, args, kwargs)
     box = []
-    worker = threading.Thread(target=lambda: box.append(_guarded(tool.fn, args, kwargs)), daemon=True,
-                              name=f"tool-{tool.name}")
+    worker = threading.Thread(
+        target=lambda: box.append(_guarded(tool.fn, args, kwargs)), daemon=True, name=f"tool-{tool.name}"
+    )
     worker.start()
     worker.join(tool.timeout_s)
     if not box:  # still running: abandoned (a daemon thread; see the module docstring)
@@ -147,7 +151,7 @@ def _guarded(fn, args, kwargs):
         return ToolResult(str(e) or "failed", True, False)
     except TypeError as e:  # mostly wrong arguments; a tool's own TypeError reads the same to the model
         return ToolResult(f"bad arguments: {e}", True, False)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - the model must see the failure, never the trainer
+    except (Exception, SystemExit) as e:  # the model must see the failure, never the trainer
         return ToolResult(f"{type(e).__name__}: {e}", True, False)
 
 
@@ -213,7 +217,7 @@ class HermesFormat:
     end_of_turn = "</tool_call>"
     _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, chat_template: Optional[str] = None, **template_variables):
+    def __init__(self, chat_template: str | None = None, **template_variables):
         self.chat_template, self.template_variables = chat_template, template_variables
         if chat_template is None:
             self.head, self.sep, self.tail = QWEN_TOOL_HEAD, QWEN_TOOL_SEP, QWEN_TOOL_TAIL
@@ -221,7 +225,7 @@ class HermesFormat:
             self.head, self.sep, self.tail = _measure_template(chat_template, template_variables)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> "HermesFormat":
+    def for_tokenizer(cls, tokenizer) -> HermesFormat:
         """The format of a checkpoint's tokenizer (jaxrl.data.hf_tokenizer.HFTokenizer) and its template."""
         return cls(tokenizer.chat_template, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
 
@@ -234,12 +238,19 @@ class HermesFormat:
         if self.chat_template is None:
             raise ConfigError("Hermes tool format: rendering a prompt needs the checkpoint's chat template")
         tools = registry.schemas()
-        rendered = render_chat_template(self.chat_template, [{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tools=tools, **self.template_variables)
+        rendered = render_chat_template(
+            self.chat_template,
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tools=tools,
+            **self.template_variables,
+        )
         missing = [t["function"]["name"] for t in tools if json.dumps(t["function"]["name"]) not in rendered]
         if missing:
-            raise ConfigError(f"chat template: it does not render tools=[...] (no schema of {', '.join(missing)} in "
-                              "the prompt); the Hermes tool format needs a template with tool support")
+            raise ConfigError(
+                f"chat template: it does not render tools=[...] (no schema of {', '.join(missing)} in "
+                "the prompt); the Hermes tool format needs a template with tool support"
+            )
         return rendered
 
     def parse(self, turn: str) -> list:
@@ -251,7 +262,7 @@ class HermesFormat:
                 calls.append(CallError("unclosed <tool_call>"))
                 break
             calls.append(_json_call(rest[body_start:end]))
-            rest = rest[end + len(self._CLOSE):]
+            rest = rest[end + len(self._CLOSE) :]
         if not calls and self._CLOSE in turn:
             calls.append(CallError("</tool_call> without <tool_call>"))
         return calls
@@ -287,16 +298,19 @@ def _measure_template(template: str, variables: dict) -> tuple[str, str, str]:
     base = [{"role": "user", "content": "question"}, {"role": "assistant", "content": mark}]
 
     def after_mark(tools):
-        text = render_chat_template(template, base + [{"role": "tool", "content": c} for c in tools],
-                                    add_generation_prompt=True, **variables)
+        text = render_chat_template(
+            template, base + [{"role": "tool", "content": c} for c in tools], add_generation_prompt=True, **variables
+        )
         if text.count(mark) != 1 or any(text.count(c) != 1 for c in tools):
-            raise ConfigError("chat template: it does not render assistant and tool messages' content "
-                              "(a template without tool support cannot take the Hermes tool format)")
-        return text[text.index(mark) + len(mark):]
+            raise ConfigError(
+                "chat template: it does not render assistant and tool messages' content "
+                "(a template without tool support cannot take the Hermes tool format)"
+            )
+        return text[text.index(mark) + len(mark) :]
 
     one, two = after_mark([a]), after_mark([a, b])
     head, tail = one.split(a)
-    sep = two[len(head) + len(a): two.index(b)]
+    sep = two[len(head) + len(a) : two.index(b)]
     if head + a + sep + b + tail != two:
         raise ConfigError("chat template: two tool messages do not render as one message's text around a separator")
     return head, sep, tail
@@ -312,15 +326,19 @@ class ToolUse:
     def end_of_turn(self) -> str:
         return self.format.end_of_turn
 
-    def respond(self, turn: str) -> Optional[ToolTurn]:
+    def respond(self, turn: str) -> ToolTurn | None:
         """The observation and counters of `turn`'s calls; None if it makes none (a final answer)."""
         calls = self.format.parse(turn)
         if not calls:
             return None
-        results = [ToolResult(c.message, True, False) if isinstance(c, CallError) else self.registry.call(c)
-                   for c in calls]
-        info = {"tool_calls": len(results), "tool_errors": sum(r.error for r in results),
-                "tool_truncated": sum(r.truncated for r in results)}
+        results = [
+            ToolResult(c.message, True, False) if isinstance(c, CallError) else self.registry.call(c) for c in calls
+        ]
+        info = {
+            "tool_calls": len(results),
+            "tool_errors": sum(r.error for r in results),
+            "tool_truncated": sum(r.truncated for r in results),
+        }
         return ToolTurn(self.format.render(results), info)
 
 

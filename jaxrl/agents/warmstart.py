@@ -47,13 +47,14 @@ def episode_targets(tokenizer, segments: list, end_of_turn: str, width: int):
     truncated = any(mask[width:])  # a model token past the budget (a trailing observation is only context)
     tokens_T = np.full(width, tokenizer.pad_id, np.int32)
     mask_T = np.zeros(width, np.float32)
-    tokens_T[:min(len(ids), width)] = ids[:width]
-    mask_T[:min(len(mask), width)] = mask[:width]
+    tokens_T[: min(len(ids), width)] = ids[:width]
+    mask_T[: min(len(mask), width)] = mask[:width]
     return tokens_T, mask_T, truncated
 
 
-def teacher_batch(suite, records: list[dict], tokenizer, max_prompt_len: int, width: int, error_rate: float,
-                  rng: np.random.Generator) -> tuple[dict, int]:
+def teacher_batch(
+    suite, records: list[dict], tokenizer, max_prompt_len: int, width: int, error_rate: float, rng: np.random.Generator
+) -> tuple[dict, int]:
     """SFT batch of teacher episodes, one per record -> (batch, number of episodes that lost model tokens
     to the `width` cut).
 
@@ -62,9 +63,11 @@ def teacher_batch(suite, records: list[dict], tokenizer, max_prompt_len: int, wi
     """
     alphabet = getattr(tokenizer, "alphabet", None)
     if alphabet is not None and set(suite.alphabet) - set(alphabet):
-        raise ConfigError(f"data.task: the {suite.name!r} environment needs a tokenizer over its alphabet "
-                          f"(jaxrl.agents.env.AGENT_ALPHABET); this one lacks "
-                          f"{''.join(sorted(set(suite.alphabet) - set(alphabet)))!r}")
+        raise ConfigError(
+            f"data.task: the {suite.name!r} environment needs a tokenizer over its alphabet "
+            f"(jaxrl.agents.env.AGENT_ALPHABET); this one lacks "
+            f"{''.join(sorted(set(suite.alphabet) - set(alphabet)))!r}"
+        )
     seeds = rng.integers(2**63, size=len(records))
     prompts, tokens, masks, cut = [], [], [], 0
     for record, seed in zip(records, seeds):
@@ -74,10 +77,20 @@ def teacher_batch(suite, records: list[dict], tokenizer, max_prompt_len: int, wi
         tokens.append(tokens_T)
         masks.append(mask_T)
         cut += truncated
-    prompt_BxP, pmask_BxP, _, _ = encode_prompts(tokenizer, prompts, max_prompt_len, skip_long=False,
-                                                 record_ids=[r["id"] for r in records], pad_to=max_prompt_len)
-    batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": np.stack(tokens),
-             "completion_mask_BxT": np.stack(masks)}
+    prompt_BxP, pmask_BxP, _, _ = encode_prompts(
+        tokenizer,
+        prompts,
+        max_prompt_len,
+        skip_long=False,
+        record_ids=[r["id"] for r in records],
+        pad_to=max_prompt_len,
+    )
+    batch = {
+        "prompt_tokens_BxP": prompt_BxP,
+        "prompt_mask_BxP": pmask_BxP,
+        "tokens_BxT": np.stack(tokens),
+        "completion_mask_BxT": np.stack(masks),
+    }
     return batch, cut
 
 
@@ -86,6 +99,11 @@ def suite_fingerprint(suite) -> str:
     when the environment's maps, dynamics or teacher change, not only when its name does."""
     sample = suite.records("train", 4, 0)
     episodes = [suite.teacher(r, np.random.default_rng(i), 0.5) for i, r in enumerate(sample)]
-    what = {"name": suite.name, "alphabet": suite.alphabet, "end_of_turn": suite.end_of_turn,
-            "records": sample, "episodes": episodes}
+    what = {
+        "name": suite.name,
+        "alphabet": suite.alphabet,
+        "end_of_turn": suite.end_of_turn,
+        "records": sample,
+        "episodes": episodes,
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

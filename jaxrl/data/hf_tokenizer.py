@@ -20,7 +20,8 @@ import dataclasses
 import datetime
 import json
 import pathlib
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxrl.config import ConfigError
 
@@ -34,7 +35,7 @@ def _read_json(path: pathlib.Path) -> dict:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
 
 
-def _token_text(value) -> Optional[str]:
+def _token_text(value) -> str | None:
     """tokenizer_config.json stores a special token as a string or as {"content": ...}."""
     if isinstance(value, dict):
         return value.get("content")
@@ -50,9 +51,9 @@ class HFTokenizer:
     eos_id: int
     eos_ids: tuple
     add_bos: bool
-    bos_token: Optional[str] = None
-    eos_token: Optional[str] = None
-    chat_template: Optional[str] = dataclasses.field(default=None, repr=False)
+    bos_token: str | None = None
+    eos_token: str | None = None
+    chat_template: str | None = dataclasses.field(default=None, repr=False)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without BOS/EOS."""
@@ -74,8 +75,14 @@ class HFTokenizer:
         """The prompt text of `messages` ([{"role", "content"}]) under the checkpoint's chat template."""
         if not self.chat_template:
             raise ConfigError("this checkpoint's tokenizer_config.json has no chat_template")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **variables)
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **variables,
+        )
 
 
 def render_chat_template(template: str, messages: list[dict], **variables) -> str:
@@ -107,8 +114,9 @@ def load_tokenizer(directory) -> HFTokenizer:
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise ConfigError("the `tokenizers` package is needed for Hugging Face tokenizers: "
-                          "pip install 'jaxrl[hf]'") from e
+        raise ConfigError(
+            "the `tokenizers` package is needed for Hugging Face tokenizers: pip install 'jaxrl[hf]'"
+        ) from e
     tok = Tokenizer.from_file(str(path))
     tok_cfg = _read_json(directory / "tokenizer_config.json")
     gen_cfg = _read_json(directory / "generation_config.json")
@@ -123,14 +131,18 @@ def load_tokenizer(directory) -> HFTokenizer:
         if text is not None:
             i = tok.token_to_id(text)
             if i is None:
-                raise ConfigError(f"{directory / 'tokenizer_config.json'}: {text_key} {text!r} is not in tokenizer.json")
+                raise ConfigError(
+                    f"{directory / 'tokenizer_config.json'}: {text_key} {text!r} is not in tokenizer.json"
+                )
             return [i]
         return []
 
     eos_ids = token_id("eos_token_id", "eos_token")
     if not eos_ids:
-        raise ConfigError(f"{directory}: no EOS token (eos_token_id in generation_config.json / config.json, or "
-                          "eos_token in tokenizer_config.json)")
+        raise ConfigError(
+            f"{directory}: no EOS token (eos_token_id in generation_config.json / config.json, or "
+            "eos_token in tokenizer_config.json)"
+        )
     bos = token_id("bos_token_id", "bos_token")
     pad = token_id("pad_token_id", "pad_token")
     bos_id = bos[0] if bos else eos_ids[0]
@@ -141,7 +153,19 @@ def load_tokenizer(directory) -> HFTokenizer:
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     vocab = int(model_cfg.get("vocab_size") or tok.get_vocab_size(with_added_tokens=True))
-    id_text = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
-    return HFTokenizer(tok, vocab, pad[0] if pad else eos_ids[0], bos_id, eos_ids[0], tuple(eos_ids), bool(add_bos),
-                       _token_text(tok_cfg.get("bos_token")) or (id_text(bos[0]) if bos else None),
-                       _token_text(tok_cfg.get("eos_token")) or id_text(eos_ids[0]), template)
+
+    def id_text(i):
+        return tok.id_to_token(i) if i is not None else None
+
+    return HFTokenizer(
+        tok,
+        vocab,
+        pad[0] if pad else eos_ids[0],
+        bos_id,
+        eos_ids[0],
+        tuple(eos_ids),
+        bool(add_bos),
+        _token_text(tok_cfg.get("bos_token")) or (id_text(bos[0]) if bos else None),
+        _token_text(tok_cfg.get("eos_token")) or id_text(eos_ids[0]),
+        template,
+    )

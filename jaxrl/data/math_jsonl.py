@@ -18,8 +18,8 @@ import hashlib
 import json
 import pathlib
 import re
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import Mapping, Optional
 
 from jaxrl.config import ConfigError
 
@@ -42,8 +42,10 @@ def _read_lines(path: pathlib.Path, field: str) -> list[dict]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:  # JSON text is UTF-8 (RFC 8259); name where it is not
-            raise ConfigError(f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                              "re-encode the file as UTF-8") from None
+            raise ConfigError(
+                f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                "re-encode the file as UTF-8"
+            ) from None
         if not line.strip():
             continue
         try:
@@ -64,8 +66,9 @@ def digest(train_file: str, test_file: str) -> str:
     return h.hexdigest()[:16]
 
 
-def generate_splits(train_file: str, test_file: str, prompt_template: str, num_train: int, num_test: int,
-                    digest: str = "") -> dict[str, list[dict]]:
+def generate_splits(
+    train_file: str, test_file: str, prompt_template: str, num_train: int, num_test: int, digest: str = ""
+) -> dict[str, list[dict]]:
     """{'train': records, 'test': records}; records have str fields id, prompt, answer, info."""
     train = _read_lines(pathlib.Path(train_file), "data.train_file")
     if test_file:
@@ -76,16 +79,22 @@ def generate_splits(train_file: str, test_file: str, prompt_template: str, num_t
         n_test = min(num_test, len(train) // 2)
         train, test = train[:-n_test], train[-n_test:]
     splits = {"train": train[:num_train], "test": test}
-    return {name: [_record(f"{name}/{i}", row, prompt_template) for i, row in enumerate(rows)]
-            for name, rows in splits.items()}
+    return {
+        name: [_record(f"{name}/{i}", row, prompt_template) for i, row in enumerate(rows)]
+        for name, rows in splits.items()
+    }
 
 
 def _record(record_id: str, row: dict, template: str) -> dict:
-    return {"id": record_id, "prompt": template.format(question=row["question"].strip()),
-            "answer": reference_answer(str(row["answer"])), "info": json.dumps({"solution": str(row["answer"])})}
+    return {
+        "id": record_id,
+        "prompt": template.format(question=row["question"].strip()),
+        "answer": reference_answer(str(row["answer"])),
+        "info": json.dumps({"solution": str(row["answer"])}),
+    }
 
 
-def _as_number(text: str) -> Optional[Fraction]:
+def _as_number(text: str) -> Fraction | None:
     m = _NUMBER.search(text.replace("$", ""))
     if m is None:
         return None
@@ -95,7 +104,7 @@ def _as_number(text: str) -> Optional[Fraction]:
         return None
 
 
-def extract_answer(completion: str) -> tuple[Optional[Fraction], bool]:
+def extract_answer(completion: str) -> tuple[Fraction | None, bool]:
     """(the completion's final answer or None, whether it was explicitly marked)."""
     text = completion[-MAX_COMPLETION_CHARS:]
     for pattern in _MARKED:

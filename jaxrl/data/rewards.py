@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -47,7 +48,7 @@ def score(
         try:
             with np.errstate(over="ignore", invalid="ignore"):  # huge values become inf, caught below
                 values_K = np.asarray(verifier(text, bool(done), record), dtype=np.float32)
-        except Exception:  # noqa: BLE001 -- any reward bug must cost one sample, not the run
+        except Exception:  # any reward bug must cost one sample, not the run
             n_failed += 1
             continue
         if values_K.shape != (len(REWARD_NAMES),) or not np.all(np.isfinite(values_K)):
@@ -209,5 +210,8 @@ def verify_long_addition(completion: str, finished: bool, record: Mapping[str, s
     return float(correct), float(well_formed and finished)
 
 
-VERIFIERS: dict[str, Verifier] = {"arithmetic": verify_arithmetic, "countdown": verify_countdown,
-                                  "long_addition": verify_long_addition}
+VERIFIERS: dict[str, Verifier] = {
+    "arithmetic": verify_arithmetic,
+    "countdown": verify_countdown,
+    "long_addition": verify_long_addition,
+}

@@ -51,7 +51,7 @@ def next_batch(source: Source, state: StreamState, batch_size: int, seed: int) -
     while len(records) < batch_size:
         order = epoch_permutation(num_records, seed, epoch)
         take = min(batch_size - len(records), num_records - index)
-        records.extend(source[int(i)] for i in order[index:index + take])
+        records.extend(source[int(i)] for i in order[index : index + take])
         index += take
         if index == num_records:
             epoch, index = epoch + 1, 0

@@ -14,7 +14,8 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import tensorflow_datasets as tfds
 
@@ -83,8 +84,12 @@ class JaxrlMathJsonl(_TaskBuilder, skip_registration=True):
         return math_jsonl.generate_splits
 
 
-_BUILDERS = {"arithmetic": JaxrlArithmetic, "countdown": JaxrlCountdown, "long_addition": JaxrlLongAddition,
-             "math_jsonl": JaxrlMathJsonl}
+_BUILDERS = {
+    "arithmetic": JaxrlArithmetic,
+    "countdown": JaxrlCountdown,
+    "long_addition": JaxrlLongAddition,
+    "math_jsonl": JaxrlMathJsonl,
+}
 _VERIFIERS = {**VERIFIERS, "math_jsonl": math_jsonl.verify_math_answer}
 
 
@@ -131,8 +136,14 @@ def task_params(cfg: DataConfig) -> dict:
         for field, f in zip(("data.train_file", "data.test_file"), files):
             if f and not os.path.isfile(f):
                 raise ConfigError(f"{field}: file {f!r} not found")
-        return dict(train_file=files[0], test_file=files[1], prompt_template=cfg.prompt_template,
-                    num_train=cfg.num_train, num_test=cfg.num_test, digest=math_jsonl.digest(*files))
+        return dict(
+            train_file=files[0],
+            test_file=files[1],
+            prompt_template=cfg.prompt_template,
+            num_train=cfg.num_train,
+            num_test=cfg.num_test,
+            digest=math_jsonl.digest(*files),
+        )
     allowed = {"countdown": countdown.OPERATIONS, "long_addition": long_addition.OPERATIONS}
     ops = arithmetic.canonical_operations(cfg.operations, allowed.get(cfg.task, arithmetic.OPERATIONS))
     if cfg.task == "arithmetic":  # fail before TFDS creates any folder
@@ -146,10 +157,12 @@ def config_name(params: dict) -> str:
         key = json.dumps({k: v for k, v in params.items() if k not in ("train_file", "test_file")}, sort_keys=True)
         return f"jsonl-{params['digest']}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     ops = "-".join(_OP_NAMES[op] for op in params["operations"])
-    extra = "".join(f"-{k}{v}" for k, v in sorted(params.items())
-                    if k not in ("digits", "operations", "num_train", "num_test", "seed"))
-    return (f"d{params['digits']}-{ops}-train{params['num_train']}-test{params['num_test']}"
-            f"-seed{params['seed']}{extra}")
+    extra = "".join(
+        f"-{k}{v}"
+        for k, v in sorted(params.items())
+        if k not in ("digits", "operations", "num_train", "num_test", "seed")
+    )
+    return f"d{params['digits']}-{ops}-train{params['num_train']}-test{params['num_test']}-seed{params['seed']}{extra}"
 
 
 def make_builder(task: str, params: dict, data_dir: str) -> _TaskBuilder:

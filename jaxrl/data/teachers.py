@@ -26,8 +26,10 @@ def fallible_answer(record: dict) -> str:
     """The answer a carry-forgetting teacher gives for an addition record (arithmetic or long_addition)."""
     info = json.loads(record["info"])
     if info.get("op") != "+":
-        raise ConfigError("warmstart.teacher_error: the fallible teacher is defined for addition only "
-                          f"(arithmetic, long_addition); record {record['id']!r} is not an addition")
+        raise ConfigError(
+            "warmstart.teacher_error: the fallible teacher is defined for addition only "
+            f"(arithmetic, long_addition); record {record['id']!r} is not an addition"
+        )
     if ":" in record.get("answer", ""):  # a worked long_addition solution: the same columns, every carry dropped
         return long_addition.solution(int(info["a"]), int(info["b"]), carries=False)
     return str(carry_free_sum(int(info["a"]), int(info["b"])))

@@ -4,7 +4,8 @@ character tokenizer for the embedded tasks, and batch helpers for prompts and co
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -80,8 +81,9 @@ def encode_prompts(
     record_ids: list[str],
     pad_to: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, list[int], int]:
-    """BOS + prompt for each prompt (no BOS for a tokenizer with `add_bos` False, e.g. Qwen's), LEFT-padded with PAD so every prompt ends at the last column
-    (generation then continues from the same position for the whole batch).
+    """BOS + prompt for each prompt (no BOS for a tokenizer with `add_bos` False, e.g. Qwen's), LEFT-padded
+    with PAD so every prompt ends at the last column (generation then continues from the same position for
+    the whole batch).
 
     Returns (tokens_BxP int32, mask_BxP bool, kept_indices, n_skipped). P is the longest kept prompt,
     or `pad_to` if given. A prompt longer than `max_prompt_len` (BOS included) raises ConfigError
@@ -113,8 +115,8 @@ def encode_prompts(
     mask_BxP = np.zeros((len(kept_ids), width_P), dtype=bool)
     for row, ids in enumerate(kept_ids):
         if ids:
-            tokens_BxP[row, width_P - len(ids):] = ids
-            mask_BxP[row, width_P - len(ids):] = True
+            tokens_BxP[row, width_P - len(ids) :] = ids
+            mask_BxP[row, width_P - len(ids) :] = True
     return tokens_BxP, mask_BxP, kept_indices, n_skipped
 
 

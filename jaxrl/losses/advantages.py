@@ -29,14 +29,14 @@ so std = 0 and its advantage is exactly 0 (never NaN), whatever ddof.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl.config import ConfigError
 from jaxrl.losses import segments as seg
-from jaxrl.losses.segments import Groups, GroupsLike  # noqa: F401  (re-exported for callers)
+from jaxrl.losses.segments import Groups, GroupsLike
 
 RewardCombine = Callable[[jax.Array], jax.Array]  # rewards_BxK -> r_B
 Normaliser = Callable[[jax.Array, GroupsLike], jax.Array]  # (r_B, groups) -> adv_B
@@ -88,7 +88,7 @@ def group_mean_std(eps: float = 1e-6, ddof: int = 1) -> Normaliser:
     return normalise
 
 
-def reward_sum(weights: Optional[Sequence[float]] = None) -> RewardCombine:
+def reward_sum(weights: Sequence[float] | None = None) -> RewardCombine:
     """Collapse K reward functions into one reward: r_i = sum_k w_k r_ik (GRPO sums rewards first).
 
     `weights=None` means every column has weight 1, for any K. Otherwise one weight per column;
@@ -107,8 +107,10 @@ def reward_sum(weights: Optional[Sequence[float]] = None) -> RewardCombine:
             return jnp.sum(rewards_BxK, axis=1)
         k = rewards_BxK.shape[1]
         if len(weights) != k:
-            raise ConfigError(f"loss.reward_weights: got {weights!r} ({len(weights)} weights), "
-                              f"expected one weight per reward function (rewards_BxK has K={k})")
+            raise ConfigError(
+                f"loss.reward_weights: got {weights!r} ({len(weights)} weights), "
+                f"expected one weight per reward function (rewards_BxK has K={k})"
+            )
         return rewards_BxK @ jnp.asarray(weights, jnp.float32)
 
     return combine
@@ -204,8 +206,10 @@ def group_mean_batch_whiten(eps: float = 1e-6, ddof: int = 1) -> Normaliser:
 
 def _median_groups(r_B: jax.Array, groups: GroupsLike) -> Groups:
     if not isinstance(groups, Groups) and seg.check_group_size(groups, r_B.shape[0]) % 2 == 0:
-        raise ValueError(f"MC-GRPO samples G+1 completions so that the median is one of them: group_size "
-                         f"(= G+1) must be odd, got {groups}")
+        raise ValueError(
+            f"MC-GRPO samples G+1 completions so that the median is one of them: group_size "
+            f"(= G+1) must be odd, got {groups}"
+        )
     return _groups(r_B, groups)
 
 

@@ -20,7 +20,7 @@ merge exactly (`stat_partials`, `merge_stat_partials`), then `finalize_stats`.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp

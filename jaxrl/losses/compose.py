@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,8 +100,9 @@ def with_regularizers(token_loss: Callable, regularizer_parts: Sequence[regulari
     return wrapped
 
 
-def policy_token_loss(ratio: ratios.RatioFn, objective: objectives.Objective,
-                      regularizer_parts: Sequence[regularizers.Regularizer] = ()) -> Callable:
+def policy_token_loss(
+    ratio: ratios.RatioFn, objective: objectives.Objective, regularizer_parts: Sequence[regularizers.Regularizer] = ()
+) -> Callable:
     """Compose ratio level -> objective (+ regularisers) into `token_loss(logp_BxT, batch)`."""
 
     takes_logp = "logp_BxT" in inspect.signature(objective).parameters  # CISPO reports -sg(w) A logp
@@ -108,8 +110,12 @@ def policy_token_loss(ratio: ratios.RatioFn, objective: objectives.Objective,
     def token_loss(logp_BxT: jax.Array, batch: dict):
         mask_BxT = batch["completion_mask_BxT"]
         log_ratio_BxT = ratio(logp_BxT, batch["old_logp_BxT"], mask_BxT)
-        loss_BxT, stats = objective(log_ratio_BxT, _advantages_BxT(batch, logp_BxT.shape), mask_BxT,
-                                    **({"logp_BxT": logp_BxT} if takes_logp else {}))
+        loss_BxT, stats = objective(
+            log_ratio_BxT,
+            _advantages_BxT(batch, logp_BxT.shape),
+            mask_BxT,
+            **({"logp_BxT": logp_BxT} if takes_logp else {}),
+        )
         return jnp.where(mask_BxT > 0, loss_BxT, 0.0), dict(stats)
 
     return with_regularizers(token_loss, regularizer_parts)
@@ -118,7 +124,7 @@ def policy_token_loss(ratio: ratios.RatioFn, objective: objectives.Objective,
 KL_ESTIMATORS = {"k1": regularizers.kl_k1, "k2": regularizers.kl_k2, "k3": regularizers.kl_k3}
 
 
-def kl_estimator_by_name(estimator: Union[str, regularizers.KLEstimator], field: str = "kl_estimator"):
+def kl_estimator_by_name(estimator: str | regularizers.KLEstimator, field: str = "kl_estimator"):
     if callable(estimator):
         return estimator
     if estimator not in KL_ESTIMATORS:
@@ -128,31 +134,48 @@ def kl_estimator_by_name(estimator: Union[str, regularizers.KLEstimator], field:
 
 # The options every preset accepts (forwarded by each preset's **extras to `compose`); with their
 # defaults they are all off. `jaxrl.config.LossConfig.options` sets them from a config file or --set.
-EXTRAS = ("kl_estimator", "entropy_coef", "kl_reward_beta", "kl_reward_estimator", "overlong_buffer_frac",
-          "mask_truncated", "top_entropy_frac", "tis_cap", "mis_low", "mis_high", "is_level")
+EXTRAS = (
+    "kl_estimator",
+    "entropy_coef",
+    "kl_reward_beta",
+    "kl_reward_estimator",
+    "overlong_buffer_frac",
+    "mask_truncated",
+    "top_entropy_frac",
+    "tis_cap",
+    "mis_low",
+    "mis_high",
+    "is_level",
+)
 
 
-def compose(name: str, *, ratio: ratios.RatioFn, objective: objectives.Objective, weights: Callable,
-            estimator: Optional[adv_lib.Estimator] = None,
-            reward_combine: Optional[adv_lib.RewardCombine] = None,
-            normaliser: Optional[adv_lib.Normaliser] = None,
-            kl_beta: float = 0.0,
-            row_filters: Sequence[prep.RowKeep] = (),
-            batch_parts: Sequence[prep.Prepare] = (),
-            keep_masks: Sequence[tuple] = (),
-            needs_old_logp: bool = False,
-            # --- EXTRAS: options every preset takes (all off by default) ---
-            kl_estimator: Union[str, regularizers.KLEstimator] = "k3",
-            entropy_coef: float = 0.0,
-            kl_reward_beta: float = 0.0,
-            kl_reward_estimator: Union[str, regularizers.KLEstimator] = "k1",
-            overlong_buffer_frac: float = 0.0,
-            mask_truncated: bool = False,
-            top_entropy_frac: float = 1.0,
-            tis_cap: float = 0.0,
-            mis_low: float = 0.0,
-            mis_high: float = 0.0,
-            is_level: str = "token") -> Loss:
+def compose(
+    name: str,
+    *,
+    ratio: ratios.RatioFn,
+    objective: objectives.Objective,
+    weights: Callable,
+    estimator: adv_lib.Estimator | None = None,
+    reward_combine: adv_lib.RewardCombine | None = None,
+    normaliser: adv_lib.Normaliser | None = None,
+    kl_beta: float = 0.0,
+    row_filters: Sequence[prep.RowKeep] = (),
+    batch_parts: Sequence[prep.Prepare] = (),
+    keep_masks: Sequence[tuple] = (),
+    needs_old_logp: bool = False,
+    # --- EXTRAS: options every preset takes (all off by default) ---
+    kl_estimator: str | regularizers.KLEstimator = "k3",
+    entropy_coef: float = 0.0,
+    kl_reward_beta: float = 0.0,
+    kl_reward_estimator: str | regularizers.KLEstimator = "k1",
+    overlong_buffer_frac: float = 0.0,
+    mask_truncated: bool = False,
+    top_entropy_frac: float = 1.0,
+    tis_cap: float = 0.0,
+    mis_low: float = 0.0,
+    mis_high: float = 0.0,
+    is_level: str = "token",
+) -> Loss:
     """Build a Loss from parts. The advantage estimator is `estimator`, or `reward_combine` then
     `normaliser` (the only form reward shaping can use: shaping adds to the combined reward).
 
@@ -197,9 +220,11 @@ def compose(name: str, *, ratio: ratios.RatioFn, objective: objectives.Objective
         shapers.append(prep.kl_reward(kl_reward_beta, kl_estimator_by_name(kl_reward_estimator, "kl_reward_estimator")))
     if shapers:
         if reward_combine is None:
-            raise ValueError(f"{name}: reward shaping (overlong_buffer_frac, kl_reward_beta) needs an estimator that "
-                             "combines the rewards first (reward_combine -> normaliser); this preset normalises each "
-                             "reward function separately")
+            raise ValueError(
+                f"{name}: reward shaping (overlong_buffer_frac, kl_reward_beta) needs an estimator that "
+                "combines the rewards first (reward_combine -> normaliser); this preset normalises each "
+                "reward function separately"
+            )
         estimator = prep.shaped_estimator(reward_combine, normaliser)
         parts += [f"reward += {label(s)}" for s in shapers]
     row_filters = ((named("mask_truncated", prep.not_truncated_rows),) if mask_truncated else ()) + tuple(row_filters)
@@ -237,6 +262,14 @@ def compose(name: str, *, ratio: ratios.RatioFn, objective: objectives.Objective
     for key, stat in keep_masks:
         token_loss = m2po.apply_keep_mask(token_loss, key=key, stat=stat)
     parts.append(label(weights))
-    return Loss(name=name, advantages=estimator, weights=weights, token_loss=token_loss,
-                prepare=prep.chain(*prepare_parts), needs_old_logp=needs_old_logp, parts=tuple(parts),
-                needs_ref=bool(kl_beta) or bool(kl_reward_beta), reward_shaping=tuple(shapers))
+    return Loss(
+        name=name,
+        advantages=estimator,
+        weights=weights,
+        token_loss=token_loss,
+        prepare=prep.chain(*prepare_parts),
+        needs_old_logp=needs_old_logp,
+        parts=tuple(parts),
+        needs_ref=bool(kl_beta) or bool(kl_reward_beta),
+        reward_shaping=tuple(shapers),
+    )

@@ -25,7 +25,7 @@ mis_masked_BxT (MIS). `is_ratio` and `is_weight` get min / max in the metrics.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,9 @@ def rollout_log_ratio(batch: dict, level: str = "token") -> jax.Array:
     (level="sequence"); 0 on masked tokens; no gradient."""
     _check_level(level)
     if "rollout_logp_BxT" not in batch:
-        raise KeyError("rollout-mismatch corrections (TIS / MIS) need batch['rollout_logp_BxT'] (the sampler's log-probs)")
+        raise KeyError(
+            "rollout-mismatch corrections (TIS / MIS) need batch['rollout_logp_BxT'] (the sampler's log-probs)"
+        )
     live_BxT = batch["completion_mask_BxT"] > 0
     lr_BxT = jnp.where(live_BxT, batch["old_logp_BxT"] - batch["rollout_logp_BxT"], 0.0).astype(jnp.float32)
     if level == "sequence":
@@ -71,8 +73,12 @@ def tis(token_loss: Callable, cap: float, level: str = "token") -> Callable:
         live_BxT = batch["completion_mask_BxT"] > 0
         lr_BxT = rollout_log_ratio(batch, level)
         weight_BxT = jnp.where(live_BxT, jnp.exp(jnp.minimum(lr_BxT, log_cap)), 0.0)
-        stats = dict(stats, is_ratio_BxT=_ratio_stat(lr_BxT, live_BxT), is_weight_BxT=weight_BxT,
-                     is_truncated_BxT=(live_BxT & (lr_BxT > log_cap)).astype(jnp.float32))
+        stats = dict(
+            stats,
+            is_ratio_BxT=_ratio_stat(lr_BxT, live_BxT),
+            is_weight_BxT=weight_BxT,
+            is_truncated_BxT=(live_BxT & (lr_BxT > log_cap)).astype(jnp.float32),
+        )
         return jnp.where(live_BxT, weight_BxT * loss_BxT, 0.0), stats
 
     wrapped.part = f"tis(cap={cap}, {level})"
@@ -98,8 +104,9 @@ def mis(token_loss: Callable, low: float, high: float, level: str = "token") -> 
         keep_BxT = live_BxT & (lr_BxT >= log_low) & (lr_BxT <= log_high)
         logp_in = jnp.where(keep_BxT, logp_BxT, jax.lax.stop_gradient(logp_BxT))
         loss_BxT, stats = token_loss(logp_in, batch)
-        stats = dict(stats, is_ratio_BxT=_ratio_stat(lr_BxT, live_BxT),
-                     mis_masked_BxT=(live_BxT & ~keep_BxT).astype(jnp.float32))
+        stats = dict(
+            stats, is_ratio_BxT=_ratio_stat(lr_BxT, live_BxT), mis_masked_BxT=(live_BxT & ~keep_BxT).astype(jnp.float32)
+        )
         return jnp.where(keep_BxT, loss_BxT, 0.0), stats
 
     wrapped.part = f"mis([{low}, {high}], {level})"

@@ -28,7 +28,7 @@ group or batch statistic. Every estimator and group-reading prepare part works o
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +62,15 @@ def check_batch(batch: dict, group_size: int, max_new_tokens: int) -> None:
     if "group_id_B" in batch:
         _check_group_ids(batch["group_id_B"], B, T)
     elif B % group_size:
-        raise ValueError(f"group_size={group_size} does not divide the batch's B={B} rows (completion_mask_BxT "
-                         f"{(B, T)}): a batch is whole groups of group_size adjacent rows (or give group_id_B)")
+        raise ValueError(
+            f"group_size={group_size} does not divide the batch's B={B} rows (completion_mask_BxT "
+            f"{(B, T)}): a batch is whole groups of group_size adjacent rows (or give group_id_B)"
+        )
     if T != max_new_tokens:
-        raise ValueError(f"max_new_tokens={max_new_tokens} but the batch's completions are T={T} wide "
-                         f"(completion_mask_BxT {(B, T)}); the rollout makes T = max_new_tokens")
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} but the batch's completions are T={T} wide "
+            f"(completion_mask_BxT {(B, T)}); the rollout makes T = max_new_tokens"
+        )
     for key, x in batch.items():
         rows_ok = key.split("_")[-1][:1] != "B" or x.shape[0] == B  # every *_B..., e.g. rewards_BxK
         width_ok = not key.endswith("_BxT") or x.shape[1] == T
@@ -77,8 +81,10 @@ def check_batch(batch: dict, group_size: int, max_new_tokens: int) -> None:
 def _check_group_ids(ids, B: int, T: int) -> None:
     shape, dtype = tuple(getattr(ids, "shape", ())), getattr(ids, "dtype", None)
     if shape != (B,):
-        raise ValueError(f"batch['group_id_B'] has shape {shape}, expected ({B},): one group id per row "
-                         f"(completion_mask_BxT is {(B, T)})")
+        raise ValueError(
+            f"batch['group_id_B'] has shape {shape}, expected ({B},): one group id per row "
+            f"(completion_mask_BxT is {(B, T)})"
+        )
     if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
         raise ValueError(f"batch['group_id_B'] has dtype {dtype}, expected int32 group ids (id < 0 = padding)")
 
@@ -89,11 +95,15 @@ def batch_advantages(loss: Loss, batch: dict, group_size: int, max_new_tokens: i
     groups: `segments.Groups` from the batch's group_id_B (padding marked: run `segments.mark_padding`
     first, as `prepare_batch` does), else the static group_size."""
     if "advantages_B" in batch:
-        raise ValueError("the batch carries advantages_B, but the loss computes the advantages from rewards_BxK "
-                         "(Loss.advantages with its reward shaping) inside the update; drop advantages_B")
+        raise ValueError(
+            "the batch carries advantages_B, but the loss computes the advantages from rewards_BxK "
+            "(Loss.advantages with its reward shaping) inside the update; drop advantages_B"
+        )
     if "rewards_BxK" not in batch:
-        raise KeyError("the batch has no rewards_BxK (B x K rewards, one column per reward function): the "
-                       "advantages are computed from them")
+        raise KeyError(
+            "the batch has no rewards_BxK (B x K rewards, one column per reward function): the "
+            "advantages are computed from them"
+        )
     rewards_BxK, groups = batch["rewards_BxK"], seg.batch_groups(batch, group_size)
     if not loss.reward_shaping:
         return jax.lax.stop_gradient(loss.advantages(rewards_BxK, groups))
@@ -123,8 +133,15 @@ def weighted_loss(loss: Loss, logp_BxT: jax.Array, batch: dict) -> tuple[jax.Arr
     return weighted_sum(batch["weights_BxT"], loss_BxT), stats
 
 
-def evaluate_loss(loss: Loss, logp_BxT: jax.Array, batch: dict, *, group_size: int, max_new_tokens: int,
-                  entropy_BxT: Optional[jax.Array] = None) -> LossEvaluation:
+def evaluate_loss(
+    loss: Loss,
+    logp_BxT: jax.Array,
+    batch: dict,
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    entropy_BxT: jax.Array | None = None,
+) -> LossEvaluation:
     """The update step's loss on `batch` for the current policy's log-probs `logp_BxT`.
 
     `batch`: completion_mask_BxT, rewards_BxK and what the loss reads (truncated_B, rollout_logp_BxT,

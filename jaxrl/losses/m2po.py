@@ -33,7 +33,7 @@ behaviour policy, pi_theta / pi_rollout (`rollout_behaviour`). The training step
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +41,9 @@ import jax.numpy as jnp
 from jaxrl.losses.ratios import token_log_ratio
 
 
-def m2po_keep_mask(log_ratio_BxT: jax.Array, mask_BxT: jax.Array, tau: float,
-                   candidates_BxT: Optional[jax.Array] = None) -> jax.Array:
+def m2po_keep_mask(
+    log_ratio_BxT: jax.Array, mask_BxT: jax.Array, tau: float, candidates_BxT: jax.Array | None = None
+) -> jax.Array:
     """keep_BxT (float 0/1): 0 on the live tokens M2PO drops, 1 everywhere else (masked tokens too).
 
     `candidates_BxT` (bool, optional): the token set the budget covers; only live candidates count
@@ -94,8 +95,9 @@ def _adv_BxT(batch: dict, shape: tuple) -> jax.Array:
     return jnp.broadcast_to(batch["advantages_B"][:, None], shape)
 
 
-def m2po_prepare(tau: float = 0.04, token_set: str = "trust_region", logp_key: str = "old_logp_BxT",
-                 out_key: str = "m2po_keep_BxT") -> Callable[[dict], dict]:
+def m2po_prepare(
+    tau: float = 0.04, token_set: str = "trust_region", logp_key: str = "old_logp_BxT", out_key: str = "m2po_keep_BxT"
+) -> Callable[[dict], dict]:
     """prepare(batch) -> batch with batch[out_key] = m2po_keep_mask(log r, mask, tau, candidates).
 
     log r = batch[logp_key] - behaviour log-probs (rollout_logp_BxT when present, else old_logp_BxT);

@@ -16,7 +16,7 @@ unbiased (ddof=1) by default, `ddof=0` for the population std; eps is added to t
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +27,15 @@ from jaxrl.losses.advantages import Estimator, _check_ddof, batch_whiten
 from jaxrl.losses.segments import GroupsLike
 
 
-def _weights_K(weights: Optional[Sequence[float]], k: int) -> jax.Array:
+def _weights_K(weights: Sequence[float] | None, k: int) -> jax.Array:
     if weights is None:
         return jnp.ones((k,), jnp.float32)
     weights = tuple(float(w) for w in weights)
     if len(weights) != k:
-        raise ConfigError(f"loss.reward_weights: got {weights!r} ({len(weights)} weights), "
-                          f"expected one weight per reward function (rewards_BxK has K={k})")
+        raise ConfigError(
+            f"loss.reward_weights: got {weights!r} ({len(weights)} weights), "
+            f"expected one weight per reward function (rewards_BxK has K={k})"
+        )
     return jnp.asarray(weights, jnp.float32)
 
 
@@ -55,8 +57,9 @@ def group_z_scores(rewards_BxK: jax.Array, groups: GroupsLike, eps: float = 1e-6
     return jnp.where(seg.constant_B(r_BxK, g) | ~g.live_B[:, None], 0.0, z_BxK)
 
 
-def gdpo(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6,
-         ddof: int = 1) -> Estimator:
+def gdpo(
+    weights: Sequence[float] | None = None, eps: float = 1e-6, batch_eps: float = 1e-6, ddof: int = 1
+) -> Estimator:
     """GDPO (group reward-decoupled normalisation):
 
         z_ik = (r_ik - mean_G r_k) / (std_G r_k + eps)        (`group_z_scores`)
@@ -90,9 +93,17 @@ def _check_gd2po(batch_eps: float, conflict_threshold: float, consensus_power: f
         raise ValueError(f"batch_eps: got {batch_eps!r}, expected a positive number")
 
 
-def gd2po_parts(rewards_BxK: jax.Array, groups: GroupsLike, *, weights: Optional[Sequence[float]] = None,
-                eps: float = 1e-6, batch_eps: float = 1e-6, conflict_threshold: float = 0.5,
-                consensus_power: float = 1.0, ddof: int = 1) -> dict:
+def gd2po_parts(
+    rewards_BxK: jax.Array,
+    groups: GroupsLike,
+    *,
+    weights: Sequence[float] | None = None,
+    eps: float = 1e-6,
+    batch_eps: float = 1e-6,
+    conflict_threshold: float = 0.5,
+    consensus_power: float = 1.0,
+    ddof: int = 1,
+) -> dict:
     """GD2PO, OUR READING (PAPERS.md gives no formula): GDPO + conflict masking + query reweighting.
 
     With z_ik and a_i = sum_k w_k z_ik as in `gdpo`, and A_i^GDPO its batch normalisation:
@@ -127,17 +138,33 @@ def gd2po_parts(rewards_BxK: jax.Array, groups: GroupsLike, *, weights: Optional
     conflict_B = (against_BxK.astype(jnp.float32) @ abs_w_K) / jnp.maximum(jnp.sum(abs_w_K), 1e-12)
     keep_B = (conflict_B <= conflict_threshold).astype(jnp.float32)
     consensus_B = 1.0 - seg.mean_B(conflict_B, g)  # over the group's live rows
-    scale_B = consensus_B ** consensus_power if consensus_power != 0 else jnp.ones_like(consensus_B)
-    out = {"adv_B": jnp.where(keep_B > 0, scale_B * adv_B, 0.0), "keep_B": keep_B, "conflict_B": conflict_B,
-           "consensus_B": consensus_B}
+    scale_B = consensus_B**consensus_power if consensus_power != 0 else jnp.ones_like(consensus_B)
+    out = {
+        "adv_B": jnp.where(keep_B > 0, scale_B * adv_B, 0.0),
+        "keep_B": keep_B,
+        "conflict_B": conflict_B,
+        "consensus_B": consensus_B,
+    }
     return jax.tree.map(jax.lax.stop_gradient, out)
 
 
-def gd2po(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_eps: float = 1e-6,
-          conflict_threshold: float = 0.5, consensus_power: float = 1.0, ddof: int = 1) -> Estimator:
+def gd2po(
+    weights: Sequence[float] | None = None,
+    eps: float = 1e-6,
+    batch_eps: float = 1e-6,
+    conflict_threshold: float = 0.5,
+    consensus_power: float = 1.0,
+    ddof: int = 1,
+) -> Estimator:
     """GD2PO advantages, OUR READING (formula in `gd2po_parts`): (rewards_BxK, groups) -> adv_B."""
-    kw = dict(weights=weights, eps=eps, batch_eps=batch_eps, conflict_threshold=conflict_threshold,
-              consensus_power=consensus_power, ddof=_check_ddof(ddof))
+    kw = dict(
+        weights=weights,
+        eps=eps,
+        batch_eps=batch_eps,
+        conflict_threshold=conflict_threshold,
+        consensus_power=consensus_power,
+        ddof=_check_ddof(ddof),
+    )
     _check_gd2po(batch_eps, conflict_threshold, consensus_power)  # bad values fail at build time
 
     def advantages(rewards_BxK: jax.Array, groups: GroupsLike) -> jax.Array:
@@ -146,13 +173,15 @@ def gd2po(weights: Optional[Sequence[float]] = None, eps: float = 1e-6, batch_ep
     return advantages
 
 
-def gd2po_keep(weights: Optional[Sequence[float]] = None, eps: float = 1e-6,
-               conflict_threshold: float = 0.5) -> Callable[[jax.Array, GroupsLike], jax.Array]:
+def gd2po_keep(
+    weights: Sequence[float] | None = None, eps: float = 1e-6, conflict_threshold: float = 0.5
+) -> Callable[[jax.Array, GroupsLike], jax.Array]:
     """(rewards_BxK, groups) -> keep_B (float 0/1): the GD2PO conflict mask (see `gd2po_parts`)."""
     _check_gd2po(1e-6, conflict_threshold, 0.0)
 
     def keep(rewards_BxK: jax.Array, groups: GroupsLike) -> jax.Array:
-        return gd2po_parts(rewards_BxK, groups, weights=weights, eps=eps,
-                           conflict_threshold=conflict_threshold)["keep_B"]
+        return gd2po_parts(rewards_BxK, groups, weights=weights, eps=eps, conflict_threshold=conflict_threshold)[
+            "keep_B"
+        ]
 
     return keep

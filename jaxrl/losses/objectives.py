@@ -16,7 +16,7 @@ batch-level, so it is not an objective: see `jaxrl.losses.m2po`. Objectives that
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 Objective = Callable[[jax.Array, jax.Array, jax.Array], tuple]
 
 
-def ppo_clip(eps_low: float = 0.2, eps_high: Optional[float] = None) -> Objective:
+def ppo_clip(eps_low: float = 0.2, eps_high: float | None = None) -> Objective:
     """PPO clipped surrogate (Schulman et al. 2017), per token, with asymmetric bounds (DAPO clip-higher).
 
         l_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A),   rho_t = exp(log_ratio_t)
@@ -77,7 +77,7 @@ def _f32(x_BxT: jax.Array) -> jax.Array:
     return x_BxT.astype(jnp.float32)
 
 
-def dual_clip(eps_low: float = 0.2, eps_high: Optional[float] = None, c: float = 3.0) -> Objective:
+def dual_clip(eps_low: float = 0.2, eps_high: float | None = None, c: float = 3.0) -> Objective:
     """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"):
     `ppo_clip` plus, for A < 0, the loss capped at -c*A:
 
@@ -107,7 +107,7 @@ def dual_clip(eps_low: float = 0.2, eps_high: Optional[float] = None, c: float =
     return objective
 
 
-def cispo(cap: float, floor: Optional[float] = None) -> Objective:
+def cispo(cap: float, floor: float | None = None) -> Objective:
     """CISPO (MiniMax-M1, arXiv:2506.13585): the IS weight is clipped and DETACHED, every token keeps
     its gradient:
 
@@ -140,9 +140,11 @@ def cispo(cap: float, floor: Optional[float] = None) -> Objective:
             low_BxT = live_BxT & (ratio_BxT < floor)
         logp_term_BxT = log_ratio_BxT if logp_BxT is None else jnp.where(live_BxT, logp_BxT, 0.0)
         loss_BxT = -jax.lax.stop_gradient(weight_BxT) * adv_BxT * logp_term_BxT
-        stats = {"ratio_BxT": jnp.where(live_BxT, ratio_BxT, 0.0),
-                 "clipped_low_BxT": _f32(low_BxT),
-                 "clipped_high_BxT": _f32(live_BxT & (ratio_BxT > cap))}
+        stats = {
+            "ratio_BxT": jnp.where(live_BxT, ratio_BxT, 0.0),
+            "clipped_low_BxT": _f32(low_BxT),
+            "clipped_high_BxT": _f32(live_BxT & (ratio_BxT > cap)),
+        }
         return jnp.where(live_BxT, loss_BxT, 0.0), stats
 
     return objective
@@ -173,14 +175,16 @@ def sapo(tau_pos: float = 1.0, tau_neg: float = 1.05) -> Objective:
         sig_BxT = jax.nn.sigmoid(tau_BxT * (ratio_BxT - 1.0))
         loss_BxT = -(4.0 / tau_BxT) * sig_BxT * adv_BxT
         sig_sg = jax.lax.stop_gradient(sig_BxT)
-        stats = {"ratio_BxT": jnp.where(live_BxT, jax.lax.stop_gradient(ratio_BxT), 0.0),
-                 "gate_BxT": jnp.where(live_BxT, 4.0 * sig_sg * (1.0 - sig_sg), 0.0)}
+        stats = {
+            "ratio_BxT": jnp.where(live_BxT, jax.lax.stop_gradient(ratio_BxT), 0.0),
+            "gate_BxT": jnp.where(live_BxT, 4.0 * sig_sg * (1.0 - sig_sg), 0.0),
+        }
         return jnp.where(live_BxT, loss_BxT, 0.0), stats
 
     return objective
 
 
-def strict_double_side(eps_low: float = 0.2, eps_high: Optional[float] = None) -> Objective:
+def strict_double_side(eps_low: float = 0.2, eps_high: float | None = None) -> Objective:
     """SAO strict double-side masking: l_t = -rho_t A if 1 - eps_low <= rho_t <= 1 + eps_high, else the
     token is DROPPED (loss 0, gradient 0), whatever the sign of A.
 
@@ -191,8 +195,9 @@ def strict_double_side(eps_low: float = 0.2, eps_high: Optional[float] = None) -
     """
     eps_high = eps_low if eps_high is None else eps_high
     if eps_low < 0 or eps_high < 0:
-        raise ValueError(f"strict_double_side: eps_low={eps_low!r}, eps_high={eps_high!r}; "
-                         "expected non-negative numbers")
+        raise ValueError(
+            f"strict_double_side: eps_low={eps_low!r}, eps_high={eps_high!r}; expected non-negative numbers"
+        )
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
 
     def objective(log_ratio_BxT, adv_BxT, mask_BxT):
@@ -201,8 +206,11 @@ def strict_double_side(eps_low: float = 0.2, eps_high: Optional[float] = None) -
         low_BxT, high_BxT = live_BxT & (ratio_sg < lo), live_BxT & (ratio_sg > hi)
         keep_BxT = live_BxT & ~low_BxT & ~high_BxT
         ratio_BxT = jnp.exp(jnp.where(keep_BxT, log_ratio_BxT, 0.0))
-        stats = {"ratio_BxT": jnp.where(live_BxT, ratio_sg, 0.0),
-                 "clipped_low_BxT": _f32(low_BxT), "clipped_high_BxT": _f32(high_BxT)}
+        stats = {
+            "ratio_BxT": jnp.where(live_BxT, ratio_sg, 0.0),
+            "clipped_low_BxT": _f32(low_BxT),
+            "clipped_high_BxT": _f32(high_BxT),
+        }
         return jnp.where(keep_BxT, -ratio_BxT * adv_BxT, 0.0), stats
 
     return objective
@@ -238,7 +246,7 @@ def mu_grpo(eps_low: float, eps_high: float, delta: float) -> Objective:
     return objective
 
 
-def gmpo(eps_low: float = 0.4, eps_high: Optional[float] = None) -> Objective:
+def gmpo(eps_low: float = 0.4, eps_high: float | None = None) -> Objective:
     """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"):
 
         clipped_t = min(log rho_t, eps_high) if A > 0;  max(log rho_t, -eps_low) if A < 0
@@ -269,9 +277,12 @@ def gmpo(eps_low: float = 0.4, eps_high: Optional[float] = None) -> Objective:
         clipped_BxT = jnp.where(high_BxT, eps_high, jnp.where(low_BxT, -eps_low, lr_BxT))
         n_Bx1 = jnp.maximum(jnp.sum(live_BxT, axis=1, keepdims=True), 1).astype(jnp.float32)
         seq_Bx1 = jnp.exp(jnp.sum(clipped_BxT, axis=1, keepdims=True) / n_Bx1)
-        stats = {"ratio_BxT": jnp.where(live_BxT, jnp.exp(lr_sg), 0.0),
-                 "seq_ratio_BxT": jnp.where(live_BxT, jax.lax.stop_gradient(seq_Bx1), 0.0),
-                 "clipped_low_BxT": _f32(low_BxT), "clipped_high_BxT": _f32(high_BxT)}
+        stats = {
+            "ratio_BxT": jnp.where(live_BxT, jnp.exp(lr_sg), 0.0),
+            "seq_ratio_BxT": jnp.where(live_BxT, jax.lax.stop_gradient(seq_Bx1), 0.0),
+            "clipped_low_BxT": _f32(low_BxT),
+            "clipped_high_BxT": _f32(high_BxT),
+        }
         return jnp.where(live_BxT, -adv_BxT * seq_Bx1, 0.0), stats
 
     return objective

@@ -25,7 +25,7 @@ contiguous groups of `group_size` rows.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ RowKeep = Callable[[dict, int], jax.Array]  # (batch, group_size) -> keep_B (flo
 Shaper = Callable[[dict, int], jax.Array]  # (batch, max_new_tokens) -> reward bonus_B
 
 
-def no_prepare(batch: dict, group_size: Optional[int] = None, max_new_tokens: Optional[int] = None) -> dict:
+def no_prepare(batch: dict, group_size: int | None = None, max_new_tokens: int | None = None) -> dict:
     """The identity: the default `Loss.prepare`."""
     return batch
 
@@ -51,7 +51,7 @@ def chain(*parts: Prepare) -> Prepare:
     if not parts:
         return no_prepare
 
-    def prepare(batch: dict, group_size: Optional[int] = None, max_new_tokens: Optional[int] = None) -> dict:
+    def prepare(batch: dict, group_size: int | None = None, max_new_tokens: int | None = None) -> dict:
         for part in parts:
             batch = part(batch, group_size, max_new_tokens)
         return batch
@@ -109,8 +109,7 @@ def not_truncated_rows(batch: dict, group_size: int = 1) -> jax.Array:
     return 1.0 - (batch["truncated_B"] > 0).astype(jnp.float32)
 
 
-def gd2po_rows(weights: Optional[Sequence[float]] = None, eps: float = 1e-6,
-               conflict_threshold: float = 0.5) -> RowKeep:
+def gd2po_rows(weights: Sequence[float] | None = None, eps: float = 1e-6, conflict_threshold: float = 0.5) -> RowKeep:
     """GD2PO's conflict mask as a row filter (see `multi_reward.gd2po_parts`)."""
     keep = multi_reward.gd2po_keep(weights=weights, eps=eps, conflict_threshold=conflict_threshold)
 
@@ -128,7 +127,7 @@ def _lengths_B(batch: dict) -> jax.Array:
     return jnp.sum((batch["completion_mask_BxT"] > 0).astype(jnp.float32), axis=1)
 
 
-def overlong_penalty(buffer_frac: float = 0.2, max_len: Optional[int] = None) -> Shaper:
+def overlong_penalty(buffer_frac: float = 0.2, max_len: int | None = None) -> Shaper:
     """DAPO overlong reward shaping (Yu et al. 2025, arXiv:2503.14476), with L_max the generation
     limit and L_c = buffer_frac * L_max the soft buffer (DAPO: 4096 of 20480, i.e. 0.2):
 
@@ -187,7 +186,7 @@ def shaped_estimator(reward_combine: adv_lib.RewardCombine, normaliser: adv_lib.
     (`jaxrl.losses.evaluate.batch_advantages`, run inside the update) passes it. Without it this is the
     unshaped estimator."""
 
-    def advantages(rewards_BxK: jax.Array, groups: seg.GroupsLike, bonus_B: Optional[jax.Array] = None) -> jax.Array:
+    def advantages(rewards_BxK: jax.Array, groups: seg.GroupsLike, bonus_B: jax.Array | None = None) -> jax.Array:
         r_B = reward_combine(rewards_BxK)
         if bonus_B is not None:
             r_B = r_B + bonus_B
@@ -200,8 +199,9 @@ def shaped_estimator(reward_combine: adv_lib.RewardCombine, normaliser: adv_lib.
 # Token masks
 
 
-def top_entropy_keep(frac: float = 0.2, entropy_key: str = "old_entropy_BxT",
-                     out_key: str = "entropy_keep_BxT") -> Prepare:
+def top_entropy_keep(
+    frac: float = 0.2, entropy_key: str = "old_entropy_BxT", out_key: str = "entropy_keep_BxT"
+) -> Prepare:
     """Train only on the highest-entropy tokens (the "80/20" forking-token rule, top 20% by default).
 
     keep_BxT = 1 on live tokens with H >= the k-th largest live entropy of the WHOLE batch,
@@ -217,7 +217,9 @@ def top_entropy_keep(frac: float = 0.2, entropy_key: str = "old_entropy_BxT",
 
     def prepare(batch, group_size=None, max_new_tokens=None):
         if entropy_key not in batch:
-            raise KeyError(f"top_entropy_keep needs batch[{entropy_key!r}] (recorded when the Loss sets needs_old_logp)")
+            raise KeyError(
+                f"top_entropy_keep needs batch[{entropy_key!r}] (recorded when the Loss sets needs_old_logp)"
+            )
         live_BxT = batch["completion_mask_BxT"] > 0
         h_BxT = jax.lax.stop_gradient(batch[entropy_key]).astype(jnp.float32)
         desc = -jnp.sort(-jnp.where(live_BxT, h_BxT, -jnp.inf).reshape(-1))  # live first, descending
@@ -228,4 +230,3 @@ def top_entropy_keep(frac: float = 0.2, entropy_key: str = "old_entropy_BxT",
         return dict(batch, **{out_key: keep_BxT.astype(jnp.float32)})
 
     return prepare
-

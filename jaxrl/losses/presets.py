@@ -18,12 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 from jaxrl.config import ConfigError, parse_loss_options
 from jaxrl.losses.compose import EXTRAS, Loss, compose, named, policy_token_loss, with_regularizers  # noqa: F401
-from jaxrl.losses.presets_grpo import (async_const_norm, bnpo, dapo, dr_grpo, gd2po, gdpo, grpo, mc_grpo,
-                                       reinforce_pp, rloo)
+from jaxrl.losses.presets_grpo import (
+    async_const_norm,
+    bnpo,
+    dapo,
+    dr_grpo,
+    gd2po,
+    gdpo,
+    grpo,
+    mc_grpo,
+    reinforce_pp,
+    rloo,
+)
 from jaxrl.losses.presets_ratio import cispo, gmpo, gspo, gspo_token, m2po, mu_grpo, pnpo, sao, sapo, tbpo
 
 
@@ -60,14 +70,23 @@ PRESETS: dict[str, Preset] = {
     "gmpo": Preset(gmpo, "Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673"),
     "cispo": Preset(cispo, "MiniMax 2025, MiniMax-M1 (CISPO), arXiv:2506.13585"),
     "sapo": Preset(sapo, "Qwen 2025, Soft Adaptive Policy Optimization"),
-    "mc_grpo": Preset(mc_grpo, "Median-Centered GRPO (MC-GRPO), papers.txt", group="an odd G+1 >= 3 (G + 1 pivot)",
-                      min_group_size=3, odd_group_size=True),
+    "mc_grpo": Preset(
+        mc_grpo,
+        "Median-Centered GRPO (MC-GRPO), papers.txt",
+        group="an odd G+1 >= 3 (G + 1 pivot)",
+        min_group_size=3,
+        odd_group_size=True,
+    ),
     "gdpo": Preset(gdpo, "Group reward-Decoupled Normalization PO (GDPO), papers.txt"),
     "gd2po": Preset(gd2po, "Group-Dynamic reward-Decoupled PO (GD2PO), papers.txt; our reading"),
     "m2po": Preset(m2po, "Second-Moment Trust PO (M2PO), Prosperity before Collapse, papers.txt"),
     "mu_grpo": Preset(mu_grpo, "Mu-GRPO, How off-policy can GRPO be?, papers.txt; our reading"),
-    "sao": Preset(sao, "Single-rollout Asynchronous Optimization (SAO), papers.txt; batch baseline",
-                  group="G >= 1 (single rollout: 1)", min_group_size=1),
+    "sao": Preset(
+        sao,
+        "Single-rollout Asynchronous Optimization (SAO), papers.txt; batch baseline",
+        group="G >= 1 (single rollout: 1)",
+        min_group_size=1,
+    ),
     "pnpo": Preset(pnpo, "Prefix-Normalized Policy Optimization (PNPO), papers.txt"),
     "rloo": Preset(rloo, "Ahmadian et al. 2024, Back to Basics (RLOO), arXiv:2402.14740"),
     "reinforce_pp": Preset(reinforce_pp, "Hu et al. 2025, REINFORCE++ (baseline), arXiv:2501.03262"),
@@ -114,8 +133,10 @@ def make_loss(loss_cfg) -> Loss:
         if value is None:
             continue
         if field not in allowed:
-            raise ConfigError(f"loss.{field}: got {value!r}, but preset {name!r} has no {field} (set "
-                              f"loss.{field}=none); its parameters: {', '.join(allowed)}")
+            raise ConfigError(
+                f"loss.{field}: got {value!r}, but preset {name!r} has no {field} (set "
+                f"loss.{field}=none); its parameters: {', '.join(allowed)}"
+            )
         kwargs[field] = value
     for key, value in parse_loss_options(loss_cfg.options).items():
         if key in kwargs or key in _FIELDS:

@@ -13,7 +13,7 @@ Formulas use the notation of `shared/PAPERS.md`: rho_t = pi_theta(y_t) / pi_old(
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from jaxrl.losses import advantages as adv_lib
 from jaxrl.losses import aggregation, multi_reward, objectives, ratios
@@ -22,8 +22,10 @@ from jaxrl.losses.compose import Loss, compose, named
 
 
 def _sum(reward_weights):
-    return named("reward_sum" if reward_weights is None else f"reward_sum{tuple(reward_weights)}",
-                 adv_lib.reward_sum(reward_weights))
+    return named(
+        "reward_sum" if reward_weights is None else f"reward_sum{tuple(reward_weights)}",
+        adv_lib.reward_sum(reward_weights),
+    )
 
 
 def _std(adv_eps, std_ddof=1):
@@ -35,8 +37,15 @@ def _clip(eps_low, eps_high):
     return named(f"ppo_clip({eps_low:g}, {eps_high:g})", objectives.ppo_clip(eps_low, eps_high))
 
 
-def grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def grpo(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """GRPO, Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
     Language Models" (arXiv:2402.03300).
 
@@ -51,13 +60,25 @@ def grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float 
     KL_t defaults to the k3 estimator exp(ref - logp) - (ref - logp) - 1 the paper uses. The
     paper's clip is symmetric (eps_high = eps_low, the default); B counts live rows.
     """
-    return compose("grpo", reward_combine=_sum(reward_weights), normaliser=_std(adv_eps, std_ddof),
-                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
-                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+    return compose(
+        "grpo",
+        reward_combine=_sum(reward_weights),
+        normaliser=_std(adv_eps, std_ddof),
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def dr_grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
-            reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def dr_grpo(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """Dr.GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
     (arXiv:2503.20783): GRPO with its two biases removed.
 
@@ -66,13 +87,27 @@ def dr_grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: flo
                                                  (no 1/|y_i|: no length bias; seq_mean_token_sum_norm)
     minus kl_beta * KL_t inside the sum as in GRPO (the paper trains with kl_beta = 0).
     """
-    return compose("dr_grpo", reward_combine=_sum(reward_weights), normaliser=adv_lib.group_mean,
-                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
-                   weights=aggregation.seq_mean_token_sum_norm, kl_beta=kl_beta, **extras)
+    return compose(
+        "dr_grpo",
+        reward_combine=_sum(reward_weights),
+        normaliser=adv_lib.group_mean,
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_sum_norm,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def bnpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def bnpo(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """BNPO as `shared/PAPERS.md` defines it: GRPO with the batch-normalised token mean.
 
         A_i = (r_i - mean_G r) / (std_G r + adv_eps)
@@ -81,14 +116,29 @@ def bnpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float 
     Beta-distribution advantage normalisation of Xiao et al. 2025 ("BNPO: Beta Normalization Policy
     Optimization"), which PAPERS.md does not cover.
     """
-    return compose("bnpo", reward_combine=_sum(reward_weights), normaliser=_std(adv_eps, std_ddof),
-                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high), weights=aggregation.token_mean,
-                   kl_beta=kl_beta, **extras)
+    return compose(
+        "bnpo",
+        reward_combine=_sum(reward_weights),
+        normaliser=_std(adv_eps, std_ddof),
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def dapo(eps_low: float = 0.2, eps_high: float = 0.28, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, overlong_buffer_frac: float = 0.2,
-         drop_constant_groups: bool = True, **extras) -> Loss:
+def dapo(
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    overlong_buffer_frac: float = 0.2,
+    drop_constant_groups: bool = True,
+    **extras,
+) -> Loss:
     """DAPO, Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
     (arXiv:2503.14476).
 
@@ -105,14 +155,30 @@ def dapo(eps_low: float = 0.2, eps_high: float = 0.28, kl_beta: float = 0.0, adv
     """
     reward_combine, normaliser = _sum(reward_weights), _std(adv_eps, std_ddof)
     rows = (named("informative_groups", prep.informative_rows),) if drop_constant_groups else ()
-    return compose("dapo", reward_combine=reward_combine, normaliser=normaliser, ratio=ratios.token_log_ratio,
-                   objective=_clip(eps_low, eps_high), weights=aggregation.token_mean, kl_beta=kl_beta,
-                   overlong_buffer_frac=overlong_buffer_frac, row_filters=rows, **extras)
+    return compose(
+        "dapo",
+        reward_combine=reward_combine,
+        normaliser=normaliser,
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.token_mean,
+        kl_beta=kl_beta,
+        overlong_buffer_frac=overlong_buffer_frac,
+        row_filters=rows,
+        **extras,
+    )
 
 
-def async_const_norm(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
-                     adv_eps: float = 1e-6, std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None,
-                     k: Optional[float] = None, **extras) -> Loss:
+def async_const_norm(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    k: float | None = None,
+    **extras,
+) -> Loss:
     """AsyncWebRL's constant normaliser (`shared/seeds/papers.txt`: asynchronous multi-step GRPO for
     vision-language web agents on WebGym): GRPO with the per-trajectory 1/|y_i| replaced by 1/k.
 
@@ -122,13 +188,25 @@ def async_const_norm(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_
     tokens; a constant keeps it. The abstract gives no value of k: `k=None` uses k = L_max
     (max_new_tokens). Differs from Dr.GRPO only by keeping GRPO's std normalisation.
     """
-    return compose("async_const_norm", reward_combine=_sum(reward_weights), normaliser=_std(adv_eps, std_ddof),
-                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
-                   weights=aggregation.constant_norm(k), kl_beta=kl_beta, **extras)
+    return compose(
+        "async_const_norm",
+        reward_combine=_sum(reward_weights),
+        normaliser=_std(adv_eps, std_ddof),
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.constant_norm(k),
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def rloo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
-         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def rloo(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """RLOO, Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
     Learning from Human Feedback in LLMs" (arXiv:2402.14740).
 
@@ -138,14 +216,28 @@ def rloo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float 
     i.e. A_i * log pi(y_i) at rho = 1. The clip only matters with several PPO epochs (RLOO itself is
     on-policy: with one epoch rho = 1 and it is exactly the REINFORCE-leave-one-out gradient).
     """
-    return compose("rloo", reward_combine=_sum(reward_weights), normaliser=adv_lib.rloo, ratio=ratios.token_log_ratio,
-                   objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_sum, kl_beta=kl_beta,
-                   **extras)
+    return compose(
+        "rloo",
+        reward_combine=_sum(reward_weights),
+        normaliser=adv_lib.rloo,
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_sum,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def reinforce_pp(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
-                 adv_eps: float = 1e-6, std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None,
-                 kl_reward_beta: float = 0.0, **extras) -> Loss:
+def reinforce_pp(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    kl_reward_beta: float = 0.0,
+    **extras,
+) -> Loss:
     """REINFORCE++ with baseline, Hu et al. 2025, "REINFORCE++: A Simple and Efficient Approach for
     Aligning Large Language Models" (arXiv:2501.03262).
 
@@ -158,16 +250,32 @@ def reinforce_pp(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta
     token (see `advantages.group_mean_batch_whiten`). With kl_reward_beta > 0 the advantages are
     recomputed inside the update step, where ref_logp_BxT is known.
     """
-    normaliser = named(f"group_mean_batch_whiten(eps={adv_eps:g}, ddof={std_ddof})",
-                       adv_lib.group_mean_batch_whiten(adv_eps, std_ddof))
-    return compose("reinforce_pp", reward_combine=_sum(reward_weights), normaliser=normaliser,
-                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high), weights=aggregation.token_mean,
-                   kl_beta=kl_beta, kl_reward_beta=kl_reward_beta, **extras)
+    normaliser = named(
+        f"group_mean_batch_whiten(eps={adv_eps:g}, ddof={std_ddof})", adv_lib.group_mean_batch_whiten(adv_eps, std_ddof)
+    )
+    return compose(
+        "reinforce_pp",
+        reward_combine=_sum(reward_weights),
+        normaliser=normaliser,
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.token_mean,
+        kl_beta=kl_beta,
+        kl_reward_beta=kl_reward_beta,
+        **extras,
+    )
 
 
-def mc_grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
-            reward_weights: Optional[Sequence[float]] = None, mad_scale: bool = True, mad_eps: float = 1e-3,
-            nonzero_rescale: bool = True, **extras) -> Loss:
+def mc_grpo(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    reward_weights: Sequence[float] | None = None,
+    mad_scale: bool = True,
+    mad_eps: float = 1e-3,
+    nonzero_rescale: bool = True,
+    **extras,
+) -> Loss:
     """MC-GRPO, "Median-Centered Group Relative Policy Optimization" (`shared/seeds/papers.txt`;
     code github.com/lotusroot-kim/MC-GRPO). Sample G+1 completions: rollout.group_size = G+1, ODD.
     As the paper's code (`advantages.group_median`), with M = median_{G+1} r:
@@ -181,16 +289,32 @@ def mc_grpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: flo
     gets no gradient (KL and entropy terms included) and does not count in B: G rows per group carry
     gradient, the cost of plain G-rollout training.
     """
-    normaliser = named(f"group_median(mad_scale={mad_scale}, mad_eps={mad_eps:g}, nonzero_rescale={nonzero_rescale})",
-                       adv_lib.group_median(mad_scale=mad_scale, mad_eps=mad_eps, nonzero_rescale=nonzero_rescale))
-    return compose("mc_grpo", reward_combine=_sum(reward_weights), normaliser=normaliser,
-                   ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
-                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta,
-                   row_filters=(named("mc_pivot", prep.mc_pivot_rows),), **extras)
+    normaliser = named(
+        f"group_median(mad_scale={mad_scale}, mad_eps={mad_eps:g}, nonzero_rescale={nonzero_rescale})",
+        adv_lib.group_median(mad_scale=mad_scale, mad_eps=mad_eps, nonzero_rescale=nonzero_rescale),
+    )
+    return compose(
+        "mc_grpo",
+        reward_combine=_sum(reward_weights),
+        normaliser=normaliser,
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        row_filters=(named("mc_pivot", prep.mc_pivot_rows),),
+        **extras,
+    )
 
 
-def gdpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def gdpo(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """GDPO, "Group reward-Decoupled Normalization Policy Optimization" (`shared/seeds/papers.txt`):
     normalise each reward function within the group first, then combine, then batch-normalise.
 
@@ -200,15 +324,32 @@ def gdpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float 
         J    = 1/B sum_i 1/|y_i| sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
     Reward shaping options are not available (they add to a combined reward; GDPO combines z-scores).
     """
-    est = named("gdpo" if reward_weights is None else f"gdpo{tuple(reward_weights)}",
-                multi_reward.gdpo(reward_weights, eps=adv_eps, batch_eps=adv_eps, ddof=std_ddof))
-    return compose("gdpo", estimator=est, ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
-                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+    est = named(
+        "gdpo" if reward_weights is None else f"gdpo{tuple(reward_weights)}",
+        multi_reward.gdpo(reward_weights, eps=adv_eps, batch_eps=adv_eps, ddof=std_ddof),
+    )
+    return compose(
+        "gdpo",
+        estimator=est,
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def gd2po(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-          std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, conflict_threshold: float = 0.5,
-          consensus_power: float = 1.0, **extras) -> Loss:
+def gd2po(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    conflict_threshold: float = 0.5,
+    consensus_power: float = 1.0,
+    **extras,
+) -> Loss:
     """GD^2PO, "Group-Dynamic reward-Decoupled Policy Optimization" (`shared/seeds/papers.txt`; code
     github.com/Qwen-Applications/GD2PO), OUR READING (formulas in `multi_reward.gd2po_parts`):
 
@@ -220,9 +361,26 @@ def gd2po(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float
     std_ddof apply to both stds as in `gdpo` (the conflict mask reads signs only: ddof-invariant).
     """
     kw = dict(weights=reward_weights, eps=adv_eps)
-    est = named(f"gd2po(threshold={conflict_threshold}, power={consensus_power})",
-                multi_reward.gd2po(conflict_threshold=conflict_threshold, consensus_power=consensus_power,
-                                   batch_eps=adv_eps, ddof=std_ddof, **kw))
-    rows = (named(f"gd2po_conflict(>{conflict_threshold})", prep.gd2po_rows(conflict_threshold=conflict_threshold, **kw)),)
-    return compose("gd2po", estimator=est, ratio=ratios.token_log_ratio, objective=_clip(eps_low, eps_high),
-                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, row_filters=rows, **extras)
+    est = named(
+        f"gd2po(threshold={conflict_threshold}, power={consensus_power})",
+        multi_reward.gd2po(
+            conflict_threshold=conflict_threshold,
+            consensus_power=consensus_power,
+            batch_eps=adv_eps,
+            ddof=std_ddof,
+            **kw,
+        ),
+    )
+    rows = (
+        named(f"gd2po_conflict(>{conflict_threshold})", prep.gd2po_rows(conflict_threshold=conflict_threshold, **kw)),
+    )
+    return compose(
+        "gd2po",
+        estimator=est,
+        ratio=ratios.token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        row_filters=rows,
+        **extras,
+    )

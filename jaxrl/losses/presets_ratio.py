@@ -7,10 +7,11 @@ advantages: unbiased group std by default); rho_t = pi_theta(y_t) / pi_old(y_t),
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import aggregation, m2po as m2po_lib, objectives, ratios
+from jaxrl.losses import aggregation, objectives, ratios
+from jaxrl.losses import m2po as m2po_lib
 from jaxrl.losses import prepare as prep
 from jaxrl.losses.compose import Loss, compose, named
 from jaxrl.losses.presets_grpo import _clip, _std, _sum
@@ -20,8 +21,15 @@ def _grpo_adv(reward_weights, adv_eps, std_ddof) -> dict:
     return dict(reward_combine=_sum(reward_weights), normaliser=_std(adv_eps, std_ddof))
 
 
-def gspo(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def gspo(
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
 
         s_i = exp(1/|y_i| sum_t log rho_t)            (sequence_log_ratio: length-normalised)
@@ -29,13 +37,26 @@ def gspo(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0.0, ad
     The ratio is one number per row, clipped as one number with GSPO's tiny ranges; GRPO advantages.
     seq_mean_token_mean of a row-constant loss is the row's value, so J is exactly the paper's.
     """
-    return compose("gspo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.sequence_log_ratio,
-                   objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta,
-                   **extras)
+    return compose(
+        "gspo",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.sequence_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def gspo_token(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-               std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def gspo_token(
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """GSPO-token (Zheng et al. 2025, arXiv:2507.18071, the token-level variant):
 
         s_it = sg(s_i) * rho_t / sg(rho_t)              (sequence_token_log_ratio)
@@ -43,13 +64,27 @@ def gspo_token(eps_low: float = 3e-4, eps_high: float = 4e-4, kl_beta: float = 0
     Same value and clipping as GSPO, per-token gradient (so per-token advantages can differ); with a
     per-row advantage its gradient equals GSPO's.
     """
-    return compose("gspo_token", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.sequence_token_log_ratio,
-                   objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta,
-                   **extras)
+    return compose(
+        "gspo_token",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.sequence_token_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def tbpo(eps_low: float = 3e-4, eps_high: float = 4e-4, c: float = 3.0, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def tbpo(
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    c: float = 3.0,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """TBPO, Trust-Band Policy Optimization from QaRL ("Rollout Alignment Quantization-Aware RL",
     `shared/seeds/papers.txt`): "a sequence-level objective with dual clipping for negative samples".
 
@@ -63,12 +98,26 @@ def tbpo(eps_low: float = 3e-4, eps_high: float = 4e-4, c: float = 3.0, kl_beta:
     dominating the update. GRPO advantages.
     """
     obj = named(f"dual_clip({eps_low:g}, {eps_high:g}, c={c:g})", objectives.dual_clip(eps_low, eps_high, c))
-    return compose("tbpo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.sequence_log_ratio,
-                   objective=obj, weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+    return compose(
+        "tbpo",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.sequence_log_ratio,
+        objective=obj,
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def pnpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def pnpo(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """PNPO, "Prefix-Normalized Policy Optimization" (`shared/seeds/papers.txt`):
 
         w_t = exp(1/t sum_{j <= t} log rho_j)           (prefix_log_ratio: causal geometric mean)
@@ -76,13 +125,26 @@ def pnpo(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float 
     OUR READING for the clip: the abstract gives no range; the prefix weight starts as a token ratio
     (t = 1) and tends to GSPO's sequence value, so we keep the token-level 0.2 by default.
     """
-    return compose("pnpo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.prefix_log_ratio,
-                   objective=_clip(eps_low, eps_high), weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta,
-                   **extras)
+    return compose(
+        "pnpo",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.prefix_log_ratio,
+        objective=_clip(eps_low, eps_high),
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def gmpo(eps_low: float = 0.4, eps_high: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def gmpo(
+    eps_low: float = 0.4,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """GMPO, Zhao et al. 2025, "Geometric-Mean Policy Optimization" (arXiv:2507.20673).
 
         c_t = min(log rho_t, eps_high) if A_i > 0, max(log rho_t, -eps_low) if A_i < 0   (log space!)
@@ -91,13 +153,26 @@ def gmpo(eps_low: float = 0.4, eps_high: Optional[float] = None, kl_beta: float 
     eps_high here are LOG-space bounds (unlike ppo_clip's). GRPO advantages.
     """
     eps_high = eps_low if eps_high is None else eps_high
-    return compose("gmpo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio,
-                   objective=named(f"gmpo(log-clip {eps_low:g}, {eps_high:g})", objectives.gmpo(eps_low, eps_high)),
-                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+    return compose(
+        "gmpo",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.token_log_ratio,
+        objective=named(f"gmpo(log-clip {eps_low:g}, {eps_high:g})", objectives.gmpo(eps_low, eps_high)),
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def cispo(eps_high: float = 0.28, eps_low: Optional[float] = None, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-          std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def cispo(
+    eps_high: float = 0.28,
+    eps_low: float | None = None,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """CISPO, MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
     Attention" (arXiv:2506.13585).
 
@@ -114,14 +189,30 @@ def cispo(eps_high: float = 0.28, eps_low: Optional[float] = None, kl_beta: floa
     our default eps_high=0.28 is TRL's epsilon_high=1.28.
     """
     floor = None if eps_low is None else 1.0 - eps_low
-    obj = named(f"cispo(cap={1 + eps_high:g}{'' if floor is None else f', floor={floor:g}'})",
-                objectives.cispo(cap=1.0 + eps_high, floor=floor))
-    return compose("cispo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio, objective=obj,
-                   weights=aggregation.token_mean, kl_beta=kl_beta, **extras)
+    obj = named(
+        f"cispo(cap={1 + eps_high:g}{'' if floor is None else f', floor={floor:g}'})",
+        objectives.cispo(cap=1.0 + eps_high, floor=floor),
+    )
+    return compose(
+        "cispo",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.token_log_ratio,
+        objective=obj,
+        weights=aggregation.token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def sapo(tau_pos: float = 1.0, tau_neg: float = 1.05, kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def sapo(
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """SAPO, Qwen 2025, "Soft Adaptive Policy Optimization" (not in papers.txt, whose SAPO is the
     unrelated Swarm sAmpling Policy Optimization; the formula is PAPERS.md's soft gate):
 
@@ -130,12 +221,24 @@ def sapo(tau_pos: float = 1.0, tau_neg: float = 1.05, kl_beta: float = 0.0, adv_
     tau_neg > tau_pos damps negative updates more. GRPO advantages.
     """
     obj = named(f"sapo(tau_pos={tau_pos:g}, tau_neg={tau_neg:g})", objectives.sapo(tau_pos, tau_neg))
-    return compose("sapo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio, objective=obj,
-                   weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+    return compose(
+        "sapo",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.token_log_ratio,
+        objective=obj,
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def sao(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float = 0.0,
-        reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def sao(
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """SAO, "Single-rollout Asynchronous Optimization" (`shared/seeds/papers.txt`). One rollout per
     prompt (rollout.group_size = 1):
 
@@ -148,14 +251,28 @@ def sao(eps_low: float = 0.2, eps_high: Optional[float] = None, kl_beta: float =
     """
     eps_high = eps_low if eps_high is None else eps_high
     obj = named(f"strict_double_side({eps_low:g}, {eps_high:g})", objectives.strict_double_side(eps_low, eps_high))
-    return compose("sao", reward_combine=_sum(reward_weights), normaliser=adv_lib.batch_mean,
-                   ratio=ratios.token_log_ratio, objective=obj, weights=aggregation.token_mean, kl_beta=kl_beta,
-                   **extras)
+    return compose(
+        "sao",
+        reward_combine=_sum(reward_weights),
+        normaliser=adv_lib.batch_mean,
+        ratio=ratios.token_log_ratio,
+        objective=obj,
+        weights=aggregation.token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def mu_grpo(eps_low: float = 0.4, eps_high: Optional[float] = None, delta: float = 0.5, kl_beta: float = 0.0,
-            adv_eps: float = 1e-6, std_ddof: int = 1,
-         reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def mu_grpo(
+    eps_low: float = 0.4,
+    eps_high: float | None = None,
+    delta: float = 0.5,
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """Mu-GRPO (`shared/seeds/papers.txt`: "How off-policy can GRPO be?"): relaxed clipping plus a
     negative-advantage veto, OUR READING (`objectives.mu_grpo`):
 
@@ -166,14 +283,30 @@ def mu_grpo(eps_low: float = 0.4, eps_high: Optional[float] = None, delta: float
     outside [0.61, 1.65]) by default, our choices.
     """
     eps_high = eps_low if eps_high is None else eps_high
-    obj = named(f"mu_grpo(eps {eps_low:g}/{eps_high:g}, veto |log rho| > {delta:g})",
-                objectives.mu_grpo(eps_low, eps_high, delta))
-    return compose("mu_grpo", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio,
-                   objective=obj, weights=aggregation.seq_mean_token_mean, kl_beta=kl_beta, **extras)
+    obj = named(
+        f"mu_grpo(eps {eps_low:g}/{eps_high:g}, veto |log rho| > {delta:g})",
+        objectives.mu_grpo(eps_low, eps_high, delta),
+    )
+    return compose(
+        "mu_grpo",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.token_log_ratio,
+        objective=obj,
+        weights=aggregation.seq_mean_token_mean,
+        kl_beta=kl_beta,
+        **extras,
+    )
 
 
-def m2po(tau: float = 0.04, token_set: str = "trust_region", kl_beta: float = 0.0, adv_eps: float = 1e-6,
-         std_ddof: int = 1, reward_weights: Optional[Sequence[float]] = None, **extras) -> Loss:
+def m2po(
+    tau: float = 0.04,
+    token_set: str = "trust_region",
+    kl_beta: float = 0.0,
+    adv_eps: float = 1e-6,
+    std_ddof: int = 1,
+    reward_weights: Sequence[float] | None = None,
+    **extras,
+) -> Loss:
     """M2PO, Second-Moment Trust Policy Optimization (Zheng, Zhao, Chen 2025, "Prosperity before
     Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv:2510.01161;
     `shared/seeds/papers.txt`), Algorithm 1:
@@ -192,9 +325,19 @@ def m2po(tau: float = 0.04, token_set: str = "trust_region", kl_beta: float = 0.
     (our reading). Metric: m2po_masked (fraction of live tokens masked).
     """
     batch_part = named(f"m2po_mask(tau={tau:g}, {token_set})", prep.on_batch(m2po_lib.m2po_prepare(tau, token_set)))
-    loss = compose("m2po", **_grpo_adv(reward_weights, adv_eps, std_ddof), ratio=ratios.token_log_ratio,
-                   objective=named("unclipped", objectives.unclipped()), weights=aggregation.token_mean,
-                   kl_beta=kl_beta, batch_parts=(batch_part,), keep_masks=(("m2po_keep_BxT", "m2po_masked_BxT"),),
-                   needs_old_logp=True, **extras)
-    return loss._replace(token_loss=m2po_lib.rollout_behaviour(loss.token_loss),
-                         parts=loss.parts + ("behaviour = rollout policy (ratio pi_theta / pi_rollout)",))
+    loss = compose(
+        "m2po",
+        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        ratio=ratios.token_log_ratio,
+        objective=named("unclipped", objectives.unclipped()),
+        weights=aggregation.token_mean,
+        kl_beta=kl_beta,
+        batch_parts=(batch_part,),
+        keep_masks=(("m2po_keep_BxT", "m2po_masked_BxT"),),
+        needs_old_logp=True,
+        **extras,
+    )
+    return loss._replace(
+        token_loss=m2po_lib.rollout_behaviour(loss.token_loss),
+        parts=loss.parts + ("behaviour = rollout policy (ratio pi_theta / pi_rollout)",),
+    )

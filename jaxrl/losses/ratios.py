@@ -13,7 +13,7 @@ Selecting with `where` before any `exp` keeps both finite, and the gradient ther
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,7 @@ import jax.numpy as jnp
 RatioFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def token_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array,
-                    mask_BxT: Optional[jax.Array] = None) -> jax.Array:
+def token_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
     """log rho_t = logp_theta(y_t) - logp_old(y_t), per token; 0 where `mask_BxT` is 0.
 
     `old_logp_BxT` is data (no gradient flows into it).
@@ -33,14 +32,13 @@ def token_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array,
     return log_ratio_BxT
 
 
-def _mask01(mask_BxT: Optional[jax.Array], like_BxT: jax.Array) -> jax.Array:
+def _mask01(mask_BxT: jax.Array | None, like_BxT: jax.Array) -> jax.Array:
     if mask_BxT is None:
         return jnp.ones(like_BxT.shape, jnp.float32)
     return (mask_BxT > 0).astype(jnp.float32)
 
 
-def sequence_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array,
-                       mask_BxT: Optional[jax.Array] = None) -> jax.Array:
+def sequence_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071) sequence level: log s_i = mean_t log rho_t over the
     row's masked-in tokens, broadcast to every token of the row (0 on masked tokens).
 
@@ -54,8 +52,9 @@ def sequence_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array,
     return jnp.where(m_BxT > 0, seq_Bx1, 0.0)
 
 
-def sequence_token_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array,
-                             mask_BxT: Optional[jax.Array] = None) -> jax.Array:
+def sequence_token_log_ratio(
+    logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array | None = None
+) -> jax.Array:
     """GSPO-token: s_it = sg(s_i) * rho_t / sg(rho_t), as a log ratio sg(log s_i) + log rho_t - sg(log rho_t).
 
     Its VALUE is exactly the sequence ratio's (x - sg(x) is exactly 0 in floats), so the objective
@@ -68,8 +67,7 @@ def sequence_token_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array,
     return jnp.where(m_BxT > 0, seq_BxT + (token_BxT - jax.lax.stop_gradient(token_BxT)), 0.0)
 
 
-def prefix_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array,
-                     mask_BxT: Optional[jax.Array] = None) -> jax.Array:
+def prefix_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
     """PNPO prefix geometric mean: log w_t = (1/n_t) sum_{j <= t, m_j = 1} log rho_j, n_t = sum_{j <= t} m_j.
 
     t counts masked-in tokens only (a masked position inside a row neither counts nor contributes),

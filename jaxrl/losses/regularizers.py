@@ -7,7 +7,7 @@ weights (the GRPO placement: beta * KL inside the per-token sum, not in the rewa
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ class Groups:
 
 jax.tree_util.register_dataclass(Groups, data_fields=["id_B", "live_B"], meta_fields=["num"])
 
-GroupsLike = Union[int, Groups]
+GroupsLike = int | Groups
 
 
 def check_group_size(group_size, B: int) -> int:
@@ -170,6 +169,7 @@ def lower_median_B(x_B: jax.Array, g: Groups) -> jax.Array:
 
 
 # Batch statistics over the live rows (padding excluded); scalars.
+
 
 def live_mean(x: jax.Array, live_B: jax.Array) -> jax.Array:
     live = live_B.reshape(live_B.shape + (1,) * (x.ndim - 1))

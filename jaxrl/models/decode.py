@@ -19,7 +19,7 @@ Three ways to add tokens:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ from jaxrl.models.transformer import Cache, attn_options, moe_spec
 
 
 class LayerCache(NamedTuple):
-    """A `Cache` in decode-loop form: kv[l] = (k_BxKxSxHd, v_BxKxSxHd) of layer l."""
+    """A `Cache` in decode-loop form: kv[i] = (k_BxKxSxHd, v_BxKxSxHd) of layer i."""
 
     kv: tuple
     valid_BxS: jax.Array
@@ -42,6 +42,7 @@ class LayerCache(NamedTuple):
 def layer_params(params, cfg: ModelConfig):
     """`params` with the stacked `blocks` split into a tuple of per-layer trees (one copy; do it
     outside the decode loop)."""
+
     def split(stacked, n):
         return tuple(jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(n))
 
@@ -56,7 +57,7 @@ def layer_params(params, cfg: ModelConfig):
 def to_layer_cache(cache: Cache) -> LayerCache:
     """Split and transpose a stacked cache into per-layer buffers (one copy of the cache)."""
     L = cache.k_LxBxSxKxHd.shape[0]
-    kv = tuple((cache.k_LxBxSxKxHd[l].swapaxes(1, 2), cache.v_LxBxSxKxHd[l].swapaxes(1, 2)) for l in range(L))
+    kv = tuple((cache.k_LxBxSxKxHd[i].swapaxes(1, 2), cache.v_LxBxSxKxHd[i].swapaxes(1, 2)) for i in range(L))
     return LayerCache(kv, cache.valid_BxS, cache.pos_B)
 
 
@@ -72,8 +73,7 @@ def decode_step_layers_routed(lparams, cfg: ModelConfig, token_B, cache: LayerCa
     return logits_Bx1xV[:, 0], cache, None if experts_Bx1xLxK is None else experts_Bx1xLxK[:, 0]
 
 
-def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT, key_valid_BxS, index,
-                n_layers: int):
+def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT, key_valid_BxS, index, n_layers: int):
     """Embed, the first n_layers blocks (each with its own kv entry), final norm, head ->
     (logits_BxTxV, kv entries, experts_BxTxLxK or None)."""
     dtype = jnp.dtype(cfg.dtype)
@@ -84,32 +84,42 @@ def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT,
     layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
     kv_out, experts = list(kv_layers), []
     if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer (then the tail), as scanned
-        moe_block = MoEBlock(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps,
-                             moe_spec(cfg), dtype)
+        moe_block = MoEBlock(
+            D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps, moe_spec(cfg), dtype
+        )
         live_BxT = jnp.ones((B, T), bool)
         grouped = cfg.n_layers - cfg.dense_tail_layers  # layers in groups; the tail's dense layers follow
-        for l in range(n_layers):
-            g, j = divmod(l, cfg.moe_every)
-            if l >= grouped or j < cfg.moe_every - 1:
-                p_l = lparams["tail"][l - grouped] if l >= grouped else lparams["blocks"][g][f"dense_{j}"]
-                (x_BxTxD, kv_out[l], _), _ = block.apply({"params": p_l}, (x_BxTxD, kv_out[l], layer),
-                                                         positions_BxT, key_valid_BxS, index)
+        for i in range(n_layers):
+            g, j = divmod(i, cfg.moe_every)
+            if i >= grouped or j < cfg.moe_every - 1:
+                p_l = lparams["tail"][i - grouped] if i >= grouped else lparams["blocks"][g][f"dense_{j}"]
+                (x_BxTxD, kv_out[i], _), _ = block.apply(
+                    {"params": p_l}, (x_BxTxD, kv_out[i], layer), positions_BxT, key_valid_BxS, index
+                )
             else:
                 p_g = lparams["blocks"][g]
-                (x_BxTxD, kv_out[l], _), st = moe_block.apply({"params": p_g["moe"]}, (x_BxTxD, kv_out[l], layer),
-                                                              None, positions_BxT, key_valid_BxS, index, live_BxT)
+                (x_BxTxD, kv_out[i], _), st = moe_block.apply(
+                    {"params": p_g["moe"]},
+                    (x_BxTxD, kv_out[i], layer),
+                    None,
+                    positions_BxT,
+                    key_valid_BxS,
+                    index,
+                    live_BxT,
+                )
                 experts.append(st.experts_NxK)
     else:
-        for l in range(n_layers):
-            (x_BxTxD, kv_out[l], _), _ = block.apply({"params": lparams["blocks"][l]}, (x_BxTxD, kv_out[l], layer),
-                                                     positions_BxT, key_valid_BxS, index)
+        for i in range(n_layers):
+            (x_BxTxD, kv_out[i], _), _ = block.apply(
+                {"params": lparams["blocks"][i]}, (x_BxTxD, kv_out[i], layer), positions_BxT, key_valid_BxS, index
+            )
     x_BxTxD = RMSNorm(D, cfg.norm_eps, dtype).apply({"params": lparams["final_norm"]}, x_BxTxD)
     head_DxV = lparams["embedding"].T if cfg.tie_embeddings else lparams["lm_head"]
     logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
     return logits_BxTxV, kv_out, jnp.stack(experts, axis=2) if experts else None
 
 
-def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, index, n_layers: Optional[int] = None):
+def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, index, n_layers: int | None = None):
     """Append T tokens per row at cache slots index..index+T-1 (positions pos_B, pos_B+1, ..) and
     return (logits_BxTxV, cache, experts_BxTxLxK or None). Each token sees the valid cache slots and
     the tokens before it in this call: the sampler's decode step (T = 1). `n_layers` < cfg.n_layers
@@ -121,8 +131,9 @@ def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, inde
     index = jnp.asarray(index, jnp.int32)
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, T), bool), (0, index))
     positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
-    logits_BxTxV, kv_out, experts = _run_layers(lparams, cfg, tokens_BxT, cache.kv[:n_layers], positions_BxT,
-                                                valid_BxS, index, n_layers)
+    logits_BxTxV, kv_out, experts = _run_layers(
+        lparams, cfg, tokens_BxT, cache.kv[:n_layers], positions_BxT, valid_BxS, index, n_layers
+    )
     return logits_BxTxV, LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + T), experts
 
 
@@ -136,22 +147,26 @@ def decode_rows(lparams, cfg: ModelConfig, token_B, cache: LayerCache, fill_B, a
     B = token_B.shape[0]
     fill_B = jnp.asarray(fill_B, jnp.int32)
     valid_BxS = cache.valid_BxS.at[jnp.arange(B), fill_B].set(True)
-    logits_Bx1xV, kv_out, experts_Bx1xLxK = _run_layers(lparams, cfg, token_B[:, None], cache.kv, cache.pos_B[:, None],
-                                                        valid_BxS, fill_B, cfg.n_layers)
+    logits_Bx1xV, kv_out, experts_Bx1xLxK = _run_layers(
+        lparams, cfg, token_B[:, None], cache.kv, cache.pos_B[:, None], valid_BxS, fill_B, cfg.n_layers
+    )
     experts_BxLxK = None if experts_Bx1xLxK is None else experts_Bx1xLxK[:, 0]
     return logits_Bx1xV[:, 0], LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + advance_B), experts_BxLxK
 
 
 def empty_window(cache: LayerCache, width: int, n_layers: int):
     """Zeroed window buffers, (k_BxKxWxHd, v_BxKxWxHd) for each of the first n_layers layers."""
+
     def zeros(buf):
         B, K, _, Hd = buf.shape
         return jnp.zeros((B, K, width, Hd), buf.dtype)
+
     return tuple((zeros(k), zeros(v)) for k, v in cache.kv[:n_layers])
 
 
-def window_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, fill_B, window, index,
-                  n_layers: Optional[int] = None):
+def window_layers(
+    lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, fill_B, window, index, n_layers: int | None = None
+):
     """Run T tokens per row at window slots index..index+T-1 (positions pos_B + index + t) without
     writing the cache -> (logits_BxTxV, window, experts_BxTxLxK or None).
 
@@ -165,8 +180,9 @@ def window_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, fill
     seen_BxS = cache.valid_BxS & (jnp.arange(S) < fill_B[:, None])
     positions_BxT = cache.pos_B[:, None] + index + jnp.arange(T, dtype=jnp.int32)
     kv_layers = [WindowKV(k, v, wk, wv) for (k, v), (wk, wv) in zip(cache.kv[:n_layers], window)]
-    logits_BxTxV, kv_out, experts = _run_layers(lparams, cfg, tokens_BxT, kv_layers, positions_BxT, seen_BxS, index,
-                                                n_layers)
+    logits_BxTxV, kv_out, experts = _run_layers(
+        lparams, cfg, tokens_BxT, kv_layers, positions_BxT, seen_BxS, index, n_layers
+    )
     return logits_BxTxV, tuple((kv.win_k, kv.win_v) for kv in kv_out), experts
 
 
@@ -175,6 +191,8 @@ def commit_window(cache: LayerCache, window, fill_B, advance_B) -> LayerCache:
     by advance_B. Only the first advance_B slots count: `window_layers` never reads past fill_B, and
     later windows overwrite the rest. The cache needs W slots of room past the last fill level."""
     write = jax.vmap(lambda buf_KxSxHd, w_KxWxHd, f: lax.dynamic_update_slice(buf_KxSxHd, w_KxWxHd, (0, f, 0)))
-    kv = tuple((write(k, wk.astype(k.dtype), fill_B), write(v, wv.astype(v.dtype), fill_B))
-               for (k, v), (wk, wv) in zip(cache.kv, window))
+    kv = tuple(
+        (write(k, wk.astype(k.dtype), fill_B), write(v, wv.astype(v.dtype), fill_B))
+        for (k, v), (wk, wv) in zip(cache.kv, window)
+    )
     return LayerCache(kv, cache.valid_BxS, cache.pos_B + advance_B)

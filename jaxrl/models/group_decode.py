@@ -32,15 +32,20 @@ class GroupCache(NamedTuple):
 def group_cache(prefix: LayerCache, group_size: int, own_len: int) -> GroupCache:
     """A GroupCache over a prefilled per-prompt cache (one row per group, its slots all prefix) with
     zeroed completion buffers of own_len slots for the group_size rows of every group."""
-    zeros = lambda k_GrpxKxPxHd: jnp.zeros(k_GrpxKxPxHd.shape[:2] + (group_size, own_len, k_GrpxKxPxHd.shape[3]),
-                                           k_GrpxKxPxHd.dtype)
+
+    def zeros(k_GrpxKxPxHd):
+        return jnp.zeros(k_GrpxKxPxHd.shape[:2] + (group_size, own_len, k_GrpxKxPxHd.shape[3]), k_GrpxKxPxHd.dtype)
+
     own = tuple((zeros(k), zeros(v)) for k, v in prefix.kv)
     return GroupCache(prefix.kv, own, prefix.valid_BxS, jnp.repeat(prefix.pos_B, group_size, axis=0))
 
 
 def grow_own(cache: GroupCache, own_len: int) -> GroupCache:
     """The same cache with completion buffers zero-padded to own_len slots (one copy, between loops)."""
-    pad = lambda buf: jnp.pad(buf, ((0, 0), (0, 0), (0, 0), (0, own_len - buf.shape[3]), (0, 0)))
+
+    def pad(buf):
+        return jnp.pad(buf, ((0, 0), (0, 0), (0, 0), (0, own_len - buf.shape[3]), (0, 0)))
+
     return cache._replace(own=tuple((pad(k), pad(v)) for k, v in cache.own))
 
 
@@ -53,8 +58,9 @@ def decode_group_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: GroupCache
     index = jnp.asarray(index, jnp.int32)
     positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
     kv_layers = [GroupKV(pk, pv, ok, ov) for (pk, pv), (ok, ov) in zip(cache.prefix, cache.own)]
-    logits_BxTxV, kv_out, experts = _run_layers(lparams, cfg, tokens_BxT, kv_layers, positions_BxT,
-                                                cache.prefix_valid_GrpxP, index, cfg.n_layers)
+    logits_BxTxV, kv_out, experts = _run_layers(
+        lparams, cfg, tokens_BxT, kv_layers, positions_BxT, cache.prefix_valid_GrpxP, index, cfg.n_layers
+    )
     own = tuple((kv.own_k, kv.own_v) for kv in kv_out)
     return logits_BxTxV, cache._replace(own=own, pos_B=cache.pos_B + T), experts
 

@@ -21,8 +21,7 @@ from jax import lax
 
 def ragged_swiglu(x_SxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, sizes_E):
     """Sorted slots x_SxD (expert groups contiguous, sizes_E rows each) -> y_SxD."""
-    h_SxF = (jax.nn.silu(lax.ragged_dot(x_SxD, w_gate_ExDxF, sizes_E))
-             * lax.ragged_dot(x_SxD, w_up_ExDxF, sizes_E))
+    h_SxF = jax.nn.silu(lax.ragged_dot(x_SxD, w_gate_ExDxF, sizes_E)) * lax.ragged_dot(x_SxD, w_up_ExDxF, sizes_E)
     return lax.ragged_dot(h_SxF, w_down_ExFxD, sizes_E)
 
 
@@ -65,12 +64,12 @@ def _forward(x_MxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, expert_J, n_used, bl
         x_bxD = _rows(x_MxD, j, block)
         g_bxF, u_bxF = x_bxD @ w_gate_ExDxF[e], x_bxD @ w_up_ExDxF[e]
         y_bxD = (jax.nn.silu(g_bxF) * u_bxF) @ w_down_ExFxD[e]
-        return (_put_rows(y_MxD, y_bxD, j, block), _put_rows(g_MxF, g_bxF, j, block),
-                _put_rows(u_MxF, u_bxF, j, block))
+        return (_put_rows(y_MxD, y_bxD, j, block), _put_rows(g_MxF, g_bxF, j, block), _put_rows(u_MxF, u_bxF, j, block))
 
     vma = _vma(x_MxD)
-    zeros = _varying(vma, jnp.zeros((M, x_MxD.shape[1]), x_MxD.dtype), jnp.zeros((M, F), x_MxD.dtype),
-                     jnp.zeros((M, F), x_MxD.dtype))
+    zeros = _varying(
+        vma, jnp.zeros((M, x_MxD.shape[1]), x_MxD.dtype), jnp.zeros((M, F), x_MxD.dtype), jnp.zeros((M, F), x_MxD.dtype)
+    )
     return lax.fori_loop(0, n_used, body, zeros)
 
 
@@ -82,8 +81,7 @@ def _vma(a) -> frozenset:
 def _varying(vma, *arrays):
     """Under shard_map, make every array vary over the manual axes `vma` (a loop carry must keep one
     type; the transpose of this cast sums the gradient over the axes it added)."""
-    return tuple(lax.pcast(a, tuple(sorted(vma - _vma(a))), to="varying")
-                 if vma - _vma(a) else a for a in arrays)
+    return tuple(lax.pcast(a, tuple(sorted(vma - _vma(a))), to="varying") if vma - _vma(a) else a for a in arrays)
 
 
 def blocked_swiglu(x_MxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, expert_J, n_used, block: int):
@@ -117,11 +115,16 @@ def _blocked_bwd(block, residuals, dy_MxD):
         du_bxF = dh_bxF * silu_bxF
         dg_bxF = dh_bxF * u_bxF * sig_bxF * (1 + g_bxF * (1 - sig_bxF))  # d silu(g) / dg
         dx_bxD = dg_bxF @ w_gate_ExDxF[e].T + du_bxF @ w_up_ExDxF[e].T
-        return (_put_rows(dx_MxD, dx_bxD, j, block), dw_gate.at[e].add(x_bxD.T @ dg_bxF),
-                dw_up.at[e].add(x_bxD.T @ du_bxF), dw_down.at[e].add((silu_bxF * u_bxF).T @ dy_bxD))
+        return (
+            _put_rows(dx_MxD, dx_bxD, j, block),
+            dw_gate.at[e].add(x_bxD.T @ dg_bxF),
+            dw_up.at[e].add(x_bxD.T @ du_bxF),
+            dw_down.at[e].add((silu_bxF * u_bxF).T @ dy_bxD),
+        )
 
-    zeros = _varying(_vma(x_MxD), *(jnp.zeros(a.shape, a.dtype)
-                                               for a in (x_MxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)))
+    zeros = _varying(
+        _vma(x_MxD), *(jnp.zeros(a.shape, a.dtype) for a in (x_MxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
+    )
     dx_MxD, dw_gate, dw_up, dw_down = lax.fori_loop(0, n_used, body, zeros)
     return dx_MxD, dw_gate, dw_up, dw_down, None, None
 

@@ -23,15 +23,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxrl.config import ModelConfig
 from jaxrl.models import safetensors_io
-from jaxrl.models.hf_config import (ARCHITECTURES, FAMILY_ARCH, export_family, family, hf_config,  # noqa: F401
-                                    max_positions, model_config, read_config)
+from jaxrl.models.hf_config import (
+    hf_config,
+    model_config,
+    read_config,
+)
 from jaxrl.models.safetensors_io import CheckpointError
 
 # Tensors a checkpoint may hold that the model does not use.
@@ -43,15 +46,19 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # our block-relative path -> (HF suffix after "model.layers.{i}.", layout kind)
 _BLOCK = {
-    ("attn", "q"): ("self_attn.q_proj.weight", "q"), ("attn", "k"): ("self_attn.k_proj.weight", "kv"),
-    ("attn", "v"): ("self_attn.v_proj.weight", "kv"), ("attn", "o"): ("self_attn.o_proj.weight", "o"),
-    ("attn", "q_bias"): ("self_attn.q_proj.bias", "bias"), ("attn", "k_bias"): ("self_attn.k_proj.bias", "bias"),
+    ("attn", "q"): ("self_attn.q_proj.weight", "q"),
+    ("attn", "k"): ("self_attn.k_proj.weight", "kv"),
+    ("attn", "v"): ("self_attn.v_proj.weight", "kv"),
+    ("attn", "o"): ("self_attn.o_proj.weight", "o"),
+    ("attn", "q_bias"): ("self_attn.q_proj.bias", "bias"),
+    ("attn", "k_bias"): ("self_attn.k_proj.bias", "bias"),
     ("attn", "v_bias"): ("self_attn.v_proj.bias", "bias"),
     ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", "id"),
     ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", "id"),
     ("attn_norm", "scale"): ("input_layernorm.weight", "id"),
     ("mlp_norm", "scale"): ("post_attention_layernorm.weight", "id"),
-    ("mlp", "gate"): ("mlp.gate_proj.weight", "T"), ("mlp", "up"): ("mlp.up_proj.weight", "T"),
+    ("mlp", "gate"): ("mlp.gate_proj.weight", "T"),
+    ("mlp", "up"): ("mlp.up_proj.weight", "T"),
     ("mlp", "down"): ("mlp.down_proj.weight", "T"),
     ("moe", "router"): ("mlp.gate.weight", "T"),
     ("moe", "shared", "gate"): ("mlp.shared_expert.gate_proj.weight", "T"),
@@ -60,8 +67,11 @@ _BLOCK = {
     ("moe", "shared_gate"): ("mlp.shared_expert_gate.weight", "T"),
 }
 _EXPERTS = {("moe", "gate"): "gate_proj", ("moe", "up"): "up_proj", ("moe", "down"): "down_proj"}
-_TOP = {("embedding",): ("model.embed_tokens.weight", "id"), ("final_norm", "scale"): ("model.norm.weight", "id"),
-        ("lm_head",): ("lm_head.weight", "T")}
+_TOP = {
+    ("embedding",): ("model.embed_tokens.weight", "id"),
+    ("final_norm", "scale"): ("model.norm.weight", "id"),
+    ("lm_head",): ("lm_head.weight", "T"),
+}
 
 
 def _to_ours(a: np.ndarray, kind: str, shape: tuple) -> np.ndarray:
@@ -119,7 +129,7 @@ def sources(cfg: ModelConfig, abstract_params) -> Any:
         grouped = cfg.n_experts and keys[0] == "blocks"  # else one layer per unit (dense, or the MoE tail)
         rel = keys[2:] if grouped else keys[1:]
         if grouped:  # unit u is layers u*m .. u*m+m-1: dense_j is the (j+1)-th, moe the last
-            offset = int(keys[1][len("dense_"):]) if keys[1].startswith("dense_") else m - 1
+            offset = int(keys[1][len("dense_") :]) if keys[1].startswith("dense_") else m - 1
             layers = [u * m + offset for u in range(a.shape[0])]
         else:
             first = cfg.n_moe_layers * m if keys[0] == "tail" else 0
@@ -129,8 +139,12 @@ def sources(cfg: ModelConfig, abstract_params) -> Any:
         for layer in layers:
             prefix = f"model.layers.{layer}."
             if rel in _EXPERTS:
-                out.append([_Leaf(f"{prefix}mlp.experts.{e}.{_EXPERTS[rel]}.weight", "T", per_unit[1:])
-                            for e in range(per_unit[0])])
+                out.append(
+                    [
+                        _Leaf(f"{prefix}mlp.experts.{e}.{_EXPERTS[rel]}.weight", "T", per_unit[1:])
+                        for e in range(per_unit[0])
+                    ]
+                )
             elif rel in _BLOCK:
                 out.append(_Leaf(prefix + _BLOCK[rel][0], _BLOCK[rel][1], per_unit))
             else:
@@ -163,21 +177,29 @@ def check_tensors(tensors: dict, src_tree, cfg: ModelConfig, where: str) -> None
     """Every tensor the model needs is present with the expected shape, and none is left unused."""
     wanted = {}
     for src in jax.tree.leaves(src_tree, is_leaf=lambda x: isinstance(x, (list, _Leaf))):
-        for l in _leaves(src):
-            wanted[l.name] = l
-    for name, l in wanted.items():
-        expected = _hf_shape(l.kind, l.shape)
+        for leaf in _leaves(src):
+            wanted[leaf.name] = leaf
+    for name, leaf in wanted.items():
+        expected = _hf_shape(leaf.kind, leaf.shape)
         if name not in tensors:
-            raise CheckpointError(f"{where}: tensor {name!r} is missing (expected shape {expected} for this "
-                                  f"config.json)")
+            raise CheckpointError(
+                f"{where}: tensor {name!r} is missing (expected shape {expected} for this config.json)"
+            )
         if tuple(tensors[name].shape) != expected:
-            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected "
-                                  f"{expected} (from config.json)")
-    unused = [n for n in tensors if n not in wanted and not n.endswith(_IGNORED_SUFFIXES)
-              and not (cfg.tie_embeddings and n == "lm_head.weight")]
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected "
+                f"{expected} (from config.json)"
+            )
+    unused = [
+        n
+        for n in tensors
+        if n not in wanted and not n.endswith(_IGNORED_SUFFIXES) and not (cfg.tie_embeddings and n == "lm_head.weight")
+    ]
     if unused:
-        raise CheckpointError(f"{where}: tensor {sorted(unused)[0]!r} is not used by the model built from "
-                              f"config.json ({len(unused)} unused); is the architecture right?")
+        raise CheckpointError(
+            f"{where}: tensor {sorted(unused)[0]!r} is not used by the model built from "
+            f"config.json ({len(unused)} unused); is the architecture right?"
+        )
 
 
 def load_params(directory, cfg: ModelConfig, shardings=None):
@@ -187,14 +209,22 @@ def load_params(directory, cfg: ModelConfig, shardings=None):
     abstract = _abstract(cfg)
     src_tree = sources(cfg, abstract)
     check_tensors(tensors, src_tree, cfg, str(directory))
-    is_src = lambda x: isinstance(x, (list, _Leaf))  # noqa: E731
+
+    def is_src(x):
+        return isinstance(x, (list, _Leaf))
+
     if shardings is None:
         return jax.tree.map(lambda s: jax.numpy.asarray(_read(s, (), tensors)), src_tree, is_leaf=is_src)
-    return jax.tree.map(lambda s, a, sh: jax.make_array_from_callback(a.shape, sh, lambda i: _read(s, i, tensors)),
-                        src_tree, abstract, shardings, is_leaf=is_src)
+    return jax.tree.map(
+        lambda s, a, sh: jax.make_array_from_callback(a.shape, sh, lambda i: _read(s, i, tensors)),
+        src_tree,
+        abstract,
+        shardings,
+        is_leaf=is_src,
+    )
 
 
-def load(directory, base: Optional[ModelConfig] = None, shardings_fn=None):
+def load(directory, base: ModelConfig | None = None, shardings_fn=None):
     """(cfg, params) of a HF checkpoint directory; `shardings_fn(cfg)` -> shardings for the params.
     Run-time fields from `base`; without it, max_seq_len is the checkpoint's max_position_embeddings
     (see `model_config`). `cfg.hf_path` is "": checkpoints of one architecture share compiled functions."""
@@ -219,14 +249,17 @@ def hf_tensors(params, cfg: ModelConfig, dtype: str = "float32") -> dict[str, np
             for i, s in enumerate(src):
                 put(s, a[i])
 
-    is_src = lambda x: isinstance(x, (list, _Leaf))  # noqa: E731
+    def is_src(x):
+        return isinstance(x, (list, _Leaf))
+
     for src, a in zip(jax.tree.leaves(src_tree, is_leaf=is_src), jax.tree.leaves(params)):
         put(src, jax.device_get(a))
     return out
 
 
-def save(directory, params, cfg: ModelConfig, dtype: str = "float32", max_shard_bytes: int = 0,
-         **config_extra) -> list[str]:
+def save(
+    directory, params, cfg: ModelConfig, dtype: str = "float32", max_shard_bytes: int = 0, **config_extra
+) -> list[str]:
     """Write config.json and safetensors (sharded with an index above `max_shard_bytes` > 0) that
     `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads. `config_extra`: more
     config.json keys (e.g. bos_token_id, eos_token_id). Returns the files written."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import flax.linen as nn
-from flax import struct
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax import lax
 
 from jaxrl.models.prefix_attention import MASKED_SCORE, GroupKV, attend_group, write_own
@@ -27,7 +28,7 @@ from jaxrl.models.prefix_attention import MASKED_SCORE, GroupKV, attend_group, w
 # Or (k_BxKxSxHd, v_BxKxSxHd): ONE layer's own buffers, kv-head-major, for decode loops that unroll
 # the layers (`decode.decode_step_layers`): attention then reads the cache where it lies, with
 # no per-layer slice or transpose copy (on CPU those copies cost as much as the decode matmuls).
-KV = Tuple[jax.Array, jax.Array]
+KV = tuple[jax.Array, jax.Array]
 
 
 class WindowKV(NamedTuple):
@@ -39,6 +40,7 @@ class WindowKV(NamedTuple):
     v_BxKxSxHd: jax.Array
     win_k: jax.Array  # k_BxKxWxHd
     win_v: jax.Array
+
 
 # Finite, so a fully masked query row (a left-padding slot) gets a uniform softmax instead of NaN;
 # such rows are padding whose outputs nobody reads, but NaN would poison gradients.
@@ -54,19 +56,23 @@ class ScaledParam(nn.LogicallyPartitioned):
     otherwise a [-2, 2]-truncated normal with that std. `init_params` reads the rule to draw every
     parameter from ONE random call: one compiled generator per parameter dominates CPU compile time."""
 
-    std: Optional[float] = struct.field(default=None, pytree_node=False)
+    std: float | None = struct.field(default=None, pytree_node=False)
 
 
-def init_value(key, shape, std: Optional[float], dtype=jnp.float32) -> jax.Array:
+def init_value(key, shape, std: float | None, dtype=jnp.float32) -> jax.Array:
     if std is None:
         return jnp.ones(shape, dtype)
     return jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) * (std / _TRUNC_STD)
 
 
-def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str],
-                  std: Optional[float]) -> jax.Array:
+def logical_param(
+    module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str], std: float | None
+) -> jax.Array:
     """A float32 parameter named by logical `axes`; std=None -> ones, else truncated normal * std."""
-    init = lambda key, shape, dtype: ScaledParam(init_value(key, shape, std, dtype), tuple(axes), std=std)
+
+    def init(key, shape, dtype):
+        return ScaledParam(init_value(key, shape, std, dtype), tuple(axes), std=std)
+
     return module.param(name, init, tuple(shape), jnp.float32)
 
 
@@ -95,10 +101,10 @@ class AttnOptions:
 
     qkv_bias: bool = False
     qk_norm: bool = False
-    rope_llama3: Optional[Tuple[float, float, float, float]] = None
+    rope_llama3: tuple[float, float, float, float] | None = None
 
 
-def rope_inv_freq(head_dim: int, theta: float, llama3: Optional[Tuple[float, float, float, float]] = None):
+def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None = None):
     """inv_freq_Hd2: the rotation speed of each pair. With `llama3` = (factor, low, high, L0): pairs
     whose wavelength 2pi/f is longer than L0/low are slowed by `factor`, those shorter than L0/high
     kept, and those in between blended linearly in L0/wavelength (Llama 3.1's long-context rescale)."""
@@ -111,8 +117,12 @@ def rope_inv_freq(head_dim: int, theta: float, llama3: Optional[Tuple[float, flo
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
-def apply_rope(x_BxTxNxHd: jax.Array, positions_BxT: jax.Array, theta: float,
-               llama3: Optional[Tuple[float, float, float, float]] = None) -> jax.Array:
+def apply_rope(
+    x_BxTxNxHd: jax.Array,
+    positions_BxT: jax.Array,
+    theta: float,
+    llama3: tuple[float, float, float, float] | None = None,
+) -> jax.Array:
     """Rotate-half RoPE (the Llama/Qwen HF convention, so converted checkpoints line up)."""
     hd = x_BxTxNxHd.shape[-1]
     inv_freq = rope_inv_freq(hd, theta, llama3)
@@ -145,7 +155,7 @@ class Attention(nn.Module):
     eps: float = 1e-6  # of the q/k norms (opts.qk_norm)
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, key_valid_BxS, index, kv: Optional[KV], layer):
+    def __call__(self, x_BxTxD, positions_BxT, key_valid_BxS, index, kv: KV | None, layer):
         D, H, K, Hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         B, T, _ = x_BxTxD.shape
         # std = fan_in^-1/2 keeps activations O(1) at init.
@@ -153,7 +163,9 @@ class Attention(nn.Module):
         w_k_DxKxHd = logical_param(self, "k", (D, K, Hd), ("embed", "kv_heads", "head_dim"), D**-0.5)
         w_v_DxKxHd = logical_param(self, "v", (D, K, Hd), ("embed", "kv_heads", "head_dim"), D**-0.5)
         w_o_HxHdxD = logical_param(self, "o", (H, Hd, D), ("heads", "head_dim", "embed"), (H * Hd) ** -0.5)
-        cast = lambda w: w.astype(self.dtype)
+
+        def cast(w):
+            return w.astype(self.dtype)
 
         q_BxTxHxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_q_DxHxHd))
         k_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_k_DxKxHd))
@@ -170,11 +182,20 @@ class Attention(nn.Module):
         k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta, llama3)
 
         if isinstance(kv, WindowKV):
-            win = tuple(lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), (0, 0, index, 0))
-                        for buf, new in zip((kv.win_k, kv.win_v), (k_BxTxKxHd, v_BxTxKxHd)))
-            o_BxTxHxHd = _attend_window(q_BxTxHxHd, kv.k_BxKxSxHd.astype(self.dtype), kv.v_BxKxSxHd.astype(self.dtype),
-                                        key_valid_BxS, win[0].astype(self.dtype), win[1].astype(self.dtype), index,
-                                        self.dtype)
+            win = tuple(
+                lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), (0, 0, index, 0))
+                for buf, new in zip((kv.win_k, kv.win_v), (k_BxTxKxHd, v_BxTxKxHd))
+            )
+            o_BxTxHxHd = _attend_window(
+                q_BxTxHxHd,
+                kv.k_BxKxSxHd.astype(self.dtype),
+                kv.v_BxKxSxHd.astype(self.dtype),
+                key_valid_BxS,
+                win[0].astype(self.dtype),
+                win[1].astype(self.dtype),
+                index,
+                self.dtype,
+            )
             return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv._replace(win_k=win[0], win_v=win[1])
         if isinstance(kv, GroupKV):  # the sampler's shared-prefix cache; key_valid marks the prefix
             own = tuple(write_own(buf, new, index) for buf, new in zip((kv.own_k, kv.own_v), (k_BxTxKxHd, v_BxTxKxHd)))
@@ -182,10 +203,13 @@ class Attention(nn.Module):
             o_BxTxHxHd = attend_group(q_BxTxHxHd, kv, key_valid_BxS, index, self.dtype)
             return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
         if kv is not None and kv[0].ndim == 4:  # LayerKV: this layer's own kv-head-major buffers
-            kv = tuple(_write_layer_kv(buf, new.swapaxes(1, 2).astype(buf.dtype), index)
-                       for buf, new in zip(kv, (k_BxTxKxHd, v_BxTxKxHd)))
-            o_BxTxHxHd = _attend_kv_head_major(q_BxTxHxHd, kv[0].astype(self.dtype), kv[1].astype(self.dtype),
-                                               key_valid_BxS, index, self.dtype)
+            kv = tuple(
+                _write_layer_kv(buf, new.swapaxes(1, 2).astype(buf.dtype), index)
+                for buf, new in zip(kv, (k_BxTxKxHd, v_BxTxKxHd))
+            )
+            o_BxTxHxHd = _attend_kv_head_major(
+                q_BxTxHxHd, kv[0].astype(self.dtype), kv[1].astype(self.dtype), key_valid_BxS, index, self.dtype
+            )
             return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
         if kv is None:
             k_BxSxKxHd, v_BxSxKxHd = k_BxTxKxHd, v_BxTxKxHd
@@ -245,8 +269,9 @@ def _attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, ind
     max_BxKxQ = jnp.max(s_BxKxSxQ.swapaxes(2, 3), axis=-1)
     e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
     sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1)
-    o_BxKxQxHd = lax.dot_general(e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch),
-                                 preferred_element_type=jnp.float32)
+    o_BxKxQxHd = lax.dot_general(
+        e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch), preferred_element_type=jnp.float32
+    )
     o_BxKxQxHd = (o_BxKxQxHd / sum_BxKxQ[..., None]).astype(dtype)
     return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
 
@@ -269,8 +294,9 @@ def _attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWx
     e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
     e_BxKxWxQ = jnp.exp(s_BxKxWxQ - max_BxKxQ[:, :, None, :])
     sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1) + jnp.sum(e_BxKxWxQ.swapaxes(2, 3), axis=-1)
-    cache_mix = lax.dot_general(e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch),
-                                preferred_element_type=jnp.float32)
+    cache_mix = lax.dot_general(
+        e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch), preferred_element_type=jnp.float32
+    )
     window_mix = jnp.sum(e_BxKxWxQ[..., None] * wv_BxKxWxHd[:, :, :, None, :].astype(jnp.float32), axis=2)
     o_BxKxQxHd = ((cache_mix + window_mix) / sum_BxKxQ[..., None]).astype(dtype)
     return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
@@ -298,8 +324,17 @@ def attention_residual(block: nn.Module, x_BxTxD, positions_BxT, key_valid_BxS, 
     """x + attn(norm(x)) with the submodules `attn_norm` and `attn` created in `block`'s scope: the
     shared first half of every decoder block (call it from a compact `__call__`)."""
     h_BxTxD = RMSNorm(block.d_model, block.eps, block.dtype, name="attn_norm")(x_BxTxD)
-    attn = Attention(block.n_heads, block.n_kv_heads, block.head_dim, block.d_model, block.rope_theta, block.dtype,
-                     block.attn_opts, block.eps, name="attn")
+    attn = Attention(
+        block.n_heads,
+        block.n_kv_heads,
+        block.head_dim,
+        block.d_model,
+        block.rope_theta,
+        block.dtype,
+        block.attn_opts,
+        block.eps,
+        name="attn",
+    )
     a_BxTxD, kv = attn(h_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer)
     return x_BxTxD + a_BxTxD, kv
 

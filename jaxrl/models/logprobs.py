@@ -33,8 +33,9 @@ def logprob_and_entropy(logits_NxV: jax.Array, tokens_N: jax.Array, temperature)
     return logp_N, entropy_N
 
 
-def chunked_token_logprobs(hidden_BxTxD: jax.Array, head_DxV: jax.Array, tokens_BxT: jax.Array, temperature,
-                           chunk_rows: int) -> tuple[jax.Array, jax.Array]:
+def chunked_token_logprobs(
+    hidden_BxTxD: jax.Array, head_DxV: jax.Array, tokens_BxT: jax.Array, temperature, chunk_rows: int
+) -> tuple[jax.Array, jax.Array]:
     """(logp_BxT, entropy_BxT) with at most `chunk_rows` rows' logits alive at a time (forward and
     backward). The last chunk is zero-padded; padded rows are computed and dropped."""
     B, T, D = hidden_BxTxD.shape
@@ -52,7 +53,13 @@ def chunked_token_logprobs(hidden_BxTxD: jax.Array, head_DxV: jax.Array, tokens_
         logits_RxV = jnp.dot(h_RxD, head_DxV, preferred_element_type=jnp.float32)
         return logprob_and_entropy(logits_RxV, tok_R, temperature)
 
-    _, (logp_CxR, entropy_CxR) = lax.scan(lambda c, xs: (c, chunk(*xs)), None,
-                                          (h_NxD.reshape(n_chunks, chunk_rows, D), tok_N.reshape(n_chunks, chunk_rows)))
-    unpad = lambda x_CxR: x_CxR.reshape(-1)[:n_rows].reshape(B, T)  # noqa: E731
+    _, (logp_CxR, entropy_CxR) = lax.scan(
+        lambda c, xs: (c, chunk(*xs)),
+        None,
+        (h_NxD.reshape(n_chunks, chunk_rows, D), tok_N.reshape(n_chunks, chunk_rows)),
+    )
+
+    def unpad(x_CxR):
+        return x_CxR.reshape(-1)[:n_rows].reshape(B, T)
+
     return unpad(logp_CxR), unpad(entropy_CxR)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -55,7 +55,7 @@ class MoESpec:
     # dropless only: the mesh axis experts are split over. When the layer is traced under a mesh
     # (`jax.set_mesh`) whose axis of this name has size > 1 and the tokens divide over it, dispatch is
     # `dispatch_expert_parallel` (all_to_all); None, or no such mesh axis, keeps one-device dropless.
-    expert_axis: Optional[str] = "expert"
+    expert_axis: str | None = "expert"
     norm_topk: bool = True  # renormalise the k chosen router scores to sum to 1
     shared_gate: bool = False  # shared experts' output scaled by sigmoid(x @ w_shared_gate_Dx1)
     attn_opts: AttnOptions = AttnOptions()  # the attention variant of every block of the MoE decoder
@@ -73,8 +73,7 @@ def capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float) -> i
     return max(1, math.ceil(capacity_factor * n_tokens * k / n_experts))
 
 
-def route(logits_NxE: jax.Array, k: int, router: str, replay_NxK: Optional[jax.Array] = None,
-          norm_topk: bool = True):
+def route(logits_NxE: jax.Array, k: int, router: str, replay_NxK: jax.Array | None = None, norm_topk: bool = True):
     """-> (gates_NxK float32 (summing to 1 if norm_topk), experts_NxK int32 used, topk_NxK int32, scores_NxE)."""
     logits_NxE = logits_NxE.astype(jnp.float32)
     scores_NxE = jax.nn.softmax(logits_NxE, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits_NxE)
@@ -119,15 +118,16 @@ def dispatch_naive(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, g
     out_NxD = jnp.zeros_like(x_NxD)
     for e in range(E):
         y_NxD = _swiglu(x_NxD, w_gate_ExDxF[e], w_up_ExDxF[e], w_down_ExFxD[e])
-        out_NxD = out_NxD + weight_NxE[:, e:e + 1].astype(x_NxD.dtype) * y_NxD
+        out_NxD = out_NxD + weight_NxE[:, e : e + 1].astype(x_NxD.dtype) * y_NxD
     return out_NxD
 
 
 BLOCK = 128  # the most rows per block of the blocked (CPU) grouped expert MLP
 
 
-def dispatch_dropless(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK,
-                      grouped_matmul: str = "ragged"):
+def dispatch_dropless(
+    x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK, grouped_matmul: str = "ragged"
+):
     """Sort the N*K token-slots by expert, run each expert on its contiguous group, combine by gates.
 
     grouped_matmul `ragged`: `lax.ragged_dot` (a real grouped GEMM on GPU/TPU; XLA:CPU computes every
@@ -153,12 +153,15 @@ def dispatch_dropless(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK
     else:
         x_SxD = jnp.take(x_NxD, order_S // K, axis=0)
         y_sorted_SxD = grouped_mlp.ragged_swiglu(x_SxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, sizes_E)
-        y_SxD = jnp.take(y_sorted_SxD, jnp.argsort(order_S), axis=0)  # a gather: cheaper to differentiate than a scatter
+        y_SxD = jnp.take(
+            y_sorted_SxD, jnp.argsort(order_S), axis=0
+        )  # a gather: cheaper to differentiate than a scatter
     return jnp.einsum("nkd,nk->nd", y_SxD.reshape(N, K, -1), gates_NxK.astype(x_NxD.dtype))
 
 
-def dispatch_capacity(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK, mask_N,
-                      capacity_factor: float):
+def dispatch_capacity(
+    x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK, mask_N, capacity_factor: float
+):
     """-> (out_NxD, dropped_frac). Padding tokens (mask 0) take no capacity and get no expert output."""
     N, K = experts_NxK.shape
     E = w_gate_ExDxF.shape[0]
@@ -175,8 +178,9 @@ def dispatch_capacity(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK
     dispatch_NxExC = jnp.sum(slot_KxNxEC, axis=0).reshape(N, E, C)
     combine_NxExC = jnp.einsum("knc,kn->nc", slot_KxNxEC, gates_NxK.T.astype(x_NxD.dtype)).reshape(N, E, C)
     x_ExCxD = jnp.einsum("nec,nd->ecd", dispatch_NxExC, x_NxD)
-    h_ExCxF = (jax.nn.silu(jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF))
-               * jnp.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF))
+    h_ExCxF = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF)) * jnp.einsum(
+        "ecd,edf->ecf", x_ExCxD, w_up_ExDxF
+    )
     y_ExCxD = jnp.einsum("ecf,efd->ecd", h_ExCxF, w_down_ExFxD)
     out_NxD = jnp.einsum("nec,ecd->nd", combine_NxExC, y_ExCxD)
     n_live = jnp.sum(live_KxN.astype(jnp.float32))
@@ -184,7 +188,7 @@ def dispatch_capacity(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK
     return out_NxD, dropped / jnp.maximum(n_live, 1.0)
 
 
-def expert_mesh(axis: Optional[str], n_experts: int, n_tokens: int):
+def expert_mesh(axis: str | None, n_experts: int, n_tokens: int):
     """The context mesh (`jax.set_mesh`) if its `axis` has size P > 1 and both the experts and the
     tokens divide over P (else None: one-device dropless dispatch, e.g. a decode step's few tokens)."""
     if axis is None:
@@ -233,8 +237,9 @@ class MoE(nn.Module):
             if mesh is not None:
                 # Tokens over every mesh axis when they divide (the batch is split that way already).
                 token_axes = mesh.axis_names if (B * T) % mesh.size == 0 else (s.expert_axis,)
-                y_NxD = dispatch_expert_parallel(x_NxD, *ws, experts_NxK, gates_NxK, mesh, s.expert_axis, gmm,
-                                                 token_axes)
+                y_NxD = dispatch_expert_parallel(
+                    x_NxD, *ws, experts_NxK, gates_NxK, mesh, s.expert_axis, gmm, token_axes
+                )
             else:
                 y_NxD = dispatch_dropless(x_NxD, *ws, experts_NxK, gates_NxK, gmm)
         elif s.dispatch == "capacity":
@@ -250,8 +255,13 @@ class MoE(nn.Module):
                 w_sg_Dx1 = logical_param(self, "shared_gate", (D, 1), ("embed", None), D**-0.5)
                 shared_BxTxD = shared_BxTxD * jax.nn.sigmoid(x_BxTxD @ w_sg_Dx1.astype(self.dtype))
             y_BxTxD = y_BxTxD + shared_BxTxD
-        stats = MoEStats(load_balance_loss(scores_NxE, experts_NxK, mask_N, s.router),
-                         router_z_loss(logits_NxE, mask_N), dropped, experts_NxK, topk_NxK)
+        stats = MoEStats(
+            load_balance_loss(scores_NxE, experts_NxK, mask_N, s.router),
+            router_z_loss(logits_NxE, mask_N),
+            dropped,
+            experts_NxK,
+            topk_NxK,
+        )
         return y_BxTxD, stats
 
 
@@ -301,11 +311,29 @@ class BlockGroup(nn.Module):
     @nn.compact
     def __call__(self, carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT):
         for j in range(self.n_dense):
-            carry, _ = Block(self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.mlp_dim,
-                             self.rope_theta, self.eps, self.dtype, self.spec.attn_opts, name=f"dense_{j}")(
-                carry, positions_BxT, key_valid_BxS, index)
-        block = MoEBlock(self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.rope_theta, self.eps,
-                         self.spec, self.dtype, name="moe")
+            carry, _ = Block(
+                self.d_model,
+                self.n_heads,
+                self.n_kv_heads,
+                self.head_dim,
+                self.mlp_dim,
+                self.rope_theta,
+                self.eps,
+                self.dtype,
+                self.spec.attn_opts,
+                name=f"dense_{j}",
+            )(carry, positions_BxT, key_valid_BxS, index)
+        block = MoEBlock(
+            self.d_model,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.rope_theta,
+            self.eps,
+            self.spec,
+            self.dtype,
+            name="moe",
+        )
         return block(carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT)
 
 
@@ -318,8 +346,18 @@ def routing_mismatch(recorded_BxSxLxK, own_LxBxSxK, first_slot: int, n: int) -> 
     return jnp.any(differs_BxNxL, axis=-1).astype(jnp.float32)
 
 
-def dispatch_expert_parallel(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK, mesh,
-                             axis: str = "expert", grouped_matmul: str = "ragged", token_axes=None):
+def dispatch_expert_parallel(
+    x_NxD,
+    w_gate_ExDxF,
+    w_up_ExDxF,
+    w_down_ExFxD,
+    experts_NxK,
+    gates_NxK,
+    mesh,
+    axis: str = "expert",
+    grouped_matmul: str = "ragged",
+    token_axes=None,
+):
     """Dropless dispatch with experts sharded over mesh axis `axis` (P devices, E/P experts each) and
     tokens split over the same devices. Per device: sort its token-slots by destination device, one
     `all_to_all` sends them (in fixed buffers of S_local rows per destination, so nothing is ever
@@ -351,12 +389,14 @@ def dispatch_expert_parallel(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, expe
         recv_ids_PxS = lax.all_to_all(send_ids_PxS, axis, 0, 0)
         valid_R = recv_ids_PxS.reshape(-1) >= 0
         ids_Rx1 = jnp.maximum(recv_ids_PxS.reshape(-1, 1), 0)
-        y_RxD = dispatch_dropless(recv_PxSxD.reshape(n_dev * S, -1), wg, wu, wd, ids_Rx1,
-                                  valid_R[:, None].astype(jnp.float32), grouped_matmul)
+        y_RxD = dispatch_dropless(
+            recv_PxSxD.reshape(n_dev * S, -1), wg, wu, wd, ids_Rx1, valid_R[:, None].astype(jnp.float32), grouped_matmul
+        )
         back_PxSxD = lax.all_to_all(y_RxD.reshape(n_dev, S, -1), axis, 0, 0)
         y_SxD = back_PxSxD[dest_S, row_S]
         return jnp.einsum("nkd,nk->nd", y_SxD.reshape(n, K, -1), gates_nxK.astype(x_nxD.dtype))
 
     rows, experts = PS(tuple(token_axes) if token_axes else axis), PS(axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, experts, experts, experts, rows, rows),
-                         out_specs=rows)(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, experts, experts, experts, rows, rows), out_specs=rows)(
+        x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK
+    )

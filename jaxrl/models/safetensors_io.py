@@ -18,18 +18,30 @@ import json
 import math
 import pathlib
 import struct
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import ml_dtypes
 import numpy as np
 
 from jaxrl.config import ConfigError
 
-DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-          "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-          "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-          "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
-          "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
 NAMES = {v: k for k, v in DTYPES.items()}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -49,13 +61,14 @@ def _header(raw: np.ndarray, path: pathlib.Path) -> tuple[dict, int]:
     if n > MAX_HEADER_BYTES or 8 + n > raw.size:
         raise CheckpointError(f"{path}: not a safetensors file (header of {n} bytes exceeds the file of {raw.size})")
     try:
-        text = raw[8:8 + n].tobytes().decode("utf-8")
+        text = raw[8 : 8 + n].tobytes().decode("utf-8")
         header = json.loads(text) if text.startswith("{") else None
     except ValueError as e:
         raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from e
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object {{name: {{dtype, shape, "
-                              f"data_offsets}}}}")
+        raise CheckpointError(
+            f"{path}: safetensors header is not a JSON object {{name: {{dtype, shape, data_offsets}}}}"
+        )
     return header, 8 + n
 
 
@@ -63,15 +76,19 @@ def _entry(name: str, info, path: pathlib.Path) -> tuple[np.dtype, tuple, int, i
     """(dtype, shape, begin, end) of one header entry; CheckpointError naming the tensor otherwise."""
     where = f"{path}: tensor {name!r}"
     if not isinstance(info, dict):
-        raise CheckpointError(f"{where}: header entry {json.dumps(info)[:60]} is not an object {{dtype, shape, "
-                              "data_offsets}")
+        raise CheckpointError(
+            f"{where}: header entry {json.dumps(info)[:60]} is not an object {{dtype, shape, data_offsets}}"
+        )
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
     if missing:
         raise CheckpointError(f"{where}: header entry lacks {missing[0]!r}")
     dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
         raise CheckpointError(f"{where}: dtype {info['dtype']!r} is not one of {sorted(DTYPES)}")
-    is_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+
+    def is_count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
     shape, offsets = info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(map(is_count, shape)):
         raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
@@ -79,8 +96,10 @@ def _entry(name: str, info, path: pathlib.Path) -> tuple[np.dtype, tuple, int, i
         raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
     begin, end = offsets
     if end - begin != math.prod(shape) * dtype.itemsize:
-        raise CheckpointError(f"{where}: data_offsets {offsets} hold {end - begin} bytes, but {info['dtype']} of "
-                              f"shape {tuple(shape)} needs {math.prod(shape) * dtype.itemsize}")
+        raise CheckpointError(
+            f"{where}: data_offsets {offsets} hold {end - begin} bytes, but {info['dtype']} of "
+            f"shape {tuple(shape)} needs {math.prod(shape) * dtype.itemsize}"
+        )
     return dtype, tuple(shape), begin, end
 
 
@@ -107,14 +126,20 @@ def read_file(path: pathlib.Path) -> dict[str, np.ndarray]:
             what = "overlaps the tensor before it" if begin < covered else f"leaves bytes {covered}..{begin} unused"
             raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] {what}")
         if start + end > raw.size:
-            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] run past the end of the "
-                                  f"file ({raw.size - start} data bytes; truncated?)")
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] run past the end of the "
+                f"file ({raw.size - start} data bytes; truncated?)"
+            )
         covered = end
     if start + covered != raw.size:
-        raise CheckpointError(f"{path}: {raw.size - start - covered} bytes after the last tensor's data "
-                              "(not a safetensors file, or a damaged one)")
-    return {name: raw[start + begin:start + end].view(dtype).reshape(shape)
-            for name, (dtype, shape, begin, end) in entries.items()}
+        raise CheckpointError(
+            f"{path}: {raw.size - start - covered} bytes after the last tensor's data "
+            "(not a safetensors file, or a damaged one)"
+        )
+    return {
+        name: raw[start + begin : start + end].view(dtype).reshape(shape)
+        for name, (dtype, shape, begin, end) in entries.items()
+    }
 
 
 def read_dir(directory: pathlib.Path) -> dict[str, np.ndarray]:
@@ -148,7 +173,7 @@ def read_dir(directory: pathlib.Path) -> dict[str, np.ndarray]:
     raise CheckpointError(f"{directory}: expected {SINGLE} or {INDEX} (found {[f.name for f in files]})")
 
 
-def write_file(path: pathlib.Path, tensors: Mapping[str, np.ndarray], metadata: Optional[dict] = None) -> None:
+def write_file(path: pathlib.Path, tensors: Mapping[str, np.ndarray], metadata: dict | None = None) -> None:
     """Write `tensors` (numpy, any of DTYPES) as one .safetensors file."""
     header, offset = {}, 0
     arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}

@@ -40,13 +40,25 @@ def group_prompts(prompt_BxP: jax.Array, group_size: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "group_size", "logits_chunk", "remat"))
-def token_logprobs_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, temperature, *,
-                          group_size: int, logits_chunk: int = 0, remat: str = "none"):
+def token_logprobs_shared(
+    params,
+    cfg: ModelConfig,
+    prompt_BxP,
+    prompt_mask_BxP,
+    tokens_BxT,
+    temperature,
+    *,
+    group_size: int,
+    logits_chunk: int = 0,
+    remat: str = "none",
+):
     """`token_logprobs` (dense) of a batch of contiguous groups of `group_size` rows with identical prompts;
     `logits_chunk` and `remat` as there."""
     if cfg.n_experts:
-        raise ValueError("token_logprobs_shared: dense models only (MoE routing depends on the batch); "
-                         "use transformer.token_logprobs")
+        raise ValueError(
+            "token_logprobs_shared: dense models only (MoE routing depends on the batch); "
+            "use transformer.token_logprobs"
+        )
     B, P = prompt_BxP.shape
     T, G = tokens_BxT.shape[1], group_size
     if B % G:
@@ -59,9 +71,18 @@ def token_logprobs_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP,
     # 1. Each distinct prompt once: its K/V for every layer, and the logits predicting completion token 0.
     # (With logits_chunk, `out` is the final normed hidden states and the head runs chunk by chunk.)
     hidden = logits_chunk > 0
-    first_Nx1xX, (k_LxNxPxKxHd, v_LxNxPxKxHd), _ = _apply(params, cfg, prompt_NxP, positions_from_mask(pmask_NxP),
-                                                          pmask_NxP, 0, (empty, empty), num_logits=1,
-                                                          return_hidden=hidden, remat=remat)
+    first_Nx1xX, (k_LxNxPxKxHd, v_LxNxPxKxHd), _ = _apply(
+        params,
+        cfg,
+        prompt_NxP,
+        positions_from_mask(pmask_NxP),
+        pmask_NxP,
+        0,
+        (empty, empty),
+        num_logits=1,
+        return_hidden=hidden,
+        remat=remat,
+    )
     out_BxTxX = jnp.repeat(first_Nx1xX, G, axis=0)
     if T > 1:
         # 2. The completions of all B rows over [the group's prompt keys, their own causal keys].
@@ -72,8 +93,17 @@ def token_logprobs_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP,
         n_real_B = jnp.repeat(jnp.sum(pmask_NxP, axis=1, dtype=jnp.int32), G)
         positions_BxT1 = n_real_B[:, None] + jnp.arange(T - 1, dtype=jnp.int32)
         key_valid_BxS = jnp.concatenate([jnp.repeat(pmask_NxP, G, axis=0), jnp.ones((B, T - 1), bool)], axis=1)
-        rest_BxT1xX, _, _ = _apply(params, cfg, tokens_BxT[:, :-1].astype(jnp.int32), positions_BxT1, key_valid_BxS, P,
-                                   (per_row(k_LxNxPxKxHd), per_row(v_LxNxPxKxHd)), return_hidden=hidden, remat=remat)
+        rest_BxT1xX, _, _ = _apply(
+            params,
+            cfg,
+            tokens_BxT[:, :-1].astype(jnp.int32),
+            positions_BxT1,
+            key_valid_BxS,
+            P,
+            (per_row(k_LxNxPxKxHd), per_row(v_LxNxPxKxHd)),
+            return_hidden=hidden,
+            remat=remat,
+        )
         out_BxTxX = jnp.concatenate([out_BxTxX, rest_BxT1xX], axis=1)
     if hidden:
         return chunked_token_logprobs(out_BxTxX, head_weights(params, cfg), tokens_BxT, temperature, logits_chunk)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
 from jaxrl.models.layers import KV, AttnOptions, Block, RMSNorm, ScaledParam, init_value, logical_param
+from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
 from jaxrl.models.moe import BlockGroup, MoESpec
 
 LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert")
@@ -53,17 +53,30 @@ class MoEOut(NamedTuple):
 
 
 def moe_spec(cfg: ModelConfig) -> MoESpec:
-    return MoESpec(cfg.n_experts, cfg.experts_per_token, cfg.expert_mlp_dim or cfg.mlp_dim, cfg.n_shared_experts,
-                   cfg.router, cfg.moe_dispatch, cfg.capacity_factor, norm_topk=cfg.router_norm_topk,
-                   shared_gate=cfg.shared_expert_gate, attn_opts=attn_options(cfg))
+    return MoESpec(
+        cfg.n_experts,
+        cfg.experts_per_token,
+        cfg.expert_mlp_dim or cfg.mlp_dim,
+        cfg.n_shared_experts,
+        cfg.router,
+        cfg.moe_dispatch,
+        cfg.capacity_factor,
+        norm_topk=cfg.router_norm_topk,
+        shared_gate=cfg.shared_expert_gate,
+        attn_opts=attn_options(cfg),
+    )
 
 
 def attn_options(cfg: ModelConfig) -> AttnOptions:
     """The attention variant of `cfg`: every Block must be built with it (MoE blocks read it from moe_spec)."""
     llama3 = None
     if cfg.rope_scaling == "llama3":
-        llama3 = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                  float(cfg.rope_original_max_len))
+        llama3 = (
+            cfg.rope_scaling_factor,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            float(cfg.rope_original_max_len),
+        )
     return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3)
 
 
@@ -75,8 +88,18 @@ class Transformer(nn.Module):
     remat: str = "none"  # rematerialisation of each scanned block in the backward: a key of REMAT_POLICIES
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv: Optional[KV] = None,
-                 num_logits: Optional[int] = None, replay_LxBxTxK=None, moe_mask_BxT=None, return_hidden=False):
+    def __call__(
+        self,
+        tokens_BxT,
+        positions_BxT,
+        key_valid_BxS,
+        index=0,
+        kv: KV | None = None,
+        num_logits: int | None = None,
+        replay_LxBxTxK=None,
+        moe_mask_BxT=None,
+        return_hidden=False,
+    ):
         """-> (logits_BxTxV, kv, MoEOut or None). `moe_mask_BxT` (MoE only) marks the tokens the MoE
         losses average over; default: the valid key slots this call's tokens occupy. With
         `return_hidden`, the final-normed hidden states (in cfg.dtype) instead of the logits: the
@@ -90,8 +113,9 @@ class Transformer(nn.Module):
         index = jnp.asarray(index, jnp.int32)
         moe = None
         if cfg.n_experts:
-            x_BxTxD, kv, moe = self._moe_blocks(x_BxTxD, kv, positions_BxT, key_valid_BxS, index, replay_LxBxTxK,
-                                                moe_mask_BxT, dtype)
+            x_BxTxD, kv, moe = self._moe_blocks(
+                x_BxTxD, kv, positions_BxT, key_valid_BxS, index, replay_LxBxTxK, moe_mask_BxT, dtype
+            )
         else:
             x_BxTxD, kv = self._dense_blocks(x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype)
         if num_logits is not None:  # skip the (large-V) head on positions nobody reads
@@ -106,17 +130,32 @@ class Transformer(nn.Module):
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
         return logits_BxTxV, kv, moe
 
-    def _dense_blocks(self, x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype, n_layers=None, first=0,
-                      name="blocks"):
+    def _dense_blocks(
+        self, x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype, n_layers=None, first=0, name="blocks"
+    ):
         """n_layers (default all) scanned dense blocks, the first writing cache layer `first`."""
         cfg, D = self.cfg, self.cfg.d_model
         # Scanned layers: compile time and init cost do not grow with L; params get a leading
         # `layers` axis.
-        blocks = nn.scan(remat_block(Block, self.remat), variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=n_layers or cfg.n_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(
-            D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype,
-            attn_options(cfg), name=name)
+        blocks = nn.scan(
+            remat_block(Block, self.remat),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=n_layers or cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(
+            D,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.mlp_dim,
+            cfg.rope_theta,
+            cfg.norm_eps,
+            dtype,
+            attn_options(cfg),
+            name=name,
+        )
         (x_BxTxD, kv, _), _ = blocks((x_BxTxD, kv, jnp.asarray(first, jnp.int32)), positions_BxT, key_valid_BxS, index)
         return x_BxTxD, kv
 
@@ -128,25 +167,53 @@ class Transformer(nn.Module):
         if moe_mask_BxT is None:
             moe_mask_BxT = lax.dynamic_slice_in_dim(key_valid_BxS, index, T, axis=1)
         in_axes = (nn.broadcast if replay_LxBxTxK is None else 0,) + (nn.broadcast,) * 4
-        groups = nn.scan(remat_block(BlockGroup, self.remat), variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=in_axes,
-                         length=cfg.n_moe_layers, metadata_params={nn.PARTITION_NAME: "layers"})(
-            cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps,
-            moe_spec(cfg), cfg.moe_every - 1, dtype, name="blocks")
-        (x_BxTxD, kv, _), st = groups((x_BxTxD, kv, jnp.zeros((), jnp.int32)), replay_LxBxTxK, positions_BxT,
-                                      key_valid_BxS, index, moe_mask_BxT)
+        groups = nn.scan(
+            remat_block(BlockGroup, self.remat),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=in_axes,
+            length=cfg.n_moe_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.mlp_dim,
+            cfg.rope_theta,
+            cfg.norm_eps,
+            moe_spec(cfg),
+            cfg.moe_every - 1,
+            dtype,
+            name="blocks",
+        )
+        (x_BxTxD, kv, _), st = groups(
+            (x_BxTxD, kv, jnp.zeros((), jnp.int32)), replay_LxBxTxK, positions_BxT, key_valid_BxS, index, moe_mask_BxT
+        )
         if cfg.dense_tail_layers:  # dense layers after the last group (params `tail`, one per layer)
-            x_BxTxD, kv = self._dense_blocks(x_BxTxD, kv, positions_BxT, key_valid_BxS, index, dtype,
-                                             cfg.dense_tail_layers, cfg.n_layers - cfg.dense_tail_layers, "tail")
-        moe = MoEOut(jnp.mean(st.aux_loss), jnp.mean(st.z_loss), jnp.mean(st.dropped_frac), st.experts_NxK,
-                     st.topk_NxK)
+            x_BxTxD, kv = self._dense_blocks(
+                x_BxTxD,
+                kv,
+                positions_BxT,
+                key_valid_BxS,
+                index,
+                dtype,
+                cfg.dense_tail_layers,
+                cfg.n_layers - cfg.dense_tail_layers,
+                "tail",
+            )
+        moe = MoEOut(jnp.mean(st.aux_loss), jnp.mean(st.z_loss), jnp.mean(st.dropped_frac), st.experts_NxK, st.topk_NxK)
         return x_BxTxD, kv, moe
 
 
 # What each scanned block keeps for the backward: everything (none), only its input (full: the
 # whole block is recomputed), or its input and the outputs of the weight matmuls (dots: norms,
 # attention and activations are recomputed).
-REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def remat_block(block_cls, remat: str):
@@ -164,11 +231,33 @@ def head_weights(params, cfg: ModelConfig) -> jax.Array:
     return params["embedding"].T if cfg.tie_embeddings else params["lm_head"]
 
 
-def _apply(params, cfg, tokens_BxT, positions_BxT, key_valid_BxS, index=0, kv=None, num_logits=None,
-           replay_LxBxTxK=None, moe_mask_BxT=None, return_hidden=False, remat="none"):
+def _apply(
+    params,
+    cfg,
+    tokens_BxT,
+    positions_BxT,
+    key_valid_BxS,
+    index=0,
+    kv=None,
+    num_logits=None,
+    replay_LxBxTxK=None,
+    moe_mask_BxT=None,
+    return_hidden=False,
+    remat="none",
+):
     """-> (logits_BxTxV, or with return_hidden the normed hidden states, kv, MoEOut or None)."""
-    return Transformer(cfg, remat).apply({"params": params}, tokens_BxT, positions_BxT, key_valid_BxS, index, kv,
-                                         num_logits, replay_LxBxTxK, moe_mask_BxT, return_hidden)
+    return Transformer(cfg, remat).apply(
+        {"params": params},
+        tokens_BxT,
+        positions_BxT,
+        key_valid_BxS,
+        index,
+        kv,
+        num_logits,
+        replay_LxBxTxK,
+        moe_mask_BxT,
+        return_hidden,
+    )
 
 
 def positions_from_mask(mask_BxS: jax.Array) -> jax.Array:
@@ -197,15 +286,19 @@ def init_params(cfg: ModelConfig, rng: jax.Array):
     (same distributions as `Transformer(cfg).init`, different values): on CPU, compiling one
     generator per parameter costs ~1-2 s each and made init the slowest thing in the test suite.
     """
-    is_box = lambda x: isinstance(x, ScaledParam)
+
+    def is_box(x):
+        return isinstance(x, ScaledParam)
+
     boxes, treedef = jax.tree.flatten(_abstract_boxed(cfg), is_leaf=is_box)
     sizes = [math.prod(b.value.shape) for b in boxes]
     noise = init_value(rng, (sum(sizes),), 1.0)
     leaves, offset = [], 0
     for box, size in zip(boxes, sizes):
         shape = box.value.shape
-        leaves.append(jnp.ones(shape, jnp.float32) if box.std is None
-                      else box.std * noise[offset:offset + size].reshape(shape))
+        leaves.append(
+            jnp.ones(shape, jnp.float32) if box.std is None else box.std * noise[offset : offset + size].reshape(shape)
+        )
         offset += size
     return jax.tree.unflatten(treedef, leaves)
 
@@ -227,8 +320,18 @@ def forward(params, cfg: ModelConfig, tokens_BxS: jax.Array, mask_BxS: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat"))
-def token_logprobs(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT,
-                   temperature, replay_BxSxLxK=None, logits_chunk: int = 0, remat: str = "none"):
+def token_logprobs(
+    params,
+    cfg: ModelConfig,
+    prompt_BxP,
+    prompt_mask_BxP,
+    tokens_BxT,
+    completion_mask_BxT,
+    temperature,
+    replay_BxSxLxK=None,
+    logits_chunk: int = 0,
+    remat: str = "none",
+):
     """Log-prob and entropy of softmax(logits / temperature) at each completion position.
 
     One forward over concat(prompt, completion). Completion tokens are all treated as real keys:
@@ -239,14 +342,34 @@ def token_logprobs(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens
     run on that many (row, position) pairs at a time (`models.logprobs`: same values, far less memory in the
     backward); `remat`: the blocks' rematerialisation (REMAT_POLICIES).
     """
-    logp_BxT, entropy_BxT, _ = token_logprobs_moe(params, cfg, prompt_BxP, prompt_mask_BxP, tokens_BxT,
-                                                  completion_mask_BxT, temperature, replay_BxSxLxK, logits_chunk, remat)
+    logp_BxT, entropy_BxT, _ = token_logprobs_moe(
+        params,
+        cfg,
+        prompt_BxP,
+        prompt_mask_BxP,
+        tokens_BxT,
+        completion_mask_BxT,
+        temperature,
+        replay_BxSxLxK,
+        logits_chunk,
+        remat,
+    )
     return logp_BxT, entropy_BxT
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat"))
-def token_logprobs_moe(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT,
-                       temperature, replay_BxSxLxK=None, logits_chunk: int = 0, remat: str = "none"):
+def token_logprobs_moe(
+    params,
+    cfg: ModelConfig,
+    prompt_BxP,
+    prompt_mask_BxP,
+    tokens_BxT,
+    completion_mask_BxT,
+    temperature,
+    replay_BxSxLxK=None,
+    logits_chunk: int = 0,
+    remat: str = "none",
+):
     """`token_logprobs` plus the forward's MoEOut (None for a dense model); routing is over S = P + T."""
     T = tokens_BxT.shape[1]
     tokens_BxS = jnp.concatenate([prompt_BxP, tokens_BxT], axis=1).astype(jnp.int32)
@@ -257,11 +380,21 @@ def token_logprobs_moe(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, to
         replay = None if replay_BxSxLxK is None else jnp.transpose(replay_BxSxLxK, (2, 0, 1, 3))
         moe_kw = dict(replay_LxBxTxK=replay, moe_mask_BxT=live_BxS)
     # The logits predicting completion token t sit at slot P-1+t: the last T+1 slots minus the final one.
-    out_BxTxX, _, moe = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, num_logits=T + 1,
-                               return_hidden=logits_chunk > 0, remat=remat, **moe_kw)
+    out_BxTxX, _, moe = _apply(
+        params,
+        cfg,
+        tokens_BxS,
+        positions_from_mask(mask_BxS),
+        mask_BxS,
+        num_logits=T + 1,
+        return_hidden=logits_chunk > 0,
+        remat=remat,
+        **moe_kw,
+    )
     if logits_chunk > 0:  # out = final hidden states; the head runs chunk by chunk
-        logp_BxT, entropy_BxT = chunked_token_logprobs(out_BxTxX[:, :-1], head_weights(params, cfg), tokens_BxT,
-                                                       temperature, logits_chunk)
+        logp_BxT, entropy_BxT = chunked_token_logprobs(
+            out_BxTxX[:, :-1], head_weights(params, cfg), tokens_BxT, temperature, logits_chunk
+        )
     else:
         logp_BxT, entropy_BxT = logprob_and_entropy(out_BxTxX[:, :-1], tokens_BxT, temperature)
     return logp_BxT, entropy_BxT, moe
@@ -305,8 +438,16 @@ def prefill_routed(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache)
     """`prefill` plus the experts every prompt slot used, experts_LxBxPxK (None for a dense model)."""
     mask_BxP = mask_BxP.astype(bool)
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, mask_BxP, (0, 0))
-    logits_Bx1xV, (k, v), moe = _apply(params, cfg, tokens_BxP.astype(jnp.int32), positions_from_mask(mask_BxP),
-                                       valid_BxS, 0, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd), num_logits=1)
+    logits_Bx1xV, (k, v), moe = _apply(
+        params,
+        cfg,
+        tokens_BxP.astype(jnp.int32),
+        positions_from_mask(mask_BxP),
+        valid_BxS,
+        0,
+        (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd),
+        num_logits=1,
+    )
     pos_B = jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32)
     return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, pos_B), None if moe is None else moe.experts_LxBxTxK
 
@@ -316,6 +457,13 @@ def decode_step(params, cfg: ModelConfig, token_B, cache: Cache, index):
     """Append one token per row at cache slot `index` (a traced scalar) and return its logits_BxV."""
     B = token_B.shape[0]
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, 1), bool), (0, index))
-    logits_Bx1xV, (k, v), _ = _apply(params, cfg, token_B[:, None].astype(jnp.int32), cache.pos_B[:, None],
-                                     valid_BxS, index, (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd))
+    logits_Bx1xV, (k, v), _ = _apply(
+        params,
+        cfg,
+        token_B[:, None].astype(jnp.int32),
+        cache.pos_B[:, None],
+        valid_BxS,
+        index,
+        (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd),
+    )
     return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, cache.pos_B + 1)

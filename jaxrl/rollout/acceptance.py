@@ -17,7 +17,7 @@ exact (labelled approximate everywhere it is exposed).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +53,14 @@ def verify_greedy(logits_NxWxV, draft_NxW, drafted_NxW) -> Verdict:
     return Verdict(a_N, jnp.take_along_axis(best_NxW, a_N[:, None], axis=1)[:, 0])
 
 
-def verify_sampled(rng, p_NxWxV, draft_NxW, drafted_NxW, q_NxWxV: Optional[jax.Array] = None,
-                   approx_old_logp_NxW: Optional[jax.Array] = None) -> Verdict:
+def verify_sampled(
+    rng,
+    p_NxWxV,
+    draft_NxW,
+    drafted_NxW,
+    q_NxWxV: jax.Array | None = None,
+    approx_old_logp_NxW: jax.Array | None = None,
+) -> Verdict:
     """Rejection-sample drafted tokens against target probabilities p_NxWxV (see module docstring).
 
     draft_NxW[:, i] (i >= 1) is the token drafted after fed position i-1, drafted_NxW[:, i] whether

@@ -55,6 +55,7 @@ def _seconds_per_forward(fwd, args, calls: int, repeats: int) -> float:
     """(fastest time of `calls` forwards in one jitted loop - fastest time of 1) / (calls - 1): the
     dispatch and loop entry cancel, and the minimum over `repeats` drops what other work on the
     machine added (interference only ever adds time)."""
+
     def fastest(n):
         jax.block_until_ready(fwd(n, *args))  # compiles on first use
         times = []
@@ -67,8 +68,9 @@ def _seconds_per_forward(fwd, args, calls: int, repeats: int) -> float:
     return max((fastest(calls) - fastest(1)) / (calls - 1), 1e-9)
 
 
-def measure_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int,
-                       calls: int = 8, repeats: int = 7) -> StepCosts:
+def measure_step_costs(
+    params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int, calls: int = 8, repeats: int = 7
+) -> StepCosts:
     """Time the forwards a speculative rollout of n_rows rows over a cache_len-slot cache runs ->
     StepCosts (the draft cost stays spec.draft_cost when spec has no self-drafter)."""
     drafter = spec.fallback if spec.drafter == "reuse" else spec.drafter
@@ -89,7 +91,9 @@ def measure_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows
                 window = empty_window(cache, W, n_layers)
                 logits, window, _ = window_layers(p, cfg, tokens_NxW, cache, fill_N, window, 0, n_layers)
                 return acc + logits[0, 0, 0] + window[-1][0][0, 0, 0, 0]
+
             return lax.fori_loop(0, n, body, jnp.zeros((), jnp.float32))
+
         return loop
 
     one = _seconds_per_forward(forward(1, cfg.n_layers), (lparams, cache), calls, repeats)
@@ -114,14 +118,22 @@ def costs_from_json(d: dict) -> StepCosts:
 def _machine_key(cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int) -> dict:
     """Everything the measured costs depend on: the model, the drafter, the rollout shape, the machine."""
     device = jax.devices()[0]
-    return {"model": dataclasses.asdict(cfg),
-            "spec": {k: getattr(spec, k) for k in ("drafter", "fallback", "draft_layers", "max_draft", "reuse_width")},
-            "n_rows": n_rows, "cache_len": cache_len, "host": platform.node(), "jax": jax.__version__,
-            "backend": jax.default_backend(), "device_kind": device.device_kind, "devices": jax.device_count()}
+    return {
+        "model": dataclasses.asdict(cfg),
+        "spec": {k: getattr(spec, k) for k in ("drafter", "fallback", "draft_layers", "max_draft", "reuse_width")},
+        "n_rows": n_rows,
+        "cache_len": cache_len,
+        "host": platform.node(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+    }
 
 
-def cached_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int,
-                      cache_dir: pathlib.Path) -> tuple[StepCosts, pathlib.Path, bool]:
+def cached_step_costs(
+    params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows: int, cache_len: int, cache_dir: pathlib.Path
+) -> tuple[StepCosts, pathlib.Path, bool]:
     """`measure_step_costs` once per (machine, model, drafter, rollout shape): the first run measures
     and writes `cache_dir/<key>.json`; every later run on this machine reads the same numbers, so the
     costs (and with them which steps speculate) do not vary between reruns of a config.
@@ -144,6 +156,7 @@ def cached_step_costs(params, cfg: ModelConfig, spec: SpeculativeConfig, n_rows:
 
 # --- the engine's tail threshold (engine_speculative.toggle_chunk) ------------------------------
 
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a speculative step keeps per row, drafts accepted independently with probability a:
     1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) (k + 1 at a = 1)."""
@@ -165,8 +178,15 @@ def tail_threshold(costs_by_rows: dict, acceptance: float, k: int) -> int:
     return max(paying, default=0)
 
 
-def calibrated_tail_rows(params, cfg: ModelConfig, spec: SpeculativeConfig, candidate_rows, cache_len: int,
-                         acceptance: float, cache_dir: pathlib.Path) -> tuple[int, dict]:
+def calibrated_tail_rows(
+    params,
+    cfg: ModelConfig,
+    spec: SpeculativeConfig,
+    candidate_rows,
+    cache_len: int,
+    acceptance: float,
+    cache_dir: pathlib.Path,
+) -> tuple[int, dict]:
     """`tail_threshold` over step costs measured (or read from `cache_dir`: `cached_step_costs`) at
     each candidate row count -> (rollout.speculative.max_active_rows to use, {rows: StepCosts})."""
     costs = {r: cached_step_costs(params, cfg, spec, r, cache_len, cache_dir)[0] for r in candidate_rows}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax.numpy as jnp
 
@@ -32,7 +32,7 @@ def frequent_ids(sequences: Iterable[Sequence[int]], n: int, vocab_size: int, fi
         if t not in seen:
             ranked.append(t)
             seen.add(t)
-    ranked += [t for t in range(vocab_size) if t not in seen][:max(0, n - len(ranked))]
+    ranked += [t for t in range(vocab_size) if t not in seen][: max(0, n - len(ranked))]
     return tuple(ranked[:n])
 
 
@@ -46,8 +46,10 @@ def check_draft_ids(draft_vocab: int, draft_ids, vocab_size: int) -> tuple:
         raise ConfigError(f"{field}: got {draft_vocab}, expected at most the vocabulary size {vocab_size}")
     if draft_ids is None or len(draft_ids) < draft_vocab:
         have = 0 if draft_ids is None else len(draft_ids)
-        raise ConfigError(f"{field}: got {draft_vocab}, but the engine was given {have} draft token ids "
-                          f"(Engine(draft_ids=...): the ids ranked by frequency)")
+        raise ConfigError(
+            f"{field}: got {draft_vocab}, but the engine was given {have} draft token ids "
+            f"(Engine(draft_ids=...): the ids ranked by frequency)"
+        )
     ids = tuple(int(t) for t in draft_ids[:draft_vocab])
     if len(set(ids)) != len(ids) or not all(0 <= t < vocab_size for t in ids):
         raise ConfigError(f"{field}: its {draft_vocab} draft token ids must be distinct ids in [0, {vocab_size})")
@@ -65,6 +67,7 @@ def subset_head(lparams, cfg: ModelConfig, ids_N):
 def task_draft_ids(records, tokenizer, n: int, vocab_size: int, limit: int = 512) -> tuple:
     """The training loop's drafter ids: the n most frequent over the prompt and reference answer
     texts of the first `limit` training records (what completions are made of), EOS first."""
-    texts = [r[k] for i in range(min(limit, len(records))) for r in (records[i],) for k in ("prompt", "answer")
-             if r.get(k)]
+    texts = [
+        r[k] for i in range(min(limit, len(records))) for r in (records[i],) for k in ("prompt", "answer") if r.get(k)
+    ]
     return frequent_ids((tokenizer.encode(t) for t in texts), n, vocab_size, first=(tokenizer.eos_id,))

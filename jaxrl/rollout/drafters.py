@@ -14,9 +14,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+
 def quantize_int8(tree):
     """Every leaf with >= 2 dims (except MoE routers: a flipped expert choice costs more than it
     saves) -> (int8 values, float32 scale per last-axis column): w ~= q * scale."""
+
     def one(path, w):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         if w.ndim < 2 or "router" in name:
@@ -30,7 +32,10 @@ def quantize_int8(tree):
 
 def dequantize(qtree):
     """The float32 view of `quantize_int8`'s output (what the int8 drafter computes with)."""
-    is_q = lambda x: isinstance(x, tuple) and len(x) == 2 and getattr(x[0], "dtype", None) == jnp.int8
+
+    def is_q(x):
+        return isinstance(x, tuple) and len(x) == 2 and getattr(x[0], "dtype", None) == jnp.int8
+
     return jax.tree.map(lambda x: x[0].astype(jnp.float32) * x[1] if is_q(x) else x, qtree, is_leaf=is_q)
 
 

@@ -49,7 +49,8 @@ counts["accepted"] say how many drafts were kept, counts["speculative_chunks"] h
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator, NamedTuple, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,8 +58,16 @@ from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConf
 from jaxrl.rollout import engine_speculative
 from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine_partial import release_slots, reprefill
-from jaxrl.rollout.engine_state import (EngineSpec, SlotReadout, admit, decode_chunk, host_slots, init_state,
-                                       read_host_slots, split_params)
+from jaxrl.rollout.engine_state import (
+    EngineSpec,
+    SlotReadout,
+    admit,
+    decode_chunk,
+    host_slots,
+    init_state,
+    read_host_slots,
+    split_params,
+)
 from jaxrl.rollout.sampler import check_temperature
 
 
@@ -74,7 +83,7 @@ class Group(NamedTuple):
     version_GxT: np.ndarray  # int32: version of the chunk that drew each token; -1 where masked
     finished_G: np.ndarray  # bool: ended with EOS
     truncated_G: np.ndarray  # bool: stopped at max_new_tokens without EOS
-    routing_GxSxLxK: Optional[np.ndarray]  # MoE only: experts per slot S = P + T (see sampler.py)
+    routing_GxSxLxK: np.ndarray | None  # MoE only: experts per slot S = P + T (see sampler.py)
 
 
 @dataclasses.dataclass
@@ -84,7 +93,7 @@ class _Flight:
     mask_P: np.ndarray
     slots_G: np.ndarray  # its samples' slots: G, or fewer for `sample`'s pieces
     rows: dict  # member index -> that sample's readout row
-    sink: Optional[list]  # where its Group goes once all samples are retired: a `sample` call's list; None: `_ready`
+    sink: list | None  # where its Group goes once all samples are retired: a `sample` call's list; None: `_ready`
     born: int = 0  # the version of the call that admitted it (its first token's version)
 
 
@@ -94,27 +103,50 @@ def left_pad(tokens, prompt_len: int, pad_id: int):
     if not 0 < len(tokens) <= prompt_len:
         raise ValueError(f"prompt: {len(tokens)} tokens, expected 1..prompt_len={prompt_len}")
     out, mask = np.full(prompt_len, pad_id, np.int32), np.zeros(prompt_len, np.int32)
-    out[prompt_len - len(tokens):], mask[prompt_len - len(tokens):] = tokens, 1
+    out[prompt_len - len(tokens) :], mask[prompt_len - len(tokens) :] = tokens, 1
     return out, mask
 
 
 class Engine:
     """Host side of the engine; `state` is the device state (`engine_state.EngineState`)."""
 
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, group_size: int, prompt_len: int,
-                 max_new_tokens: int, temperature: float, eos_id: int, pad_id: int, rng, top_k: int = 0,
-                 top_p: float = 1.0, greedy: bool = False, speculative: Optional[SpeculativeConfig] = None,
-                 draft_ids=None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        engine_cfg: EngineConfig,
+        *,
+        group_size: int,
+        prompt_len: int,
+        max_new_tokens: int,
+        temperature: float,
+        eos_id: int,
+        pad_id: int,
+        rng,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        speculative: SpeculativeConfig | None = None,
+        draft_ids=None,
+    ):
         engine_cfg.validate()
         if engine_cfg.slots < group_size:
-            raise ConfigError(f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
-                              f"group_size={group_size} (a group is admitted into free slots at once)")
+            raise ConfigError(
+                f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
+                f"group_size={group_size} (a group is admitted into free slots at once)"
+            )
         check_temperature(temperature)
         self.ecfg, self.temperature = engine_cfg, float(temperature)
-        self.spec = EngineSpec(model_cfg, engine_cfg.slots, prompt_len, max_new_tokens, group_size, eos_id, pad_id,
-                               top_k, top_p, greedy)
-        self.counts = {"chunks": 0, "prefill_calls": 0, "admitted_groups": 0, "restarted_groups": 0,
-                       "restarted_samples": 0, "reprefilled_samples": 0}
+        self.spec = EngineSpec(
+            model_cfg, engine_cfg.slots, prompt_len, max_new_tokens, group_size, eos_id, pad_id, top_k, top_p, greedy
+        )
+        self.counts = {
+            "chunks": 0,
+            "prefill_calls": 0,
+            "admitted_groups": 0,
+            "restarted_groups": 0,
+            "restarted_samples": 0,
+            "reprefilled_samples": 0,
+        }
         # The chunk kernel and the weights it takes (split into layers once per collect, or stacked).
         self._decode_chunk, self._chunk_params = decode_chunk, split_params
         self.tail_rows = 0  # slots decoding at or below which chunks speculate (0: never)
@@ -129,17 +161,30 @@ class Engine:
         self._ready: list[Group] = []  # complete, not yet returned
         self._next_id = 0
         self._restart: list = []  # (tag, prompt_P, mask_P) of groups to re-admit before new prompts
-        self._version: Optional[int] = None  # the previous collect's version
+        self._version: int | None = None  # the previous collect's version
 
     @classmethod
-    def from_config(cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False,
-                    draft_ids=None) -> "Engine":
+    def from_config(
+        cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False, draft_ids=None
+    ) -> Engine:
         """The engine a run's `Config` describes (model, rollout.* and rollout.engine.*)."""
         rc = cfg.rollout
-        return cls(cfg.model, rc.engine, group_size=rc.group_size, prompt_len=prompt_len,
-                   max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, eos_id=eos_id, pad_id=pad_id,
-                   rng=rng, top_k=rc.top_k, top_p=rc.top_p, greedy=greedy, speculative=rc.speculative,
-                   draft_ids=draft_ids)
+        return cls(
+            cfg.model,
+            rc.engine,
+            group_size=rc.group_size,
+            prompt_len=prompt_len,
+            max_new_tokens=rc.max_new_tokens,
+            temperature=rc.temperature,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            rng=rng,
+            top_k=rc.top_k,
+            top_p=rc.top_p,
+            greedy=greedy,
+            speculative=rc.speculative,
+            draft_ids=draft_ids,
+        )
 
     def to_state(self) -> tuple[dict, dict]:
         """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (engine_checkpoint.py)."""
@@ -150,7 +195,7 @@ class Engine:
         load_engine_state(self, host, arrays)
 
     @property
-    def version(self) -> Optional[int]:
+    def version(self) -> int | None:
         """The version of the latest collect (None before the first)."""
         return self._version
 
@@ -172,8 +217,9 @@ class Engine:
                 break
             # While another group may still be admitted, the chunk ends as soon as G slots are free.
             stop_at = self.spec.group_size if more else self.spec.slots
-            self.state = self._decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version,
-                                            self.temperature, stop_at)
+            self.state = self._decode_chunk(
+                lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature, stop_at
+            )
             self.counts["chunks"] += 1
             self._retire()
         out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
@@ -185,7 +231,10 @@ class Engine:
         bound = self.ecfg.max_staleness
         if bound < 0:
             return
-        stale = lambda first: version - first > bound
+
+        def stale(first):
+            return version - first > bound
+
         n_queued = len(self._restart)
         restart = [g for g in self._ready if stale(_first_version(g))]
         self._ready = [g for g in self._ready if not stale(_first_version(g))]
@@ -253,11 +302,11 @@ class Engine:
         at `version`."""
         G, A, S = self.spec.group_size, self.ecfg.admit_groups, self.spec.slots
         for start in range(0, len(rows), A):
-            chunk = rows[start:start + A]
+            chunk = rows[start : start + A]
             dest_N = np.full(A * G, S, np.int32)  # S: dropped (padding prompts, or a row's unused samples)
             for a, (tag, prompt_P, mask_P, n, sink) in enumerate(chunk):
                 slots_n, free = free[:n], free[n:]
-                dest_N[a * G:a * G + n] = slots_n
+                dest_N[a * G : a * G + n] = slots_n
                 self._owner_S[slots_n] = self._next_id
                 self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_n, {}, sink, version)
                 self._next_id += 1
@@ -295,8 +344,10 @@ class Engine:
             self.counts["chunks"] += 1
             self._retire()
         by_piece = sorted(done, key=lambda g: g.tag[0])
-        return [concat_groups([g for g in by_piece if g.tag[1] == i], tag, *prompts[i])
-                for i, (tag, _, _) in enumerate(requests)]
+        return [
+            concat_groups([g for g in by_piece if g.tag[1] == i], tag, *prompts[i])
+            for i, (tag, _, _) in enumerate(requests)
+        ]
 
     def _retire(self) -> None:
         """Read the finished samples out, free their slots, move complete flights to their sink."""
@@ -327,17 +378,33 @@ def _first_version(group: Group) -> int:
 
 def _group(flight: _Flight) -> Group:
     rows = [flight.rows[g] for g in range(len(flight.slots_G))]
-    col = lambda name: np.stack([getattr(r, name) for r in rows])
+
+    def col(name):
+        return np.stack([getattr(r, name) for r in rows])
+
     routing = None if rows[0].routing_RxCxLxK is None else col("routing_RxCxLxK")
-    return Group(flight.tag, flight.prompt_P, flight.mask_P, col("tokens_RxT"), col("completion_mask_RxT"),
-                 col("logp_RxT"), col("version_RxT"), col("finished_R"), col("truncated_R"), routing)
+    return Group(
+        flight.tag,
+        flight.prompt_P,
+        flight.mask_P,
+        col("tokens_RxT"),
+        col("completion_mask_RxT"),
+        col("logp_RxT"),
+        col("version_RxT"),
+        col("finished_R"),
+        col("truncated_R"),
+        routing,
+    )
 
 
 def concat_groups(parts: list[Group], tag, prompt_P, prompt_mask_P) -> Group:
     """One Group of a prompt from samples drawn in several admissions (its rows in `parts` order)."""
     if not parts:
         return Group(tag, prompt_P, prompt_mask_P, *[None] * 7)
-    cat = lambda name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
+
+    def cat(name):
+        return None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
+
     return Group(tag, prompt_P, prompt_mask_P, *(cat(f) for f in Group._fields[3:]))
 
 
@@ -348,12 +415,17 @@ def assemble_batch(groups: list[Group]) -> dict:
     if not groups:
         raise ValueError("assemble_batch: no groups")
     sizes = [len(g.tokens_GxT) for g in groups]
-    cat = lambda f: np.concatenate([f(g) for g in groups])
+
+    def cat(f):
+        return np.concatenate([f(g) for g in groups])
+
     batch = {
         "prompt_tokens_BxP": cat(lambda g: np.repeat(g.prompt_P[None], len(g.tokens_GxT), 0)),
         "prompt_mask_BxP": cat(lambda g: np.repeat(g.prompt_mask_P[None], len(g.tokens_GxT), 0)),
-        "tokens_BxT": cat(lambda g: g.tokens_GxT), "completion_mask_BxT": cat(lambda g: g.completion_mask_GxT),
-        "rollout_logp_BxT": cat(lambda g: g.logp_GxT), "version_BxT": cat(lambda g: g.version_GxT),
+        "tokens_BxT": cat(lambda g: g.tokens_GxT),
+        "completion_mask_BxT": cat(lambda g: g.completion_mask_GxT),
+        "rollout_logp_BxT": cat(lambda g: g.logp_GxT),
+        "version_BxT": cat(lambda g: g.version_GxT),
         "truncated_B": cat(lambda g: (~g.finished_G).astype(np.float32)),
         "group_id_B": np.repeat(np.arange(len(groups), dtype=np.int32), sizes),
     }

@@ -50,17 +50,21 @@ def fed_mask(spec: EngineSpec, state: EngineState, prompt_mask_SxP):
 def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_mask_SxP, redo_S) -> EngineState:
     """The caches of the slots in redo_S recomputed under `params` (see the module docstring).
     prompt_SxP / prompt_mask_SxP: each slot's left-padded prompt (anything for slots not redone)."""
-    cfg, S, C = spec.cfg, spec.slots, spec.cache_len
+    cfg, S = spec.cfg, spec.slots
     if prompt_SxP.shape != (S, spec.prompt_len):
         raise ValueError(f"prompt_SxP: shape {prompt_SxP.shape}, expected (slots, prompt_len)={(S, spec.prompt_len)}")
     # Cache slot j holds the input fed there: prompt token j (j < P), completion token j - P after.
     seq_SxC = jnp.concatenate([jnp.asarray(prompt_SxP, jnp.int32), state.tokens_SxT], axis=1)
     written_SxC = fed_mask(spec, state, prompt_mask_SxP)
     fresh = tuple((jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in state.cache.kv)
-    _, kv_new, experts_SxCxLxK = _run_layers(layer_params(params, cfg), cfg, seq_SxC, fresh,
-                                             positions_from_mask(written_SxC), written_SxC, 0, cfg.n_layers)
+    _, kv_new, experts_SxCxLxK = _run_layers(
+        layer_params(params, cfg), cfg, seq_SxC, fresh, positions_from_mask(written_SxC), written_SxC, 0, cfg.n_layers
+    )
     take_SxC = written_SxC & jnp.asarray(redo_S, bool)[:, None]
-    pick = lambda new, old: jnp.where(take_SxC[:, None, :, None], new.astype(old.dtype), old)
+
+    def pick(new, old):
+        return jnp.where(take_SxC[:, None, :, None], new.astype(old.dtype), old)
+
     kv = tuple((pick(nk, k), pick(nv, v)) for (nk, nv), (k, v) in zip(kv_new, state.cache.kv))
     routing = state.routing_SxCxLxK
     if experts_SxCxLxK is not None:

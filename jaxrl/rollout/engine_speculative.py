@@ -77,12 +77,17 @@ class SpeculativeEngineSpec(EngineSpec):
 def check_engine_drafter(speculative: SpeculativeConfig, model_cfg: ModelConfig) -> None:
     """The engine drafts with early exit only, from fewer layers than the policy has."""
     if speculative.drafter != "early_exit":
-        raise ConfigError(f"rollout.speculative.drafter: got {speculative.drafter!r}, expected 'early_exit' "
-                          f"with rollout.engine.enabled=true (the engine's only drafter)")
+        raise ConfigError(
+            f"rollout.speculative.drafter: got {speculative.drafter!r}, expected 'early_exit' "
+            f"with rollout.engine.enabled=true (the engine's only drafter)"
+        )
     n = model_cfg.n_layers
     if not 0 < speculative.draft_layers < n:
-        allowed = f"1..{n - 1} (fewer than model.n_layers={n})" if n > 1 else "fewer than model.n_layers=1: " \
-            "early exit needs a policy of 2 or more layers"
+        allowed = (
+            f"1..{n - 1} (fewer than model.n_layers={n})"
+            if n > 1
+            else "fewer than model.n_layers=1: early exit needs a policy of 2 or more layers"
+        )
         raise ConfigError(f"rollout.speculative.draft_layers: got {speculative.draft_layers}, expected {allowed}")
 
 
@@ -94,8 +99,9 @@ def speculative_spec(spec: EngineSpec, speculative: SpeculativeConfig, draft_ids
     check_engine_drafter(speculative, spec.cfg)
     ids = check_draft_ids(speculative.draft_vocab, draft_ids, spec.cfg.vocab_size)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(EngineSpec)}
-    return SpeculativeEngineSpec(**fields, draft_layers=speculative.draft_layers, max_draft=speculative.max_draft,
-                                 draft_ids=ids)
+    return SpeculativeEngineSpec(
+        **fields, draft_layers=speculative.draft_layers, max_draft=speculative.max_draft, draft_ids=ids
+    )
 
 
 def tail_rows(speculative: SpeculativeConfig, slots: int) -> int:
@@ -129,9 +135,10 @@ def toggle_chunk(engine, tail: int):
             state, drafted, accepted = speculative_chunk(params, spec, state, n_steps, version, temperature)
         else:
             rows_R = np.full(tail, S, np.int32)  # S: a padding row (done, dropped on the way back)
-            rows_R[:len(decoding)] = decoding
-            state, drafted, accepted = speculative_rows_chunk(params, spec, state, rows_R, n_steps, version,
-                                                              temperature)
+            rows_R[: len(decoding)] = decoding
+            state, drafted, accepted = speculative_rows_chunk(
+                params, spec, state, rows_R, n_steps, version, temperature
+            )
         # A host sync, but the driver reads done_S right after every chunk anyway.
         counts = engine.counts
         counts["drafted"] = counts.get("drafted", 0) + int(drafted)
@@ -219,8 +226,7 @@ def _speculative_step(lparams, drafter, spec: SpeculativeEngineSpec, s: EngineSt
     logp_SxW = jnp.take_along_axis(logp_all_SxWxV, e_SxW[..., None], axis=-1)[..., 0]
     is_eos_SxW = e_SxW == spec.eos_id
     eos_before_SxW = (jnp.cumsum(is_eos_SxW, axis=1) - is_eos_SxW) > 0
-    emit_SxW = (active_S[:, None] & (iota_W <= a_S[:, None]) & ~eos_before_SxW
-                & (s.col_S[:, None] + iota_W < T))
+    emit_SxW = active_S[:, None] & (iota_W <= a_S[:, None]) & ~eos_before_SxW & (s.col_S[:, None] + iota_W < T)
     kept_S = jnp.sum(emit_SxW, axis=1, dtype=jnp.int32)  # fed tokens 0..kept-1 enter the cache
     cache = commit_window(s.cache, window, fill_S, kept_S)
     routing = s.routing_SxCxLxK
@@ -232,13 +238,18 @@ def _speculative_step(lparams, drafter, spec: SpeculativeEngineSpec, s: EngineSt
     eos_S = jnp.any(emit_SxW & is_eos_SxW, axis=1)
     col_S = s.col_S + kept_S
     state = s._replace(
-        cache=cache, last_S=jnp.where(active_S, new_S.astype(jnp.int32), s.last_S), col_S=col_S,
-        done_S=s.done_S | eos_S | (col_S >= T), eos_S=s.eos_S | eos_S,
+        cache=cache,
+        last_S=jnp.where(active_S, new_S.astype(jnp.int32), s.last_S),
+        col_S=col_S,
+        done_S=s.done_S | eos_S | (col_S >= T),
+        eos_S=s.eos_S | eos_S,
         tokens_SxT=_put_window(s.tokens_SxT, s.col_S, e_SxW, emit_SxW),
         logp_SxT=_put_window(s.logp_SxT, s.col_S, logp_SxW, emit_SxW),
         mask_SxT=_put_window(s.mask_SxT, s.col_S, jnp.ones((S, W), jnp.float32), emit_SxW),
         version_SxT=_put_window(s.version_SxT, s.col_S, jnp.broadcast_to(version, (S, W)), emit_SxW),
-        rng=rng, routing_SxCxLxK=routing)
+        rng=rng,
+        routing_SxCxLxK=routing,
+    )
     live_i = active_S.astype(jnp.int32)
     return state, K * jnp.sum(live_i), jnp.sum(live_i * a_S)
 
@@ -258,7 +269,9 @@ def speculative_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, n
         s, d, a = _speculative_step(lparams, drafter, spec, s, version, temperature)
         return i + 1, s, drafted + d, accepted + a
 
-    cond = lambda carry: (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
+    def cond(carry):
+        return (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
+
     _, state, drafted, accepted = lax.while_loop(cond, body, (zero, state, zero, zero))
     return state, drafted, accepted
 
@@ -266,21 +279,28 @@ def speculative_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, n
 def _take_rows(state: EngineState, rows_R) -> EngineState:
     """The R slots rows_R of `state` as an R-slot state (an index of S or more: a done padding row)."""
     S = state.done_S.shape[0]
-    take = lambda x: None if x is None else jnp.take(x, jnp.minimum(rows_R, S - 1), axis=0)
+
+    def take(x):
+        return None if x is None else jnp.take(x, jnp.minimum(rows_R, S - 1), axis=0)
+
     sub = jax.tree.map(take, state._replace(rng=None))
     return sub._replace(rng=state.rng, done_S=sub.done_S | (rows_R >= S))
 
 
 def _put_rows(state: EngineState, sub: EngineState, rows_R) -> EngineState:
     """`state` with its slots rows_R replaced by the R-slot `sub` (padding rows dropped); sub's RNG."""
-    put = lambda old, new: None if old is None else old.at[rows_R].set(new, mode="drop")
+
+    def put(old, new):
+        return None if old is None else old.at[rows_R].set(new, mode="drop")
+
     out = jax.tree.map(put, state._replace(rng=None), sub._replace(rng=None))
     return out._replace(rng=sub.rng)
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
-def speculative_rows_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, rows_R, n_steps, version,
-                           temperature):
+def speculative_rows_chunk(
+    params, spec: SpeculativeEngineSpec, state: EngineState, rows_R, n_steps, version, temperature
+):
     """`speculative_chunk` over the slots rows_R only (int32[R], static R; entries >= S pad): their
     rows are gathered into an R-slot state, decoded, and written back, so a verify forward costs R
     rows, not S. Every other slot is left as it was; the state's RNG advances as the chunk's steps."""

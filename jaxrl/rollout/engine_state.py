@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,7 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.decode import LayerCache, decode_rows, layer_params
-from jaxrl.rollout.sampler import (choose_tokens, first_argmax, prefill_groups, scaled_logits,
-                                   truncate_logits)
+from jaxrl.rollout.sampler import choose_tokens, first_argmax, prefill_groups, scaled_logits, truncate_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +89,8 @@ class EngineState(NamedTuple):
     mask_SxT: jax.Array  # float32; 1 on generated tokens (EOS included)
     version_SxT: jax.Array  # int32: the version passed to the chunk that drew each token; -1 where masked
     rng: jax.Array
-    routing_SxCxLxK: Optional[jax.Array]  # MoE: experts per cache slot (C = P + T) and MoE layer; else None
-    key_S: Optional[jax.Array] = None  # spec.slot_keys: each slot's own noise key (S x key shape); else None
+    routing_SxCxLxK: jax.Array | None  # MoE: experts per cache slot (C = P + T) and MoE layer; else None
+    key_S: jax.Array | None = None  # spec.slot_keys: each slot's own noise key (S x key shape); else None
 
 
 class SlotReadout(NamedTuple):
@@ -102,15 +101,22 @@ class SlotReadout(NamedTuple):
     finished_R: jax.Array  # emitted EOS
     truncated_R: jax.Array  # done without EOS (max_new_tokens reached)
     length_R: jax.Array
-    routing_RxCxLxK: Optional[jax.Array]
+    routing_RxCxLxK: jax.Array | None
 
 
 def _blank_rows(spec: EngineSpec, n: int, done: bool):
     """Per-row fields of n freshly reset slots (not the cache): (last, col, done, eos, tokens, logp, mask, version)."""
     T = spec.max_new_tokens
-    return (jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32), jnp.full((n,), done), jnp.zeros((n,), bool),
-            jnp.full((n, T), spec.pad_id, jnp.int32), jnp.zeros((n, T), jnp.float32), jnp.zeros((n, T), jnp.float32),
-            jnp.full((n, T), -1, jnp.int32))
+    return (
+        jnp.zeros((n,), jnp.int32),
+        jnp.zeros((n,), jnp.int32),
+        jnp.full((n,), done),
+        jnp.zeros((n,), bool),
+        jnp.full((n, T), spec.pad_id, jnp.int32),
+        jnp.zeros((n, T), jnp.float32),
+        jnp.zeros((n, T), jnp.float32),
+        jnp.full((n, T), -1, jnp.int32),
+    )
 
 
 @functools.partial(jax.jit, static_argnames="spec")
@@ -118,9 +124,13 @@ def init_state(spec: EngineSpec, rng) -> EngineState:
     """Every slot free (done, nothing recorded); an empty cache."""
     cfg, S, C = spec.cfg, spec.slots, spec.cache_len
     dtype = jnp.dtype(cfg.dtype)
-    buf = lambda: jnp.zeros((S, cfg.n_kv_heads, C, cfg.head_dim), dtype)
-    cache = LayerCache(tuple((buf(), buf()) for _ in range(cfg.n_layers)), jnp.zeros((S, C), bool),
-                       jnp.zeros((S,), jnp.int32))
+
+    def buf():
+        return jnp.zeros((S, cfg.n_kv_heads, C, cfg.head_dim), dtype)
+
+    cache = LayerCache(
+        tuple((buf(), buf()) for _ in range(cfg.n_layers)), jnp.zeros((S, C), bool), jnp.zeros((S,), jnp.int32)
+    )
     routing = None
     if cfg.n_experts:
         routing = jnp.zeros((S, C, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
@@ -137,20 +147,31 @@ def admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_
     cfg, P = spec.cfg, spec.prompt_len
     if prompt_AxP.shape[1] != P:
         raise ValueError(f"prompt_AxP has {prompt_AxP.shape[1]} columns, expected the engine's prompt_len={P}")
-    cache, _, routing_NxCxLxK, last_N = prefill_groups(params, cfg, prompt_AxP, prompt_mask_AxP, spec.group_size,
-                                                       spec.cache_len, spec.cache_len)
+    cache, _, routing_NxCxLxK, last_N = prefill_groups(
+        params, cfg, prompt_AxP, prompt_mask_AxP, spec.group_size, spec.cache_len, spec.cache_len
+    )
     # Slots from P-1 on hold decoded tokens: what a row reads of them is bounded by its fill level.
-    cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1:].set(True))
+    cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True))
     N = last_N.shape[0]
-    put = lambda old, new: old.at[dest_N].set(new.astype(old.dtype), mode="drop")
+
+    def put(old, new):
+        return old.at[dest_N].set(new.astype(old.dtype), mode="drop")
+
     kv = tuple((put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, cache.kv))
     new_cache = LayerCache(kv, put(state.cache.valid_BxS, cache.valid_BxS), put(state.cache.pos_B, cache.pos_B))
     last, col, done, eos, tokens, logp, mask, version = _blank_rows(spec, N, False)
     return state._replace(
-        cache=new_cache, last_S=put(state.last_S, last_N), col_S=put(state.col_S, col), done_S=put(state.done_S, done),
-        eos_S=put(state.eos_S, eos), tokens_SxT=put(state.tokens_SxT, tokens), logp_SxT=put(state.logp_SxT, logp),
-        mask_SxT=put(state.mask_SxT, mask), version_SxT=put(state.version_SxT, version),
-        routing_SxCxLxK=None if routing_NxCxLxK is None else put(state.routing_SxCxLxK, routing_NxCxLxK))
+        cache=new_cache,
+        last_S=put(state.last_S, last_N),
+        col_S=put(state.col_S, col),
+        done_S=put(state.done_S, done),
+        eos_S=put(state.eos_S, eos),
+        tokens_SxT=put(state.tokens_SxT, tokens),
+        logp_SxT=put(state.logp_SxT, logp),
+        mask_SxT=put(state.mask_SxT, mask),
+        version_SxT=put(state.version_SxT, version),
+        routing_SxCxLxK=None if routing_NxCxLxK is None else put(state.routing_SxCxLxK, routing_NxCxLxK),
+    )
 
 
 def _put_column(buf_SxT, col_S, value_S, write_S):
@@ -183,13 +204,18 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
         stop_S = stop_S | (active_S & (tok_S == stop_id))
     col_S = s.col_S + active_S
     return s._replace(
-        cache=cache, last_S=jnp.where(active_S, tok_S, s.last_S), col_S=col_S,
-        done_S=s.done_S | stop_S | (col_S >= T), eos_S=s.eos_S | eos_S,
+        cache=cache,
+        last_S=jnp.where(active_S, tok_S, s.last_S),
+        col_S=col_S,
+        done_S=s.done_S | stop_S | (col_S >= T),
+        eos_S=s.eos_S | eos_S,
         tokens_SxT=_put_column(s.tokens_SxT, s.col_S, tok_S, active_S),
         logp_SxT=_put_column(s.logp_SxT, s.col_S, logp_S, active_S),
         mask_SxT=_put_column(s.mask_SxT, s.col_S, jnp.ones_like(logp_S), active_S),
         version_SxT=_put_column(s.version_SxT, s.col_S, jnp.broadcast_to(version, col_S.shape), active_S),
-        rng=rng, routing_SxCxLxK=routing)
+        rng=rng,
+        routing_SxCxLxK=routing,
+    )
 
 
 def choose_tokens_per_row(key_S, col_S, logits_SxV, temperature, spec: EngineSpec):
@@ -200,7 +226,8 @@ def choose_tokens_per_row(key_S, col_S, logits_SxV, temperature, spec: EngineSpe
     scaled_SxV = truncate_logits(scaled_logits(logits_SxV, temperature), spec.top_k, spec.top_p)
     V = scaled_SxV.shape[-1]
     gumbel_SxV = jax.vmap(lambda k, c: jax.random.gumbel(jax.random.fold_in(k, c), (V,), scaled_SxV.dtype))(
-        key_S, col_S)
+        key_S, col_S
+    )
     return first_argmax(scaled_SxV + gumbel_SxV)
 
 
@@ -209,8 +236,9 @@ split_params = jax.jit(layer_params, static_argnames="cfg")
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
-def decode_chunk(params, spec: EngineSpec, state: EngineState, n_steps, version, temperature, stop_at=None
-                 ) -> EngineState:
+def decode_chunk(
+    params, spec: EngineSpec, state: EngineState, n_steps, version, temperature, stop_at=None
+) -> EngineState:
     """Up to n_steps decode steps (traced: any chunk length, one compile) over all slots, stopping
     early once no slot is decoding or, with `stop_at` (traced), once at least stop_at slots are done
     (finished or free: the host can then admit a group). `version` (int32 scalar) is recorded on
@@ -234,13 +262,24 @@ def decode_chunk(params, spec: EngineSpec, state: EngineState, n_steps, version,
 
 def _readout(spec: EngineSpec, state: EngineState, slot_R, xp) -> SlotReadout:
     """What the slots slot_R hold, with array module xp (jnp on device, np on a host copy)."""
-    take = lambda x: None if x is None else xp.take(x, slot_R, axis=0)
+
+    def take(x):
+        return None if x is None else xp.take(x, slot_R, axis=0)
+
     mask = take(state.mask_SxT)
     done, eos = take(state.done_S), take(state.eos_S)
     routing = take(state.routing_SxCxLxK)  # C = P + T slots (a speculative engine's cache has more)
-    routing = None if routing is None else routing[:, :spec.prompt_len + spec.max_new_tokens]
-    return SlotReadout(take(state.tokens_SxT), mask, take(state.logp_SxT), take(state.version_SxT), eos,
-                       done & ~eos, xp.sum(mask, axis=-1).astype(xp.int32), routing)
+    routing = None if routing is None else routing[:, : spec.prompt_len + spec.max_new_tokens]
+    return SlotReadout(
+        take(state.tokens_SxT),
+        mask,
+        take(state.logp_SxT),
+        take(state.version_SxT),
+        eos,
+        done & ~eos,
+        xp.sum(mask, axis=-1).astype(xp.int32),
+        routing,
+    )
 
 
 @functools.partial(jax.jit, static_argnames="spec")

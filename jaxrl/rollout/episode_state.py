@@ -45,39 +45,68 @@ def _history_cache(params, spec: EngineSpec, prompt_RxP, prompt_mask_RxP, tokens
     written_RxC = real_RxC & (jnp.arange(C) < fill_R[:, None])
     dtype = jnp.dtype(cfg.dtype)
     fresh = tuple((jnp.zeros((R, cfg.n_kv_heads, C, cfg.head_dim), dtype),) * 2 for _ in range(cfg.n_layers))
-    _, kv, experts_RxCxLxK = _run_layers(layer_params(params, cfg), cfg, seq_RxC, fresh,
-                                         positions_from_mask(written_RxC), written_RxC, 0, cfg.n_layers)
+    _, kv, experts_RxCxLxK = _run_layers(
+        layer_params(params, cfg), cfg, seq_RxC, fresh, positions_from_mask(written_RxC), written_RxC, 0, cfg.n_layers
+    )
     if experts_RxCxLxK is not None:
         experts_RxCxLxK = jnp.where(written_RxC[:, :, None, None], experts_RxCxLxK, 0)
     # As `admit` leaves a slot: the prompt's padding invalid, every slot from P-1 on readable up to the fill level.
-    valid_RxC = jnp.concatenate([prompt_mask_RxP[:, :P - 1].astype(bool), jnp.ones((R, C - P + 1), bool)], axis=1)
+    valid_RxC = jnp.concatenate([prompt_mask_RxP[:, : P - 1].astype(bool), jnp.ones((R, C - P + 1), bool)], axis=1)
     pos_R = jnp.sum(written_RxC, axis=1).astype(jnp.int32)  # real tokens fed so far = the next position id
     last_R = jnp.take_along_axis(seq_RxC, fill_R[:, None], axis=1)[:, 0]
     return kv, valid_RxC, pos_R, last_R, experts_RxCxLxK
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
-def place(params, spec: EngineSpec, state: EngineState, slot_R, prompt_RxP, prompt_mask_RxP, tokens_RxT, logp_RxT,
-          loss_mask_RxT, version_RxT, n_R, key_R) -> EngineState:
+def place(
+    params,
+    spec: EngineSpec,
+    state: EngineState,
+    slot_R,
+    prompt_RxP,
+    prompt_mask_RxP,
+    tokens_RxT,
+    logp_RxT,
+    loss_mask_RxT,
+    version_RxT,
+    n_R,
+    key_R,
+) -> EngineState:
     """Put R episodes into slots slot_R with their histories prefilled (see the module docstring)."""
     if prompt_RxP.shape[1] != spec.prompt_len or tokens_RxT.shape[1] != spec.max_new_tokens:
-        raise ValueError(f"place: prompt_RxP {prompt_RxP.shape} / tokens_RxT {tokens_RxT.shape}, expected "
-                         f"(R, prompt_len={spec.prompt_len}) / (R, max_new_tokens={spec.max_new_tokens})")
+        raise ValueError(
+            f"place: prompt_RxP {prompt_RxP.shape} / tokens_RxT {tokens_RxT.shape}, expected "
+            f"(R, prompt_len={spec.prompt_len}) / (R, max_new_tokens={spec.max_new_tokens})"
+        )
     if state.key_S is None:
         raise ValueError("place: the engine state has no per-slot keys (EngineSpec.slot_keys=False)")
     n_R = jnp.asarray(n_R, jnp.int32)
-    kv, valid_RxC, pos_R, last_R, experts = _history_cache(params, spec, jnp.asarray(prompt_RxP),
-                                                           jnp.asarray(prompt_mask_RxP), jnp.asarray(tokens_RxT), n_R)
-    put = lambda old, new: old.at[slot_R].set(jnp.asarray(new).astype(old.dtype), mode="drop")
-    cache = LayerCache(tuple((put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, kv)),
-                       put(state.cache.valid_BxS, valid_RxC), put(state.cache.pos_B, pos_R))
+    kv, valid_RxC, pos_R, last_R, experts = _history_cache(
+        params, spec, jnp.asarray(prompt_RxP), jnp.asarray(prompt_mask_RxP), jnp.asarray(tokens_RxT), n_R
+    )
+
+    def put(old, new):
+        return old.at[slot_R].set(jnp.asarray(new).astype(old.dtype), mode="drop")
+
+    cache = LayerCache(
+        tuple((put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, kv)),
+        put(state.cache.valid_BxS, valid_RxC),
+        put(state.cache.pos_B, pos_R),
+    )
     R = n_R.shape[0]
     routing = state.routing_SxCxLxK
     if experts is not None:
-        routing = routing.at[slot_R, :experts.shape[1]].set(experts.astype(routing.dtype), mode="drop")
+        routing = routing.at[slot_R, : experts.shape[1]].set(experts.astype(routing.dtype), mode="drop")
     return state._replace(
-        cache=cache, last_S=put(state.last_S, last_R), col_S=put(state.col_S, n_R),
-        done_S=put(state.done_S, jnp.zeros((R,), bool)), eos_S=put(state.eos_S, jnp.zeros((R,), bool)),
-        tokens_SxT=put(state.tokens_SxT, tokens_RxT), logp_SxT=put(state.logp_SxT, logp_RxT),
-        mask_SxT=put(state.mask_SxT, loss_mask_RxT), version_SxT=put(state.version_SxT, version_RxT),
-        routing_SxCxLxK=routing, key_S=put(state.key_S, key_R))
+        cache=cache,
+        last_S=put(state.last_S, last_R),
+        col_S=put(state.col_S, n_R),
+        done_S=put(state.done_S, jnp.zeros((R,), bool)),
+        eos_S=put(state.eos_S, jnp.zeros((R,), bool)),
+        tokens_SxT=put(state.tokens_SxT, tokens_RxT),
+        logp_SxT=put(state.logp_SxT, logp_RxT),
+        mask_SxT=put(state.mask_SxT, loss_mask_RxT),
+        version_SxT=put(state.version_SxT, version_RxT),
+        routing_SxCxLxK=routing,
+        key_S=put(state.key_S, key_R),
+    )

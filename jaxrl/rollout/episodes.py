@@ -48,7 +48,8 @@ import concurrent.futures as cf
 import dataclasses
 import time
 from collections import deque
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -82,7 +83,7 @@ class EpisodeGroup(NamedTuple):
     env_errors_G: np.ndarray  # int32: steps that raised
     obs_cut_G: np.ndarray  # int32: observations cut to agent.max_obs_tokens
     success_G: np.ndarray  # bool: info["success"] of the last step, else return > 0
-    routing_GxCxLxK: Optional[np.ndarray] = None  # MoE: experts per cache slot (C = P + T), for replay
+    routing_GxCxLxK: np.ndarray | None = None  # MoE: experts per cache slot (C = P + T), for replay
 
 
 @dataclasses.dataclass
@@ -106,16 +107,16 @@ class _Episode:
     tool_errors: int = 0
     env_errors: int = 0
     obs_cut: int = 0
-    success: Optional[bool] = None
+    success: bool | None = None
     finished: bool = False
     truncated: bool = False
-    routing: Optional[np.ndarray] = None
+    routing: np.ndarray | None = None
 
 
 class _StepOutcome(NamedTuple):
     result: Any  # StepResult, or None when the step raised
     obs_ids: list
-    error: Optional[BaseException]
+    error: BaseException | None
     seconds: float
 
 
@@ -145,30 +146,67 @@ def episode_keys(seed, n_requests: int, group_size: int) -> np.ndarray:
 class EpisodeEngine:
     """Multi-turn episodes over the slots of the decode engine (see the module docstring)."""
 
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, agent_cfg: AgentConfig, *,
-                 make_env: Callable, tokenizer, end_of_turn: str, prompt_len: int, max_new_tokens: int,
-                 temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False, speculative=None,
-                 park_batch: int = 4, place_rows: int = 4):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        engine_cfg: EngineConfig,
+        agent_cfg: AgentConfig,
+        *,
+        make_env: Callable,
+        tokenizer,
+        end_of_turn: str,
+        prompt_len: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        speculative=None,
+        park_batch: int = 4,
+        place_rows: int = 4,
+    ):
         engine_cfg.validate()
         agent_cfg.validate()
         if speculative is not None and speculative.enabled:
-            raise ValueError("rollout.speculative.enabled: speculative decoding is not supported with multi-turn "
-                             "episodes (agent environments); set it to false")
+            raise ValueError(
+                "rollout.speculative.enabled: speculative decoding is not supported with multi-turn "
+                "episodes (agent environments); set it to false"
+            )
         try:
             eot = list(tokenizer.encode(end_of_turn))
         except ValueError as err:
             raise ValueError(f"end_of_turn {end_of_turn!r}: not encodable by the tokenizer ({err})") from None
         if len(eot) != 1:
-            raise ValueError(f"end_of_turn {end_of_turn!r}: must be exactly one token of the tokenizer, got "
-                             f"{len(eot)} tokens {eot}")
+            raise ValueError(
+                f"end_of_turn {end_of_turn!r}: must be exactly one token of the tokenizer, got {len(eot)} tokens {eot}"
+            )
         check_temperature(temperature)
         self.ecfg, self.agent, self.tokenizer, self.make_env = engine_cfg, agent_cfg, tokenizer, make_env
         self.temperature, self.eot_id, self.park_batch = float(temperature), eot[0], max(1, int(park_batch))
         self.place_rows = min(int(place_rows), engine_cfg.slots)
-        self.spec = EngineSpec(model_cfg, engine_cfg.slots, prompt_len, max_new_tokens, 1, tokenizer.eos_id,
-                               tokenizer.pad_id, top_k, top_p, greedy, stop_ids=(eot[0],), slot_keys=True)
-        self.stats = dict(chunks=0, place_calls=0, env_steps=0, env_seconds=0.0, env_exposed_seconds=0.0,
-                          decode_seconds=0.0, place_seconds=0.0)
+        self.spec = EngineSpec(
+            model_cfg,
+            engine_cfg.slots,
+            prompt_len,
+            max_new_tokens,
+            1,
+            tokenizer.eos_id,
+            tokenizer.pad_id,
+            top_k,
+            top_p,
+            greedy,
+            stop_ids=(eot[0],),
+            slot_keys=True,
+        )
+        self.stats = dict(
+            chunks=0,
+            place_calls=0,
+            env_steps=0,
+            env_seconds=0.0,
+            env_exposed_seconds=0.0,
+            decode_seconds=0.0,
+            place_seconds=0.0,
+        )
 
     # ---- episodes
 
@@ -184,12 +222,24 @@ class EpisodeEngine:
                 env = self.make_env()
                 ids = bos + list(tok.encode(env.reset(record, np.random.default_rng([*seed, j, g]))))
                 if not 0 < len(ids) <= P:
-                    raise ValueError(f"record {record.get('id')!r}: prompt of {len(ids)} tokens, expected 1.."
-                                     f"prompt_len={P}")
+                    raise ValueError(
+                        f"record {record.get('id')!r}: prompt of {len(ids)} tokens, expected 1..prompt_len={P}"
+                    )
                 prompt_P, mask_P = left_pad(ids, P, self.spec.pad_id)
-                episodes.append(_Episode(j, g, env, prompt_P, mask_P, keys[j * group_size + g],
-                                         np.full(T, self.spec.pad_id, np.int32), np.zeros(T, np.float32),
-                                         np.zeros(T, np.float32), np.full(T, -1, np.int32)))
+                episodes.append(
+                    _Episode(
+                        j,
+                        g,
+                        env,
+                        prompt_P,
+                        mask_P,
+                        keys[j * group_size + g],
+                        np.full(T, self.spec.pad_id, np.int32),
+                        np.zeros(T, np.float32),
+                        np.zeros(T, np.float32),
+                        np.full(T, -1, np.int32),
+                    )
+                )
         return episodes
 
     def _end_turn(self, ep: _Episode, row: dict, pool, pending: dict) -> None:
@@ -199,7 +249,7 @@ class EpisodeEngine:
         ep.routing = row["routing"]
         ep.turns += 1
         last = int(ep.tokens_T[col - 1])
-        action = ep.tokens_T[ep.turn_start:col - 1 if last == self.spec.eos_id else col]
+        action = ep.tokens_T[ep.turn_start : col - 1 if last == self.spec.eos_id else col]
         ep.n = col
         if last not in (self.spec.eos_id, self.eot_id):  # the budget cut the turn: no step
             ep.truncated = True
@@ -230,11 +280,11 @@ class EpisodeEngine:
         ids = out.obs_ids
         if len(ids) > self.agent.max_obs_tokens:
             ep.obs_cut += 1
-            ids = ids[:self.agent.max_obs_tokens]
+            ids = ids[: self.agent.max_obs_tokens]
         room = self.spec.max_new_tokens - ep.n
         ids = ids[:room]
         ep.tokens_T = ep.tokens_T.copy()
-        ep.tokens_T[ep.n:ep.n + len(ids)] = ids  # loss mask 0, logp 0, version -1: already so past col
+        ep.tokens_T[ep.n : ep.n + len(ids)] = ids  # loss mask 0, logp 0, version -1: already so past col
         ep.n += len(ids)
         ep.turn_start = ep.n
         if ep.n >= self.spec.max_new_tokens:
@@ -244,34 +294,46 @@ class EpisodeEngine:
 
     # ---- device
 
-    def _place(self, run: "_Run", episodes: list) -> None:
+    def _place(self, run: _Run, episodes: list) -> None:
         """Place episodes into free slots (enough of them), `place_rows` per call (padded): a fixed row
         count keeps each row's arithmetic, and so its log-probs, independent of the batch it came in."""
         start = time.perf_counter()
-        S, P, T = self.spec.slots, self.spec.prompt_len, self.spec.max_new_tokens
+        S = self.spec.slots
         R = self.place_rows
         for lo in range(0, len(episodes), R):
-            part = episodes[lo:lo + R]
-            free = np.flatnonzero([o is None for o in run.owner])[:len(part)]
+            part = episodes[lo : lo + R]
+            free = np.flatnonzero([o is None for o in run.owner])[: len(part)]
             slot_R = np.full(R, S, np.int32)
-            slot_R[:len(part)] = free
-            pad = lambda xs, fill: np.stack(xs + [np.full_like(xs[0], fill)] * (R - len(xs)))
-            run.state = place(run.params, self.spec, run.state, slot_R, pad([e.prompt_P for e in part], 0),
-                              pad([e.mask_P for e in part], 1), pad([e.tokens_T for e in part], 0),
-                              pad([e.logp_T for e in part], 0), pad([e.loss_T for e in part], 0),
-                              pad([e.version_T for e in part], -1),
-                              np.array([e.n for e in part] + [0] * (R - len(part)), np.int32),
-                              pad([e.key for e in part], 0))
+            slot_R[: len(part)] = free
+
+            def pad(xs, fill):
+                return np.stack(xs + [np.full_like(xs[0], fill)] * (R - len(xs)))
+
+            run.state = place(
+                run.params,
+                self.spec,
+                run.state,
+                slot_R,
+                pad([e.prompt_P for e in part], 0),
+                pad([e.mask_P for e in part], 1),
+                pad([e.tokens_T for e in part], 0),
+                pad([e.logp_T for e in part], 0),
+                pad([e.loss_T for e in part], 0),
+                pad([e.version_T for e in part], -1),
+                np.array([e.n for e in part] + [0] * (R - len(part)), np.int32),
+                pad([e.key for e in part], 0),
+            )
             for slot, ep in zip(free, part):
                 run.owner[slot] = ep
             self.stats["place_calls"] += 1
         self.stats["place_seconds"] += time.perf_counter() - start
 
-    def _decode(self, run: "_Run", stop_at: int, pool, pending: dict) -> None:
+    def _decode(self, run: _Run, stop_at: int, pool, pending: dict) -> None:
         """One chunk of decode steps, then every parked slot's turn handed to `_end_turn`."""
         start = time.perf_counter()
-        run.state = decode_chunk(run.lparams, self.spec, run.state, self.ecfg.chunk, run.version, self.temperature,
-                                 stop_at)
+        run.state = decode_chunk(
+            run.lparams, self.spec, run.state, self.ecfg.chunk, run.version, self.temperature, stop_at
+        )
         host = host_slots(run.state)
         self.stats["chunks"] += 1
         self.stats["decode_seconds"] += time.perf_counter() - start
@@ -281,22 +343,37 @@ class EpisodeEngine:
                 continue
             run.owner[slot] = None
             routing = None if host.routing_SxCxLxK is None else host.routing_SxCxLxK[slot]
-            self._end_turn(ep, dict(col=host.col_S[slot], tokens=host.tokens_SxT[slot], logp=host.logp_SxT[slot],
-                                    mask=host.mask_SxT[slot], version=host.version_SxT[slot], routing=routing),
-                           pool, pending)
+            self._end_turn(
+                ep,
+                dict(
+                    col=host.col_S[slot],
+                    tokens=host.tokens_SxT[slot],
+                    logp=host.logp_SxT[slot],
+                    mask=host.mask_SxT[slot],
+                    version=host.version_SxT[slot],
+                    routing=routing,
+                ),
+                pool,
+                pending,
+            )
 
     # ---- the two schedules
 
     def run(self, params, version: int, requests: list, group_size: int, seed) -> list:
         """group_size episodes per (tag, record) request -> one EpisodeGroup per request, in request order."""
         episodes = self._start(list(requests), group_size, seed)
-        run = _Run(init_state(self.spec, jax.random.PRNGKey(0)), params, split_params(params, self.spec.cfg),
-                   version, [None] * self.spec.slots)
+        run = _Run(
+            init_state(self.spec, jax.random.PRNGKey(0)),
+            params,
+            split_params(params, self.spec.cfg),
+            version,
+            [None] * self.spec.slots,
+        )
         with cf.ThreadPoolExecutor(self.agent.env_workers) as pool:
             (self._overlapped if self.agent.overlap else self._synchronous)(run, episodes, pool)
-        return [_group(tag, episodes[j * group_size:(j + 1) * group_size]) for j, (tag, _) in enumerate(requests)]
+        return [_group(tag, episodes[j * group_size : (j + 1) * group_size]) for j, (tag, _) in enumerate(requests)]
 
-    def _overlapped(self, run: "_Run", episodes: list, pool) -> None:
+    def _overlapped(self, run: _Run, episodes: list, pool) -> None:
         ready, pending = deque(episodes), {}
         while ready or pending or any(o is not None for o in run.owner):
             n_free = sum(o is None for o in run.owner)
@@ -315,10 +392,10 @@ class EpisodeEngine:
                 if self._after_step(ep, final, fut.result()):
                     ready.append(ep)
 
-    def _synchronous(self, run: "_Run", episodes: list, pool) -> None:
+    def _synchronous(self, run: _Run, episodes: list, pool) -> None:
         S = self.spec.slots
         for lo in range(0, len(episodes), S):
-            active = episodes[lo:lo + S]
+            active = episodes[lo : lo + S]
             while active:
                 self._place(run, active)
                 pending = {}
@@ -340,12 +417,27 @@ class _Run:
 
 
 def _group(tag, eps: list) -> EpisodeGroup:
-    col = lambda f, dtype: np.array([f(e) for e in eps], dtype)
+    def col(f, dtype):
+        return np.array([f(e) for e in eps], dtype)
+
     routing = None if eps[0].routing is None else np.stack([e.routing for e in eps])
     return EpisodeGroup(
-        tag, eps[0].prompt_P, eps[0].mask_P, np.stack([e.tokens_T for e in eps]), np.stack([e.loss_T for e in eps]),
-        np.stack([e.logp_T for e in eps]), np.stack([e.version_T for e in eps]), col(lambda e: e.finished, bool),
-        col(lambda e: e.truncated, bool), col(lambda e: e.ret, np.float32), col(lambda e: e.shaping, np.float32),
-        col(lambda e: e.turns, np.int32), col(lambda e: e.tool_calls, np.int32), col(lambda e: e.tool_errors, np.int32),
-        col(lambda e: e.env_errors, np.int32), col(lambda e: e.obs_cut, np.int32),
-        col(lambda e: e.ret > 0 if e.success is None else e.success, bool), routing)
+        tag,
+        eps[0].prompt_P,
+        eps[0].mask_P,
+        np.stack([e.tokens_T for e in eps]),
+        np.stack([e.loss_T for e in eps]),
+        np.stack([e.logp_T for e in eps]),
+        np.stack([e.version_T for e in eps]),
+        col(lambda e: e.finished, bool),
+        col(lambda e: e.truncated, bool),
+        col(lambda e: e.ret, np.float32),
+        col(lambda e: e.shaping, np.float32),
+        col(lambda e: e.turns, np.int32),
+        col(lambda e: e.tool_calls, np.int32),
+        col(lambda e: e.tool_errors, np.int32),
+        col(lambda e: e.env_errors, np.int32),
+        col(lambda e: e.obs_cut, np.int32),
+        col(lambda e: e.ret > 0 if e.success is None else e.success, bool),
+        routing,
+    )

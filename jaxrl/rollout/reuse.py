@@ -53,9 +53,12 @@ class DraftStore:
         keys = [np.frombuffer(k, np.int32) for k in self._table]
         key_NxK = np.full((len(keys), max((len(k) for k in keys), default=0)), -1, np.int32)
         for i, k in enumerate(keys):
-            key_NxK[i, :len(k)] = k
-        arrays = {"max_prompts": np.int64(self.max_prompts), "key_NxK": key_NxK,
-                  "key_len_N": np.asarray([len(k) for k in keys], np.int32)}
+            key_NxK[i, : len(k)] = k
+        arrays = {
+            "max_prompts": np.int64(self.max_prompts),
+            "key_NxK": key_NxK,
+            "key_len_N": np.asarray([len(k) for k in keys], np.int32),
+        }
         if self._table:
             tokens, length, logp = zip(*self._table.values())
             arrays.update(tokens_NxGxT=np.stack(tokens), length_NxG=np.stack(length), logp_NxGxT=np.stack(logp))
@@ -64,7 +67,7 @@ class DraftStore:
         return base64.b64encode(buf.getvalue()).decode("ascii")
 
     @classmethod
-    def from_state(cls, state: str) -> "DraftStore":
+    def from_state(cls, state: str) -> DraftStore:
         """Inverse of `to_state`: the same entries in the same LRU order."""
         with np.load(io.BytesIO(base64.b64decode(state))) as z:
             z = {k: z[k] for k in z.files}  # each access of an NpzFile reads (and inflates) again
@@ -78,8 +81,11 @@ class DraftStore:
         for i in range(len(prompt_BxP)):
             rows = slice(i * G, (i + 1) * G)
             key = self._key(prompt_BxP[i], mask_BxP[i])
-            self._table[key] = (np.asarray(tokens_NxT[rows], np.int32), np.asarray(length_N[rows], np.int32),
-                                np.asarray(logp_NxT[rows], np.float32))
+            self._table[key] = (
+                np.asarray(tokens_NxT[rows], np.int32),
+                np.asarray(length_N[rows], np.int32),
+                np.asarray(logp_NxT[rows], np.float32),
+            )
             self._table.move_to_end(key)
         while len(self._table) > self.max_prompts:
             self._table.popitem(last=False)

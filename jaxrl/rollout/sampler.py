@@ -24,7 +24,7 @@ completion slot is never fed and stays 0). `token_logprobs(..., replay_BxSxLxK=r
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ class SampleOutput(NamedTuple):
     finished_B: jax.Array  # bool; the row emitted EOS
     length_B: jax.Array  # int32; number of real completion tokens (EOS included)
     num_steps: jax.Array  # int32 scalar; decode steps run = columns generated (< T on early exit)
-    routing_BxSxLxK: Optional[jax.Array] = None  # int32, MoE only: experts used per slot and MoE layer
+    routing_BxSxLxK: jax.Array | None = None  # int32, MoE only: experts used per slot and MoE layer
 
 
 class _Loop(NamedTuple):
@@ -55,7 +55,7 @@ class _Loop(NamedTuple):
     mask_NxT: jax.Array
     done_N: jax.Array
     rng: jax.Array
-    routing_NxSxLxK: Optional[jax.Array]  # None for a dense model
+    routing_NxSxLxK: jax.Array | None  # None for a dense model
 
 
 def truncate_logits(logits_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -135,7 +135,10 @@ def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_i
     live_N = ~s.done_N
     tok_N = jnp.where(live_N, tok_N, pad_id)
     logp_N = jnp.where(live_N, logp_N, 0.0)
-    col = lambda buf, x: lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), (0, s.step))
+
+    def col(buf, x):
+        return lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), (0, s.step))
+
     return s._replace(
         step=s.step + 1,
         last_N=tok_N,
@@ -147,8 +150,9 @@ def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_i
     )
 
 
-def _prefill_prompts(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, cache_len: int,
-                     routing_len: int):
+def _prefill_prompts(
+    params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, cache_len: int, routing_len: int
+):
     """Prefill each prompt once (all but its last token) into a cache of cache_len slots, one row
     per prompt -> (LayerCache, routing_NxSxLxK of the G rows of every prompt or None, last_N)."""
     B, P = prompt_BxP.shape
@@ -167,8 +171,9 @@ def _prefill_prompts(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, grou
     return to_layer_cache(cache), routing_NxSxLxK, jnp.repeat(prompt_BxP[:, -1].astype(jnp.int32), G, axis=0)
 
 
-def prefill_groups(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, cache_len: int,
-                   routing_len: int):
+def prefill_groups(
+    params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, cache_len: int, routing_len: int
+):
     """Shared prefill: each prompt is encoded once, then its cache is copied to its G rows (rows
     i*G .. i*G+G-1). The last prompt token is left out and returned as every row's first decode
     input, so every column is drawn by the one in-loop sampler and no decode step is wasted; left
@@ -176,29 +181,63 @@ def prefill_groups(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_
 
     -> (LayerCache of cache_len slots, per-layer params, routing_NxSxLxK (MoE, S = routing_len;
     else None), last_N)."""
-    cache, routing_NxSxLxK, last_N = _prefill_prompts(params, cfg, prompt_BxP, prompt_mask_BxP, group_size,
-                                                      cache_len, routing_len)
-    rep = lambda x: jnp.repeat(x, group_size, axis=0, total_repeat_length=x.shape[0] * group_size)
+    cache, routing_NxSxLxK, last_N = _prefill_prompts(
+        params, cfg, prompt_BxP, prompt_mask_BxP, group_size, cache_len, routing_len
+    )
+
+    def rep(x):
+        return jnp.repeat(x, group_size, axis=0, total_repeat_length=x.shape[0] * group_size)
+
     cache = LayerCache(jax.tree.map(rep, cache.kv), rep(cache.valid_BxS), rep(cache.pos_B))
     return cache, layer_params(params, cfg), routing_NxSxLxK, last_N
 
 
-def prefill_shared(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, own_len: int,
-                   routing_len: int):
+def prefill_shared(
+    params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, group_size: int, own_len: int, routing_len: int
+):
     """`prefill_groups` with the prompt prefix kept once per group: a `GroupCache` whose prefix is the
     P-1 prefilled slots of each prompt and whose rows get own_len zeroed completion slots (slot t
     holds the token fed at decode step t: the last prompt token, then each drawn token)."""
-    prefix, routing_NxSxLxK, last_N = _prefill_prompts(params, cfg, prompt_BxP, prompt_mask_BxP, group_size,
-                                                       prompt_BxP.shape[1] - 1, routing_len)
+    prefix, routing_NxSxLxK, last_N = _prefill_prompts(
+        params, cfg, prompt_BxP, prompt_mask_BxP, group_size, prompt_BxP.shape[1] - 1, routing_len
+    )
     return group_cache(prefix, group_size, own_len), layer_params(params, cfg), routing_NxSxLxK, last_N
 
 
 @temperature_checked
-@functools.partial(jax.jit, static_argnames=("cfg", "group_size", "max_new_tokens", "top_k", "top_p", "eos_id",
-                                             "pad_id", "greedy", "share_prefix", "decode_segments"))
-def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_size: int, max_new_tokens: int,
-           temperature, top_k: int = 0, top_p: float = 1.0, eos_id: int, pad_id: int, greedy: bool = False,
-           share_prefix: bool = True, decode_segments: Optional[int] = None) -> SampleOutput:
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "cfg",
+        "group_size",
+        "max_new_tokens",
+        "top_k",
+        "top_p",
+        "eos_id",
+        "pad_id",
+        "greedy",
+        "share_prefix",
+        "decode_segments",
+    ),
+)
+def sample(
+    params,
+    cfg: ModelConfig,
+    prompt_BxP,
+    prompt_mask_BxP,
+    rng,
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int,
+    pad_id: int,
+    greedy: bool = False,
+    share_prefix: bool = True,
+    decode_segments: int | None = None,
+) -> SampleOutput:
     """G completions per left-padded prompt; output rows i*G .. i*G+G-1 belong to prompt i.
 
     `temperature` is traced (changing it does not recompile; 0 = greedy, see `scaled_logits`); top_k
@@ -214,14 +253,20 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
 
     if share_prefix:
         ends = segment_ends(T, decode_segments or default_segments(T))
-        cache, lparams, routing_NxSxLxK, last_N = prefill_shared(params, cfg, prompt_BxP, prompt_mask_BxP, G,
-                                                                 ends[0], P + T)
-        step_fn = lambda tok_N, cache, step: decode_group_layers(lparams, cfg, tok_N[:, None], cache, step)
+        cache, lparams, routing_NxSxLxK, last_N = prefill_shared(
+            params, cfg, prompt_BxP, prompt_mask_BxP, G, ends[0], P + T
+        )
+
+        def step_fn(tok_N, cache, step):
+            return decode_group_layers(lparams, cfg, tok_N[:, None], cache, step)
     else:
         ends = (T,)
-        cache, lparams, routing_NxSxLxK, last_N = prefill_groups(params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T,
-                                                                 P + T)
-        step_fn = lambda tok_N, cache, step: decode_layers(lparams, cfg, tok_N[:, None], cache, P - 1 + step)
+        cache, lparams, routing_NxSxLxK, last_N = prefill_groups(
+            params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T, P + T
+        )
+
+        def step_fn(tok_N, cache, step):
+            return decode_layers(lparams, cfg, tok_N[:, None], cache, P - 1 + step)
 
     state = _Loop(
         step=jnp.zeros((), jnp.int32),
@@ -239,8 +284,9 @@ def sample(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, group_
         # Step t feeds the last prompt token, then each drawn token, at prompt slot P-1+t.
         logits_Nx1xV, cache, experts_Nx1xLxK = step_fn(s.last_N, s.cache, s.step)
         if experts_Nx1xLxK is not None:
-            s = s._replace(routing_NxSxLxK=lax.dynamic_update_slice(
-                s.routing_NxSxLxK, experts_Nx1xLxK, (0, P - 1 + s.step, 0, 0)))
+            s = s._replace(
+                routing_NxSxLxK=lax.dynamic_update_slice(s.routing_NxSxLxK, experts_Nx1xLxK, (0, P - 1 + s.step, 0, 0))
+            )
         return _emit(s._replace(cache=cache), logits_Nx1xV[:, 0], temperature, top_k, top_p, greedy, eos_id, pad_id)
 
     for end in ends:  # one loop per segment; a segment's steps write completion slots < end

@@ -29,7 +29,7 @@ that updated it would make XLA copy the whole cache every step."""
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +77,7 @@ class _State(NamedTuple):
     alive_N: jax.Array  # bool: the row's reused draft is still aligned with what it generated
     rng: jax.Array
     stats: SpecStats
-    routing_NxSxLxK: Optional[jax.Array]
+    routing_NxSxLxK: jax.Array | None
 
 
 def choose_draft_length(r, max_draft: int, draft_cost, adaptive: bool, verify_cost=1.0):
@@ -91,8 +91,9 @@ def choose_draft_length(r, max_draft: int, draft_cost, adaptive: bool, verify_co
     return jnp.asarray(best + 1, jnp.int32), rate_K[best]
 
 
-def worth_speculating(costs: StepCosts, spec: SpeculativeConfig, acceptance: float, reuse_acceptance: float,
-                      draft_len_N=None) -> bool:
+def worth_speculating(
+    costs: StepCosts, spec: SpeculativeConfig, acceptance: float, reuse_acceptance: float, draft_len_N=None
+) -> bool:
     """Host-side, before a rollout: can any speculative step beat a plain one at these acceptance
     estimates? Reuse (draft_len_N: each row's reused draft length, 0 for none) is judged on its first
     step, where every draft is whole: a row with m drafted tokens in the window expects
@@ -105,8 +106,17 @@ def worth_speculating(costs: StepCosts, spec: SpeculativeConfig, acceptance: flo
     rates = []
     self_drafter = spec.fallback if spec.drafter == "reuse" else spec.drafter
     if self_drafter != "none":
-        rates.append(float(choose_draft_length(jnp.float32(acceptance), spec.max_draft, float(costs.draft), True,
-                                               float(verify_K[spec.max_draft - 1]))[1]))
+        rates.append(
+            float(
+                choose_draft_length(
+                    jnp.float32(acceptance),
+                    spec.max_draft,
+                    float(costs.draft),
+                    True,
+                    float(verify_K[spec.max_draft - 1]),
+                )[1]
+            )
+        )
     if spec.drafter == "reuse" and draft_len_N is not None and np.any(np.asarray(draft_len_N) > 0):
         r = min(max(float(reuse_acceptance), 0.0), 0.999)
         m_N = np.minimum(np.asarray(draft_len_N, np.float64), spec.reuse_width)
@@ -125,13 +135,33 @@ def _row_window(buf_NxT, col_N, width: int, fill):
 
 
 @temperature_checked
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "group_size", "max_new_tokens", "top_k", "top_p",
-                                             "eos_id", "pad_id", "greedy"))
-def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rng, *, spec: SpeculativeConfig,
-                       group_size: int, max_new_tokens: int, temperature, top_k: int = 0, top_p: float = 1.0,
-                       eos_id: int, pad_id: int, greedy: bool = False, acceptance_prior=None,
-                       reuse_acceptance_prior=None,
-                       draft_NxT=None, draft_len_N=None, draft_logp_NxT=None, costs: Optional[StepCosts] = None):
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "spec", "group_size", "max_new_tokens", "top_k", "top_p", "eos_id", "pad_id", "greedy"),
+)
+def sample_speculative(
+    params,
+    cfg: ModelConfig,
+    prompt_BxP,
+    prompt_mask_BxP,
+    rng,
+    *,
+    spec: SpeculativeConfig,
+    group_size: int,
+    max_new_tokens: int,
+    temperature,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int,
+    pad_id: int,
+    greedy: bool = False,
+    acceptance_prior=None,
+    reuse_acceptance_prior=None,
+    draft_NxT=None,
+    draft_len_N=None,
+    draft_logp_NxT=None,
+    costs: StepCosts | None = None,
+):
     """`sampler.sample` with speculation -> (SampleOutput, SpecStats).
 
     For `spec.drafter == "reuse"`: draft_NxT holds each output row's previous completion (pad after
@@ -149,10 +179,14 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
     if self_drafter == "none":
         self_drafter = None
     if self_drafter == "early_exit" and not 0 < spec.draft_layers < cfg.n_layers:
-        raise ValueError(f"rollout.speculative.draft_layers: got {spec.draft_layers}, expected 1..{cfg.n_layers - 1} "
-                         f"(fewer than model.n_layers={cfg.n_layers})")
+        raise ValueError(
+            f"rollout.speculative.draft_layers: got {spec.draft_layers}, expected 1..{cfg.n_layers - 1} "
+            f"(fewer than model.n_layers={cfg.n_layers})"
+        )
     if reuse and (draft_NxT is None or draft_len_N is None):
-        raise ValueError("rollout.speculative.drafter='reuse' needs draft_NxT and draft_len_N (the previous completions)")
+        raise ValueError(
+            "rollout.speculative.drafter='reuse' needs draft_NxT and draft_len_N (the previous completions)"
+        )
     if reuse and draft_NxT.shape[0] != N:
         raise ValueError(f"draft_NxT has {draft_NxT.shape[0]} rows, expected prompts x group_size = {N}")
     approx = reuse and spec.reuse_rule == "spec_rl"
@@ -163,35 +197,44 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
     W_max = max(1, W_self if self_drafter else 1, W_reuse if reuse else 1)
     U = T + W_max
 
-    cache, lparams, routing, last_N = prefill_groups(params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T + W_max,
-                                                     P + T + W_max)
+    cache, lparams, routing, last_N = prefill_groups(
+        params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T + W_max, P + T + W_max
+    )
     # Slots from P-1 on are decoded tokens: what a row may see of them is bounded by its fill level.
-    cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1:].set(True))
+    cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True))
     if self_drafter:
         dparams, d_layers = draft_view(lparams, self_drafter, spec.draft_layers, cfg.n_layers)
     if reuse:
         draft_NxT = draft_NxT.astype(jnp.int32)
         draft_len_N = jnp.minimum(draft_len_N.astype(jnp.int32), draft_NxT.shape[1])
     prior = jnp.asarray(spec.initial_acceptance if acceptance_prior is None else acceptance_prior, jnp.float32)
-    reuse_prior = jnp.asarray(spec.initial_acceptance if reuse_acceptance_prior is None else reuse_acceptance_prior,
-                              jnp.float32)
+    reuse_prior = jnp.asarray(
+        spec.initial_acceptance if reuse_acceptance_prior is None else reuse_acceptance_prior, jnp.float32
+    )
     # A verify forward always runs its branch's full static width, whatever k the control picks.
     verify_self, verify_reuse = costs.verify_K[spec.max_draft - 1], costs.verify_K[spec.reuse_width - 1]
     zero_i, zero_f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
     state = _State(
-        step=zero_i, cache=cache, fill_N=jnp.full((N,), P - 1, jnp.int32), last_N=last_N,
+        step=zero_i,
+        cache=cache,
+        fill_N=jnp.full((N,), P - 1, jnp.int32),
+        last_N=last_N,
         col_N=jnp.zeros((N,), jnp.int32),
-        tokens_NxU=jnp.full((N, U), pad_id, jnp.int32), logp_NxU=jnp.zeros((N, U), jnp.float32),
-        mask_NxU=jnp.zeros((N, U), jnp.float32), done_N=jnp.zeros((N,), bool),
-        alive_N=(draft_len_N > 0) if reuse else jnp.zeros((N,), bool), rng=rng,
-        stats=SpecStats(*([zero_i] * 8), zero_f, zero_f, prior, zero_f, zero_f, reuse_prior), routing_NxSxLxK=routing)
+        tokens_NxU=jnp.full((N, U), pad_id, jnp.int32),
+        logp_NxU=jnp.zeros((N, U), jnp.float32),
+        mask_NxU=jnp.zeros((N, U), jnp.float32),
+        done_N=jnp.zeros((N,), bool),
+        alive_N=(draft_len_N > 0) if reuse else jnp.zeros((N,), bool),
+        rng=rng,
+        stats=SpecStats(*([zero_i] * 8), zero_f, zero_f, prior, zero_f, zero_f, reuse_prior),
+        routing_NxSxLxK=routing,
+    )
 
     def estimate(st: SpecStats):
         return (st.self_accepted + prior * PRIOR_WEIGHT) / (st.self_accepted + st.self_rejected + PRIOR_WEIGHT)
 
     def reuse_estimate(st: SpecStats):
-        return ((st.reuse_accepted + reuse_prior * PRIOR_WEIGHT)
-                / (st.reuse_accepted + st.reuse_rejected + PRIOR_WEIGHT))
+        return (st.reuse_accepted + reuse_prior * PRIOR_WEIGHT) / (st.reuse_accepted + st.reuse_rejected + PRIOR_WEIGHT)
 
     def verify(s: _State, fed_NxW, drafted_NxW, q_NxWxV=None, old_logp_NxW=None):
         """One policy forward over fed_NxW (window slots 0..W-1), accept/reject, emit the kept tokens.
@@ -213,19 +256,22 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
         live_N = ~s.done_N
         is_eos_NxW = e_NxW == eos_id
         eos_before_NxW = (jnp.cumsum(is_eos_NxW, axis=1) - is_eos_NxW) > 0
-        emit_NxW = (live_N[:, None] & (iota_W <= a_N[:, None]) & ~eos_before_NxW
-                    & (s.col_N[:, None] + iota_W < T))
+        emit_NxW = live_N[:, None] & (iota_W <= a_N[:, None]) & ~eos_before_NxW & (s.col_N[:, None] + iota_W < T)
         col_N = s.col_N + jnp.sum(emit_NxW, axis=1, dtype=jnp.int32)
         if experts is not None:  # fed token i sits at completion slot P-1+col+i
             routing = jax.vmap(lambda r, e, c: lax.dynamic_update_slice(r, e, (c, 0, 0)))(
-                s.routing_NxSxLxK, experts, P - 1 + s.col_N)
+                s.routing_NxSxLxK, experts, P - 1 + s.col_N
+            )
             s = s._replace(routing_NxSxLxK=routing)
         s = s._replace(
-            last_N=new_N, col_N=col_N,
+            last_N=new_N,
+            col_N=col_N,
             tokens_NxU=_row_write(s.tokens_NxU, jnp.where(emit_NxW, e_NxW, pad_id), s.col_N),
             logp_NxU=_row_write(s.logp_NxU, jnp.where(emit_NxW, logp_NxW, 0.0), s.col_N),
             mask_NxU=_row_write(s.mask_NxU, emit_NxW, s.col_N),
-            done_N=s.done_N | jnp.any(emit_NxW & is_eos_NxW, axis=1) | (col_N >= T), rng=rng)
+            done_N=s.done_N | jnp.any(emit_NxW & is_eos_NxW, axis=1) | (col_N >= T),
+            rng=rng,
+        )
         return s, window, a_N, new_N, live_N
 
     def step_result(s: _State, window, a_N, live_N):
@@ -239,10 +285,12 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
     def count(st: SpecStats, live_N, n_drafted_N, a_N):
         live_i = live_N.astype(jnp.int32)
         rejected_N = live_i * (a_N < n_drafted_N)
-        return st._replace(drafted=st.drafted + jnp.sum(live_i * n_drafted_N),
-                           accepted=st.accepted + jnp.sum(live_i * a_N),
-                           rejections=st.rejections + jnp.sum(rejected_N),
-                           row_verifications=st.row_verifications + jnp.sum(live_i)), rejected_N
+        return st._replace(
+            drafted=st.drafted + jnp.sum(live_i * n_drafted_N),
+            accepted=st.accepted + jnp.sum(live_i * a_N),
+            rejections=st.rejections + jnp.sum(rejected_N),
+            row_verifications=st.row_verifications + jnp.sum(live_i),
+        ), rejected_N
 
     def self_step(s: _State):
         k, _ = choose_draft_length(estimate(s.stats), spec.max_draft, costs.draft, spec.adaptive, verify_self)
@@ -252,8 +300,9 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
 
         def draft_one(i, c):
             window, tok_N, fed_NxW, q_NxWxV, rng = c
-            logits_Nx1xV, window, _ = window_layers(dparams, cfg, tok_N[:, None], s.cache, s.fill_N, window, i,
-                                                    d_layers)
+            logits_Nx1xV, window, _ = window_layers(
+                dparams, cfg, tok_N[:, None], s.cache, s.fill_N, window, i, d_layers
+            )
             rng, key = jax.random.split(rng)
             if greedy:
                 d_N = first_argmax(logits_Nx1xV[:, 0])
@@ -265,39 +314,48 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
             return window, d_N, fed_NxW, q_NxWxV, rng
 
         _, _, fed_NxW, q_NxWxV, rng = lax.fori_loop(
-            0, k, draft_one, (empty_window(s.cache, W_self, d_layers), s.last_N, fed0_NxW, q0_NxWxV, s.rng))
+            0, k, draft_one, (empty_window(s.cache, W_self, d_layers), s.last_N, fed0_NxW, q0_NxWxV, s.rng)
+        )
         # The drafter's window is dropped: the verify forward computes the policy's own keys/values.
         s = s._replace(rng=rng)
         drafted_NxW = (jnp.arange(W_self) >= 1) & (jnp.arange(W_self) <= k)
         drafted_NxW = jnp.broadcast_to(drafted_NxW, (N, W_self))
         s, window, a_N, _, live_N = verify(s, fed_NxW, drafted_NxW, q_NxWxV)
         st, rejected_N = count(s.stats, live_N, jnp.full((N,), k), a_N)
-        st = st._replace(self_steps=st.self_steps + 1, draft_len_sum=st.draft_len_sum + k,
-                         self_accepted=st.self_accepted + jnp.sum(live_N * a_N).astype(jnp.float32),
-                         self_rejected=st.self_rejected + jnp.sum(rejected_N).astype(jnp.float32))
+        st = st._replace(
+            self_steps=st.self_steps + 1,
+            draft_len_sum=st.draft_len_sum + k,
+            self_accepted=st.self_accepted + jnp.sum(live_N * a_N).astype(jnp.float32),
+            self_rejected=st.self_rejected + jnp.sum(rejected_N).astype(jnp.float32),
+        )
         return step_result(s._replace(stats=st._replace(acceptance=estimate(st))), window, a_N, live_N)
 
     def reuse_step(s: _State):
         window_NxW1 = _row_window(draft_NxT, s.col_N, W_reuse - 1, pad_id)
         fed_NxW = jnp.concatenate([s.last_N[:, None], window_NxW1], axis=1)
         offset_W = jnp.arange(W_reuse) - 1  # fed token i >= 1 is draft column col + i - 1
-        drafted_NxW = ((offset_W >= 0) & s.alive_N[:, None]
-                       & (s.col_N[:, None] + offset_W < draft_len_N[:, None]))
+        drafted_NxW = (offset_W >= 0) & s.alive_N[:, None] & (s.col_N[:, None] + offset_W < draft_len_N[:, None])
         old_logp = None
         if approx:
-            old_logp = jnp.concatenate([jnp.zeros((N, 1)), _row_window(draft_logp_NxT, s.col_N, W_reuse - 1, 0.0)],
-                                       axis=1)
+            old_logp = jnp.concatenate(
+                [jnp.zeros((N, 1)), _row_window(draft_logp_NxT, s.col_N, W_reuse - 1, 0.0)], axis=1
+            )
         col_before_N = s.col_N
         s, window, a_N, new_N, live_N = verify(s, fed_NxW, drafted_NxW, None, old_logp)
         n_drafted_N = jnp.sum(drafted_NxW, axis=1, dtype=jnp.int32)
         st, rejected_N = count(s.stats, live_N, n_drafted_N, a_N)
-        st = st._replace(reuse_accepted=st.reuse_accepted + jnp.sum(live_N * a_N).astype(jnp.float32),
-                         reuse_rejected=st.reuse_rejected + jnp.sum(rejected_N).astype(jnp.float32))
+        st = st._replace(
+            reuse_accepted=st.reuse_accepted + jnp.sum(live_N * a_N).astype(jnp.float32),
+            reuse_rejected=st.reuse_rejected + jnp.sum(rejected_N).astype(jnp.float32),
+        )
         st = st._replace(reuse_acceptance=reuse_estimate(st))
         # Still aligned iff nothing was rejected and the new token is the draft's next one too.
         nxt = col_before_N + a_N
-        next_draft_N = jnp.take_along_axis(jnp.pad(draft_NxT, ((0, 0), (0, 1)), constant_values=pad_id),
-                                           jnp.minimum(nxt, draft_NxT.shape[1])[:, None], axis=1)[:, 0]
+        next_draft_N = jnp.take_along_axis(
+            jnp.pad(draft_NxT, ((0, 0), (0, 1)), constant_values=pad_id),
+            jnp.minimum(nxt, draft_NxT.shape[1])[:, None],
+            axis=1,
+        )[:, 0]
         alive_N = s.alive_N & (a_N == n_drafted_N) & (nxt < draft_len_N) & (new_N == next_draft_N)
         s = s._replace(alive_N=alive_N, stats=st._replace(reuse_steps=st.reuse_steps + 1))
         return step_result(s, window, a_N, live_N)
@@ -331,14 +389,19 @@ def sample_speculative(params, cfg: ModelConfig, prompt_BxP, prompt_mask_BxP, rn
             out, window, advance_N = lax.switch(jnp.asarray(mode, jnp.int32), branches, s)
         else:
             out, window, advance_N = plain_step(s)
-        return out._replace(step=s.step + 1, cache=commit_window(s.cache, window, s.fill_N, advance_N),
-                            fill_N=s.fill_N + advance_N)
+        return out._replace(
+            step=s.step + 1, cache=commit_window(s.cache, window, s.fill_N, advance_N), fill_N=s.fill_N + advance_N
+        )
 
     state = lax.while_loop(lambda s: ~jnp.all(s.done_N), body, state)
     mask_NxT = state.mask_NxU[:, :T]
     out = SampleOutput(
-        tokens_BxT=state.tokens_NxU[:, :T], completion_mask_BxT=mask_NxT, logp_BxT=state.logp_NxU[:, :T],
+        tokens_BxT=state.tokens_NxU[:, :T],
+        completion_mask_BxT=mask_NxT,
+        logp_BxT=state.logp_NxU[:, :T],
         finished_B=jnp.any((state.tokens_NxU[:, :T] == eos_id) & (mask_NxT > 0), axis=1),
-        length_B=jnp.sum(mask_NxT, axis=-1).astype(jnp.int32), num_steps=state.step,
-        routing_BxSxLxK=None if routing is None else state.routing_NxSxLxK[:, :P + T])
+        length_B=jnp.sum(mask_NxT, axis=-1).astype(jnp.int32),
+        num_steps=state.step,
+        routing_BxSxLxK=None if routing is None else state.routing_NxSxLxK[:, : P + T],
+    )
     return out, state.stats

@@ -43,18 +43,25 @@ from jaxrl.train.scoring import combined_reward, reward_metrics
 def check_agent_config(cfg: Config) -> None:
     """What multi-turn episodes cannot be combined with (one-line errors naming the field)."""
     if cfg.rollout.speculative.enabled:
-        raise ConfigError(f"rollout.speculative.enabled: not available with multi-turn episodes "
-                          f"(data.task={cfg.data.task!r}); set it to false")
+        raise ConfigError(
+            f"rollout.speculative.enabled: not available with multi-turn episodes "
+            f"(data.task={cfg.data.task!r}); set it to false"
+        )
     if cfg.rollout.engine.dynamic_sampling or cfg.rollout.engine.allocation != "uniform":
-        raise ConfigError("rollout.engine.dynamic_sampling / rollout.engine.allocation: not available with "
-                          "multi-turn episodes; use agent.keep_top_variance (StarPO-S) to filter groups")
+        raise ConfigError(
+            "rollout.engine.dynamic_sampling / rollout.engine.allocation: not available with "
+            "multi-turn episodes; use agent.keep_top_variance (StarPO-S) to filter groups"
+        )
     check_model_format(cfg, load_suite(cfg.data.task))  # a checkpoint's run needs the Hermes tool format
     if cfg.data.skip_long_prompts:
-        raise ConfigError("data.skip_long_prompts: not available with multi-turn episodes (every record's prompt "
-                          "is the environment's reset text); raise data.max_prompt_len instead")
+        raise ConfigError(
+            "data.skip_long_prompts: not available with multi-turn episodes (every record's prompt "
+            "is the environment's reset text); raise data.max_prompt_len instead"
+        )
     if jax.process_count() > 1:
-        raise ConfigError(f"data.task={cfg.data.task!r}: multi-turn episodes run in one process; this run has "
-                          f"{jax.process_count()}")
+        raise ConfigError(
+            f"data.task={cfg.data.task!r}: multi-turn episodes run in one process; this run has {jax.process_count()}"
+        )
 
 
 def make_episode_engine(cfg: Config, model_cfg, tokenizer, suite, *, greedy: bool = False) -> EpisodeEngine:
@@ -63,10 +70,20 @@ def make_episode_engine(cfg: Config, model_cfg, tokenizer, suite, *, greedy: boo
     rc = cfg.rollout
     fmt, end_of_turn = episode_format(cfg, tokenizer, suite)
     check_prompt_fits(cfg, tokenizer, suite, fmt)
-    return EpisodeEngine(model_cfg, rc.engine, cfg.agent, make_env=functools.partial(suite.make, cfg.agent, fmt),
-                         tokenizer=tokenizer, end_of_turn=end_of_turn, prompt_len=prompt_width(cfg.data),
-                         max_new_tokens=rc.max_new_tokens, temperature=1.0 if greedy else rc.temperature,
-                         top_k=0 if greedy else rc.top_k, top_p=1.0 if greedy else rc.top_p, greedy=greedy)
+    return EpisodeEngine(
+        model_cfg,
+        rc.engine,
+        cfg.agent,
+        make_env=functools.partial(suite.make, cfg.agent, fmt),
+        tokenizer=tokenizer,
+        end_of_turn=end_of_turn,
+        prompt_len=prompt_width(cfg.data),
+        max_new_tokens=rc.max_new_tokens,
+        temperature=1.0 if greedy else rc.temperature,
+        top_k=0 if greedy else rc.top_k,
+        top_p=1.0 if greedy else rc.top_p,
+        greedy=greedy,
+    )
 
 
 def episode_rewards(groups, shaping_weight: float) -> list[np.ndarray]:
@@ -84,7 +101,10 @@ def keep_most_varied(rewards: list[np.ndarray], n: int, reward_weights) -> list[
 
 def episode_batch(groups, rewards: list[np.ndarray]) -> dict:
     """Episode groups -> the update's fields (rows of group i contiguous, group_id_B = i)."""
-    cat = lambda f: np.concatenate([f(g) for g in groups])
+
+    def cat(f):
+        return np.concatenate([f(g) for g in groups])
+
     sizes = [len(g.tokens_GxT) for g in groups]
     return {
         "prompt_tokens_BxP": cat(lambda g: np.repeat(g.prompt_P[None], len(g.tokens_GxT), 0)),
@@ -101,24 +121,35 @@ def episode_batch(groups, rewards: list[np.ndarray]) -> dict:
 
 def episode_metrics(groups, rewards: list[np.ndarray], reward_weights) -> dict:
     """agent/*: per-episode turns, tool calls, errors and outcomes, and the spread of rewards per group."""
-    col = lambda name: np.concatenate([getattr(g, name) for g in groups]).astype(np.float64)
+
+    def col(name):
+        return np.concatenate([getattr(g, name) for g in groups]).astype(np.float64)
+
     stds = [combined_reward(r, reward_weights).std() for r in rewards]
-    return {"agent/success_rate": float(col("success_G").mean()), "agent/return_mean": float(col("return_G").mean()),
-            "agent/turns_mean": float(col("turns_G").mean()),
-            "agent/tool_calls_mean": float(col("tool_calls_G").mean()),
-            "agent/tool_errors": int(col("tool_errors_G").sum()), "agent/env_errors": int(col("env_errors_G").sum()),
-            "agent/obs_cut": int(col("obs_cut_G").sum()), "agent/truncated": float(col("truncated_G").mean()),
-            "agent/reward_std_mean": float(np.mean(stds)),
-            "agent/zero_std_groups": float(np.mean([s == 0 for s in stds]))}
+    return {
+        "agent/success_rate": float(col("success_G").mean()),
+        "agent/return_mean": float(col("return_G").mean()),
+        "agent/turns_mean": float(col("turns_G").mean()),
+        "agent/tool_calls_mean": float(col("tool_calls_G").mean()),
+        "agent/tool_errors": int(col("tool_errors_G").sum()),
+        "agent/env_errors": int(col("env_errors_G").sum()),
+        "agent/obs_cut": int(col("obs_cut_G").sum()),
+        "agent/truncated": float(col("truncated_G").mean()),
+        "agent/reward_std_mean": float(np.mean(stds)),
+        "agent/zero_std_groups": float(np.mean([s == 0 for s in stds])),
+    }
 
 
 def timing_metrics(stats: dict, before: dict) -> dict:
     """Environment time this step: summed over its steps, how much of it the host waited with
     nothing to decode (exposed) and the rest (hidden behind decoding)."""
     d = {k: stats.get(k, 0) - before.get(k, 0) for k in ("env_seconds", "env_exposed_seconds", "env_steps")}
-    return {"agent/env_steps": int(d["env_steps"]), "agent/env_seconds": float(d["env_seconds"]),
-            "agent/env_exposed_seconds": float(d["env_exposed_seconds"]),
-            "agent/env_hidden_seconds": max(float(d["env_seconds"] - d["env_exposed_seconds"]), 0.0)}
+    return {
+        "agent/env_steps": int(d["env_steps"]),
+        "agent/env_seconds": float(d["env_seconds"]),
+        "agent/env_exposed_seconds": float(d["env_exposed_seconds"]),
+        "agent/env_hidden_seconds": max(float(d["env_seconds"] - d["env_exposed_seconds"]), 0.0),
+    }
 
 
 class AgentSource:
@@ -139,8 +170,9 @@ class AgentSource:
         n = cfg.rollout.prompts_per_step
         n_draw = math.ceil(n / cfg.agent.keep_top_variance - 1e-9)
         records, stream = next_batch(self.task.train, stream, n_draw, cfg.data.seed)
-        groups = self.engine.run(params, step - 1, [(r, r) for r in records], cfg.rollout.group_size,
-                                 seed=(cfg.train.seed, step))
+        groups = self.engine.run(
+            params, step - 1, [(r, r) for r in records], cfg.rollout.group_size, seed=(cfg.train.seed, step)
+        )
         seconds = time.perf_counter() - t0
         rewards = episode_rewards(groups, cfg.agent.shaping_weight)
         kept = keep_most_varied(rewards, n, cfg.loss.reward_weights) if n_draw > n else list(range(n))
@@ -149,14 +181,22 @@ class AgentSource:
         groups, rewards = [groups[i] for i in kept], [rewards[i] for i in kept]
         batch = episode_batch(groups, rewards)
         mask_BxT = batch["completion_mask_BxT"]
-        metrics = reward_metrics(batch["rewards_BxK"], mask_BxT, batch["truncated_B"] == 0, 0, 0,
-                                 cfg.loss.reward_weights)
-        metrics.update({"rollout/tokens_per_s": drawn_tokens / max(seconds, 1e-9), "rollout/seconds": seconds,
-                        "rollout/samples": n_draw * cfg.rollout.group_size, **drawn_metrics,
-                        **timing_metrics(self.engine.stats, stats0)})
+        metrics = reward_metrics(
+            batch["rewards_BxK"], mask_BxT, batch["truncated_B"] == 0, 0, 0, cfg.loss.reward_weights
+        )
+        metrics.update(
+            {
+                "rollout/tokens_per_s": drawn_tokens / max(seconds, 1e-9),
+                "rollout/seconds": seconds,
+                "rollout/samples": n_draw * cfg.rollout.group_size,
+                **drawn_metrics,
+                **timing_metrics(self.engine.stats, stats0),
+            }
+        )
         if n_draw > n:
             metrics["agent/kept_reward_std_mean"] = episode_metrics(groups, rewards, cfg.loss.reward_weights)[
-                "agent/reward_std_mean"]
+                "agent/reward_std_mean"
+            ]
         return Produced(batch, None, metrics, stream)
 
     def checkpoint_state(self) -> dict:
@@ -172,10 +212,16 @@ def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list
     def evaluate(params) -> dict:
         # seed (train.seed, 0): training steps use (train.seed, step >= 1)
         groups = engine.run(params, 0, [(r, r) for r in records], 1, seed=(cfg.train.seed, 0))
-        col = lambda name: np.concatenate([getattr(g, name) for g in groups]).astype(np.float64)
-        return {"eval/accuracy": float(col("success_G").mean()), "eval/return": float(col("return_G").mean()),
-                "eval/turns": float(col("turns_G").mean()), "eval/tool_calls": float(col("tool_calls_G").mean()),
-                "eval/response_len": float(np.concatenate([g.loss_mask_GxT.sum(1) for g in groups]).mean())}
+
+        def col(name):
+            return np.concatenate([getattr(g, name) for g in groups]).astype(np.float64)
+
+        return {
+            "eval/accuracy": float(col("success_G").mean()),
+            "eval/return": float(col("return_G").mean()),
+            "eval/turns": float(col("turns_G").mean()),
+            "eval/tool_calls": float(col("tool_calls_G").mean()),
+            "eval/response_len": float(np.concatenate([g.loss_mask_GxT.sum(1) for g in groups]).mean()),
+        }
 
     return evaluate
-

@@ -26,7 +26,7 @@ at 2 samples, earlier index), prompt 3 (.25 > 1's .25/2), then both at .125 > .0
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,8 +45,9 @@ def variance_score(rewards: Sequence[float], v0: float, prior_weight: float = 1.
     return float((np.sum((r - r.mean()) ** 2) + prior_weight * v0) / (len(r) + prior_weight))
 
 
-def plan_round(rewards: Sequence[Sequence[float]], budget_left: int, rounds_left: int, cap: int,
-               prior_weight: float = 1.0) -> list[int]:
+def plan_round(
+    rewards: Sequence[Sequence[float]], budget_left: int, rounds_left: int, cap: int, prior_weight: float = 1.0
+) -> list[int]:
     """How many more samples each prompt gets this round (see the module docstring). `rewards[i]`
     holds prompt i's scored rewards so far; the result sums to min(ceil(budget_left / rounds_left),
     room under the cap)."""
@@ -70,8 +71,9 @@ def allocate(draw, n_prompts: int, initial: int, budget: int, rounds: int, cap: 
     and returns their rewards (a list per prompt, in order). Phase 1 draws `initial` of each; then
     `rounds` rounds of `plan_round` until `budget` samples are drawn. Returns every prompt's rewards."""
     if not 0 < initial <= cap or n_prompts * initial > budget or n_prompts * cap < budget:
-        raise ValueError(f"allocate: {n_prompts} prompts x initial={initial} must fit budget={budget} "
-                         f"<= {n_prompts} x cap={cap}")
+        raise ValueError(
+            f"allocate: {n_prompts} prompts x initial={initial} must fit budget={budget} <= {n_prompts} x cap={cap}"
+        )
     rewards = [list(r) for r in draw([initial] * n_prompts)]
     for r in range(rounds):
         left = budget - sum(map(len, rewards))
@@ -88,7 +90,10 @@ def allocation_metrics(rewards: Sequence[Sequence[float]]) -> dict:
     equal) and the mean group variance after allocation."""
     sizes = [len(r) for r in rewards]
     informative = [len(set(np.asarray(r, np.float64).tolist())) > 1 for r in rewards]
-    return {"engine/vigor_min_group": min(sizes), "engine/vigor_max_group": max(sizes),
-            "engine/vigor_mean_group": float(np.mean(sizes)),
-            "engine/vigor_informative_frac": float(np.mean(informative)),
-            "engine/vigor_mean_variance": float(np.mean([np.var(r) for r in rewards]))}
+    return {
+        "engine/vigor_min_group": min(sizes),
+        "engine/vigor_max_group": max(sizes),
+        "engine/vigor_mean_group": float(np.mean(sizes)),
+        "engine/vigor_informative_frac": float(np.mean(informative)),
+        "engine/vigor_mean_variance": float(np.mean([np.var(r) for r in rewards])),
+    }

@@ -21,12 +21,18 @@ def next_prompts(source, stream: StreamState, n: int, tokenizer, data: DataConfi
     while len(records) < n:
         chunk, stream = next_batch(source, stream, n - len(records), seed)
         tok_BxP, mask_BxP, kept, n_skipped = encode_prompts(
-            tokenizer, [r["prompt"] for r in chunk], data.max_prompt_len, skip_long=data.skip_long_prompts,
-            record_ids=[r["id"] for r in chunk], pad_to=prompt_width(data))
+            tokenizer,
+            [r["prompt"] for r in chunk],
+            data.max_prompt_len,
+            skip_long=data.skip_long_prompts,
+            record_ids=[r["id"] for r in chunk],
+            pad_to=prompt_width(data),
+        )
         skipped += n_skipped
         if n_skipped == len(chunk) and skipped > 100 * n:
-            raise ConfigError(f"data.max_prompt_len={data.max_prompt_len}: nearly every prompt is longer; "
-                              f"{skipped} skipped")
+            raise ConfigError(
+                f"data.max_prompt_len={data.max_prompt_len}: nearly every prompt is longer; {skipped} skipped"
+            )
         records += [chunk[i] for i in kept]
         tokens.append(tok_BxP)
         masks.append(mask_BxP)
@@ -40,10 +46,11 @@ def completion_targets(tokenizer, answers: list[str], width: int, ids: list[str]
     for i, (a, rid) in enumerate(zip(answers, ids)):
         ids_ = tokenizer.encode(a) + [tokenizer.eos_id]
         if len(ids_) > width:
-            raise ConfigError(f"rollout.max_new_tokens={width}: the answer of record {rid!r} needs "
-                              f"{len(ids_)} tokens with EOS")
-        tokens[i, :len(ids_)] = ids_
-        mask[i, :len(ids_)] = 1.0
+            raise ConfigError(
+                f"rollout.max_new_tokens={width}: the answer of record {rid!r} needs {len(ids_)} tokens with EOS"
+            )
+        tokens[i, : len(ids_)] = ids_
+        mask[i, : len(ids_)] = 1.0
     return tokens, mask
 
 

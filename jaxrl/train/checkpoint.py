@@ -17,7 +17,7 @@ import copy
 import pathlib
 import shutil
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,7 @@ from jaxrl.sharding import any_process, is_primary
 
 
 def make_manager(workdir: pathlib.Path, cfg: CheckpointConfig) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
-                                           create=True)
+    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
     return ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints", options=options)
 
 
@@ -51,11 +50,16 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, host: dict, *, f
     items = {"state": ocp.args.StandardSave(state)}
     arrays = host.pop(ARRAYS, None)
     if arrays:
-        bad = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(arrays)[0]
-               if not isinstance(x, np.ndarray)]
+        bad = [
+            jax.tree_util.keystr(p)
+            for p, x in jax.tree_util.tree_flatten_with_path(arrays)[0]
+            if not isinstance(x, np.ndarray)
+        ]
         if bad:
-            raise TypeError(f"checkpoint item {ARRAYS}: {bad[0]} is not a numpy array (copy device arrays to the host "
-                            "before saving)")
+            raise TypeError(
+                f"checkpoint item {ARRAYS}: {bad[0]} is not a numpy array (copy device arrays to the host "
+                "before saving)"
+            )
         items[ARRAYS] = ocp.args.StandardSave(arrays)
     return manager.save(step, args=ocp.args.Composite(host=ocp.args.JsonSave(host), **items), force=force)
 
@@ -74,7 +78,7 @@ class BackgroundSaver:
         self.manager = manager
         self.background = jax.process_count() == 1 and bool(manager._options.enable_async_checkpointing)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxrl-checkpoint")
-        self._started: Optional[concurrent.futures.Future] = None
+        self._started: concurrent.futures.Future | None = None
 
     def save(self, step: int, state: Any, host: dict, *, force: bool = False) -> None:
         check_finite(state, step)
@@ -134,7 +138,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {line[:300]}"
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> Optional[tuple[int, Any, dict]]:
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> tuple[int, Any, dict] | None:
     """(step, state, host) of the newest checkpoint that restores, placed like `abstract_state`; None if
     there is none. A newer one that fails (a truncated file) is moved aside to `checkpoints.unreadable/`
     (never deleted), with a line on stderr, and the next older one is tried. If none restores, nothing
@@ -143,7 +147,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> Optio
     for step in sorted(manager.all_steps(), reverse=True):
         try:
             result, error = _restore(manager, step, abstract_state), None
-        except Exception as e:  # noqa: BLE001 (tensorstore, orbax and JSON errors alike)
+        except Exception as e:  # tensorstore, orbax and JSON errors alike
             result, error = None, _first_line(e)
         if any_process(error is not None):  # every process restores the same step, or none does
             failed.append((step, error or "failed on another process"))
@@ -153,8 +157,9 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> Optio
         return result
     if failed:
         step, error = failed[0]
-        raise CheckpointError(f"no checkpoint in {manager.directory} could be restored; the newest, step {step}: "
-                              f"{error}")
+        raise CheckpointError(
+            f"no checkpoint in {manager.directory} could be restored; the newest, step {step}: {error}"
+        )
     return None
 
 
@@ -171,8 +176,11 @@ def _set_aside(manager: ocp.CheckpointManager, failed: list[tuple[int, str]], go
             while target.exists():
                 target, n = aside / f"{step}-{n}", n + 1
             shutil.move(str(directory / str(step)), target)
-            print(f"jaxrl: checkpoint step {step} could not be restored ({error}); moved to {target}; "
-                  f"resuming from step {good}", file=sys.stderr)
+            print(
+                f"jaxrl: checkpoint step {step} could not be restored ({error}); moved to {target}; "
+                f"resuming from step {good}",
+                file=sys.stderr,
+            )
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -188,15 +196,16 @@ def _all_finite(tree: Any) -> jax.Array:
 def check_finite(state: Any, step: int) -> None:
     """NonFiniteError unless every parameter is finite: a checkpoint never holds NaN/inf weights."""
     if not bool(np.asarray(_all_finite(state.params).addressable_data(0))):  # replicated: any process reads it
-        raise NonFiniteError(f"step {step}: the parameters hold NaN/inf values; stopped without saving them "
-                             "(the newest checkpoint is the last finite one). Lower optim.learning_rate, or "
-                             "check the rewards")
+        raise NonFiniteError(
+            f"step {step}: the parameters hold NaN/inf values; stopped without saving them "
+            "(the newest checkpoint is the last finite one). Lower optim.learning_rate, or "
+            "check the rewards"
+        )
 
 
 def abstract_like(state: Any) -> Any:
     """ShapeDtypeStructs (with shardings) that tell Orbax how to place the restored arrays."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                        state)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state)
 
 
 def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
@@ -213,12 +222,14 @@ def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
     try:
         saved = ocp.StandardCheckpointHandler().metadata(pathlib.Path(manager.directory) / str(step) / "state")
         saved_ref = saved.get("ref_params") is not None
-    except Exception:  # noqa: BLE001  (a damaged checkpoint is the restore's to report)
+    except Exception:  # a damaged checkpoint is the restore's to report
         return abstract_state
     if saved_ref and abstract_state.ref_params is None:
         return abstract_state._replace(ref_params=abstract_state.params)
     if abstract_state.ref_params is not None and not saved_ref:
-        raise ConfigError(f"checkpoint {step} in {manager.directory} holds no reference params, but the loss needs "
-                          "them (loss.kl_beta or kl_reward_beta > 0): this run was trained without a KL term; "
-                          "use a new --workdir")
+        raise ConfigError(
+            f"checkpoint {step} in {manager.directory} holds no reference params, but the loss needs "
+            "them (loss.kl_beta or kl_reward_beta > 0): this run was trained without a KL term; "
+            "use a new --workdir"
+        )
     return abstract_state

@@ -13,7 +13,8 @@ step where every group is uninformative still has rows to normalise by.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,15 +57,25 @@ def select_informative(draw: Callable[[int], list], n_groups: int, max_extra: in
         kept += [g for g in more if informative(g.rewards_GxK, reward_weights)]
     cap_hit = len(kept) < n_groups
     kept_ids = {id(g) for g in kept}
-    fill = [g for g in drawn if id(g) not in kept_ids][:n_groups - len(kept)]
+    fill = [g for g in drawn if id(g) not in kept_ids][: n_groups - len(kept)]
     rewards = [combined_reward(g.rewards_GxK, reward_weights) for g in drawn]
-    return Selection(groups=kept + fill, n_drawn=len(drawn), n_dropped=len(drawn) - len(kept),
-                     n_filled=len(fill), n_extra=n_extra, cap_hit=cap_hit,
-                     drawn_reward_mean=float(np.concatenate(rewards).mean()) if rewards else 0.0)
+    return Selection(
+        groups=kept + fill,
+        n_drawn=len(drawn),
+        n_dropped=len(drawn) - len(kept),
+        n_filled=len(fill),
+        n_extra=n_extra,
+        cap_hit=cap_hit,
+        drawn_reward_mean=float(np.concatenate(rewards).mean()) if rewards else 0.0,
+    )
 
 
 def selection_metrics(sel: Selection) -> dict:
     """The engine/dyn_* metrics row of one step (the reward/* metrics describe the kept batch)."""
-    return {"engine/dyn_dropped": sel.n_dropped, "engine/dyn_filled": sel.n_filled,
-            "engine/dyn_extra": sel.n_extra, "engine/dyn_cap_hit": int(sel.cap_hit),
-            "engine/dyn_reward_mean_drawn": sel.drawn_reward_mean}
+    return {
+        "engine/dyn_dropped": sel.n_dropped,
+        "engine/dyn_filled": sel.n_filled,
+        "engine/dyn_extra": sel.n_extra,
+        "engine/dyn_cap_hit": int(sel.cap_hit),
+        "engine/dyn_reward_mean_drawn": sel.drawn_reward_mean,
+    }

@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Iterator, NamedTuple, Optional
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -56,7 +57,7 @@ class Produced(NamedTuple):
     """One step's scored completions (this process's rows) and where the data stream now stands."""
 
     host_batch: dict  # the update's fields by name, this process's rows (jaxrl.train.scoring)
-    routing_BxSxLxK: Optional[jax.Array]  # MoE: the global array, laid out by its name; else None
+    routing_BxSxLxK: jax.Array | None  # MoE: the global array, laid out by its name; else None
     metrics: dict  # the step's metrics row so far (reward, length, rollout/*), in logged order
     stream: StreamState
 
@@ -70,15 +71,29 @@ class StaticSource:
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
         cfg, t0 = self.cfg, time.perf_counter()
         records, prompt_BxP, pmask_BxP, stream, n_skipped = next_prompts(
-            self.task.train, stream, cfg.rollout.prompts_per_step, self.tokenizer, cfg.data, cfg.data.seed)
+            self.task.train, stream, cfg.rollout.prompts_per_step, self.tokenizer, cfg.data, cfg.data.seed
+        )
         # Every process walks the same stream; each scores only its own completion rows.
         rollout, rollout_row = self.sampler.produce(params, prompt_BxP, pmask_BxP, rng, step)
         seconds = time.perf_counter() - t0
-        scored = score_groups(rollout, records, prompt_BxP, pmask_BxP, n_skipped, tokenizer=self.tokenizer,
-                              verifier=self.task.verifier, rows=self.rows, group_size=cfg.rollout.group_size,
-                              reward_weights=cfg.loss.reward_weights)
-        metrics = {**scored.metrics, "rollout/tokens_per_s": scored.n_tokens / max(seconds, 1e-9),
-                   "rollout/seconds": seconds, **rollout_row}
+        scored = score_groups(
+            rollout,
+            records,
+            prompt_BxP,
+            pmask_BxP,
+            n_skipped,
+            tokenizer=self.tokenizer,
+            verifier=self.task.verifier,
+            rows=self.rows,
+            group_size=cfg.rollout.group_size,
+            reward_weights=cfg.loss.reward_weights,
+        )
+        metrics = {
+            **scored.metrics,
+            "rollout/tokens_per_s": scored.n_tokens / max(seconds, 1e-9),
+            "rollout/seconds": seconds,
+            **rollout_row,
+        }
         return Produced(scored.host_batch, rollout.routing_BxSxLxK, metrics, stream)
 
     def checkpoint_state(self) -> dict:
@@ -97,8 +112,9 @@ class PromptFeed:
 
     def __next__(self):
         data = self.cfg.data
-        recs, tok_1xP, mask_1xP, self.stream, n_skipped = next_prompts(self.records, self.stream, 1, self.tokenizer,
-                                                                        data, data.seed)
+        recs, tok_1xP, mask_1xP, self.stream, n_skipped = next_prompts(
+            self.records, self.stream, 1, self.tokenizer, data, data.seed
+        )
         self.skipped += n_skipped
         return recs[0], tok_1xP[0][mask_1xP[0] > 0]
 
@@ -109,17 +125,27 @@ class EngineSource:
 
     def __init__(self, cfg: Config, model_cfg, tokenizer, task, host: dict):
         if jax.process_count() > 1:
-            raise ConfigError(f"rollout.engine.enabled: the engine runs in one process; this run has "
-                              f"{jax.process_count()} (set rollout.engine.enabled=false)")
+            raise ConfigError(
+                f"rollout.engine.enabled: the engine runs in one process; this run has "
+                f"{jax.process_count()} (set rollout.engine.enabled=false)"
+            )
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), _ENGINE_KEY_SALT)
         # model_cfg: the resolved model (the tokenizer's vocabulary, or the HF checkpoint's architecture)
         spec = cfg.rollout.speculative  # a reduced draft head: ids ranked over the task's training records
-        draft_ids = (task_draft_ids(task.train, tokenizer, spec.draft_vocab, model_cfg.vocab_size)
-                     if spec.enabled and spec.draft_vocab else None)
-        self.engine = Engine.from_config(dataclasses.replace(cfg, model=model_cfg), prompt_len=prompt_width(cfg.data),
-                                         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, rng=rng,
-                                         draft_ids=draft_ids)
+        draft_ids = (
+            task_draft_ids(task.train, tokenizer, spec.draft_vocab, model_cfg.vocab_size)
+            if spec.enabled and spec.draft_vocab
+            else None
+        )
+        self.engine = Engine.from_config(
+            dataclasses.replace(cfg, model=model_cfg),
+            prompt_len=prompt_width(cfg.data),
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            rng=rng,
+            draft_ids=draft_ids,
+        )
         if _ENGINE_ITEM in host:  # resumed: the samples in flight continue where the save left them
             self.engine.load_state(host[_ENGINE_ITEM], host.get(ckpt.ARRAYS, {}).get(_ENGINE_ITEM))
         self.prompt_filter = BetaPromptFilter.from_config(cfg.rollout.engine, cfg.train.seed, host.get(_FILTER_KEY))
@@ -139,10 +165,10 @@ class EngineSource:
         seconds = time.perf_counter() - t0
         host_batch = _batch_of(picked, version)
         mask_BxT, finished_B = host_batch["completion_mask_BxT"], host_batch["truncated_B"] == 0
-        metrics = reward_metrics(host_batch["rewards_BxK"], mask_BxT, finished_B, n_failed, feed.skipped,
-                                 cfg.loss.reward_weights)
-        metrics.update({"rollout/tokens_per_s": float(mask_BxT.sum()) / max(seconds, 1e-9),
-                        "rollout/seconds": seconds})
+        metrics = reward_metrics(
+            host_batch["rewards_BxK"], mask_BxT, finished_B, n_failed, feed.skipped, cfg.loss.reward_weights
+        )
+        metrics.update({"rollout/tokens_per_s": float(mask_BxT.sum()) / max(seconds, 1e-9), "rollout/seconds": seconds})
         metrics.update(engine_metrics(self.engine, counts0, [s.group for s in picked], version))
         metrics.update({**extra_metrics, **(pf.metrics(filter0) if pf else {})})
         return Produced(host_batch, None, metrics, feed.stream)
@@ -161,16 +187,21 @@ class EngineSource:
             return scored
 
         if cfg.rollout.engine.allocation == "vigor":  # groups of unequal size, B samples in all
-            rewards_of = functools.partial(group_rewards, tokenizer=self.tokenizer, verifier=self.task.verifier,
-                                           reward_weights=cfg.loss.reward_weights)
+            rewards_of = functools.partial(
+                group_rewards,
+                tokenizer=self.tokenizer,
+                verifier=self.task.verifier,
+                reward_weights=cfg.loss.reward_weights,
+            )
             groups, allocated = collect_vigor(self.engine, params, version, prompts, cfg.rollout, rewards_of)
             picked, failed = self._scored(groups)
             return failed, picked, {"rollout/samples": sum(len(g.tokens_GxT) for g in groups), **allocated}
         if not cfg.rollout.engine.dynamic_sampling:
             picked = draw(cfg.rollout.prompts_per_step)
             return n_failed[0], picked, {"rollout/samples": n_samples[0]}
-        sel = select_informative(draw, cfg.rollout.prompts_per_step, cfg.rollout.engine.max_extra_groups,
-                                 cfg.loss.reward_weights)
+        sel = select_informative(
+            draw, cfg.rollout.prompts_per_step, cfg.rollout.engine.max_extra_groups, cfg.loss.reward_weights
+        )
         return n_failed[0], sel.groups, {"rollout/samples": n_samples[0], **selection_metrics(sel)}
 
     def _scored(self, groups: list[Group]) -> tuple[list[ScoredGroup], int]:
@@ -220,13 +251,19 @@ def engine_metrics(engine: Engine, counts_before: dict, groups: list[Group], ver
     # restarted_samples: samples dropped by the staleness bound and redrawn from their prompt;
     # reprefilled_samples: carried samples whose caches were recomputed under the new params;
     # drafted / accepted: speculation's draft tokens offered and kept.
-    out = {f"engine/{k}": engine.counts[k] - counts_before.get(k, 0)
-           for k in ("chunks", "prefill_calls", "restarted_samples", "reprefilled_samples", "drafted", "accepted")
-           if k in engine.counts}
-    out.update({"engine/in_flight_groups": engine.groups_in_flight,
-                "engine/partial_frac": float(np.mean(spans_B)),
-                "engine/staleness_mean": float(stale.mean()) if stale.size else 0.0,
-                "engine/staleness_max": int(stale.max()) if stale.size else 0})
+    out = {
+        f"engine/{k}": engine.counts[k] - counts_before.get(k, 0)
+        for k in ("chunks", "prefill_calls", "restarted_samples", "reprefilled_samples", "drafted", "accepted")
+        if k in engine.counts
+    }
+    out.update(
+        {
+            "engine/in_flight_groups": engine.groups_in_flight,
+            "engine/partial_frac": float(np.mean(spans_B)),
+            "engine/staleness_mean": float(stale.mean()) if stale.size else 0.0,
+            "engine/staleness_max": int(stale.max()) if stale.size else 0,
+        }
+    )
     for k in range(3):  # the staleness histogram: share of tokens 0, 1, >= 2 versions old
         share = (stale >= k).mean() if k == 2 else (stale == k).mean()
         out[f"engine/staleness_{k}{'+' if k == 2 else ''}"] = float(share) if stale.size else 0.0

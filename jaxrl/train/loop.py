@@ -26,7 +26,8 @@ import pathlib
 import signal
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,19 +42,28 @@ from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.losses import check_rollout, make_loss
 from jaxrl.models.transformer import init_params, param_logical_axes
-from jaxrl.sharding import (any_process, batch_sharding, check_batch_divides, is_primary, make_mesh,
-                            param_shardings, process_rows, put_global, replicated)
+from jaxrl.sharding import (
+    any_process,
+    batch_sharding,
+    check_batch_divides,
+    is_primary,
+    make_mesh,
+    param_shardings,
+    process_rows,
+    put_global,
+    replicated,
+)
 from jaxrl.train import checkpoint as ckpt
+from jaxrl.train.agent_source import AgentSource, check_agent_config, make_agent_evaluator
 from jaxrl.train.evaluate import eval_records, make_evaluator
+from jaxrl.train.group_sources import EngineSource, StaticSource
+from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.metrics import MetricsLog, plot
 from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.report import emit
-from jaxrl.train.agent_source import AgentSource, check_agent_config, make_agent_evaluator
-from jaxrl.train.group_sources import EngineSource, StaticSource
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.scoring import RowLayout, assemble_batch
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
-from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.warmstart import cache_root, load_or_train_base
 from jaxrl.train.workdir import RunRecord, open_run
@@ -99,8 +109,13 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
     tc = cfg.train
     stop = _StopFlag()
     previous = signal.signal(signal.SIGTERM, stop)
-    bar = tqdm(total=tc.steps, initial=start, desc=cfg.loss.preset, disable=not tc.progress or not is_primary(),
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=tc.steps,
+        initial=start,
+        desc=cfg.loss.preset,
+        disable=not tc.progress or not is_primary(),
+        dynamic_ncols=True,
+    )
     last_eval = {}
     try:
         if start == 0 and tc.steps >= 0:
@@ -157,16 +172,43 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     resumed_step, state, stream, host = _restore(manager, state, loss, record)
     log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
 
-    logp_fn = make_logp_fn(model_cfg, rc.temperature, routing_replay=tc.routing_replay,
-                           prompt_groups=prompt_groups(cfg), logits_chunk=tc.logits_chunk, remat=tc.remat)
+    logp_fn = make_logp_fn(
+        model_cfg,
+        rc.temperature,
+        routing_replay=tc.routing_replay,
+        prompt_groups=prompt_groups(cfg),
+        logits_chunk=tc.logits_chunk,
+        remat=tc.remat,
+    )
     # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
-    update_fn = functools.partial(make_update_step, logp_fn, loss, optimizer, ppo_epochs=tc.ppo_epochs,
-                                  max_new_tokens=rc.max_new_tokens, group_size=G, use_ref=loss.needs_ref)
+    update_fn = functools.partial(
+        make_update_step,
+        logp_fn,
+        loss,
+        optimizer,
+        ppo_epochs=tc.ppo_epochs,
+        max_new_tokens=rc.max_new_tokens,
+        group_size=G,
+        use_ref=loss.needs_ref,
+    )
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
     # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
     source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, (mesh, preset, param_sh, rep), state, rows, host)
-    run = Run(cfg, workdir, mesh, preset, tokenizer, task, rows, source, _lazily_jitted_update(update_fn, tc, state_sh, rep, mesh),
-              evaluate, ckpt.BackgroundSaver(manager), log, base_path)
+    run = Run(
+        cfg,
+        workdir,
+        mesh,
+        preset,
+        tokenizer,
+        task,
+        rows,
+        source,
+        _lazily_jitted_update(update_fn, tc, state_sh, rep, mesh),
+        evaluate,
+        ckpt.BackgroundSaver(manager),
+        log,
+        base_path,
+    )
     return run, state, stream, resumed_step or 0
 
 
@@ -185,16 +227,32 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, state: TrainS
     mesh, preset, param_sh, rep = layout
     if is_agent_task(cfg.data.task):  # multi-turn episodes (jaxrl.train.agent_source)
         suite = load_suite(cfg.data.task)
-        return (AgentSource(cfg, model_cfg, tokenizer, task, suite, host),
-                make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test)))
+        return (
+            AgentSource(cfg, model_cfg, tokenizer, task, suite, host),
+            make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test)),
+        )
     if cfg.rollout.engine.enabled:
         source = EngineSource(cfg, model_cfg, tokenizer, task, host)
     else:
-        source = StaticSource(cfg, SamplerSource(cfg, model_cfg, tokenizer, mesh, preset, param_sh, state.params,
-                                                 state.rng, host, cache_root(cfg) / "speculative_costs"),
-                              task, tokenizer, rows)
-    evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier,
-                              out_sharding=rep)
+        source = StaticSource(
+            cfg,
+            SamplerSource(
+                cfg,
+                model_cfg,
+                tokenizer,
+                mesh,
+                preset,
+                param_sh,
+                state.params,
+                state.rng,
+                host,
+                cache_root(cfg) / "speculative_costs",
+            ),
+            task,
+            tokenizer,
+            rows,
+        )
+    evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier, out_sharding=rep)
     return source, evaluate
 
 
@@ -220,11 +278,21 @@ def _lazily_jitted_update(update_for, tc, state_sh, rep, mesh) -> Callable:
         with jax.set_mesh(mesh):  # MoE dropless dispatch goes expert-parallel on a mesh `expert` axis > 1
             if not jitted:
                 shardings = (state_sh, {k: v.sharding for k, v in batch.items()})
-                jit_for = lambda n: jax.jit(update_for(microbatches=n), in_shardings=shardings,  # noqa: E731
-                                            out_shardings=(state_sh, rep), donate_argnums=0)
+
+                def jit_for(n):
+                    return jax.jit(
+                        update_for(microbatches=n),
+                        in_shardings=shardings,
+                        out_shardings=(state_sh, rep),
+                        donate_argnums=0,
+                    )
+
                 rows = batch["completion_mask_BxT"].shape[0]
-                jitted.append(auto_jit(jit_for, (state, batch), rows, tc.memory_budget_gib) if tc.microbatches == 0
-                              else (jit_for(tc.microbatches), None))
+                jitted.append(
+                    auto_jit(jit_for, (state, batch), rows, tc.memory_budget_gib)
+                    if tc.microbatches == 0
+                    else (jit_for(tc.microbatches), None)
+                )
             step, auto = jitted[0]
             state, metrics = step(state, batch)
         return state, metrics if auto is None else dict(metrics, microbatches=auto)
@@ -240,8 +308,9 @@ def produce_scored_groups(run: Run, state: TrainState, stream: StreamState, step
     return state, run.source.produce(state.params, stream, k_sample, step)
 
 
-def log_and_checkpoint(run: Run, state: TrainState, stream: StreamState, step: int, pending: tuple, stop: _StopFlag,
-                       bar):
+def log_and_checkpoint(
+    run: Run, state: TrainState, stream: StreamState, step: int, pending: tuple, stop: _StopFlag, bar
+):
     """After the step's update is dispatched: evaluate on the cadence, write the row when a save or
     an eval needs it now (else it stays pending, pulled after the next dispatch), checkpoint, and
     see a SIGTERM. -> (what is still pending or None, the eval metrics or None, stopping)."""
@@ -288,8 +357,9 @@ def _build(cfg: Config, progress: bool, mesh, preset):
     # eval_shape -> shardings: the cached base policy is restored straight into its sharded layout.
     abstract_params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
     param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract_params)
-    base_params, base_path = load_or_train_base(cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet,
-                                                progress=progress, shardings=param_sh)
+    base_params, base_path = load_or_train_base(
+        cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet, progress=progress, shardings=param_sh
+    )
     base_params = jax.tree.map(_placed, base_params, param_sh)
     return tokenizer, model_cfg, task, base_params, base_path, param_sh
 

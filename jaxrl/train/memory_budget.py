@@ -16,7 +16,8 @@ update's compile is the one the run then uses (jit reuses it).
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxrl.config_checks import ConfigError
 
@@ -33,8 +34,9 @@ def temp_bytes(compiled) -> int:
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
 
 
-def choose_microbatches(compile_for: Callable[[int], Any], batch_rows: int, budget_gib: float,
-                        field: str = "train.memory_budget_gib") -> tuple[int, dict[int, float]]:
+def choose_microbatches(
+    compile_for: Callable[[int], Any], batch_rows: int, budget_gib: float, field: str = "train.memory_budget_gib"
+) -> tuple[int, dict[int, float]]:
     """-> (the fewest microbatches n dividing batch_rows whose compile_for(n) fits budget_gib of XLA
     temporaries, {n: GiB} of every candidate compiled). A ConfigError naming `field` when even
     batch_rows microbatches of one row do not fit."""
@@ -53,20 +55,29 @@ def choose_microbatches(compile_for: Callable[[int], Any], batch_rows: int, budg
         if fits(n):
             return n, tried
     worst = max(tried)
-    raise ConfigError(f"{field}={budget_gib}: no microbatch count fits; even {worst} microbatches of "
-                      f"{batch_rows // worst} row(s) need {tried[worst]:.2f} GiB of XLA temporaries. Raise "
-                      f"{field}, shrink the batch or the model, or set train.microbatches explicitly")
+    raise ConfigError(
+        f"{field}={budget_gib}: no microbatch count fits; even {worst} microbatches of "
+        f"{batch_rows // worst} row(s) need {tried[worst]:.2f} GiB of XLA temporaries. Raise "
+        f"{field}, shrink the batch or the model, or set train.microbatches explicitly"
+    )
 
 
 def report_choice(n: int, tried: dict[int, float], budget_gib: float) -> str:
     """The one line printed when the run picks its microbatches."""
     seen = ", ".join(f"{k}: {v:.2f} GiB" for k, v in sorted(tried.items()))
-    return (f"jaxrl: train.microbatches=0 (auto) -> {n} microbatch(es), XLA temporaries {tried[n]:.2f} GiB <= "
-            f"train.memory_budget_gib={budget_gib} (compiled: {seen})")
+    return (
+        f"jaxrl: train.microbatches=0 (auto) -> {n} microbatch(es), XLA temporaries {tried[n]:.2f} GiB <= "
+        f"train.memory_budget_gib={budget_gib} (compiled: {seen})"
+    )
 
 
-def auto_jit(jit_for: Callable[[int], Any], args: tuple, batch_rows: int, budget_gib: float,
-             log=lambda line: print(line, file=sys.stderr)) -> tuple[Any, int]:
+def auto_jit(
+    jit_for: Callable[[int], Any],
+    args: tuple,
+    batch_rows: int,
+    budget_gib: float,
+    log=lambda line: print(line, file=sys.stderr),
+) -> tuple[Any, int]:
     """(the jitted update for the chosen count, the count): jit_for(n) -> a jax.jit'ed update,
     lowered and compiled on `args` (state, batch) for each candidate; the choice is logged once."""
     jitted: dict[int, Any] = {}

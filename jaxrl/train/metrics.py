@@ -76,11 +76,21 @@ def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in rows if r.get("reward/mean") is not None]
-    ax.plot(steps, [r["reward/mean"] for r in rows if r.get("reward/mean") is not None],
-            color="tab:blue", alpha=0.6, label="train reward (mean)")
+    ax.plot(
+        steps,
+        [r["reward/mean"] for r in rows if r.get("reward/mean") is not None],
+        color="tab:blue",
+        alpha=0.6,
+        label="train reward (mean)",
+    )
     if any(r.get("reward/correctness") not in (None, r.get("reward/mean")) for r in rows):
-        ax.plot(steps, [r.get("reward/correctness") for r in rows if r.get("reward/mean") is not None],
-                color="tab:green", alpha=0.6, label="train correctness")
+        ax.plot(
+            steps,
+            [r.get("reward/correctness") for r in rows if r.get("reward/mean") is not None],
+            color="tab:green",
+            alpha=0.6,
+            label="train correctness",
+        )
     ev = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     if ev:
         ax.plot(*zip(*ev), "o-", color="tab:red", label="held-out accuracy")

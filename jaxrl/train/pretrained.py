@@ -68,8 +68,9 @@ def load_model(model: ModelConfig, shardings_fn=None):
         return cfg, hf.load_params(path, cfg, None if shardings_fn is None else shardings_fn(cfg))
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     if shardings_fn is not None:
-        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                                shardings_fn(cfg))
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings_fn(cfg)
+        )
     return cfg, ocp.StandardCheckpointer().restore((path / "params").absolute(), abstract)
 
 
@@ -82,8 +83,10 @@ def load_pretrained(model: ModelConfig, mesh, preset):
     shardings_fn = _shardings_fn(mesh, preset)
     cfg, params = load_model(model, shardings_fn)
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(f"model.hf_path: the tokenizer has {tokenizer.vocab_size} ids but the model only "
-                          f"vocab_size={cfg.vocab_size}")
+        raise ConfigError(
+            f"model.hf_path: the tokenizer has {tokenizer.vocab_size} ids but the model only "
+            f"vocab_size={cfg.vocab_size}"
+        )
     return tokenizer, cfg, params, pathlib.Path(model.hf_path), shardings_fn(cfg)
 
 
@@ -116,8 +119,9 @@ def _run_params(run: pathlib.Path):
     from jaxrl.train.workdir import read_run_config
 
     run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
-    model = ModelConfig(**{k: v for k, v in run_cfg["model"].items()
-                           if k in {f.name for f in dataclasses.fields(ModelConfig)}})
+    model = ModelConfig(
+        **{k: v for k, v in run_cfg["model"].items() if k in {f.name for f in dataclasses.fields(ModelConfig)}}
+    )
     side = None
     if model.hf_path:
         cfg = checkpoint_config(model)
@@ -142,8 +146,10 @@ def convert_to_hf(src, dst, dtype: str = "float32", max_shard_bytes: int = 0) ->
     elif (src / "checkpoints").is_dir() and (src / "config.json").is_file():
         cfg, params, side = _run_params(src)
     else:
-        raise ConfigError(f"--from {str(src)!r}: expected a `jaxrl convert --from-hf` output ({MODEL_CONFIG}) or a "
-                          "run directory (config.json + checkpoints/)")
+        raise ConfigError(
+            f"--from {str(src)!r}: expected a `jaxrl convert --from-hf` output ({MODEL_CONFIG}) or a "
+            "run directory (config.json + checkpoints/)"
+        )
     extra = {}
     if side is not None and (side / "config.json").is_file():
         original = json.loads((side / "config.json").read_text())

@@ -13,7 +13,7 @@ a checkpoint's JSON item.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -32,13 +32,15 @@ class BetaPromptFilter:
         self.n_forced = 0  # prompts admitted after MAX_SKIPS_IN_A_ROW skips, over the run
 
     @classmethod
-    def from_config(cls, ecfg, seed: int, state: Optional[dict] = None) -> Optional["BetaPromptFilter"]:
+    def from_config(cls, ecfg, seed: int, state: dict | None = None) -> BetaPromptFilter | None:
         """The filter `rollout.engine.prompt_filter` asks for (None when "none"), resumed from `state`."""
         if ecfg.prompt_filter == "none":
             return None
         if state is not None:
             return cls.from_state(state, ecfg.filter_low, ecfg.filter_high, ecfg.filter_prior)
-        return cls(ecfg.filter_low, ecfg.filter_high, ecfg.filter_prior, np.random.default_rng((seed, _FILTER_SEED_SALT)))
+        return cls(
+            ecfg.filter_low, ecfg.filter_high, ecfg.filter_prior, np.random.default_rng((seed, _FILTER_SEED_SALT))
+        )
 
     def admit(self, prompt_id) -> bool:
         """One Thompson decision for the prompt (draws only for prompts seen before)."""
@@ -70,12 +72,15 @@ class BetaPromptFilter:
     def to_state(self) -> dict:
         """JSON-able: posteriors, counters and the generator (its 128-bit integers as strings)."""
         bg = self.rng.bit_generator.state
-        return {"posteriors": {k: list(v) for k, v in self.posteriors.items()},
-                "n_filtered": self.n_filtered, "n_forced": self.n_forced,
-                "rng": {**bg, "state": {k: str(v) for k, v in bg["state"].items()}}}
+        return {
+            "posteriors": {k: list(v) for k, v in self.posteriors.items()},
+            "n_filtered": self.n_filtered,
+            "n_forced": self.n_forced,
+            "rng": {**bg, "state": {k: str(v) for k, v in bg["state"].items()}},
+        }
 
     @classmethod
-    def from_state(cls, state: dict, low: float, high: float, prior: tuple) -> "BetaPromptFilter":
+    def from_state(cls, state: dict, low: float, high: float, prior: tuple) -> BetaPromptFilter:
         """The filter `to_state` saved (thresholds and prior come from the config, not the state)."""
         bg = state["rng"]
         f = cls(low, high, prior, np.random.Generator(np.random.PCG64()))
@@ -86,5 +91,8 @@ class BetaPromptFilter:
 
     def metrics(self, before: tuple) -> dict:
         """engine/filtered_prompts (and forced admissions) since `before` = (n_filtered, n_forced)."""
-        return {"engine/filtered_prompts": self.n_filtered - before[0],
-                "engine/filter_forced": self.n_forced - before[1], "engine/filter_prompts_seen": len(self.posteriors)}
+        return {
+            "engine/filtered_prompts": self.n_filtered - before[0],
+            "engine/filter_forced": self.n_forced - before[1],
+            "engine/filter_prompts_seen": len(self.posteriors),
+        }

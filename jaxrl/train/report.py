@@ -34,9 +34,12 @@ def stop_if_not_finite(row: dict) -> None:
     first pulls its step's row): the newest checkpoint stays the last finite one."""
     bad = {k: row.get(k) for k in ("loss", "grad_norm") if not np.isfinite(row.get(k, 0.0))}
     if bad:
-        raise NonFiniteError(f"step {row['step']}: " + ", ".join(f"{k} is {v}" for k, v in bad.items()) +
-                             "; stopped without saving this or any later step (the newest checkpoint is the "
-                             "last finite one). Lower optim.learning_rate, or check the rewards")
+        raise NonFiniteError(
+            f"step {row['step']}: "
+            + ", ".join(f"{k} is {v}" for k, v in bad.items())
+            + "; stopped without saving this or any later step (the newest checkpoint is the "
+            "last finite one). Lower optim.learning_rate, or check the rewards"
+        )
 
 
 def grad_norm_spike(rows: list[dict], grad_norm, window: int = 10):

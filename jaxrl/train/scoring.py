@@ -33,13 +33,25 @@ class ScoredGroups(NamedTuple):
     n_tokens: float  # completion tokens over all rows (for rollout/tokens_per_s)
 
 
-def score_groups(rollout: Rollout, records: list, prompt_BxP, prompt_mask_BxP, n_skipped: int, *, tokenizer,
-                 verifier, rows: RowLayout, group_size: int, reward_weights) -> ScoredGroups:
+def score_groups(
+    rollout: Rollout,
+    records: list,
+    prompt_BxP,
+    prompt_mask_BxP,
+    n_skipped: int,
+    *,
+    tokenizer,
+    verifier,
+    rows: RowLayout,
+    group_size: int,
+    reward_weights,
+) -> ScoredGroups:
     """Score this process's rows of `rollout` (row i*G + g answers records[i]); host metrics see all rows."""
     G = group_size
     texts = decode_completions(tokenizer, rollout.tokens_BxT)
-    my_rewards_BxK, n_failed = score(verifier, texts, list(rollout.finished_B),
-                                     [r for r in records for _ in range(G)][rows.mine])
+    my_rewards_BxK, n_failed = score(
+        verifier, texts, list(rollout.finished_B), [r for r in records for _ in range(G)][rows.mine]
+    )
     rewards_BxK = gather_rows(rows.sharding, my_rewards_BxK, rows.n)
     mask_BxT = gather_rows(rows.sharding, rollout.completion_mask_BxT, rows.n)
     finished_B = gather_rows(rows.sharding, rollout.finished_B, rows.n)
@@ -47,8 +59,10 @@ def score_groups(rollout: Rollout, records: list, prompt_BxP, prompt_mask_BxP, n
     host_batch = {
         "prompt_tokens_BxP": np.repeat(prompt_BxP, G, 0)[rows.mine],
         "prompt_mask_BxP": np.repeat(prompt_mask_BxP, G, 0)[rows.mine],
-        "tokens_BxT": rollout.tokens_BxT, "completion_mask_BxT": rollout.completion_mask_BxT,
-        "rollout_logp_BxT": rollout.logp_BxT, "rewards_BxK": my_rewards_BxK,
+        "tokens_BxT": rollout.tokens_BxT,
+        "completion_mask_BxT": rollout.completion_mask_BxT,
+        "rollout_logp_BxT": rollout.logp_BxT,
+        "rewards_BxK": my_rewards_BxK,
         "truncated_B": (~rollout.finished_B).astype(np.float32),
     }
     metrics = reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed, n_skipped, reward_weights)
@@ -58,11 +72,16 @@ def score_groups(rollout: Rollout, records: list, prompt_BxP, prompt_mask_BxP, n
 def reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed: int, n_skipped: int, reward_weights) -> dict:
     """The step's reward / length metrics over all of its rows, in logged order."""
     r_B = combined_reward(rewards_BxK, reward_weights)
-    return {"reward/mean": float(r_B.mean()), "reward/std": float(r_B.std()),
-            "reward/correctness": float(rewards_BxK[:, 0].mean()),
-            "reward/format": float(rewards_BxK[:, 1].mean()) if rewards_BxK.shape[1] > 1 else None,
-            "reward/failed": int(n_failed), "data/skipped_prompts": int(n_skipped),
-            "response_len/mean": float(mask_BxT.sum(1).mean()), "response/truncated": float((~finished_B).mean())}
+    return {
+        "reward/mean": float(r_B.mean()),
+        "reward/std": float(r_B.std()),
+        "reward/correctness": float(rewards_BxK[:, 0].mean()),
+        "reward/format": float(rewards_BxK[:, 1].mean()) if rewards_BxK.shape[1] > 1 else None,
+        "reward/failed": int(n_failed),
+        "data/skipped_prompts": int(n_skipped),
+        "response_len/mean": float(mask_BxT.sum(1).mean()),
+        "response/truncated": float((~finished_B).mean()),
+    }
 
 
 def assemble_batch(host_batch: dict, routing_BxSxLxK, mesh, preset, n_rows: int) -> dict:

@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import pathlib
 import sys
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import Config, SpeculativeConfig
-from jaxrl.rollout.calibrate import (StepCosts, cached_step_costs, constant_costs, costs_from_json, costs_to_json,
-                                     widest_draft)
+from jaxrl.rollout.calibrate import (
+    StepCosts,
+    cached_step_costs,
+    constant_costs,
+    costs_from_json,
+    costs_to_json,
+    widest_draft,
+)
 from jaxrl.rollout.speculative import SpecStats, worth_speculating
 from jaxrl.sharding import is_primary
 from jaxrl.train.batching import prompt_width
@@ -28,16 +35,19 @@ from jaxrl.train.batching import prompt_width
 class SpecControl(NamedTuple):
     prior: float  # the self-draft acceptance estimate the next rollout starts from
     reuse_prior: float  # the reused-token acceptance estimate the next rollout starts from
-    costs: Optional[StepCosts]  # measured step costs (None: the configured constants); never change in a run
+    costs: StepCosts | None  # measured step costs (None: the configured constants); never change in a run
 
 
-def restored_control(host: dict, spec: SpeculativeConfig, costs: Optional[StepCosts]) -> SpecControl:
+def restored_control(host: dict, spec: SpeculativeConfig, costs: StepCosts | None) -> SpecControl:
     """The control of a checkpoint's JSON item `host` ({} for a fresh run: the configured prior)."""
-    return SpecControl(float(host.get("spec_prior", spec.initial_acceptance)),
-                       float(host.get("spec_reuse_prior", spec.initial_acceptance)), costs)
+    return SpecControl(
+        float(host.get("spec_prior", spec.initial_acceptance)),
+        float(host.get("spec_reuse_prior", spec.initial_acceptance)),
+        costs,
+    )
 
 
-def updated(control: SpecControl, stats: Optional[SpecStats]) -> SpecControl:
+def updated(control: SpecControl, stats: SpecStats | None) -> SpecControl:
     """After a rollout: its final acceptance estimates become the next one's priors. A plain
     (non-speculative) rollout measured nothing (stats None) and leaves the control as it was."""
     if stats is None:
@@ -62,8 +72,12 @@ def rollout_inputs(control: SpecControl) -> dict:
     return out
 
 
-def speculate_now(control: SpecControl, spec: SpeculativeConfig, step: int,
-                  all_draft_lengths: Callable[[], Optional[np.ndarray]] = lambda: None) -> bool:
+def speculate_now(
+    control: SpecControl,
+    spec: SpeculativeConfig,
+    step: int,
+    all_draft_lengths: Callable[[], np.ndarray | None] = lambda: None,
+) -> bool:
     """Every probe_every-th rollout speculates (fresh acceptance counts); the others only when
     speculation can gain at the control's estimates. all_draft_lengths() (reuse only): every row's
     reused draft length; called only when needed, as it gathers across processes, which must all
@@ -95,7 +109,10 @@ def speculative_costs(cfg: Config, model_cfg, params, host: dict, n_rows: int, c
 
             costs = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, costs)))
     if is_primary():
-        print(f"jaxrl: speculative costs on this machine ({where}), in plain decode steps: "
-              f"verify k=1..{widest_draft(spec)} drafts {[round(float(c), 2) for c in np.asarray(costs.verify_K)]}, "
-              f"one drafted token {float(costs.draft):.2f}", file=sys.stderr)
+        print(
+            f"jaxrl: speculative costs on this machine ({where}), in plain decode steps: "
+            f"verify k=1..{widest_draft(spec)} drafts {[round(float(c), 2) for c in np.asarray(costs.verify_K)]}, "
+            f"one drafted token {float(costs.draft):.2f}",
+            file=sys.stderr,
+        )
     return costs

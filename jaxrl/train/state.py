@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     rng: jax.Array  # carried key: every random draw of the run is split from it
-    ref_params: Optional[Any] = None  # frozen reference policy, only when `Loss.needs_ref` (a KL term);
+    ref_params: Any | None = None  # frozen reference policy, only when `Loss.needs_ref` (a KL term);
     # None otherwise, so neither the state nor its checkpoints hold a second copy of the weights
 
 
@@ -36,23 +36,35 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     """AdamW with gradient-norm clipping; the schedule counts optimizer updates, not RL steps."""
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
-                    weight_decay=cfg.weight_decay),
+        optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
     )
 
 
-def init_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array,
-               ref_params: Optional[Any] = None) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      rng=rng, ref_params=ref_params)
+def init_state(
+    params: Any, optimizer: optax.GradientTransformation, rng: jax.Array, ref_params: Any | None = None
+) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), rng=rng, ref_params=ref_params
+    )
 
 
-def state_shardings(optimizer: optax.GradientTransformation, abstract_state: TrainState, param_shardings: Any,
-                    replicated: Any) -> TrainState:
+def state_shardings(
+    optimizer: optax.GradientTransformation, abstract_state: TrainState, param_shardings: Any, replicated: Any
+) -> TrainState:
     """Shardings of the whole state: params and reference params (and the optimizer's per-parameter
     moments, via `optax.tree_map_params`) laid out like the params, scalars (step, RNG, counts)
     replicated. `abstract_state` comes from `jax.eval_shape(init_state, ...)`."""
-    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_state.opt_state, param_shardings,
-                                   transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=param_shardings, opt_state=opt_sh, rng=replicated,
-                      ref_params=None if abstract_state.ref_params is None else param_shardings)
+    opt_sh = optax.tree_map_params(
+        optimizer,
+        lambda _, sh: sh,
+        abstract_state.opt_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(
+        step=replicated,
+        params=param_shardings,
+        opt_state=opt_sh,
+        rng=replicated,
+        ref_params=None if abstract_state.ref_params is None else param_shardings,
+    )

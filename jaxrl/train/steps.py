@@ -17,7 +17,8 @@ forward's router top-k set differs from the rollout's at the slot that predicts 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,15 @@ LogpFn = Callable[[Any, dict], tuple]
 MOE_SCALARS = ("moe/aux_loss", "moe/z_loss", "moe/dropped_frac")  # per-microbatch scalars, averaged
 
 
-def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: bool = False,
-                 prompt_groups: int = 0, *, logits_chunk: int = 0, remat: str = "none") -> LogpFn:
+def make_logp_fn(
+    model_cfg: ModelConfig,
+    temperature: float,
+    routing_replay: bool = False,
+    prompt_groups: int = 0,
+    *,
+    logits_chunk: int = 0,
+    remat: str = "none",
+) -> LogpFn:
     """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature.
     `logits_chunk` and `remat`: the forward's memory options (`transformer.token_logprobs`).
 
@@ -54,25 +62,55 @@ def make_logp_fn(model_cfg: ModelConfig, temperature: float, routing_replay: boo
     routing "moe/routing_mismatch_BxT"}; with `routing_replay` the batch's routing is replayed."""
 
     if not model_cfg.n_experts:
+
         def logp_fn(params, batch):
             G = prompt_groups
             if G > 1 and batch["prompt_tokens_BxP"].shape[0] % G == 0:  # shapes are static: a trace-time choice
-                return token_logprobs_shared(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                             batch["tokens_BxT"], temperature, group_size=G,
-                                             logits_chunk=logits_chunk, remat=remat)
-            return token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                  batch["tokens_BxT"], batch["completion_mask_BxT"], temperature,
-                                  logits_chunk=logits_chunk, remat=remat)
+                return token_logprobs_shared(
+                    params,
+                    model_cfg,
+                    batch["prompt_tokens_BxP"],
+                    batch["prompt_mask_BxP"],
+                    batch["tokens_BxT"],
+                    temperature,
+                    group_size=G,
+                    logits_chunk=logits_chunk,
+                    remat=remat,
+                )
+            return token_logprobs(
+                params,
+                model_cfg,
+                batch["prompt_tokens_BxP"],
+                batch["prompt_mask_BxP"],
+                batch["tokens_BxT"],
+                batch["completion_mask_BxT"],
+                temperature,
+                logits_chunk=logits_chunk,
+                remat=remat,
+            )
 
         return logp_fn
 
     def moe_logp_fn(params, batch):
         routing = batch.get("routing_BxSxLxK")
         logp_BxT, entropy_BxT, moe = token_logprobs_moe(
-            params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], batch["tokens_BxT"],
-            batch["completion_mask_BxT"], temperature, routing if routing_replay else None, logits_chunk, remat)
-        extras = {"penalty": model_cfg.moe_aux_coef * moe.aux_loss + model_cfg.moe_z_coef * moe.z_loss,
-                  "moe/aux_loss": moe.aux_loss, "moe/z_loss": moe.z_loss, "moe/dropped_frac": moe.dropped_frac}
+            params,
+            model_cfg,
+            batch["prompt_tokens_BxP"],
+            batch["prompt_mask_BxP"],
+            batch["tokens_BxT"],
+            batch["completion_mask_BxT"],
+            temperature,
+            routing if routing_replay else None,
+            logits_chunk,
+            remat,
+        )
+        extras = {
+            "penalty": model_cfg.moe_aux_coef * moe.aux_loss + model_cfg.moe_z_coef * moe.z_loss,
+            "moe/aux_loss": moe.aux_loss,
+            "moe/z_loss": moe.z_loss,
+            "moe/dropped_frac": moe.dropped_frac,
+        }
         if routing is not None:
             P, T = batch["prompt_tokens_BxP"].shape[1], batch["tokens_BxT"].shape[1]
             extras["moe/routing_mismatch_BxT"] = routing_mismatch(routing, moe.topk_LxBxTxK, P - 1, T)
@@ -110,12 +148,15 @@ def _merge_sums(a: dict, b: dict) -> dict:
 
 
 def _init_sums(shapes: dict) -> dict:
-    fill = lambda k: jnp.inf if k.endswith("/min") else -jnp.inf if k.endswith("/max") else 0.0  # noqa: E731
+    def fill(k):
+        return jnp.inf if k.endswith("/min") else -jnp.inf if k.endswith("/max") else 0.0
+
     return {k: jnp.full(s.shape, fill(k), s.dtype) for k, s in shapes.items()}
 
 
-def make_grad_fn(logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_recorded: bool,
-                 detailed_stats: bool = False):
+def make_grad_fn(
+    logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_recorded: bool, detailed_stats: bool = False
+):
     """(params, batch with weights_BxT) -> (loss, grads, stat_sums). Exact full-batch gradient.
 
     When the batch carries no recorded old log-probs (one PPO epoch on fresh samples), the old
@@ -189,20 +230,35 @@ def mismatch_by_staleness(metrics: dict) -> dict:
     there are none, and stale_tokens = their share."""
     share, all_mean = metrics["stale_tokens"], metrics["mismatch_abs_logp"]
     stale_mean = metrics["mismatch_abs_logp_stale"]
-    safe = lambda num, den: jnp.where(den > 0, num / jnp.maximum(den, 1e-12), 0.0)  # noqa: E731
-    return {"mismatch_abs_logp_stale": safe(stale_mean, share),
-            "mismatch_abs_logp_fresh": safe(all_mean - stale_mean, 1.0 - share), "stale_tokens": share}
+
+    def safe(num, den):
+        return jnp.where(den > 0, num / jnp.maximum(den, 1e-12), 0.0)
+
+    return {
+        "mismatch_abs_logp_stale": safe(stale_mean, share),
+        "mismatch_abs_logp_fresh": safe(all_mean - stale_mean, 1.0 - share),
+        "stale_tokens": share,
+    }
 
 
-def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTransformation, *,
-                     ppo_epochs: int, microbatches: int, max_new_tokens: int, group_size: int,
-                     use_ref: bool | None = None):
+def make_update_step(
+    logp_fn: LogpFn,
+    loss: Loss,
+    optimizer: optax.GradientTransformation,
+    *,
+    ppo_epochs: int,
+    microbatches: int,
+    max_new_tokens: int,
+    group_size: int,
+    use_ref: bool | None = None,
+):
     """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
 
     `batch`: the rollout's rows (rewards_BxK, not advantages: `prepare_batch` computes them), B a
-    multiple of `group_size` (any B when the batch carries `group_id_B`: groups by id) and completions `max_new_tokens` wide (a ValueError naming both
-    otherwise, at trace time). Old log-probs (and the old policy's entropies, `old_entropy_BxT`) are
-    recorded for the whole batch before anything else when ppo_epochs > 1 or `loss.needs_old_logp`.
+    multiple of `group_size` (any B when the batch carries `group_id_B`: groups by id) and completions
+    `max_new_tokens` wide (a ValueError naming both otherwise, at trace time). Old log-probs (and the old
+    policy's entropies, `old_entropy_BxT`) are recorded for the whole batch before anything else when
+    ppo_epochs > 1 or `loss.needs_old_logp`.
     The reference forward (on `state.ref_params`) runs when `use_ref`, by default `loss.needs_ref`;
     `use_ref=True` without a KL term only adds the `kl` metric.
 
@@ -219,8 +275,7 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
         use_ref = loss.needs_ref
     elif loss.needs_ref and not use_ref:
         raise ValueError(f"use_ref=False, but loss {loss.name!r} needs the reference log-probs (a KL term)")
-    grad_fn = make_grad_fn(logp_fn, loss, microbatches=microbatches, old_logp_recorded=record_old,
-                           detailed_stats=True)
+    grad_fn = make_grad_fn(logp_fn, loss, microbatches=microbatches, old_logp_recorded=record_old, detailed_stats=True)
 
     def update_step(state: TrainState, batch: dict):
         batch = dict(batch)
@@ -231,10 +286,13 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
             batch["old_entropy_BxT"] = lax.stop_gradient(old_entropy_BxT)
         if use_ref:
             if state.ref_params is None:
-                raise ValueError("the update uses a reference policy but state.ref_params is None: create the "
-                                 "state with ref_params (jaxrl.train.state.init_state)")
+                raise ValueError(
+                    "the update uses a reference policy but state.ref_params is None: create the "
+                    "state with ref_params (jaxrl.train.state.init_state)"
+                )
             batch["ref_logp_BxT"] = lax.stop_gradient(
-                microbatched_logp(logp_fn, state.ref_params, batch, microbatches)[0])
+                microbatched_logp(logp_fn, state.ref_params, batch, microbatches)[0]
+            )
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
 
@@ -246,7 +304,8 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
             return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, sums)
 
         (params, opt_state), (values, grad_norms, sums) = lax.scan(
-            epoch, (state.params, state.opt_state), None, length=ppo_epochs)
+            epoch, (state.params, state.opt_state), None, length=ppo_epochs
+        )
         n_tokens = jnp.maximum(jnp.sum((mask_BxT > 0).astype(jnp.float32)), 1.0)
         metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0]}
         for k, v in sums.items():
@@ -261,8 +320,9 @@ def make_update_step(logp_fn: LogpFn, loss: Loss, optimizer: optax.GradientTrans
         if "stale_tokens" in metrics:
             metrics.update(mismatch_by_staleness(metrics))
         live_after_B = jnp.any(mask_BxT > 0, axis=1)
-        metrics["rows_dropped"] = (jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32))
-                                   / jnp.maximum(jnp.sum(live_before_B.astype(jnp.float32)), 1.0))
+        metrics["rows_dropped"] = jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32)) / jnp.maximum(
+            jnp.sum(live_before_B.astype(jnp.float32)), 1.0
+        )
         new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 

@@ -11,7 +11,7 @@ unequal size. Every sample is drawn under this step's params (admission=exact): 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,8 +29,9 @@ def group_rewards(group: Group, *, tokenizer, verifier, reward_weights) -> np.nd
     return combined_reward(np.asarray(rewards_GxK), reward_weights)
 
 
-def collect_vigor(engine: Engine, params, version: int, feed, rollout_cfg,
-                  rewards_of: Callable[[Group], np.ndarray]) -> tuple[list[Group], dict]:
+def collect_vigor(
+    engine: Engine, params, version: int, feed, rollout_cfg, rewards_of: Callable[[Group], np.ndarray]
+) -> tuple[list[Group], dict]:
     """(the step's groups, one per prompt, in feed order; engine/vigor_* metrics). `feed` yields
     (record, tokens); `rewards_of(group)` scores a group's samples."""
     ecfg, N, G = rollout_cfg.engine, rollout_cfg.prompts_per_step, rollout_cfg.group_size

@@ -30,21 +30,44 @@ from jaxrl.data.teachers import fallible_answer
 from jaxrl.models.transformer import init_params, token_logprobs
 from jaxrl.train.batching import completion_targets, next_prompts
 
-
 # The ModelConfig fields that existed before MoE: dense cache keys are computed from these only.
-_DENSE_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
-                       "rope_theta", "norm_eps", "tie_embeddings", "max_seq_len", "dtype")
+_DENSE_MODEL_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+    "max_seq_len",
+    "dtype",
+)
 
 
 def _without_new_defaults(section, default) -> dict:
     """asdict(section) minus fields added later (Hugging Face interop) that still hold their default,
     so cache keys made before those fields existed stay valid."""
-    later = ("qkv_bias", "qk_norm", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-             "rope_high_freq_factor", "rope_original_max_len", "router_norm_topk", "shared_expert_gate", "hf_path",
-             "dense_tail_layers", "hf_max_position_embeddings",
-             "train_file", "test_file", "prompt_template")
-    return {k: v for k, v in dataclasses.asdict(section).items()
-            if k not in later or v != getattr(default, k)}
+    later = (
+        "qkv_bias",
+        "qk_norm",
+        "rope_scaling",
+        "rope_scaling_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_max_len",
+        "router_norm_topk",
+        "shared_expert_gate",
+        "hf_path",
+        "dense_tail_layers",
+        "hf_max_position_embeddings",
+        "train_file",
+        "test_file",
+        "prompt_template",
+    )
+    return {k: v for k, v in dataclasses.asdict(section).items() if k not in later or v != getattr(default, k)}
 
 
 def cache_root(cfg: Config) -> pathlib.Path:
@@ -83,8 +106,15 @@ def sft_loss(logp_BxT, mask_BxT):
 
 def make_sft_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
     def loss_fn(params, batch):
-        logp_BxT, _ = token_logprobs(params, model_cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"],
-                                     batch["tokens_BxT"], batch["completion_mask_BxT"], 1.0)
+        logp_BxT, _ = token_logprobs(
+            params,
+            model_cfg,
+            batch["prompt_tokens_BxP"],
+            batch["prompt_mask_BxP"],
+            batch["tokens_BxT"],
+            batch["completion_mask_BxT"],
+            1.0,
+        )
         return sft_loss(logp_BxT, batch["completion_mask_BxT"])
 
     @jax.jit
@@ -102,8 +132,11 @@ def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, pro
     ws = cfg.warmstart
     rng = jax.random.key(warmstart_seed(cfg))
     params = init_params(model_cfg, jax.random.fold_in(rng, 1))
-    optimizer = optax.adam(optax.warmup_cosine_decay_schedule(0.0, ws.learning_rate, min(20, ws.steps),
-                                                              max(ws.steps, 21), ws.learning_rate * 0.1))
+    optimizer = optax.adam(
+        optax.warmup_cosine_decay_schedule(
+            0.0, ws.learning_rate, min(20, ws.steps), max(ws.steps, 21), ws.learning_rate * 0.1
+        )
+    )
     opt_state = optimizer.init(params)
     sft_step = make_sft_step(model_cfg, optimizer)
     stream = StreamState(0, 0)
@@ -113,8 +146,15 @@ def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, pro
     for _ in bar:
         if suite is not None:
             records, stream = next_batch(train_source, stream, ws.batch_size, cfg.data.seed + 7919)
-            batch, _ = teacher_batch(suite, records, tokenizer, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens,
-                                     ws.teacher_error, teacher_rng)
+            batch, _ = teacher_batch(
+                suite,
+                records,
+                tokenizer,
+                cfg.data.max_prompt_len,
+                cfg.rollout.max_new_tokens,
+                ws.teacher_error,
+                teacher_rng,
+            )
         else:
             batch, stream = _answer_batch(cfg, tokenizer, train_source, stream, teacher_rng)
         params, opt_state, loss = sft_step(params, opt_state, batch)
@@ -124,18 +164,24 @@ def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, pro
 
 def _answer_batch(cfg: Config, tokenizer, train_source, stream: StreamState, teacher_rng: np.random.Generator):
     """The next SFT batch of single-turn reference answers (a fallible one with warmstart.teacher_error)."""
-    records, prompt_BxP, pmask_BxP, stream, _ = next_prompts(train_source, stream, cfg.warmstart.batch_size, tokenizer,
-                                                             cfg.data, cfg.data.seed + 7919)
+    records, prompt_BxP, pmask_BxP, stream, _ = next_prompts(
+        train_source, stream, cfg.warmstart.batch_size, tokenizer, cfg.data, cfg.data.seed + 7919
+    )
     fallible = teacher_rng.random(len(records)) < cfg.warmstart.teacher_error
     answers = [fallible_answer(r) if f else r["answer"] for r, f in zip(records, fallible)]
     tok_BxT, mask_BxT = completion_targets(tokenizer, answers, cfg.rollout.max_new_tokens, [r["id"] for r in records])
-    batch = {"prompt_tokens_BxP": prompt_BxP, "prompt_mask_BxP": pmask_BxP, "tokens_BxT": tok_BxT,
-             "completion_mask_BxT": mask_BxT}
+    batch = {
+        "prompt_tokens_BxP": prompt_BxP,
+        "prompt_mask_BxP": pmask_BxP,
+        "tokens_BxT": tok_BxT,
+        "completion_mask_BxT": mask_BxT,
+    }
     return batch, stream
 
 
-def load_or_train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, vocab: str,
-                       progress: bool = True, shardings=None):
+def load_or_train_base(
+    cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, vocab: str, progress: bool = True, shardings=None
+):
     """The cached base policy for this config, trained first if missing. Returns (params, path).
 
     With `shardings` (a pytree of NamedShardings), a cached policy is restored straight into that

@@ -21,14 +21,14 @@ rollout, loss, optim, train, ...); next to it live `checkpoints/`, `metrics.json
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import os
 import pathlib
 import socket
 import sys
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from jaxrl.config import Config, ConfigError, to_dict
 
@@ -37,8 +37,9 @@ HISTORY = "config_history.jsonl"
 LOCK = "jaxrl.lock"
 RUN_SECTIONS = frozenset({"model", "data", "rollout", "loss", "optim", "train"})  # in every jaxrl config.json
 # Nothing the run computes depends on these: they may change on any rerun (and are recorded).
-FREE_FIELDS = frozenset({"train.progress", "train.log_every", "checkpoint.every", "checkpoint.keep",
-                         "checkpoint.async_save"})
+FREE_FIELDS = frozenset(
+    {"train.progress", "train.log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save"}
+)
 FIXED_PREFIX = "model."  # the checkpoints hold this model: its fields never change within a run
 
 
@@ -46,7 +47,7 @@ class WorkdirError(ConfigError):
     """`--workdir` cannot be used as given; one line naming the directory and why."""
 
 
-def read_run_config(workdir: pathlib.Path) -> Optional[dict]:
+def read_run_config(workdir: pathlib.Path) -> dict | None:
     """The run's saved config (a dict), None if there is no config.json; a torn or foreign file is a
     WorkdirError naming it."""
     path = pathlib.Path(workdir) / CONFIG
@@ -55,14 +56,18 @@ def read_run_config(workdir: pathlib.Path) -> Optional[dict]:
     try:
         saved = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise WorkdirError(f"{path}: not valid JSON ({e}); it records the run's settings: restore it from a "
-                           "copy, or use a new --workdir") from None
+        raise WorkdirError(
+            f"{path}: not valid JSON ({e}); it records the run's settings: restore it from a "
+            "copy, or use a new --workdir"
+        ) from None
     if not isinstance(saved, dict) or not RUN_SECTIONS <= saved.keys():
         hint = ""
         if isinstance(saved, dict) and ("model_type" in saved or "architectures" in saved):
             hint = " (a Hugging Face checkpoint: to start from it, --set model.hf_path=DIR)"
-        raise WorkdirError(f"{str(workdir)!r} is not a jaxrl run directory: its {CONFIG} has no "
-                           f"{'/'.join(sorted(RUN_SECTIONS))} sections{hint}; use a new or empty directory")
+        raise WorkdirError(
+            f"{str(workdir)!r} is not a jaxrl run directory: its {CONFIG} has no "
+            f"{'/'.join(sorted(RUN_SECTIONS))} sections{hint}; use a new or empty directory"
+        )
     return saved
 
 
@@ -79,10 +84,15 @@ def check_directory(workdir: pathlib.Path) -> None:
     entries = sorted(p.name for p in workdir.iterdir() if not _ignorable(p)) if workdir.is_dir() else []
     if entries and not (workdir / CONFIG).is_file():
         shown_entries = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-        hint = " (a Hugging Face checkpoint: to start from it, --set model.hf_path=DIR)" if \
-            any(e.endswith(".safetensors") for e in entries) else ""
-        raise WorkdirError(f"--workdir {shown} is not empty and is not a jaxrl run (no {CONFIG}; it holds "
-                           f"{shown_entries}){hint}; use a new or empty directory")
+        hint = (
+            " (a Hugging Face checkpoint: to start from it, --set model.hf_path=DIR)"
+            if any(e.endswith(".safetensors") for e in entries)
+            else ""
+        )
+        raise WorkdirError(
+            f"--workdir {shown} is not empty and is not a jaxrl run (no {CONFIG}; it holds "
+            f"{shown_entries}){hint}; use a new or empty directory"
+        )
 
 
 def _ignorable(entry: pathlib.Path) -> bool:
@@ -117,17 +127,24 @@ def check_changes(workdir: pathlib.Path, changes: dict, allow_change: bool) -> N
     """Refuse (WorkdirError) what a resume must not change; see the module docstring."""
     fixed = {k: v for k, v in changes.items() if k.startswith(FIXED_PREFIX)}
     if fixed:
-        raise WorkdirError(f"--workdir {str(workdir)!r} holds a run of another model ({_describe(fixed)}; "
-                           f"saved -> new): its checkpoints cannot be resumed as this model. Use a new --workdir, "
-                           f"or rerun without changing model.* to resume")
+        raise WorkdirError(
+            f"--workdir {str(workdir)!r} holds a run of another model ({_describe(fixed)}; "
+            f"saved -> new): its checkpoints cannot be resumed as this model. Use a new --workdir, "
+            f"or rerun without changing model.* to resume"
+        )
     refused = {k: v for k, v in changes.items() if k not in FREE_FIELDS}
     if refused and not allow_change:
-        steps = "; train.steps also reshapes the learning-rate schedule when optim.decay_steps=0" \
-            if "train.steps" in refused else ""
-        raise WorkdirError(f"--workdir {str(workdir)!r}: this config differs from the run's {CONFIG} "
-                           f"({_describe(refused)}; saved -> new{steps}). Rerun with the saved settings to "
-                           f"resume, use a new --workdir, or pass --allow-config-change to resume under the new "
-                           f"values (the old ones are kept in {HISTORY})")
+        steps = (
+            "; train.steps also reshapes the learning-rate schedule when optim.decay_steps=0"
+            if "train.steps" in refused
+            else ""
+        )
+        raise WorkdirError(
+            f"--workdir {str(workdir)!r}: this config differs from the run's {CONFIG} "
+            f"({_describe(refused)}; saved -> new{steps}). Rerun with the saved settings to "
+            f"resume, use a new --workdir, or pass --allow-config-change to resume under the new "
+            f"values (the old ones are kept in {HISTORY})"
+        )
 
 
 def has_checkpoint(workdir: pathlib.Path) -> bool:
@@ -146,7 +163,7 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 class RunRecord:
     """What a run writes about its config: `config.json` (and a history line when it changes)."""
 
-    def __init__(self, workdir: pathlib.Path, cfg: Config, saved: Optional[dict], changes: dict, primary: bool):
+    def __init__(self, workdir: pathlib.Path, cfg: Config, saved: dict | None, changes: dict, primary: bool):
         self.workdir, self.cfg, self.saved, self.changes, self.primary = workdir, cfg, saved, changes, primary
 
     def write_config(self) -> None:
@@ -157,14 +174,20 @@ class RunRecord:
         """After the restore: record an allowed change (the saved config applied to steps <= start_step)."""
         if not self.changes or not self.primary:
             return
-        entry = {"until_step": start_step, "changed": {k: list(v) for k, v in self.changes.items()},
-                 "time": datetime.datetime.now().isoformat(timespec="seconds"), "config": self.saved}
+        entry = {
+            "until_step": start_step,
+            "changed": {k: list(v) for k, v in self.changes.items()},
+            "time": datetime.datetime.now().isoformat(timespec="seconds"),
+            "config": self.saved,
+        }
         with (self.workdir / HISTORY).open("a") as f:
             f.write(json.dumps(entry) + "\n")
         self.write_config()
-        print(f"jaxrl: resuming {self.workdir} from step {start_step} with a changed config: "
-              f"{_describe(self.changes)} (saved -> new); the previous config is in {self.workdir / HISTORY}",
-              file=sys.stderr)
+        print(
+            f"jaxrl: resuming {self.workdir} from step {start_step} with a changed config: "
+            f"{_describe(self.changes)} (saved -> new); the previous config is in {self.workdir / HISTORY}",
+            file=sys.stderr,
+        )
         self.changes = {}
 
 
@@ -184,14 +207,21 @@ class _Lock:
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "an unknown process"
             os.close(fd)
-            raise WorkdirError(f"--workdir {str(workdir)!r} is in use by another jaxrl train ({holder}; lock "
-                               f"file {path}); wait for it to end or stop it, or use another --workdir") from None
+            raise WorkdirError(
+                f"--workdir {str(workdir)!r} is in use by another jaxrl train ({holder}; lock "
+                f"file {path}); wait for it to end or stop it, or use another --workdir"
+            ) from None
         except OSError as e:  # a file system without flock (some network mounts): run, but say so
-            print(f"jaxrl: warning: cannot lock {path} ({e.strerror}); nothing stops a second run here",
-                  file=sys.stderr)
+            print(
+                f"jaxrl: warning: cannot lock {path} ({e.strerror}); nothing stops a second run here", file=sys.stderr
+            )
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since "
-                      f"{datetime.datetime.now().isoformat(timespec='seconds')}".encode(), 0)
+        os.pwrite(
+            fd,
+            f"pid {os.getpid()} on host {socket.gethostname()}, since "
+            f"{datetime.datetime.now().isoformat(timespec='seconds')}".encode(),
+            0,
+        )
         self.fd = fd
 
     def release(self) -> None:
