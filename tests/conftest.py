@@ -4,7 +4,11 @@ import os
 import pathlib
 import sys
 
-import jax
+from harness import child_env, compile_policy
+
+os.environ.update(compile_policy())  # before anything imports jax: see harness.py
+
+import jax  # noqa: E402
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as cc
 
@@ -35,11 +39,9 @@ TINY = [
 def cache_env(tmp_path_factory):
     """Environment for subprocess runs: data and warm-start caches shared across this session's tests."""
     root = tmp_path_factory.mktemp("jaxrl_cache")
-    env = dict(os.environ)
+    env = child_env()
     env["JAXRL_DATA_DIR"] = str(root / "tfds")
     env["JAXRL_CACHE_DIR"] = str(root / "warmstart")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)
     # Subprocess runs compile the same functions; a shared persistent cache compiles them once.
     env["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla_cache")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
@@ -53,18 +55,14 @@ def in_process_cache(cache_env, monkeypatch):
     return cache_env
 
 
-@pytest.fixture(scope="module")
-def fast_compiles(tmp_path_factory):
-    """For this module only: a persistent XLA cache and low optimisation effort (restored after)."""
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_disable_most_optimizations",
-    )
-    before = {n: getattr(jax.config, n) if hasattr(jax.config, n) else jax.config.read(n) for n in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(cache_env):
+    """Every test in this process shares the persistent XLA cache its children use: a program that
+    several training runs compile (the same tiny model, rollout and update) is compiled once."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {n: jax.config.read(n) for n in names}
+    jax.config.update("jax_compilation_cache_dir", cache_env["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_disable_most_optimizations", True)
     cc.reset_cache()  # make JAX re-read the cache settings
     yield
     for n, v in before.items():

@@ -143,7 +143,7 @@ def _agent_cfg(d, *extra):
     )
 
 
-def test_agent_calculator_trains_two_steps_on_a_qwen_checkpoint(qwen_agent, tmp_path, in_process_cache, fast_compiles):
+def test_agent_calculator_trains_two_steps_on_a_qwen_checkpoint(qwen_agent, tmp_path, in_process_cache):
     from jaxrl.agents.formats import check_prompt_fits, episode_format
     from jaxrl.train.loop import train
 

@@ -38,7 +38,7 @@ def _cfg(name, *extra):
 
 
 @pytest.mark.parametrize("name", ["calculator", "gridworld"])
-def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_cache, fast_compiles):
+def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_cache):
     from jaxrl.train.loop import train
 
     rows = train(_cfg(name, "train.steps=2", "train.eval_every=2"), tmp_path / "run")
@@ -62,7 +62,7 @@ def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_ca
     assert step["rollout/samples"] == 16
 
 
-def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_process_cache, fast_compiles):
+def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_process_cache):
     from jaxrl.train.loop import train
 
     rows = train(_cfg("calculator", "train.steps=1", "agent.keep_top_variance=0.5"), tmp_path / "run")

@@ -1,26 +1,12 @@
 """benchmarks/agents.py runs end to end in --quick mode and prints its JSON line last."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from harness import REPO, child_env, run_python
 
 
 def test_quick_run_prints_the_speedup_json_last():
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "agents.py"), "--quick"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python([str(REPO / "benchmarks" / "agents.py"), "--quick"], child_env(), timeout=300)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "agents" and result["config"] == "quick" and result["same_episodes"] is True
     assert (

@@ -1,26 +1,12 @@
 """benchmarks/moe.py runs end to end at a tiny shape and prints one JSON line last."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from harness import REPO, child_env, run_python
 
 
 def test_moe_benchmark_small_prints_json_last():
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--small"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python([str(REPO / "benchmarks" / "moe.py"), "--small"], child_env(), timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) >= 5, proc.stdout  # one line per path, a summary and the EP line, then the JSON
     result = json.loads(lines[-1])

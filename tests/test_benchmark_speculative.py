@@ -1,33 +1,16 @@
 """benchmarks/speculative.py runs end to end on random tiny weights and prints its JSON line last."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from harness import REPO, child_env, run_python
 
 
 def test_small_run_prints_speedups_json_last(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "speculative.py"),
-            "--small",
-            "--skip-tail",
-            "--root",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        [str(REPO / "benchmarks" / "speculative.py"), "--small", "--skip-tail", "--root", str(tmp_path)],
+        child_env(),
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "speculative" and result["config"] == "tiny"
     assert "tail" not in result  # part 5 has its own smoke test below
@@ -43,24 +26,11 @@ def test_small_run_prints_speedups_json_last(tmp_path):
 def test_small_tail_part_prints_its_json_last(tmp_path):
     """--only-tail --small: part 5 on random tiny weights (plain vs speculative engine at 1 and 2
     rows, the costs and threshold, a whole rollout with the toggle forced to 2 rows) in seconds."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "speculative.py"),
-            "--small",
-            "--only-tail",
-            "--root",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        [str(REPO / "benchmarks" / "speculative.py"), "--small", "--only-tail", "--root", str(tmp_path)],
+        child_env(),
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     tail = result["tail"]
     assert result["part"] == "tail" and result["speedup_tail_self_draft"] == tail["speedup_tail_self_draft"] > 0

@@ -1,29 +1,16 @@
 """update.py --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py, --small."""
 
-import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from harness import run_benchmark
 
 
-def _run(*args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, *args, "--small"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) >= 2, proc.stdout  # readable lines, then the JSON
-    return json.loads(lines[-1])
+def _run(script: str, *args: str) -> dict:
+    return run_benchmark(script, *args, "--small")
 
 
 def test_update_run_peer_reports_same_run_speedup():
-    result = _run("benchmarks/update.py", "--run-peer")
+    result = _run("update.py", "--run-peer")
     torch = result["torch"]
     assert torch["tokens_per_s"] > 0 and torch["torch_threads"] >= 1 and torch["cpu_seconds"] > 0
     assert math.isclose(result["speedup_vs_torch"], result["tokens_per_s"] / torch["tokens_per_s"])
@@ -37,7 +24,7 @@ def test_update_run_peer_reports_same_run_speedup():
 
 
 def test_update_variants_small():
-    result = _run("benchmarks/update_variants.py", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1")
+    result = _run("update_variants.py", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1")
     plain, auto = result["variants"]["mb1"], result["variants"]["mb0-chunk1024-rematfull"]
     assert auto["chosen_microbatches"] == 1 and auto["logits_chunk"] == 32 and auto["remat"] == "full"
     assert plain["tokens_per_s"] > 0 and auto["tokens_per_s"] > 0

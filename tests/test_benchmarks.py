@@ -1,14 +1,12 @@
 """The benchmark scripts run end to end (tiny shapes) and print one JSON line last; FLOP counting."""
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
+from harness import REPO, child_env, run_benchmark, run_python
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is a plain folder at the repository root
 
 from benchmarks import common  # noqa: E402  (imports jaxrl.config only: no jax work happens)
@@ -16,20 +14,7 @@ from jaxrl.config import ModelConfig  # noqa: E402
 
 
 def _run(script: str, *flags: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), "--small", *flags],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) >= 2, proc.stdout  # human-readable lines, then the JSON
-    result = json.loads(lines[-1])
+    result = run_benchmark(script, "--small", *flags, timeout=120)  # readable lines, then the JSON
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"], result
     assert result["matmul_peak_gflops"] > 0 and result["seconds"] > 0, result
     return result
@@ -207,17 +192,7 @@ def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
 
 
 def test_checkpoint_benchmark_small_reports_block_fractions():
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--small"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python([str(REPO / "benchmarks" / "checkpoint.py"), "--small"], child_env(), timeout=300)
     result = json.loads(proc.stdout.splitlines()[-1])
     run, state = result["default_run"], result["bench_small"]
     assert run["saves"] == run["steps"] == 3, run  # a save after every step of the real loop

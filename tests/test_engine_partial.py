@@ -321,7 +321,7 @@ def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_proc
             assert totals["restarted_samples"] == 0 and totals["partial_frac"] > 0 and totals["reprefilled_samples"] > 0
 
 
-def test_grpo_trains_with_partial_rollouts_and_reports_the_split_mismatch(tmp_path, in_process_cache, fast_compiles):
+def test_grpo_trains_with_partial_rollouts_and_reports_the_split_mismatch(tmp_path, in_process_cache):
     from test_engine_train import _cfg
 
     from jaxrl.train.loop import train

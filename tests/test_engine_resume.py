@@ -179,7 +179,7 @@ def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_pat
         assert untimed(resumed[step]) == untimed(reference[step]), step
 
 
-def test_checkpoint_without_engine_state_resumes_with_the_engine(tmp_path, in_process_cache, fast_compiles):
+def test_checkpoint_without_engine_state_resumes_with_the_engine(tmp_path, in_process_cache):
     """A run switched to the engine (an allowed config change) starts the engine empty at the
     restored stream position; switched back, the engine's saved state is ignored."""
     from jaxrl.train.loop import train

@@ -98,7 +98,7 @@ def test_engine_metrics_staleness_by_hand():
     assert (m["engine/staleness_0"], m["engine/staleness_1"], m["engine/staleness_2+"]) == (0.6, 0.4, 0.0)
 
 
-def test_grpo_trains_with_the_engine(tmp_path, in_process_cache, fast_compiles):
+def test_grpo_trains_with_the_engine(tmp_path, in_process_cache):
     from jaxrl.train.loop import train
 
     cfg = _cfg("rollout.engine.slots=8", "rollout.engine.admission=fill")

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from harness import child_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -181,7 +182,7 @@ def test_loading_onto_an_8_device_mesh(stand_in, tmp_path, cache_env):
         moe_intermediate_size=16,
     )
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(moe)
-    env = dict(cache_env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = child_env(cache_env, devices=8)
     proc = subprocess.run(
         [sys.executable, "-c", MESH_WORKER, str(d), str(moe)], env=env, capture_output=True, text=True, timeout=300
     )

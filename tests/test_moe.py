@@ -17,25 +17,10 @@ from jaxrl.models import transformer as tf
 from jaxrl.rollout.sampler import sample
 
 D, F, E, K = 8, 16, 4, 2
-XLA_FAST = {"xla_backend_optimization_level": 0}  # same semantics, about half the CPU compile time
-
-
-def _fast_jit(fn):
-    """jax.jit(fn) compiled with XLA_FAST, once per input signature (positional arguments only)."""
-    jitted, compiled = jax.jit(fn), {}
-
-    def call(*args):
-        leaves, treedef = jax.tree.flatten(args)
-        key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
-        if key not in compiled:
-            compiled[key] = jitted.lower(*args).compile(compiler_options=XLA_FAST)
-        return compiled[key](*args)
-
-    return call
 
 
 def _fast(fn, *args):
-    return _fast_jit(fn)(*args)
+    return jax.jit(fn)(*args)
 
 
 B, T = 2, 6  # N = 12 tokens
@@ -181,7 +166,7 @@ def test_replay_own_experts_is_exact_and_other_experts_route_gradients_to_the_ro
     np.testing.assert_array_equal(st3.experts_NxK, other)
     np.testing.assert_array_equal(st3.topk_NxK, st.topk_NxK)  # the router's own choice is still reported
     assert float(jnp.max(jnp.abs(y3 - y))) > 1e-3
-    g = _fast_jit(jax.grad(lambda p: jnp.sum(_run(spec, p, x, mask, other.reshape(B, T, K))[0])))(params)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(_run(spec, p, x, mask, other.reshape(B, T, K))[0])))(params)
     assert float(jnp.max(jnp.abs(g["router"]))) > 0
 
 
@@ -260,7 +245,7 @@ def test_moe_forward_equals_prefill_and_decode_paths():
     np.testing.assert_allclose(last, logits[:, P - 1], atol=1e-5)
     np.testing.assert_array_equal(pre_experts, experts[:, :, :P])
     lparams, lcache = decode.layer_params(params, MCFG), decode.to_layer_cache(cache)
-    step = _fast_jit(lambda lp, tok, c, i: decode.decode_step_layers_routed(lp, MCFG, tok, c, i))
+    step = jax.jit(lambda lp, tok, c, i: decode.decode_step_layers_routed(lp, MCFG, tok, c, i))
     for t in range(Tg):
         lg2, lcache, ex = step(lparams, gen[:, t], lcache, jnp.int32(P + t))
         np.testing.assert_allclose(lg2, logits[:, P + t], atol=1e-5)
@@ -316,13 +301,13 @@ def test_sampler_routing_replay_and_mismatch():
     own = np.transpose(np.asarray(fwd.experts_LxBxTxK), (1, 2, 0, 3))
     live = np.asarray(smask, bool)[:, : P + Tn - 1]  # padding slots' outputs are never read; the last is never fed
     np.testing.assert_array_equal(np.asarray(routing)[:, : P + Tn - 1][live], own[:, : P + Tn - 1][live])
-    replay_fn, plain_fn = _fast_jit(make_logp_fn(MCFG, 1.0, routing_replay=True)), _fast_jit(make_logp_fn(MCFG, 1.0))
+    replay_fn, plain_fn = jax.jit(make_logp_fn(MCFG, 1.0, routing_replay=True)), jax.jit(make_logp_fn(MCFG, 1.0))
     logp, _, ex = replay_fn(params, batch)
     np.testing.assert_allclose(logp, out.logp_BxT, atol=1e-5)
     assert float(jnp.sum(ex["moe/routing_mismatch_BxT"])) == 0.0
     assert float(ex["moe/aux_loss"]) > 0.5 and float(ex["moe/z_loss"]) > 0 and float(ex["moe/dropped_frac"]) == 0
     # The update's gradient program: with zero token weights its loss is exactly the router penalty.
-    grad_fn = _fast_jit(
+    grad_fn = jax.jit(
         make_grad_fn(make_logp_fn(MCFG, 1.0, routing_replay=True), _ZeroLoss(), microbatches=1, old_logp_recorded=True)
     )
     value, grads, sums = grad_fn(params, dict(batch, weights_BxT=jnp.zeros_like(out.logp_BxT)))

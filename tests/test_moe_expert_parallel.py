@@ -1,17 +1,10 @@
 """Expert-parallel dropless dispatch (shard_map + all_to_all) on 8 fake CPU devices, in a subprocess
-(the device count must be set before jax is imported): equals the single-device naive loop, outputs
+(the device count must be set before jax is imported: harness.child_env): equals the single-device naive loop, outputs
 and gradients, with every expert weight really split one expert per device."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from harness import child_env, run_python
 
 SCRIPT = r"""
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.models import moe
@@ -49,18 +42,11 @@ print("OK")
 
 
 def test_expert_parallel_dispatch_on_8_fake_devices():
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_python(["-c", SCRIPT], child_env(devices=8), check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
 MODEL_SCRIPT = r"""
-import os
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                           "--xla_llvm_disable_expensive_passes=true")
 import jax, jax.numpy as jnp, numpy as np
 from jaxrl.config import LossConfig, MeshConfig, ModelConfig, OptimConfig
 from jaxrl.losses import make_loss
@@ -123,9 +109,5 @@ def test_moe_model_under_fsdp_expert_uses_all_to_all_and_matches_one_device():
     """A tiny MoE model's update steps under the fsdp_expert preset (expert=4 of 8 fake devices,
     mesh set with `jax.set_mesh`): dropless dispatch becomes expert-parallel (an all-to-all in the
     compiled step) and the losses and parameters equal one device's."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", MODEL_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_python(["-c", MODEL_SCRIPT], child_env(devices=8), check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 from conftest import DEFAULT_CONFIG, TINY, jaxrl_cmd
+from harness import child_env
 
 STEPS = 3
 ARGS = [
@@ -59,12 +60,7 @@ def _free_port() -> int:
 
 
 def _env(cache_env: dict, devices: int, root=None) -> dict:
-    env = dict(cache_env)
-    env["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true"
-    )
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env(cache_env, devices=devices)
     if root is not None:  # its own data and warm-start caches: nothing is shared with the reference run
         env["JAXRL_DATA_DIR"], env["JAXRL_CACHE_DIR"] = str(root / "tfds"), str(root / "warmstart")
     return env

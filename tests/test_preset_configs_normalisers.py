@@ -9,7 +9,7 @@ from jaxrl.losses import PRESETS
 
 
 @pytest.mark.parametrize("preset", FILES["normalisers"])
-def test_config_trains_two_steps(preset, tmp_path, in_process_cache, fast_compiles):
+def test_config_trains_two_steps(preset, tmp_path, in_process_cache):
     check_config_trains_two_steps(preset, tmp_path / preset)
 
 

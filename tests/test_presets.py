@@ -5,8 +5,9 @@ Hand-worked numbers for each composition, the new parts and the update-step wiri
 in test_preset_numbers.py; each config file trains in test_preset_configs.py.
 
 Cost control (2 busy CPU cores): the contract compiles ONE program per preset that computes every
-variant (full batch, padded columns, microbatches of 2 rows, permuted groups; XLA optimisation level
-0) and runs only the full batch eagerly for "jit == no jit" (eager kernels are shared by presets).
+variant (full batch, padded columns, microbatches of 2 rows, permuted groups; the suite's cheap-compile
+policy, tests/harness.py) and runs only the full batch eagerly for "jit == no jit" (eager kernels are
+shared by presets).
 """
 
 import functools
@@ -20,8 +21,6 @@ from jaxrl import cli
 from jaxrl.losses import aggregation, batch_advantages
 from jaxrl.losses.presets import PRESETS
 from jaxrl.train import steps as steps_lib
-
-XLA_FAST = {"xla_backend_optimization_level": 0}
 
 
 def _close(a, b, atol=1e-6, rtol=1e-6):
@@ -177,7 +176,7 @@ def test_contract(name):
     order = np.random.default_rng(7).permutation(n_groups)
     perm_rows = np.concatenate([g * G + np.arange(G) for g in order])
     fn = jax.jit(functools.partial(_variants, loss, G))
-    out = fn.lower(logp, batch, perm_rows).compile(compiler_options=XLA_FAST)(logp, batch, perm_rows)
+    out = fn.lower(logp, batch, perm_rows).compile()(logp, batch, perm_rows)
 
     value, grad, metrics, prepared_mask = out["full"]
     grad, prepared_mask = np.asarray(grad), np.asarray(prepared_mask)

@@ -64,9 +64,7 @@ def _assert_same_steps(resumed: list[dict], straight: list[dict]) -> None:
             assert by_step[row["step"]].get(key) == row.get(key), (row["step"], key)
 
 
-def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(
-    tmp_path, in_process_cache, fast_compiles, monkeypatch
-):
+def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(tmp_path, in_process_cache, monkeypatch):
     cfg = _config()
     assert cfg.loss.kl_beta == 0
     # The code before this change: every state (and checkpoint) held a reference copy, unused by the loss.
@@ -85,7 +83,7 @@ def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(
     assert 0.6 < without / with_ref < 0.85, (without, with_ref)
 
 
-def test_kl_run_keeps_its_reference_logs_kl_and_resumes_exactly(tmp_path, in_process_cache, fast_compiles):
+def test_kl_run_keeps_its_reference_logs_kl_and_resumes_exactly(tmp_path, in_process_cache):
     cfg = _config("loss.kl_beta=0.05")
     straight = loop.train(cfg, tmp_path / "kl")
     assert _holds_ref(tmp_path / "kl", 2) and _holds_ref(tmp_path / "kl", STEPS)

@@ -78,7 +78,7 @@ def test_speculate_now_probes_on_schedule_else_asks_whether_reuse_gains():
 
 
 @pytest.fixture(scope="module")
-def reuse_setup(fast_compiles):
+def reuse_setup():
     cfg = load_config(
         DEFAULT_CONFIG,
         TINY

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import DEFAULT_CONFIG, REPO, TINY, jaxrl_cmd
+from harness import child_env
 
 PRESETS = {"single": {}, "data": {}, "fsdp": {}, "fsdp_tensor": {"tensor": 2}, "fsdp_expert": {"expert": 2}}
 STEPS = 3
@@ -151,14 +152,7 @@ def _checkpoint_roundtrip(state) -> dict:
 
 
 def _env(cache_env: dict) -> dict:
-    env = dict(cache_env)
-    # Cheaper CPU codegen: these tests are about layouts and numbers, not speed of the compiled code.
-    env["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true"
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return child_env(cache_env, devices=8)
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,6 @@ def test_speculative_reruns_and_resumes_match(
     drafter,
     tmp_path,
     in_process_cache,
-    fast_compiles,
     flaky_timer,
     capsys,
 ):

@@ -18,7 +18,7 @@ from jaxrl.config import load_config
     ],
     ids=["int8-calibrated", "reuse-every-rollout"],
 )
-def test_grpo_trains_with_speculative_rollouts(extra, tmp_path, in_process_cache, fast_compiles, capsys):
+def test_grpo_trains_with_speculative_rollouts(extra, tmp_path, in_process_cache, capsys):
     from jaxrl.train.loop import train
 
     cfg = load_config(config_path("grpo"), overrides("grpo") + ["rollout.speculative.enabled=true", *extra])

@@ -7,8 +7,7 @@ KL), so one program per microbatch count serves both presets, whose weights are 
 Reference quantities are written out here from `token_logprobs` and the papers' formulas,
 independently of `jaxrl.losses` and `jaxrl.train.steps`.
 
-Every program is compiled with XLA's backend optimisation level 0 (`_fast_jit`): same semantics,
-about half the compile time, which dominates this file on CPU.
+Compile time dominates this file on CPU: tests/harness.py's compile policy keeps it low.
 """
 
 import functools
@@ -41,22 +40,6 @@ PRESETS = ("grpo", "dr_grpo")
 LENGTHS = np.array([5, 2, 0, 3, 1, 5, 4, 2])
 
 LOGP_FN = steps_lib.make_logp_fn(CFG, TEMP)
-XLA_FAST = {"xla_backend_optimization_level": 0}
-
-
-def _fast_jit(fn, **jit_kwargs):
-    """jax.jit(fn, **jit_kwargs), compiled once per input signature with XLA_FAST."""
-    jitted = jax.jit(fn, **jit_kwargs)
-    compiled = {}
-
-    def call(*args):
-        leaves, treedef = jax.tree.flatten(args)
-        key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
-        if key not in compiled:
-            compiled[key] = jitted.lower(*args).compile(compiler_options=XLA_FAST)
-        return compiled[key](*args)
-
-    return call
 
 
 @functools.cache
@@ -123,7 +106,7 @@ def _model_logp(params, batch):
     )
 
 
-_compiled_logp = _fast_jit(lambda params, *arrays: token_logprobs(params, CFG, *arrays, TEMP))
+_compiled_logp = jax.jit(lambda params, *arrays: token_logprobs(params, CFG, *arrays, TEMP))
 
 
 def _logp(params, batch):
@@ -177,7 +160,7 @@ def _loss(preset, kl_beta=KL_BETA):
 @functools.cache
 def _grad_fn(microbatches):
     """Recorded old log-probs (the PPO-epochs path): ratios != 1, clipping, a KL term."""
-    return _fast_jit(steps_lib.make_grad_fn(LOGP_FN, _loss("grpo"), microbatches=microbatches, old_logp_recorded=True))
+    return jax.jit(steps_lib.make_grad_fn(LOGP_FN, _loss("grpo"), microbatches=microbatches, old_logp_recorded=True))
 
 
 @functools.cache
@@ -204,7 +187,7 @@ def test_presets_share_token_loss_and_weights_follow_the_papers():
     """What lets one gradient program per m serve both presets: only the weights differ."""
     _, batch = _setup("grpo")
     logp = _logp(_params(), batch)[0]
-    out_g, out_d = _fast_jit(lambda lp, b: (_loss("grpo").token_loss(lp, b), _loss("dr_grpo").token_loss(lp, b)))(
+    out_g, out_d = jax.jit(lambda lp, b: (_loss("grpo").token_loss(lp, b), _loss("dr_grpo").token_loss(lp, b)))(
         logp, batch
     )
     jax.tree.map(np.testing.assert_array_equal, out_g, out_d)
@@ -300,7 +283,7 @@ def _paper_loss_and_grad(params, batch, w_BxT):
     return jax.value_and_grad(loss)(params)
 
 
-_paper_loss_and_grad = _fast_jit(_paper_loss_and_grad)
+_paper_loss_and_grad = jax.jit(_paper_loss_and_grad)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -326,7 +309,7 @@ def test_update_step_ppo_epochs_record_old_logp_once():
     (grad, Adam) steps against those, and the epoch-2 ratios differ from 1 (with clipping)."""
     loss = _loss("grpo")
     opt = make_optimizer(_adam_cfg(), total_steps=10)
-    step_fn = _fast_jit(
+    step_fn = jax.jit(
         steps_lib.make_update_step(LOGP_FN, loss, opt, ppo_epochs=2, microbatches=2, max_new_tokens=T, group_size=G),
         donate_argnums=0,
     )
@@ -347,7 +330,7 @@ def test_update_step_ppo_epochs_record_old_logp_once():
         old_logp_BxT=_logp(params0, batch)[0],
         ref_logp_BxT=_logp(ref, batch)[0],
     )
-    apply = _fast_jit(lambda g, o, p: (lambda u, o: (optax.apply_updates(p, u), o))(*opt.update(g, o, p)))
+    apply = jax.jit(lambda g, o, p: (lambda u, o: (optax.apply_updates(p, u), o))(*opt.update(g, o, p)))
     p, opt_state, sums, values, norms = params0, opt.init(params0), [], [], []
     for _ in range(2):
         v, g, s = _grad_fn(2)(p, hand)
@@ -376,7 +359,7 @@ def _sgd_step():
     """One PPO epoch (old = current), plain SGD, 2 microbatches, a reference but no KL in the loss
     (use_ref=True: the reference forward only for the `kl` metric)."""
     opt = optax.sgd(SGD_LR)
-    step = _fast_jit(
+    step = jax.jit(
         steps_lib.make_update_step(
             LOGP_FN,
             _loss("grpo", kl_beta=0.0),
@@ -502,7 +485,7 @@ def test_optimizer_clips_by_global_norm():
             u2, _ = opt.update(scaled(clip, other), state, params)
             return u1, u2
 
-        return _fast_jit(two)
+        return jax.jit(two)
 
     clipped = updater(make_optimizer(cfg, total_steps=10))
     unclipped = updater(optax.adamw(1e-2, b1=cfg.b1, b2=cfg.b2, weight_decay=0.0))

@@ -1,0 +1,62 @@
+"""The tests' one policy for compiling cheaply, and one way to run a child Python.
+
+Tiny models spend their test time compiling, not running, so every test process (pytest's workers and
+each child they start) compiles with JAX_DISABLE_MOST_OPTIMIZATIONS=1: XLA's backend optimisation level
+0 and no expensive LLVM passes. The programs mean the same thing and compile in about half the time.
+Set JAXRL_TEST_OPTIMIZED=1 to run the suite with XLA's full optimisation instead.
+
+Children also share one persistent compilation cache per pytest worker (conftest's `cache_env`), so a
+program that several child runs compile is compiled once. This module imports no JAX: conftest sets the
+policy before anything imports it.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def compile_policy() -> dict[str, str]:
+    """The environment variables that make compiles cheap (empty under JAXRL_TEST_OPTIMIZED=1)."""
+    if os.environ.get("JAXRL_TEST_OPTIMIZED") == "1":
+        return {}
+    return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+
+
+def child_env(base: dict | None = None, devices: int | None = None, **extra: str) -> dict[str, str]:
+    """Environment for a child Python: this repository importable, the compile policy, and either
+    `devices` fake CPU devices or none of the parent's XLA_FLAGS (a parent may have forced 8)."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(compile_policy())
+    env.pop("XLA_FLAGS", None)
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def run_python(args: list[str], env: dict, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """`python ARGS` from the repository root, output captured; with `check`, a nonzero exit fails the
+    test showing the end of the child's stderr."""
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    return proc
+
+
+def last_json_line(stdout: str, min_lines: int = 1) -> dict:
+    """A benchmark's result: its last nonblank line, after at least `min_lines - 1` readable lines."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert len(lines) >= min_lines, stdout
+    return json.loads(lines[-1])
+
+
+def run_benchmark(script: str, *flags: str, env: dict | None = None, timeout: float = 300, min_lines: int = 2) -> dict:
+    """benchmarks/SCRIPT FLAGS in a child Python; its JSON line."""
+    proc = run_python([str(REPO / "benchmarks" / script), *flags], env or child_env(), timeout)
+    return last_json_line(proc.stdout, min_lines)
