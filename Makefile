@@ -1,12 +1,13 @@
 # Two commands for a fresh machine: `make train` and `make test`. Both create .venv once and
 # reinstall only when pyproject.toml changes (the stamp file records the last install).
+# The inner loop: `make test-fast` (no child processes, no training runs) and `make lint`.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= configs/grpo_arithmetic.py
 ARGS   ?=
 
-.PHONY: train test install install-test clean
+.PHONY: train test test-fast lint format install install-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,10 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+$(VENV)/.installed-lint: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[lint]'
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
@@ -27,7 +32,19 @@ train: $(VENV)/.installed
 	$(VENV)/bin/jaxrl train $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --durations=15 tests
+
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -n 2 -m "not slow" tests
+
+lint: $(VENV)/.installed-lint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
+
+format: $(VENV)/.installed-lint
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) runs

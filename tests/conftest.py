@@ -60,7 +60,7 @@ def compilation_cache(cache_env):
     """Every test in this process shares the persistent XLA cache its children use: a program that
     several training runs compile (the same tiny model, rollout and update) is compiled once."""
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {n: jax.config.read(n) for n in names}
+    before = {n: getattr(jax.config, n) for n in names}
     jax.config.update("jax_compilation_cache_dir", cache_env["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     cc.reset_cache()  # make JAX re-read the cache settings
