@@ -161,3 +161,63 @@ def test_eval_is_deterministic_in_its_seed(capsys, tmp_path, in_process_cache, f
         reports.append(json.loads((tmp_path / f"{name}.json").read_text()))
     assert reports[0] == reports[1] and reports[0]["seed"] == 3 and reports[0]["temperature"] == 1.0
     assert reports[2]["metrics"]["sampled/response_len"] != reports[0]["metrics"]["sampled/response_len"]
+
+
+@pytest.mark.slow
+def test_eval_of_a_tiny_hf_checkpoint_agrees_with_transformers(capsys, tmp_path, in_process_cache, fast_compiles):
+    """--hf on a tiny random Qwen2: the reference answer of each problem is the final number of
+    transformers' own greedy completion, so jaxrl's greedy decode, tokenizer and verifier must together
+    score exactly the problems where that completion has a number."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from hf_stand_in import CHATML_SPECIALS, save_bpe_tokenizer, save_tiny_qwen2
+
+    from jaxrl.data.hf_tokenizer import load_tokenizer
+    from jaxrl.data.math_jsonl import extract_answer
+
+    questions = [f"Tom has {a} apples and buys {b} more. How many now?" for a, b in ((3, 4), (12, 5), (7, 70), (1, 9))]
+    hf = tmp_path / "qwen_tiny"
+    hf.mkdir()
+    save_bpe_tokenizer(
+        hf, [q + " #### 7 12 77 10" for q in questions] * 10, 300, CHATML_SPECIALS,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    )  # fmt: skip
+    model = save_tiny_qwen2(hf, 320, eos_token_id=2, pad_token_id=0)
+    with torch.no_grad():  # at its init scale the model says '::::' to everything; louder, it says numbers too
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.mul_(20)
+    model.save_pretrained(hf)
+    tokenizer, T = load_tokenizer(hf), 8
+    answers = []
+    for q in questions:
+        ids = tokenizer.encode(f"Q: {q} A:")
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=T, do_sample=False, eos_token_id=2, pad_token_id=0)
+        value, _ = extract_answer(tokenizer.decode(out[0, len(ids) :].tolist()))
+        answers.append(None if value is None else str(value))
+    expected = sum(a is not None for a in answers) / len(answers)
+    assert expected > 0, answers  # else the check below could not tell right from wrong
+    data = tmp_path / "test.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": q, "answer": a or "-1"}) + "\n" for q, a in zip(questions, answers))
+    )
+    sets = [
+        f"data.train_file={data}", f"data.test_file={data}", "data.num_test=4", "data.prompt_template=Q: {question} A:",
+        "data.max_prompt_len=64", f"rollout.max_new_tokens={T}", "model.dtype=float32", "mesh.preset=single",
+        "train.progress=false",
+    ]  # fmt: skip
+    recipe = REPO / "configs" / "qwen2.5_0.5b_gsm8k_grpo.py"
+    out = tmp_path / "hf_eval.json"
+    code, table, err = _eval(
+        capsys, str(recipe), "--hf", str(hf), *sum((["--set", s] for s in sets), []),
+        "--samples", "2", "--temperature", "0", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["source"] == {"kind": "hf", "path": str(hf)} and report["prompts"] == 4
+    m = report["metrics"]
+    assert m["greedy/accuracy"] == pytest.approx(expected), (answers, m)
+    assert m["pass@2"] == m["maj@2"] == pytest.approx(expected)  # temperature 0: each sample is the greedy one
+    assert "| greedy accuracy | 1 |" in table
