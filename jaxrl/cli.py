@@ -1,4 +1,4 @@
-"""`jaxrl train|convert|variants` — the command line. User mistakes exit with one line on stderr, code 2; a
+"""`jaxrl train|eval|convert|variants` — the command line. User mistakes exit with one line on stderr, code 2; a
 run that cannot go on (no checkpoint restores, the loss went NaN) with one line, code 1."""
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MB",
         help="--to-hf: split the safetensors into shards of at most this size (0: one file)",
     )
+    _add_eval_parser(sub)
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
     v.add_argument(
         "--configs",
@@ -97,6 +98,35 @@ def _parser() -> argparse.ArgumentParser:
         help="directory searched for <preset>_arithmetic.py (default: the repository's configs/)",
     )
     return p
+
+
+def _add_eval_parser(sub) -> None:
+    e = sub.add_parser(
+        "eval",
+        help="greedy accuracy, pass@k and maj@k of a checkpoint (or an HF checkpoint) on the task's test split",
+    )
+    e.add_argument("config", help="the config the policy was trained with (its task, model, rollout settings)")
+    e.add_argument("--workdir", default=None, help="a run directory: its newest checkpoint (or --step)")
+    e.add_argument(
+        "--checkpoint", default=None, metavar="DIR", help="a checkpoint step directory, or a checkpoints root"
+    )
+    e.add_argument("--hf", default=None, metavar="DIR", help="a Hugging Face checkpoint directory, before any training")
+    e.add_argument("--step", type=int, default=None, metavar="N", help="a saved step of --workdir / --checkpoint")
+    e.add_argument("--samples", type=int, default=1, metavar="K", help="sampled completions per prompt (default 1)")
+    e.add_argument("--prompts", type=int, default=None, metavar="N", help="the first N test prompts (default: all)")
+    e.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (default: rollout.temperature)"
+    )
+    e.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    e.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="the JSON report (default: <workdir>/eval/step_<N>.json, else ./eval.json)",
+    )
+    e.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
+    )
 
 
 REPO_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -175,6 +205,19 @@ def main(argv: list[str] | None = None) -> int:
             from jaxrl.train.loop import train  # heavy imports only once the config is known good
 
             train(cfg, workdir, allow_config_change=args.allow_config_change)
+            return 0
+        if args.command == "eval":
+            from jaxrl.eval import run as evaluation
+
+            request = evaluation.EvalRequest(
+                args.config, args.samples, args.prompts, args.temperature, args.seed, args.out
+            )
+            evaluation.check_request(request)
+            located = evaluation.locate(args.workdir, args.checkpoint, args.hf, args.step)
+            cfg = load_config(args.config, args.overrides)
+            report, path = evaluation.run_eval(cfg, request, located)
+            print(evaluation.format_table(report))
+            print(f"jaxrl: wrote {path}", file=sys.stderr)
             return 0
         if args.command == "convert":
             from jaxrl.train import pretrained

@@ -73,6 +73,8 @@ def generate_splits(
     train = _read_lines(pathlib.Path(train_file), "data.train_file")
     if test_file:
         test = _read_lines(pathlib.Path(test_file), "data.test_file")[:num_test]
+        if not test:  # TFDS cannot write an empty split; and a run needs held-out problems
+            raise ConfigError(f"data.test_file: {test_file!r} holds no problems; the test split may not be empty")
     else:
         if len(train) < 2:
             raise ConfigError(f"data.train_file: {len(train)} problems; holding out a test split needs >= 2")

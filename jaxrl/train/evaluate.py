@@ -1,8 +1,14 @@
-"""Held-out accuracy: greedy completions of the first N test prompts, scored by the task verifier."""
+"""Held-out accuracy: greedy completions of the first N test prompts, scored by the task verifier.
+
+The pieces are shared with `jaxrl eval` (jaxrl.eval.run): `encode_records` (the prompts that fit),
+`make_chunk_sampler` (the jitted sampler, greedy or not, G completions per prompt) and
+`sample_in_chunks` (fixed-shape chunks of prompts, the last one padded, so it compiles once).
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -25,11 +31,9 @@ def eval_records(cfg: Config, test_source) -> list[dict]:
     return [test_source[i] for i in range(n)]
 
 
-def make_evaluator(cfg: Config, model_cfg: ModelConfig, tokenizer, records: list[dict], verifier, out_sharding=None):
-    """Returns evaluate(params) -> {'eval/accuracy', 'eval/format', 'eval/response_len'}.
-
-    `out_sharding` (e.g. replicated over the mesh): where the completions land, so that every process
-    of a multi-process run can read them whatever the params' layout."""
+def encode_records(cfg: Config, tokenizer, records: list[dict], what: str = "eval prompts (train.eval_prompts)"):
+    """(the records whose prompts fit, their left-padded tokens_BxP, mask_BxP); a ConfigError naming
+    data.max_prompt_len when none fits."""
     tok_BxP, mask_BxP, kept, _ = encode_prompts(
         tokenizer,
         [r["prompt"] for r in records],
@@ -40,46 +44,87 @@ def make_evaluator(cfg: Config, model_cfg: ModelConfig, tokenizer, records: list
     )
     if not kept:
         raise ConfigError(
-            f"every one of the {len(records)} eval prompts (train.eval_prompts) is longer than "
+            f"every one of the {len(records)} {what} is longer than "
             f"data.max_prompt_len={cfg.data.max_prompt_len} tokens and was skipped "
             f"(data.skip_long_prompts): raise data.max_prompt_len"
         )
-    records = [records[i] for i in kept]
-    chunk = min(EVAL_CHUNK, len(records))
-    pad = (-len(records)) % chunk
-    tok_BxP = np.concatenate([tok_BxP, np.repeat(tok_BxP[:1], pad, 0)])
-    mask_BxP = np.concatenate([mask_BxP, np.repeat(mask_BxP[:1], pad, 0)])
-    greedy = jax.jit(
+    return [records[i] for i in kept], tok_BxP, mask_BxP
+
+
+def make_chunk_sampler(
+    cfg: Config,
+    model_cfg: ModelConfig,
+    tokenizer,
+    *,
+    group_size: int,
+    greedy: bool,
+    temperature: float = 1.0,
+    out_sharding=None,
+) -> Callable:
+    """jit(sample): (params, prompt_BxP, prompt_mask_BxP, rng) -> SampleOutput with G rows per prompt,
+    drawn as the rollout draws them (rollout.max_new_tokens, top_k, top_p; greedy ignores the last two)."""
+    rc = cfg.rollout
+    return jax.jit(
         functools.partial(
             sample,
             cfg=model_cfg,
-            group_size=1,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
+            group_size=group_size,
+            max_new_tokens=rc.max_new_tokens,
+            temperature=temperature,
+            top_k=0 if greedy else rc.top_k,
+            top_p=1.0 if greedy else rc.top_p,
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
-            greedy=True,
+            greedy=greedy,
         ),
         **({} if out_sharding is None else {"out_shardings": out_sharding}),
     )
+
+
+def sample_in_chunks(sampler: Callable, params, tok_BxP, mask_BxP, chunk: int, rng, group_size: int, on_chunk=None):
+    """All completions of the B prompts, `chunk` prompts per call (the last chunk padded with copies of
+    the first prompt, then dropped): (tokens_NxT, finished_N, length_N) on the host, N = B * G, rows
+    i*G .. i*G+G-1 answering prompt i. Chunk c draws with fold_in(rng, c); `on_chunk(n_prompts)` after each."""
+    n = len(tok_BxP)
+    pad = (-n) % chunk
+    tok_BxP = np.concatenate([tok_BxP, np.repeat(tok_BxP[:1], pad, 0)])
+    mask_BxP = np.concatenate([mask_BxP, np.repeat(mask_BxP[:1], pad, 0)])
+    tokens, finished, lengths = [], [], []
+    for c, i in enumerate(range(0, len(tok_BxP), chunk)):
+        out = sampler(
+            params,
+            prompt_BxP=tok_BxP[i : i + chunk],
+            prompt_mask_BxP=mask_BxP[i : i + chunk],
+            rng=jax.random.fold_in(rng, c),
+        )
+        tokens.append(np.asarray(out.tokens_BxT))
+        finished.append(np.asarray(out.finished_B))
+        lengths.append(np.asarray(out.length_B))
+        if on_chunk is not None:
+            on_chunk(min(chunk, n - i))
+    rows = n * group_size
+    return np.concatenate(tokens)[:rows], np.concatenate(finished)[:rows], np.concatenate(lengths)[:rows]
+
+
+def make_evaluator(cfg: Config, model_cfg: ModelConfig, tokenizer, records: list[dict], verifier, out_sharding=None):
+    """Returns evaluate(params, on_chunk=None) -> {'eval/accuracy', 'eval/format', 'eval/response_len'}.
+
+    `out_sharding` (e.g. replicated over the mesh): where the completions land, so that every process
+    of a multi-process run can read them whatever the params' layout. `on_chunk(n)`: called after each
+    chunk of n prompts (a progress bar)."""
+    records, tok_BxP, mask_BxP = encode_records(cfg, tokenizer, records)
+    chunk = min(EVAL_CHUNK, len(records))
+    greedy = make_chunk_sampler(cfg, model_cfg, tokenizer, group_size=1, greedy=True, out_sharding=out_sharding)
     key = jax.random.key(0)  # unused by greedy decoding, but part of the signature
 
-    def evaluate(params) -> dict:
-        tokens, finished, lengths = [], [], []
-        for i in range(0, len(tok_BxP), chunk):
-            out = greedy(params, prompt_BxP=tok_BxP[i : i + chunk], prompt_mask_BxP=mask_BxP[i : i + chunk], rng=key)
-            tokens.append(np.asarray(out.tokens_BxT))
-            finished.append(np.asarray(out.finished_B))
-            lengths.append(np.asarray(out.length_B))
-        n = len(records)
-        texts = decode_completions(tokenizer, np.concatenate(tokens)[:n])
-        rewards_BxK, _ = score(verifier, texts, list(np.concatenate(finished)[:n]), records)
+    def evaluate(params, on_chunk=None) -> dict:
+        tokens_BxT, finished_B, length_B = sample_in_chunks(greedy, params, tok_BxP, mask_BxP, chunk, key, 1, on_chunk)
+        texts = decode_completions(tokenizer, tokens_BxT)
+        rewards_BxK, _ = score(verifier, texts, list(finished_B), records)
         return {
             "eval/accuracy": float(rewards_BxK[:, 0].mean()),
             "eval/format": float(rewards_BxK[:, 1].mean()),
-            "eval/response_len": float(np.concatenate(lengths)[:n].mean()),
+            "eval/response_len": float(length_B.mean()),
         }
 
     return evaluate

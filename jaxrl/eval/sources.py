@@ -1,0 +1,206 @@
+"""Where `jaxrl eval` finds the policy it scores, and loading it.
+
+    --workdir W       the newest checkpoint of the run in W (or --step N)
+    --checkpoint DIR  one step's directory (W/checkpoints/N), or a checkpoints root (newest, or --step N)
+    --hf DIR          a Hugging Face checkpoint (or a `jaxrl convert --from-hf` output), before any training
+    (none)            the config's initial policy: what step 0 of `jaxrl train` evaluates (model.hf_path,
+                      else the cached warm start of the base policy, trained first when not cached)
+
+`locate` checks the paths (no JAX work: a wrong path is an error at once); `load_policy` loads the
+tokenizer, the model config and the params, laid out by the config's mesh preset. A jaxrl checkpoint
+is read as the config's model (its tokenizer: model.hf_path's, else the character tokenizer); when the
+run's config.json is next to it, a model.* field that differs from the config is an error naming it.
+Only the params are read from the checkpoint (orbax partial restore), not the optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+
+from jaxrl.config import Config, ConfigError
+
+SOURCE_FLAGS = ("--workdir", "--checkpoint", "--hf")
+
+
+class EvalError(ConfigError):
+    """A mistake in what `jaxrl eval` was asked (a path, a flag); one line naming it (exit 2)."""
+
+
+class Located(NamedTuple):
+    kind: str  # "workdir" | "checkpoint" | "hf" | "initial"
+    path: pathlib.Path | None  # what the user named
+    step_dir: pathlib.Path | None  # the jaxrl checkpoint step directory read (workdir / checkpoint)
+    step: int | None  # its step (None: hf, initial, or a step directory not named by a number)
+    run_dir: pathlib.Path | None  # the run holding it, when its config.json is there
+
+
+class Policy(NamedTuple):
+    tokenizer: Any
+    model_cfg: Any
+    params: Any  # laid out by the mesh preset
+    origin: str  # where the params came from (a checkpoint step dir, an HF dir, the warm-start cache)
+
+
+def saved_steps(root: pathlib.Path) -> list[int]:
+    """The finished steps under a checkpoints root (an unfinished save is `<step>.orbax-...-tmp-...`)."""
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _pick(root: pathlib.Path, step: int | None) -> tuple[pathlib.Path, int]:
+    steps = saved_steps(root)
+    if step is None:
+        return root / str(steps[-1]), steps[-1]
+    if step not in steps:
+        raise EvalError(f"--step {step} was not saved in {root}; saved steps: {', '.join(map(str, steps))}")
+    return root / str(step), step
+
+
+def _run_dir(directory: pathlib.Path) -> pathlib.Path | None:
+    return directory if (directory / "config.json").is_file() else None
+
+
+def _existing_dir(flag: str, path: str) -> pathlib.Path:
+    directory = pathlib.Path(path).expanduser()
+    if not directory.is_dir():
+        raise EvalError(f"{flag} {path}: directory not found")
+    return directory
+
+
+def locate(workdir: str | None, checkpoint: str | None, hf: str | None, step: int | None) -> Located:
+    """Check the source flags and their paths; see the module docstring."""
+    given = [f for f, v in zip(SOURCE_FLAGS, (workdir, checkpoint, hf)) if v is not None]
+    if len(given) > 1:
+        raise EvalError(f"give one source of {', '.join(SOURCE_FLAGS)} (or none: the initial policy); got {given}")
+    if step is not None and not (workdir or checkpoint):
+        raise EvalError(f"--step {step}: a step is chosen with --workdir or --checkpoint")
+    if workdir is not None:
+        run = _existing_dir("--workdir", workdir)
+        if not saved_steps(run / "checkpoints"):
+            raise EvalError(f"--workdir {workdir} has no checkpoints (no finished step in {run / 'checkpoints'})")
+        step_dir, n = _pick(run / "checkpoints", step)
+        return Located("workdir", run, step_dir, n, _run_dir(run))
+    if checkpoint is not None:
+        return _locate_checkpoint(_existing_dir("--checkpoint", checkpoint), step)
+    if hf is not None:
+        directory = _existing_dir("--hf", hf)
+        if not (directory / "config.json").is_file() and not (directory / "model_config.json").is_file():
+            raise EvalError(
+                f"--hf {hf}: no config.json in it (a Hugging Face checkpoint directory has config.json, "
+                "safetensors and tokenizer.json)"
+            )
+        return Located("hf", directory, None, None, None)
+    return Located("initial", None, None, None, None)
+
+
+def _locate_checkpoint(directory: pathlib.Path, step: int | None) -> Located:
+    if (directory / "state").is_dir():  # one step's directory: <run>/checkpoints/<step>
+        n = int(directory.name) if directory.name.isdigit() else None
+        if step is not None and step != n:
+            raise EvalError(
+                f"--step {step}: --checkpoint {directory} is the directory of one step ({directory.name}); "
+                "give its checkpoints root to choose a step"
+            )
+        return Located("checkpoint", directory, directory, n, _run_dir(directory.parent.parent))
+    if not saved_steps(directory):
+        hint = "; a run directory goes to --workdir" if (directory / "checkpoints").is_dir() else ""
+        raise EvalError(
+            f"--checkpoint {directory} holds no checkpoint: expected a step directory (with state/) or a "
+            f"checkpoints root (numbered step folders){hint}"
+        )
+    step_dir, n = _pick(directory, step)
+    return Located("checkpoint", directory, step_dir, n, _run_dir(directory.parent))
+
+
+def check_run_model(cfg: Config, located: Located, config_path: str) -> None:
+    """The run's config.json (if any) names the same model as the config: else an error naming each field."""
+    if located.run_dir is None:
+        return
+    from jaxrl.train.workdir import config_changes, read_run_config
+
+    saved = read_run_config(located.run_dir)
+    if saved is None:
+        return
+    differ = {k: v for k, v in config_changes(saved, cfg).items() if k.startswith("model.")}
+    if differ:
+        shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items())
+        raise EvalError(
+            f"{located.run_dir / 'config.json'}: the run trained another model than {config_path} ({shown}; "
+            "run -> config); give the run's model.* with --set"
+        )
+
+
+def _param_shardings(model_cfg, mesh, preset):
+    from jaxrl.models.transformer import init_params, param_logical_axes
+    from jaxrl.sharding import param_shardings
+
+    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    return abstract, param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract)
+
+
+def config_model(cfg: Config):
+    """(tokenizer, model_cfg) of the config's policy: model.hf_path's, else the character tokenizer."""
+    if cfg.model.hf_path:
+        from jaxrl.data.hf_tokenizer import load_tokenizer
+        from jaxrl.train.pretrained import checkpoint_config
+
+        return load_tokenizer(pathlib.Path(cfg.model.hf_path).expanduser()), checkpoint_config(cfg.model)
+    from jaxrl.data.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer()
+    vocab = cfg.model.vocab_size or tokenizer.vocab_size
+    return tokenizer, dataclasses.replace(cfg.model, vocab_size=vocab)
+
+
+def restore_params(step_dir: pathlib.Path, model_cfg, mesh, preset):
+    """The params of a saved TrainState (orbax partial restore: the optimizer state stays on disk)."""
+    import orbax.checkpoint as ocp
+
+    from jaxrl.train.checkpoint import _first_line
+
+    abstract, shardings = _param_shardings(model_cfg, mesh, preset)
+    target = {
+        "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    }
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            (step_dir / "state").absolute(),
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+            ),
+        )
+    except Exception as e:  # orbax / tensorstore: a damaged checkpoint, or another model's
+        raise EvalError(
+            f"{step_dir}: its params do not restore as the config's model ({_first_line(e)}); "
+            "is this the run's config (model.* and --set)?"
+        ) from None
+    return restored["params"]
+
+
+def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: bool) -> Policy:
+    """The tokenizer, model config and params of the located source, placed by the mesh preset."""
+    from jaxrl.train.pretrained import load_pretrained
+
+    if located.kind == "hf" or (located.kind == "initial" and cfg.model.hf_path):
+        model = dataclasses.replace(cfg.model, hf_path=str(located.path or cfg.model.hf_path))
+        tokenizer, model_cfg, params, path, _ = load_pretrained(model, mesh, preset)
+        return Policy(tokenizer, model_cfg, params, str(path))
+    tokenizer, model_cfg = config_model(cfg)
+    if located.step_dir is not None:
+        return Policy(
+            tokenizer, model_cfg, restore_params(located.step_dir, model_cfg, mesh, preset), str(located.step_dir)
+        )
+    from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.train.warmstart import load_or_train_base
+
+    assert isinstance(tokenizer, CharTokenizer)  # model.hf_path's policy returned above
+    _, shardings = _param_shardings(model_cfg, mesh, preset)
+    params, path = load_or_train_base(
+        cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet, progress=progress, shardings=shardings
+    )
+    return Policy(tokenizer, model_cfg, jax.device_put(params, shardings), str(path))
