@@ -111,8 +111,9 @@ REPO_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def distributed_args(args) -> dict | None:
-    """--coordinator / --num-processes / --process-id (or JAXRL_* env) -> init_distributed kwargs;
-    None for a single-process run. Inconsistent values are a UserError naming the flag."""
+    """--coordinator / --num-processes / --process-id (or JAXRL_* env) -> init_distributed kwargs,
+    --cluster auto -> init_distributed_auto kwargs; None for a single-process run.
+    Inconsistent values are a UserError naming the flag."""
     env = os.environ
 
     def pick(flag: str, name: str, value, cast):
@@ -206,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             if dist is not None:  # before anything touches devices
                 from jaxrl.sharding import init_distributed, init_distributed_auto
 
-                init_distributed_auto(**dist) if "cluster" in dist else init_distributed(**dist)
+                if "cluster" in dist:
+                    init_distributed_auto(**dist)
+                else:
+                    init_distributed(**dist)
             from jaxrl.train.loop import train  # heavy imports only once the config is known good
 
             train(cfg, workdir, allow_config_change=args.allow_config_change)
