@@ -62,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
         help="multi-process run: this process, 0..N-1 (env JAXRL_PROCESS_ID)",
     )
     t.add_argument(
+        "--cluster",
+        default=None,
+        choices=("auto",),
+        help="multi-process run: take the process count, this process and the coordinator from the cluster "
+        "environment (SLURM, Cloud TPU VM, Open MPI, Kubernetes) as jax.distributed.initialize() detects it "
+        "(env JAXRL_CLUSTER)",
+    )
+    t.add_argument(
         "--init-timeout",
         type=int,
         default=None,
@@ -133,8 +141,9 @@ REPO_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def distributed_args(args) -> dict | None:
-    """--coordinator / --num-processes / --process-id (or JAXRL_* env) -> init_distributed kwargs;
-    None for a single-process run. Inconsistent values are a UserError naming the flag."""
+    """--coordinator / --num-processes / --process-id (or JAXRL_* env) -> init_distributed kwargs,
+    --cluster auto -> init_distributed_auto kwargs; None for a single-process run.
+    Inconsistent values are a UserError naming the flag."""
     env = os.environ
 
     def pick(flag: str, name: str, value, cast):
@@ -152,6 +161,11 @@ def distributed_args(args) -> dict | None:
     n = pick("--num-processes", "JAXRL_NUM_PROCESSES", args.num_processes, int)
     pid = pick("--process-id", "JAXRL_PROCESS_ID", args.process_id, int)
     timeout = pick("--init-timeout", "JAXRL_INIT_TIMEOUT", args.init_timeout, int)
+    if timeout is not None and timeout < 1:
+        raise UserError(f"--init-timeout {timeout}: expected a positive number of seconds")
+    cluster = pick("--cluster", "JAXRL_CLUSTER", args.cluster, str)
+    if cluster is not None:
+        return _cluster_args(cluster, coordinator, n, pid, timeout or 300)
     if coordinator is None and n is None and pid is None:
         return None
     if coordinator is None or n is None or pid is None:
@@ -166,9 +180,31 @@ def distributed_args(args) -> dict | None:
         raise UserError(f"--num-processes {n}: expected a positive integer")
     if not 0 <= pid < n:
         raise UserError(f"--process-id {pid}: expected 0..{n - 1} for --num-processes {n}")
-    if timeout is not None and timeout < 1:
-        raise UserError(f"--init-timeout {timeout}: expected a positive number of seconds")
     return {"coordinator": coordinator, "num_processes": n, "process_id": pid, "timeout_s": timeout or 300}
+
+
+def _cluster_args(cluster: str, coordinator, n, pid, timeout: int) -> dict:
+    """--cluster auto: jax.distributed.initialize() finds everything; explicit values would fight it."""
+    if cluster != "auto":
+        raise UserError(f"JAXRL_CLUSTER={cluster!r} (--cluster): expected 'auto'")
+    given = [
+        f for f, v in (("--coordinator", coordinator), ("--num-processes", n), ("--process-id", pid)) if v is not None
+    ]
+    if given:
+        raise UserError(
+            f"--cluster auto takes the process layout from the cluster; drop {', '.join(given)} "
+            "(or unset the JAXRL_* variable)"
+        )
+    from jaxrl.sharding import detect_cluster  # imports jax, touches no device
+
+    found = detect_cluster()
+    if found is None:
+        raise UserError(
+            "--cluster auto: no cluster environment found (SLURM_JOB_ID/SLURM_STEP_NODELIST/SLURM_NTASKS/"
+            "SLURM_PROCID/SLURM_LOCALID, a Cloud TPU VM slice, Open MPI or Kubernetes); run under srun, on "
+            "every TPU worker, or give --coordinator/--num-processes/--process-id"
+        )
+    return {"cluster": found, "timeout_s": timeout}
 
 
 def variants_table(configs_dir: str | pathlib.Path | None = None) -> str:
@@ -199,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
             dist = distributed_args(args)
             if dist is not None:  # before anything touches devices
-                from jaxrl.sharding import init_distributed
+                from jaxrl.sharding import init_distributed, init_distributed_auto
 
-                init_distributed(**dist)
+                if "cluster" in dist:
+                    init_distributed_auto(**dist)
+                else:
+                    init_distributed(**dist)
             from jaxrl.train.loop import train  # heavy imports only once the config is known good
 
             train(cfg, workdir, allow_config_change=args.allow_config_change)

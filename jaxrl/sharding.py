@@ -266,3 +266,33 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int, time
         process_id=process_id,
         initialization_timeout=int(timeout_s),
     )
+
+
+def detect_cluster() -> str | None:
+    """The cluster environment `jax.distributed.initialize()` would pick up with no arguments ("slurm",
+    "gcetpu", "gketpu", "ompi", "k8s"), or None. Uses JAX's own detectors (no public API lists them),
+    in JAX's order, skipping the opt-in ones (mpi4py) as JAX does."""
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if not env.opt_in_only_method and env.is_env_present():
+            return env.name
+    return None
+
+
+def init_distributed_auto(cluster: str, timeout_s: int = 300) -> None:
+    """`init_distributed` with everything (coordinator, process count, this process) taken from the
+    `cluster` environment by `jax.distributed.initialize()`; prints what it joined as."""
+    import sys
+
+    from jax._src.distributed import global_state
+
+    print(f"jaxrl: {cluster} cluster detected; joining (timeout {timeout_s} s)", file=sys.stderr, flush=True)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(initialization_timeout=int(timeout_s))
+    print(
+        f"jaxrl: process {global_state.process_id} of {global_state.num_processes} joined "
+        f"{global_state.coordinator_address} ({cluster})",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -1,0 +1,212 @@
+"""scripts/: the launchers' --dry-run output (each printed line is run through a shell parser and compared
+with the argv it must run), their option errors, the SLURM template's per-node setup, `jaxrl train
+--cluster auto`'s errors, and two local processes that join as a fake two-node SLURM job."""
+
+import os
+import shlex
+import subprocess
+import time
+
+import pytest
+from conftest import REPO
+from multihost_helpers import assert_same_metrics, device_env, finish, free_port, metric_rows, run_args, start_train
+
+SCRIPTS = REPO / "scripts"
+CONFIG = "configs/grpo_arithmetic.py"
+SPACED = "data.prompt_template=Q: {q} it's A:"  # a space, braces and a quote must all survive
+PASSED = ["--set", SPACED, "--set", "train.steps=3"]
+# what a cluster or an earlier multi-process launch may have left in the environment of these tests
+CLUSTER_VARS = (
+    "SLURM_",
+    "OMPI_",
+    "KUBERNETES_SERVICE_HOST",
+    "TPU_WORKER",
+    "MEGASCALE_",
+    "JAX_COORDINATOR",
+    "JAX_LOCAL",
+)
+DIST_VARS = ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID", "JAXRL_INIT_TIMEOUT", "JAXRL_CLUSTER")
+
+
+def script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPTS / name), *args], capture_output=True, text=True, env=env, timeout=30)
+
+
+def lines(result: subprocess.CompletedProcess) -> list[list[str]]:
+    assert result.returncode == 0, result.stderr
+    return [shlex.split(line) for line in result.stdout.splitlines()]
+
+
+def test_tpu_pod_dry_run_runs_one_train_command_on_every_worker():
+    (ssh,) = lines(script("launch_tpu_pod.sh", "--name", "pod", "--zone", "us-central2-b", "--workdir",
+                          "/mnt/runs/a b", "--dry-run", CONFIG, *PASSED))  # fmt: skip
+    remote = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", "--zone", "us-central2-b", "--worker=all"]
+    assert ssh[:-2] == remote and ssh[-2] == "--command"
+    train = [".venv/bin/jaxrl", "train", CONFIG, "--workdir", "/mnt/runs/a b", "--cluster", "auto"]
+    assert shlex.split(ssh[-1]) == ["cd", "jaxrl", "&&", *train, "--init-timeout", "300", *PASSED]
+
+
+def test_tpu_pod_dry_run_syncs_and_installs_first():
+    options = ["--name", "pod", "--zone", "z", "--project", "proj", "--workdir", "/w", "--repo-dir", "src/jaxrl"]
+    out = lines(
+        script("launch_tpu_pod.sh", *options, "--sync", "--install", "--init-timeout", "60", "--dry-run", CONFIG)
+    )
+    archive, scp, unpack, install, train = out
+    assert archive[:3] == ["git", "-C", str(REPO)] and archive[3:6] == ["archive", "--format=tar.gz", "-o"]
+    where = ["--zone", "z", "--project", "proj", "--worker=all"]
+    assert scp == ["gcloud", "compute", "tpus", "tpu-vm", "scp", archive[6], "pod:jaxrl-src.tar.gz", *where]
+    for line in (unpack, install, train):
+        assert line[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod"] and line[6:-2] == where
+    assert shlex.split(unpack[-1]) == ["mkdir", "-p", "src/jaxrl", "&&", "tar", "-xzf", "jaxrl-src.tar.gz", "-C",
+                                       "src/jaxrl"]  # fmt: skip
+    assert shlex.split(install[-1])[:3] == ["cd", "src/jaxrl", "&&"] and "jax[tpu]" in shlex.split(install[-1])
+    assert shlex.split(train[-1])[-7:] == [CONFIG, "--workdir", "/w", "--cluster", "auto", "--init-timeout", "60"]
+
+
+def test_slurm_dry_run_prints_the_sbatch_command_and_the_srun_line():
+    sbatch, srun = lines(script("launch_slurm.sh", "--workdir", "/shared/runs/a", "--nodes", "4", "--gpus-per-node",
+                                "4", "--partition", "gpu", "--jaxrl", "/venv/bin/python -m jaxrl.cli", "--dry-run",
+                                CONFIG, *PASSED))  # fmt: skip
+    job_args = [CONFIG, "--workdir", "/shared/runs/a", "--init-timeout", "300", *PASSED]
+    assert sbatch == [
+        "env",
+        "JAXRL_BIN=/venv/bin/python -m jaxrl.cli",
+        "sbatch",
+        "--ntasks-per-node=1",
+        "--partition=gpu",
+        "--nodes=4",
+        "--gpus-per-node=4",
+        str(SCRIPTS / "slurm_train.sbatch"),
+        *job_args,
+    ]
+    assert srun[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"] and srun[3:5] == ["bash", "-c"]
+    assert srun[6:] == ["jaxrl-node", "/venv/bin/python", "-m", "jaxrl.cli", "train", *job_args, "--cluster", "auto"]
+
+
+def test_slurm_template_gives_the_one_process_of_a_node_all_its_gpus(tmp_path):
+    """The batch script itself, run with a stand-in `srun` (runs its command once) and a stand-in
+    `jaxrl` (prints the device list JAX will get and its argv)."""
+    (tmp_path / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (tmp_path / "fake_jaxrl").write_text(
+        '#!/bin/bash\necho "devices=${JAX_LOCAL_DEVICE_IDS-unset}"\nprintf "%s\\n" "$@"\n'
+    )
+    for f in ("srun", "fake_jaxrl"):
+        (tmp_path / f).chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", JAXRL_BIN=str(tmp_path / "fake_jaxrl"))
+    env.pop("JAX_LOCAL_DEVICE_IDS", None)
+    for gpus, devices in (("4", "devices=0,1,2,3"), ("1", "devices=0"), (None, "devices=unset")):
+        if gpus is None:
+            env.pop("SLURM_GPUS_ON_NODE", None)
+        else:
+            env["SLURM_GPUS_ON_NODE"] = gpus
+        out = script("slurm_train.sbatch", CONFIG, "--set", SPACED, env=env)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines() == [devices, "train", CONFIG, "--set", SPACED, "--cluster", "auto"]
+
+
+def test_reproduce_variants_dry_run_passes_seeds_steps_and_overrides():
+    options = ["--seeds", "2", "--steps", "10", "--presets", "grpo,dapo", "--python", "/py/bin/python"]
+    listing, study = lines(script("reproduce_variants.sh", *options, "--set", SPACED, "--no-mc-study", "--dry-run"))
+    assert listing == ["env", f"PYTHONPATH={REPO}", "/py/bin/python", "-m", "jaxrl.cli", "variants"]
+    assert study == ["env", f"PYTHONPATH={REPO}", "/py/bin/python", "benchmarks/variants.py", "--presets", "grpo,dapo",
+                     "--seeds", "2", "--steps", "10", "--set", SPACED, "--no-mc-study"]  # fmt: skip
+    (_, default_study) = lines(script("reproduce_variants.sh", "--python", "py", "--dry-run"))
+    assert default_study[3:] == ["benchmarks/variants.py", "--presets", "all", "--seeds", "3", "--steps", "60"]
+
+
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("launch_tpu_pod.sh", ["--name", "p", "--zone", "z", "--workers", "4", CONFIG], "unknown option --workers"),
+        ("launch_tpu_pod.sh", ["--zone", "z", "--workdir", "/w", CONFIG], "--name is required"),
+        ("launch_tpu_pod.sh", ["--name", "p", "--zone", "z", "--workdir", "/w"], "no CONFIG given"),
+        ("launch_tpu_pod.sh", ["--name", "p", "--zone"], "--zone needs a value"),
+        ("launch_slurm.sh", ["--workdir", "/w", "--gpus", "8", CONFIG], "unknown option --gpus"),
+        ("launch_slurm.sh", ["--workdir", "/w", "--nodes", "two", CONFIG], "--nodes two: expected a positive integer"),
+        ("launch_slurm.sh", [CONFIG], "--workdir is required"),
+        ("reproduce_variants.sh", ["--seed", "2"], "unknown option --seed"),
+        ("reproduce_variants.sh", ["--steps", "0"], "--steps 0: expected a positive integer"),
+    ],
+)
+def test_a_bad_option_is_a_one_line_error_naming_it(name, args, message):
+    out = script(name, *args, "--dry-run")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"{name}: error: {message}") and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.fixture()
+def no_cluster(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(CLUSTER_VARS + DIST_VARS):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_cluster_auto_errors(capsys, no_cluster):
+    from jaxrl.cli import main
+
+    def error(*args: str) -> str:
+        assert main(["train", CONFIG, *args]) == 2
+        return capsys.readouterr().err
+
+    assert error("--cluster", "auto").startswith("jaxrl: error: --cluster auto: no cluster environment found (SLURM_")
+    assert error("--cluster", "auto", "--process-id", "0", "--coordinator", "h:1") == (
+        "jaxrl: error: --cluster auto takes the process layout from the cluster; drop --coordinator, --process-id "
+        "(or unset the JAXRL_* variable)\n"
+    )
+    no_cluster.setenv("JAXRL_CLUSTER", "slurm")
+    assert error() == "jaxrl: error: JAXRL_CLUSTER='slurm' (--cluster): expected 'auto'\n"
+
+
+def test_cluster_auto_finds_a_slurm_job(no_cluster):
+    from jaxrl.cli import UserError, _parser, distributed_args
+
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
+    for name, value in slurm.items():
+        no_cluster.setenv(name, value)
+    args = _parser().parse_args(["train", CONFIG, "--init-timeout", "9"])
+    assert distributed_args(args) is None  # auto only when asked for
+    no_cluster.setenv("JAXRL_CLUSTER", "auto")
+    with pytest.raises(UserError, match="no cluster environment found"):  # SLURM_LOCALID is missing
+        distributed_args(args)
+    no_cluster.setenv("SLURM_LOCALID", "0")
+    assert distributed_args(args) == {"cluster": "slurm", "timeout_s": 9}
+
+
+@pytest.mark.slow
+def test_two_local_processes_join_as_a_two_node_slurm_job(tmp_path, cache_env):
+    """Two `jaxrl train --cluster auto` processes with the SLURM variables of the two tasks of a 2-node
+    job whose node list names this machine; JAX_COORDINATOR_PORT picks a free port instead of JAX's
+    61440 + job id % 4096. They must train like one process with all 8 devices (as in test_multihost)."""
+    steps, port = 1, free_port()
+    args = run_args(steps)
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NODELIST": "127.0.0.1",
+        "JAX_COORDINATOR_PORT": str(port),
+    }
+    clean = {k: v for k, v in cache_env.items() if not k.startswith(CLUSTER_VARS + DIST_VARS)}
+    task_env = device_env(clean, 4, tmp_path / "cache2")
+    procs = {
+        f"p{i}": start_train(
+            [*args, "--workdir", str(tmp_path / "two"), "--cluster", "auto", "--init-timeout", "120"],
+            {**task_env, **slurm, "SLURM_PROCID": str(i)},
+            tmp_path / f"stderr_p{i}.txt",
+        )
+        for i in (0, 1)
+    }
+    procs["one_x8"] = start_train(
+        [*args, "--workdir", str(tmp_path / "one")], device_env(clean, 8), tmp_path / "one.txt"
+    )
+    done = finish(procs, time.time() + 240)
+    for name, (code, err, _) in done.items():
+        assert code == 0, (name, err[-3000:])
+    for i in (0, 1):
+        assert f"jaxrl: process {i} of 2 joined 127.0.0.1:{port} (slurm)\n" in done[f"p{i}"][1]
+    assert_same_metrics(metric_rows(tmp_path / "two"), metric_rows(tmp_path / "one"), steps)
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir() if p.name.isdigit()) == [str(steps)]
