@@ -89,6 +89,7 @@ def test_grad_norm_spike_by_hand():
     assert grad_norm_spike(rows + [{"grad_norm": 100.0}] * 10, 50.0) == pytest.approx(0.5)  # window of 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_leaves_observation_tokens_out(name):
     """Rows of two model turns with an observation between them; observations carry garbage

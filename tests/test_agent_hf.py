@@ -66,6 +66,7 @@ def qwen_agent(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_hermes_calculator_episode_renders_the_chat_and_scores_the_answer(qwen_agent):
     tok = load_tokenizer(qwen_agent)
     fmt = HermesFormat.for_tokenizer(tok)
@@ -143,6 +144,7 @@ def _agent_cfg(d, *extra):
     )
 
 
+@pytest.mark.slow
 def test_agent_calculator_trains_two_steps_on_a_qwen_checkpoint(qwen_agent, tmp_path, in_process_cache):
     from jaxrl.agents.formats import check_prompt_fits, episode_format
     from jaxrl.train.loop import train

@@ -37,6 +37,7 @@ def _cfg(name, *extra):
     return load_config(_config(name), SMALL + list(extra))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["calculator", "gridworld"])
 def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_cache):
     from jaxrl.train.loop import train
@@ -62,6 +63,7 @@ def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_ca
     assert step["rollout/samples"] == 16
 
 
+@pytest.mark.slow
 def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_process_cache):
     from jaxrl.train.loop import train
 
@@ -70,6 +72,7 @@ def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_proces
     assert rows[1]["agent/kept_reward_std_mean"] >= rows[1]["agent/reward_std_mean"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra, field",
     [
@@ -108,6 +111,7 @@ RUN_ARGS = [
 ]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env):
     """Killed while a step's episodes are in flight (the rollout is most of a step), the run resumes from
     the previous step's checkpoint and replays that step's episodes from scratch: same environment

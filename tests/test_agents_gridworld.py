@@ -222,6 +222,7 @@ def test_records_draw_trap_maps_with_the_trap_share():
     assert abs(share - TRAP_SHARE) < 0.055, share
 
 
+@pytest.mark.slow
 def test_asking_for_more_maps_than_exist_names_the_field(monkeypatch):
     import jaxrl.agents.gridworld as gw
 

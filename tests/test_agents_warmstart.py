@@ -102,6 +102,7 @@ def test_observation_positions_get_exactly_zero_gradient():
     assert np.all(per_position_BxT[np.asarray(mask_BxT) == 1] > 0)  # ... and the model's tokens do learn
 
 
+@pytest.mark.slow
 def test_the_sft_step_loss_ignores_an_observation_target():
     # An episode cut by the turn limit ends on an observation; changing its last token changes only the
     # target at that (masked-out) position, so the SFT step's loss is bit-for-bit the same.

@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
 from harness import REPO, child_env, run_python
 
 
+@pytest.mark.slow
 def test_quick_run_prints_the_speedup_json_last():
     proc = run_python([str(REPO / "benchmarks" / "agents.py"), "--quick"], child_env(), timeout=300)
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
 from harness import REPO, child_env, run_python
 
 
+@pytest.mark.slow
 def test_moe_benchmark_small_prints_json_last():
     proc = run_python([str(REPO / "benchmarks" / "moe.py"), "--small"], child_env(), timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.strip()]

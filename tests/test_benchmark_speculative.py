@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
 from harness import REPO, child_env, run_python
 
 
+@pytest.mark.slow
 def test_small_run_prints_speedups_json_last(tmp_path):
     proc = run_python(
         [str(REPO / "benchmarks" / "speculative.py"), "--small", "--skip-tail", "--root", str(tmp_path)],
@@ -23,6 +25,7 @@ def test_small_run_prints_speedups_json_last(tmp_path):
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in emb.values())
 
 
+@pytest.mark.slow
 def test_small_tail_part_prints_its_json_last(tmp_path):
     """--only-tail --small: part 5 on random tiny weights (plain vs speculative engine at 1 and 2
     rows, the costs and threshold, a whole rollout with the toggle forced to 2 rows) in seconds."""

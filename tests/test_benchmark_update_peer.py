@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 from harness import run_benchmark
 
 
@@ -9,6 +10,7 @@ def _run(script: str, *args: str) -> dict:
     return run_benchmark(script, *args, "--small")
 
 
+@pytest.mark.slow
 def test_update_run_peer_reports_same_run_speedup():
     result = _run("update.py", "--run-peer")
     torch = result["torch"]
@@ -23,6 +25,7 @@ def test_update_run_peer_reports_same_run_speedup():
     assert abs(torch["loss"] - math.log(256)) < 0.1, torch["loss"]
 
 
+@pytest.mark.slow
 def test_update_variants_small():
     result = _run("update_variants.py", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1")
     plain, auto = result["variants"]["mb1"], result["variants"]["mb0-chunk1024-rematfull"]

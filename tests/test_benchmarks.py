@@ -20,6 +20,7 @@ def _run(script: str, *flags: str) -> dict:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rollout.py", "update.py"])
 def test_script_small_prints_json_last(script):
     result = _run(script, *(["--compare", "--segments", "2"] if script == "rollout.py" else []))
@@ -155,6 +156,7 @@ def test_variants_tables_and_mc_grpo_gap_from_synthetic_runs(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
     args = [
         sys.executable,
@@ -191,6 +193,7 @@ def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
     assert runs[0]["reused"]  # a finished run is read back, not retrained
 
 
+@pytest.mark.slow
 def test_checkpoint_benchmark_small_reports_block_fractions():
     proc = run_python([str(REPO / "benchmarks" / "checkpoint.py"), "--small"], child_env(), timeout=300)
     result = json.loads(proc.stdout.splitlines()[-1])

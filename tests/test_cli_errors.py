@@ -220,6 +220,7 @@ def test_convert_from_run_with_torn_config_names_the_file(capsys, tmp_path):
     assert f"{run / 'config.json'}: not valid JSON" in err
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_without_saving_it(capsys, tmp_path, in_process_cache):
     """A learning rate of 1e30 makes the second update's parameters overflow: the run stops at the
     first non-finite loss / grad norm, exit code 1, and every checkpoint left holds finite weights."""

@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
@@ -29,6 +30,7 @@ def _setup():
     return lparams, cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True)), fed_Bx4
 
 
+@pytest.mark.slow
 def test_rows_at_one_fill_level_give_the_samplers_logits():
     """All rows at fill P-1: the same logits, bit for bit, as `decode_layers` at index P-1."""
     lparams, cache, fed_Bx4 = _setup()
@@ -41,6 +43,7 @@ def test_rows_at_one_fill_level_give_the_samplers_logits():
     np.testing.assert_array_equal(got_cache.pos_B, ref_cache.pos_B)
 
 
+@pytest.mark.slow
 def test_rows_advance_at_their_own_rate():
     """Three steps where row b only advances from step b on (advance 0 before: the row re-feeds its
     first token at the same slot). Row b then holds 3-b tokens, and its last logits equal a plain
@@ -64,6 +67,7 @@ def test_rows_advance_at_their_own_rate():
     np.testing.assert_array_equal(cache.pos_B - ref_cache.pos_B, [3, 2, 1])
 
 
+@pytest.mark.slow
 def test_compiled_chunk_copies_no_cache_buffer():
     """The chunk's decode loop updates the cache in place: no copy of a whole S x K x C x Hd layer
     buffer in the compiled program (the window form once cost two such copies per layer per step)."""

@@ -4,6 +4,7 @@ decode step, and the measured step costs (`rollout/calibrate.py`)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxrl.config import ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
@@ -31,6 +32,7 @@ def _window_cache(cache: LayerCache) -> LayerCache:
     return cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True))
 
 
+@pytest.mark.slow
 def test_window_calls_equal_decode_layers():
     """One 1-token call then one 2-token call into the same window give the logits of a 3-token
     decode at the shared cache slots."""
@@ -48,6 +50,7 @@ def test_window_calls_equal_decode_layers():
     np.testing.assert_allclose(got1, ref1, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_commit_keeps_a_different_number_of_tokens_per_row():
     """Rows keep 1, 3 and 2 of the 4 window tokens; the next token of each row then sees exactly its
     kept tokens: its logits equal a plain decode of that row alone over those tokens."""
@@ -69,6 +72,7 @@ def test_commit_keeps_a_different_number_of_tokens_per_row():
         np.testing.assert_allclose(got_BxV[b, 0], ref[0, -1], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_measured_costs_are_positive_per_draft_length():
     params = tf.init_params(CFG, jax.random.PRNGKey(0))
     spec = SpeculativeConfig(enabled=True, drafter="early_exit", max_draft=3)

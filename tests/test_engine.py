@@ -109,6 +109,7 @@ def _check_same_rollout(batch, ref, cfg):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg,slots,chunk,admit_groups,reverse",
     [(CFG, 4, 1, 1, False), (CFG, 4, 3, 2, True), (CFG, 6, 7, 1, True), (CFG, 10, 3, 5, False), (MOE, 4, 3, 1, True)],
@@ -134,6 +135,7 @@ def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, 
     assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
 
 
+@pytest.mark.slow
 def test_direct_api_staggered_admission_and_versions():
     """Device functions by hand: prompt 0 admitted, 2 steps at version 3; prompt 1 admitted, 3 steps
     at version 4; the rest at version 5. Each token records its chunk's version, and both samples
@@ -160,6 +162,7 @@ def test_direct_api_staggered_admission_and_versions():
     assert bool(np.asarray(state.done_S).all())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
 def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     """Sampled at temperature 0.7 with 4 slots for 10 samples: the recorded log-probs equal
@@ -248,6 +251,7 @@ def test_prompt_errors():
     np.testing.assert_array_equal(mask, [0, 0, 0, 1, 1])
 
 
+@pytest.mark.slow
 def test_benchmark_small_prints_json_last(capsys):
     """benchmarks/engine.py --small runs both workloads and ends with the JSON line the issue names."""
     import json

@@ -3,6 +3,7 @@ admitted) and the once-per-collect weight split; outputs stay the greedy sampler
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl.rollout import engine as engine_mod
 from jaxrl.rollout import engine_state as es
@@ -25,6 +26,7 @@ from tests.test_engine import (
 )
 
 
+@pytest.mark.slow
 def test_chunk_stops_once_stop_at_slots_are_done():
     """Six slots: prompt 0 in slots 0-1 decodes 2 steps alone, then prompt 1 joins in slots 2-3;
     slots 4-5 stay free (done). A 100-step chunk with stop_at=4 ends when prompt 0's samples hit

@@ -71,6 +71,7 @@ def _engine_samples(temperature, top_k, seed):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.8, 3)])
 def test_sampled_distribution_equals_enumeration(temperature, top_k):
     """6,000 samples per prompt against the exact distribution: chi-square p-value > 1e-3 (fixed seed)."""
@@ -81,6 +82,7 @@ def test_sampled_distribution_equals_enumeration(temperature, top_k):
         assert pvalue > 1e-3, (prompt, pvalue)
 
 
+@pytest.mark.slow
 def test_chi_square_catches_noise_reused_across_steps(monkeypatch):
     """An engine that draws every step's Gumbel noise from the same key (a plausible bug: splitting
     the key once per chunk instead of once per step) correlates a sample's tokens; the test above

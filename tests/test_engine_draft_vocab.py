@@ -31,6 +31,7 @@ def test_frequent_ids_ranks_first_then_by_count_then_unseen():
     assert draft_vocab.frequent_ids([], 3, 10, first=(4, 4)) == (4, 0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_subset_head_gives_the_full_logits_at_its_ids(tied):
     """`subset_head`'s drafter (first layer of te.CFG, tied or untied head) returns logits [B, T, 4]
@@ -52,6 +53,7 @@ def test_subset_head_gives_the_full_logits_at_its_ids(tied):
     np.testing.assert_allclose(np.asarray(sub), np.asarray(full)[..., np.asarray(ids)], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sampled_distribution_equals_enumeration_with_a_two_token_draft_head():
     """3,000 samples per prompt (vocab 5, 3 new tokens, 64 slots) drafted from a head over 2 of the
     5 ids: chi-square p-value > 1e-3 against the exact distribution (fixed seed), though the target
@@ -89,6 +91,7 @@ def test_sampled_distribution_equals_enumeration_with_a_two_token_draft_head():
     assert 0.1 < c["accepted"] / c["drafted"] < 0.9, c
 
 
+@pytest.mark.slow
 def test_greedy_equals_sampler_with_a_reduced_draft_head():
     """Greedy with the drafter's head over 8 of te.CFG's 29 ids (the most frequent in the reference
     completions, then EOS): tokens, masks and truncation identical to `sampler.sample(greedy=True)`,
@@ -153,6 +156,7 @@ def test_config_errors_name_the_field():
     assert make(2, (5, 6, 7)).spec.draft_ids == (5, 6)  # the first draft_vocab of the ranked ids
 
 
+@pytest.mark.slow
 def test_training_source_ranks_the_draft_ids_over_the_task(in_process_cache):
     """EngineSource with rollout.speculative.draft_vocab=12 gives the engine EOS and then the 11 ids
     most frequent in the task's training prompts and answers (recomputed here by counting), and a

@@ -173,6 +173,7 @@ def _fresh_under_b(prefix_2xK, rng, greedy=True, cfg=CFG):
     return spec, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg,greedy", [(CFG, True), (CFG, False), (MOE, True)], ids=["greedy", "sampled", "moe"])
 def test_reprefill_equals_a_clean_prefill_under_the_new_params(cfg, greedy):
     spec, state, prompt_SxP, mask_SxP = _after_k_under_a(greedy, cfg=cfg)
@@ -295,6 +296,7 @@ def test_update_splits_the_logprob_mismatch_by_staleness():
 # In the training loop's EngineSource
 
 
+@pytest.mark.slow
 def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_process_cache):
     from test_engine_train import _cfg, _source
 
@@ -321,6 +323,7 @@ def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_proc
             assert totals["restarted_samples"] == 0 and totals["partial_frac"] > 0 and totals["reprefilled_samples"] > 0
 
 
+@pytest.mark.slow
 def test_grpo_trains_with_partial_rollouts_and_reports_the_split_mismatch(tmp_path, in_process_cache):
     from test_engine_train import _cfg
 

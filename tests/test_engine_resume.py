@@ -163,6 +163,7 @@ RUN_ARGS = [
 ]
 
 
+@pytest.mark.slow
 def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_path, cache_env):
     reference, before, resumed, restored = straight_and_killed_runs(RUN_ARGS, tmp_path, cache_env, STEPS, kill_at=4)
     for step in range(restored + 1):  # a resume, not a fresh start: the rows it restored from are kept as written
@@ -179,6 +180,7 @@ def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_pat
         assert untimed(resumed[step]) == untimed(reference[step]), step
 
 
+@pytest.mark.slow
 def test_checkpoint_without_engine_state_resumes_with_the_engine(tmp_path, in_process_cache):
     """A run switched to the engine (an allowed config change) starts the engine empty at the
     restored stream position; switched back, the engine's saved state is ignored."""

@@ -5,6 +5,7 @@ plain sampler's distribution (chi-square against enumeration)."""
 
 import jax
 import numpy as np
+import pytest
 import test_engine_distribution as dist
 from chi_square import chi_square_pvalue
 from test_engine import CFG, LENGTHS, _engine, _eos, _items, _params
@@ -39,6 +40,7 @@ def test_more_greedy_samples_of_a_scored_prompt_equal_its_first_ones():
     assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_trainer_recomputation():
     """Temperature 0.7, 3 slots for 3 + 1 + 4 samples: the recorded log-probs equal
     `token_logprobs` over the assembled batch."""

@@ -49,6 +49,7 @@ def _check_drafts_tested(counts):
     assert counts["drafted"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg,slots,chunk,admit_groups,reverse",
     [(te.CFG, 4, 1, 1, False), (te.CFG, 4, 3, 2, True), (te.MOE, 4, 3, 1, True)],
@@ -129,6 +130,7 @@ def _first(row, token):
     return next((i for i, t in enumerate(row) if t == token), None)
 
 
+@pytest.mark.slow
 def test_eos_inside_an_accepted_draft_ends_the_sample():
     """With a perfect drafter every step keeps K=3 drafts + 1 bonus token: step 1 emits columns 0..3
     (0..2 accepted drafts), step 2 columns 4..7 (4..6 drafts; 6 and 7 lie past T=6). EOS is a token
@@ -319,6 +321,7 @@ def _accept_every_draft(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None
     return acceptance.Verdict(a, acceptance.categorical(rng, p_a))
 
 
+@pytest.mark.slow
 def test_chi_square_catches_accepting_every_draft(monkeypatch):
     """test_sampled_distribution_equals_enumeration fails an engine that accepts every draft (the
     drafter's distribution then leaks into the samples) by a wide margin, even with a third of the

@@ -53,6 +53,7 @@ def _both_kinds_ran(counts):
     assert counts["drafted"] > 0, counts
 
 
+@pytest.mark.slow
 def test_greedy_with_the_toggle_equals_plain_engine_and_sampler(cfg=te.CFG):
     """Five prompts (G=2) through 4 slots, one step a chunk, speculating once 2 or fewer slots decode:
     tokens, masks and truncation identical to `sampler.sample(greedy=True)` and to the
@@ -116,6 +117,7 @@ def _switching_samples(seed):
     return out, engine.counts
 
 
+@pytest.mark.slow
 def test_switching_run_samples_the_plain_distribution():
     """2,000 samples per prompt against the exact distribution at temperature 2: chi-square p > 1e-3
     (fixed seed), with many chunks of each kind and drafts both accepted and rejected."""
@@ -129,6 +131,7 @@ def test_switching_run_samples_the_plain_distribution():
     assert 0.2 < counts["accepted"] / counts["drafted"] < 0.9, counts
 
 
+@pytest.mark.slow
 def test_resumed_toggle_engine_continues_like_the_original():
     """fill admission, 8 slots, sampled: a checkpoint (through JSON) taken with groups in flight,
     loaded into a fresh engine, gives the same next three collects (tokens, log-probs, versions),
@@ -168,6 +171,7 @@ def test_resumed_toggle_engine_continues_like_the_original():
     _both_kinds_ran(engine.counts)
 
 
+@pytest.mark.slow
 def test_rows_chunk_over_every_slot_in_order_equals_the_full_chunk():
     """speculative_rows_chunk with rows_R = 0..S-1 gathers the whole state: it must give exactly
     speculative_chunk's state (tokens, log-probs, cache, fill levels and the advanced RNG key) and counts,

@@ -98,6 +98,7 @@ def test_engine_metrics_staleness_by_hand():
     assert (m["engine/staleness_0"], m["engine/staleness_1"], m["engine/staleness_2+"]) == (0.6, 0.4, 0.0)
 
 
+@pytest.mark.slow
 def test_grpo_trains_with_the_engine(tmp_path, in_process_cache):
     from jaxrl.train.loop import train
 

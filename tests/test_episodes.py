@@ -18,6 +18,7 @@ def _stack(groups, field):
     return np.concatenate([getattr(g, field) for g in groups])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False])
 def test_greedy_episodes_equal_the_plain_sampler_turn_by_turn(overlap):
     eot = TOK.encode(EOT_GREEDY)[0]
@@ -42,6 +43,7 @@ def _sampled(cfg=CFG, temperature=0.7, **kw):
     return eng, eng.run(params(cfg), 3, requests(), 3, (5,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
 def test_recorded_logps_equal_the_trainers_recomputation_over_the_multi_turn_sequence(cfg):
     eng, groups = _sampled(cfg)
@@ -133,6 +135,7 @@ def test_group_fields_are_numpy_with_g_rows():
     assert g.tokens_GxT.shape == (3, T) and g.prompt_P.shape == (P,)
 
 
+@pytest.mark.slow
 def test_an_end_of_turn_token_ends_decoding_without_eos_and_place_starts_like_the_sampler():
     """Kernel level: a new episode placed with n=0 decodes the plain sampler's greedy tokens; the
     stop id ends the slot (done) with eos_S False, its column recorded; other slots go on."""

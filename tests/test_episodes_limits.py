@@ -63,6 +63,7 @@ def test_max_turns_truncates():
     assert (many & eot).sum() >= 3 and np.all(trunc != fin)
 
 
+@pytest.mark.slow
 def test_the_token_budget_counts_observations_and_truncates():
     eng, groups = _run(CountEnv, max_new_tokens=12)
     tokens = _cat(groups, "tokens_GxT")

@@ -31,6 +31,7 @@ def params():
     return tf.init_params(CFG, jax.random.PRNGKey(0))
 
 
+@pytest.mark.slow
 def test_group_cache_logits_equal_row_cache_with_left_padding(params):
     """Feed the same tokens (different per row, so the G rows of a group diverge) through both caches:
     the last prompt token at step 0, then 2 tokens in one call, then 1, then 2. The own buffers start
@@ -68,6 +69,7 @@ def test_segment_ends_and_default():
     assert default_segments(128) == 4 and default_segments(40) == 1 and default_segments(6) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segments", [3, 7])
 def test_sampler_segments_match_row_cache(params, segments):
     """Sampled tokens (temperature 1, same key) and recorded log-probs of the segmented shared-prefix
@@ -81,6 +83,7 @@ def test_sampler_segments_match_row_cache(params, segments):
     assert int(got.num_steps) == 7
 
 
+@pytest.mark.slow
 def test_sampler_segments_stop_early_on_eos_and_single_token_prompts(params):
     """EOS (a token rows draw often) ends rows inside the first of 3 segments; the later segments'
     loops must neither run past all-done nor disturb finished rows. P = 1: no prefix at all."""

@@ -184,6 +184,7 @@ def test_checkpoints_cover_the_cases(models):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_and_greedy_generation_match_transformers(models, name):
     d, ref = models[name]
@@ -353,6 +354,7 @@ def test_new_model_fields_are_validated(field, value, match):
         dataclasses.replace(ModelConfig(), **{field: value}).validate()
 
 
+@pytest.mark.slow
 def test_trailing_dense_layers_sample_replay_and_train(models):
     """The MoE model with dense layers after its MoE layer: the sampler's routing replayed by the trainer
     gives the sampler's log-probs, and one SGD step on them lowers the loss, with gradient reaching the

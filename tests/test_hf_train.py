@@ -60,6 +60,7 @@ def test_math_answer_verifier():
     assert extract_answer("#### $-3.50")[0] == -3.5
 
 
+@pytest.mark.slow
 def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_process_cache):
     from jaxrl.train.loop import train
 
@@ -164,6 +165,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_loading_onto_an_8_device_mesh(stand_in, tmp_path, cache_env):
     """One subprocess (XLA_FLAGS must precede jax's import): a dense checkpoint loads under fsdp x tensor
     and an MoE one under fsdp x expert, split, bit-identical to the unsharded load, same logits."""

@@ -192,6 +192,7 @@ def test_load_task_builds_and_reads_back(tmp_path):
     assert record["answer"] == long_addition.solution(info["a"], info["b"])
 
 
+@pytest.mark.slow
 def test_config_trains_two_steps(tmp_path, in_process_cache):
     from jaxrl.train.loop import train
 

@@ -74,6 +74,7 @@ CASES = {  # a KL term (reference forward), reward shaping + a row filter, an ol
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_evaluate_loss_is_the_update_steps_loss_and_gradient(name):
     loss, batch = CASES[name], _batch()
@@ -188,6 +189,7 @@ def _readme_example() -> str:
     return blocks[0]
 
 
+@pytest.mark.slow
 def test_readme_loss_evaluation_example_runs(capsys):
     namespace = {}
     exec(compile(_readme_example(), "README.md example", "exec"), namespace)

@@ -73,6 +73,7 @@ def _prepared(name, batch, group_size=1):
 # ============================================================================= the equal form
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_equal_contiguous_group_ids_give_exactly_the_group_size_path(name):
     G = EQUAL_G.get(name, 4)
@@ -86,6 +87,7 @@ def test_equal_contiguous_group_ids_give_exactly_the_group_size_path(name):
     assert np.any(plain[0] != 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_permuting_rows_and_their_group_ids_permutes_the_advantages(name):
     batch = _unequal_batch(_sizes(name), seed=2)
@@ -178,6 +180,7 @@ def test_mc_grpo_median_mad_and_rescale_with_each_groups_own_size():
 # ============================================================================= padding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_padding_rows_get_zero_and_do_not_move_the_others(name):
     batch = _unequal_batch(_sizes(name), seed=4, n_pad=3)
@@ -273,6 +276,7 @@ def _oracle(name, batch):
     return adv, mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_on_unequal_groups_equals_each_group_alone(name):
     batch = _unequal_batch(_sizes(name), seed=5)
@@ -303,6 +307,7 @@ def test_check_batch_validates_group_id_B():
             check_batch(dict(batch, group_id_B=bad), 2, T)
 
 
+@pytest.mark.slow
 def test_update_step_reads_group_id_B_across_microbatches():
     # 6 rows in 2 microbatches of 3; groups {0, 3, 4} and {1, 2, 5} cross both, unlike row // 2.
     V = 4

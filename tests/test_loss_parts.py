@@ -140,6 +140,7 @@ def test_mc_grpo_paper_code_default_by_hand():
     _close(_adv(adv_lib.group_median(mad_scale=False), jnp.array(MC_R), 3)[:9], [3, 0, 0, -3, 0, 0, 1.5, -1.5, 0])
 
 
+@pytest.mark.slow
 def test_gdpo_by_hand_and_differs_from_summing():
     # K = 2, G = 2, weights (1,1). Group 0: (1,0),(0,0) ; group 1: (1,1),(0,0).
     # Unbiased stds (default). z: group 0 k0 = [1,0]: mean .5, deviations +-.5, std sqrt(.5 / 1) = .7071068

@@ -31,6 +31,7 @@ def test_group_mean_std_hand_worked():
         adv_lib.group_mean_std(ddof=2)
 
 
+@pytest.mark.slow
 def test_group_of_one_gets_zero_advantage_not_nan():
     # G = 1 with ddof=1: n - ddof = 0 would be 0/0 = NaN; the divisor is clamped to 1, the centred
     # value r - mean = 0, so A = 0 / (0 + eps) = 0 exactly, for every estimator dividing by a std.
@@ -381,6 +382,7 @@ def _close(a, b, **kw):
 CONTRACT_CASES = [(name, 0.05) for name in sorted(LOSSES)] + [("grpo", 0.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kl_beta", CONTRACT_CASES)
 def test_contract(name, kl_beta):
     loss = LOSSES[name](kl_beta=kl_beta)

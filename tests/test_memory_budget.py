@@ -81,6 +81,7 @@ def test_config_fields_validated():
     assert set(REMAT) == set(REMAT_POLICIES)
 
 
+@pytest.mark.slow
 def test_training_run_with_auto_microbatches(tmp_path, in_process_cache):
     base = [t for t in TINY if not t.startswith("train.eval_")] + [
         "train.steps=1",

@@ -49,6 +49,7 @@ _capacity = jax.jit(moe.dispatch_capacity, static_argnums=7)
 _naive = jax.jit(moe.dispatch_naive)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("router,n_shared", [("softmax", 0), ("sigmoid", 2)])
 def test_dispatch_paths_equal_naive_loop_outputs_and_gradients(router, n_shared):
     """Dropless (ragged_dot and blocked grouped matmuls) and capacity (C = N: nothing can drop) give
@@ -154,6 +155,7 @@ def test_router_losses_hand_worked():
     np.testing.assert_allclose(g, [[s[0] / (s[0] + s[1]), s[1] / (s[0] + s[1])]], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_replay_own_experts_is_exact_and_other_experts_route_gradients_to_the_router():
     params, x, mask = _layer_params(1), _x(4), jnp.ones((B, T), bool)
     spec = moe.MoESpec(E, K, F, 1)
@@ -225,6 +227,7 @@ def test_moe_model_params_and_axes():
         assert len(spec) == p.ndim and set(spec) <= set(tf.LOGICAL_AXIS_NAMES) | {None}
 
 
+@pytest.mark.slow
 def test_moe_forward_equals_prefill_and_decode_paths():
     """Scanned forward == prefill + decode_step_layers (the sampler's unrolled loop), logits and
     experts, on a left-padded batch."""
@@ -259,6 +262,7 @@ class _ZeroLoss:
         return jnp.zeros_like(logp_BxT), {}
 
 
+@pytest.mark.slow
 def test_sampler_routing_replay_and_mismatch():
     """The sampler records the experts of every fed slot; replaying them, the trainer's log-probs equal
     the sampler's; the mismatch metric is 0 with unchanged params and > 0 after perturbing the router,
@@ -356,6 +360,7 @@ def test_config_validation_names_the_field(field, value):
     MCFG.validate()
 
 
+@pytest.mark.slow
 def test_blocked_grouped_matmul_skewed_groups():
     """Blocked dropless with groups of 0, 1 and more-than-a-block rows equals the naive loop. Slots per
     expert: 1, 150, 0, 149 of S = 300; block = min(128, ceil(300 / 4)) = 75, so experts 1 and 3 span

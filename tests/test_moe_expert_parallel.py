@@ -2,6 +2,7 @@
 (the device count must be set before jax is imported: harness.child_env): equals the single-device naive loop, outputs
 and gradients, with every expert weight really split one expert per device."""
 
+import pytest
 from harness import child_env, run_python
 
 SCRIPT = r"""
@@ -41,6 +42,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_expert_parallel_dispatch_on_8_fake_devices():
     proc = run_python(["-c", SCRIPT], child_env(devices=8), check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
@@ -105,6 +107,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_moe_model_under_fsdp_expert_uses_all_to_all_and_matches_one_device():
     """A tiny MoE model's update steps under the fsdp_expert preset (expert=4 of 8 fake devices,
     mesh set with `jax.set_mesh`): dropless dispatch becomes expert-parallel (an all-to-all in the

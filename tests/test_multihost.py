@@ -7,6 +7,7 @@ own deadline.
 
 import time
 
+import pytest
 from conftest import DEFAULT_CONFIG
 from multihost_helpers import assert_same_metrics, device_env, finish, free_port, metric_rows, run_args, start_train
 
@@ -16,6 +17,7 @@ RUN_TIMEOUT_S = 300
 INIT_TIMEOUT_S = 10
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_and_a_missing_peer_fails(tmp_path, cache_env):
     port, lonely_port = free_port(), free_port()
 

@@ -8,6 +8,7 @@ from preset_configs import FILES, check_config_trains_two_steps
 from jaxrl.losses import PRESETS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", FILES["normalisers"])
 def test_config_trains_two_steps(preset, tmp_path, in_process_cache):
     check_config_trains_two_steps(preset, tmp_path / preset)

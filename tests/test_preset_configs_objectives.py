@@ -5,6 +5,7 @@ import pytest
 from preset_configs import FILES, check_config_trains_two_steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", FILES["objectives"])
 def test_config_trains_two_steps(preset, tmp_path, in_process_cache):
     check_config_trains_two_steps(preset, tmp_path / preset)

@@ -83,6 +83,7 @@ def _tiny(loss, G, batch, logp=None):
     return _tiny_grad(loss, G, logp, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_gradient_at_ratio_one_by_hand(name):
     assert set(TABLE) == set(PRESETS) - {"mc_grpo"}  # MC-GRPO needs an odd group: its own test below
@@ -133,6 +134,7 @@ def test_dapo_clip_higher_token_mean_overlong_and_dynamic_sampling_by_hand():
     _close([metrics["clipped_high"], metrics["clipped_low"]], [1 / 11, 1 / 11])
 
 
+@pytest.mark.slow
 def test_mc_grpo_pivot_gets_no_gradient_and_is_not_counted():
     # The plain form (mad_scale / nonzero_rescale off, so A stays readable; the paper-code default is
     # tested by hand in test_loss_parts and below).
@@ -423,6 +425,7 @@ def _update(loss, G, batch, microbatches, ppo_epochs, lr=0.5):
     return jax.jit(step)(state, batch), params
 
 
+@pytest.mark.slow
 def test_update_step_runs_prepare_and_reports_exact_metrics():
     # MC-GRPO, G+1 = 3, two PPO epochs (ratios != 1 in epoch 2), microbatches 1 vs 3 (rows of a group
     # split across microbatches): the pivot is dropped on the WHOLE batch before splitting, so the
@@ -470,6 +473,7 @@ def test_update_step_records_old_logp_for_m2po_and_reports_the_mismatch():
     _close(m["ratio_max"], r.max(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_adv_eps_and_std_ddof_exactly_on_the_presets_that_divide_by_a_std():
     # Every preset that divides by a group or batch std takes adv_eps AND std_ddof (loss.adv_eps,
     # loss.options "std_ddof=0"); the others (centring only: Dr.GRPO's mean, RLOO's leave-one-out,

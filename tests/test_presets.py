@@ -166,6 +166,7 @@ def _variants(loss, G, logp, batch, perm_rows):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_contract(name):
     preset, loss = _case(name)

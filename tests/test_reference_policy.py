@@ -64,6 +64,7 @@ def _assert_same_steps(resumed: list[dict], straight: list[dict]) -> None:
             assert by_step[row["step"]].get(key) == row.get(key), (row["step"], key)
 
 
+@pytest.mark.slow
 def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(tmp_path, in_process_cache, monkeypatch):
     cfg = _config()
     assert cfg.loss.kl_beta == 0
@@ -83,6 +84,7 @@ def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(tmp_pa
     assert 0.6 < without / with_ref < 0.85, (without, with_ref)
 
 
+@pytest.mark.slow
 def test_kl_run_keeps_its_reference_logs_kl_and_resumes_exactly(tmp_path, in_process_cache):
     cfg = _config("loss.kl_beta=0.05")
     straight = loop.train(cfg, tmp_path / "kl")

@@ -75,6 +75,7 @@ def straight_and_killed_runs(args: list, tmp_path: pathlib.Path, cache_env: dict
     return reference, before, resumed, restored
 
 
+@pytest.mark.slow
 def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path, cache_env):
     reference, _, resumed, _ = straight_and_killed_runs(ARGS, tmp_path, cache_env, STEPS, kill_at=6)
     for step in (STEPS, STEPS - 1):
@@ -83,6 +84,7 @@ def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path, cache_env):
                 assert resumed[step][key] == reference[step][key], (step, key)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(tmp_path, cache_env):
     workdir = tmp_path / "term"
     args = [a.replace(f"train.steps={STEPS}", "train.steps=400") for a in ARGS]
@@ -101,6 +103,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, cache_env):
 
 
 # Orbax leaves the cancelled reads of a failed restore as never-awaited coroutines: noise, not a fault.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_newest_checkpoint_is_set_aside_and_the_run_finishes(tmp_path, capsys, in_process_cache):
     from jaxrl import cli

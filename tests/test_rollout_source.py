@@ -107,6 +107,7 @@ def reuse_setup():
     return build, params, prompt_BxP, np.ones_like(prompt_BxP, bool)
 
 
+@pytest.mark.slow
 def test_a_source_rebuilt_from_its_checkpoint_state_draws_what_the_original_would(reuse_setup):
     build, params, prompt_BxP, mask_BxP = reuse_setup
     source = build({})

@@ -80,6 +80,7 @@ def _check_eos_layout(out, eos_id, pad_id):
     assert out.length_B.dtype == jnp.int32 and out.finished_B.dtype == jnp.bool_
 
 
+@pytest.mark.slow
 def test_greedy_matches_full_recompute_every_step_and_groups_share_prefill():
     out = _greedy(NEVER)
     assert out.tokens_BxT.shape == (3, T) and int(out.num_steps) == T
@@ -138,6 +139,7 @@ def _truncated_probs(logits_V, temperature, top_k, top_p):
     return q / q.sum(), before, order
 
 
+@pytest.mark.slow
 def test_sampled_logp_matches_token_logprobs_and_draws_follow_top_k_top_p():
     temperature, top_k, top_p, G = 1.5, 8, 0.7, 2000
     prompt, pmask = _prompts()
@@ -191,6 +193,7 @@ def test_sampled_logp_matches_token_logprobs_and_draws_follow_top_k_top_p():
             assert rank < top_k and before[rank] < top_p + 1e-4, (r, t, rank, before[rank])
 
 
+@pytest.mark.slow
 def test_eos_stops_rows_and_loop_exits_early():
     cfg = dataclasses.replace(CFG, vocab_size=3)  # EOS (id 2) is drawn ~1/3 of the time
     eos, pad, max_new = 2, 1, 40

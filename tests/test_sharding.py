@@ -165,6 +165,7 @@ def results(cache_env):
     return json.loads(line[len("RESULT ") :])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in PRESETS if n != "single"])
 def test_every_preset_matches_one_device(results, name):
     ref, got = results["single"], results[name]

@@ -75,6 +75,7 @@ def _shared(params, b, group_size=G, logits_chunk=0, remat="none"):
 
 
 # The memory options compose with sharing: a chunk of 7 (row, position) pairs splits rows, and full remat.
+@pytest.mark.slow
 @pytest.mark.parametrize("logits_chunk,remat", [(0, "none"), (7, "full")])
 def test_shared_prefix_equals_one_pass_values_and_gradients(logits_chunk, remat):
     params, b = _params(), _batch()
@@ -143,6 +144,7 @@ def test_make_logp_fn_shares_only_whole_groups_of_a_dense_model(monkeypatch):
     assert calls == [G]  # none of these shared
 
 
+@pytest.mark.slow
 def test_update_step_with_shared_prompts_equals_one_pass(monkeypatch):
     """Two PPO epochs (old log-probs recorded through the logp function too), a reference forward,
     2 microbatches of 2 whole groups each: metrics and new params agree with the one-pass update."""

@@ -60,6 +60,7 @@ def _plain(params, cfg, rng, **kw):
     return sample(params, cfg, prompt, pmask, rng, **args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg,drafter",
     [(CFG, "early_exit"), (CFG, "int8"), (CFG, "reuse"), (MOE, "reuse")],
@@ -111,6 +112,7 @@ def test_greedy_equals_plain_greedy(cfg, drafter):
         assert int(stats.rejections) == 0 and int(out.num_steps) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["early_exit", "reuse"])
 def test_temperature_zero_without_greedy_flag(drafter):
     """temperature=0 without greedy=True runs the rejection-sampling path against the T -> 0 limit
@@ -130,6 +132,7 @@ def test_temperature_zero_without_greedy_flag(drafter):
     np.testing.assert_array_equal(np.asarray(out.logp_BxT), np.zeros(out.logp_BxT.shape, np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
 def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     """Sampled at temperature 0.7: the log-probs the speculative sampler records equal
@@ -231,6 +234,7 @@ CASES = [  # (drafter, temperature, top_k, reuse draft)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter,temperature,top_k,draft", CASES)
 def test_sampled_distribution_equals_enumeration(small_params, drafter, temperature, top_k, draft):
     """12,000 speculative samples of 3-token completions (vocab 5, EOS inside it) against the exact
@@ -257,6 +261,7 @@ def _wrong_residual(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None):
     return acceptance.Verdict(a, acceptance.categorical(jax.random.fold_in(rng, 1), p_a))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter,draft", [("early_exit", None)])
 def test_chi_square_catches_a_wrong_acceptance_rule(small_params, monkeypatch, drafter, draft):
     """The same test with the residual replaced by p (the most common speculative-sampling bug) fails
@@ -309,6 +314,7 @@ def test_draft_length_choice():
     assert int(k) == 4 and abs(float(gain) - (1 - 0.9**5) / 0.1 / 5.0) < 1e-5
 
 
+@pytest.mark.slow
 def test_costs_decide_whether_to_speculate():
     """With (measured) costs under which no draft length pays, the adaptive loop never speculates;
     with cheap ones it does. Either way greedy tokens are the plain ones."""
@@ -359,6 +365,7 @@ def test_worth_speculating_by_hand():
     assert not worth_speculating(one, reuse, 0.0, 0.7, none) and not worth_speculating(one, reuse, 0.0, 0.7)
 
 
+@pytest.mark.slow
 def test_int8_view_is_close_and_int8():
     params = _params()
     q = quantize_int8(params)

@@ -68,6 +68,7 @@ def _same(rows_a, rows_b, steps):
         assert not diff, (s, diff)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["reuse", "early_exit", "int8"])
 def test_speculative_reruns_and_resumes_match(
     drafter,

@@ -10,6 +10,7 @@ from preset_configs import config_path, overrides
 from jaxrl.config import load_config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [

@@ -200,6 +200,7 @@ def test_presets_share_token_loss_and_weights_follow_the_papers():
 # ----------------------------------------------------------------------------- microbatch exactness
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_microbatches_give_the_full_batch_loss_gradient_and_stats(preset):
     params, batch = _setup(preset)
@@ -303,6 +304,7 @@ def _adam_cfg(lr=0.05):
     return OptimConfig(learning_rate=lr, warmup_steps=0, end_lr_ratio=1.0, grad_clip=1.0)
 
 
+@pytest.mark.slow
 def test_update_step_ppo_epochs_record_old_logp_once():
     """ppo_epochs=2 with a high Adam lr: donation works, step counts, params move, and epoch 2 is
     taken against the log-probs recorded BEFORE epoch 1: the result equals two hand-rolled

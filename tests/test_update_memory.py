@@ -122,6 +122,7 @@ def test_remat_unknown_policy_names_it():
         _value_and_grad(CFG, remat="everything")
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_float32_master_weights():
     bf = dataclasses.replace(CFG, dtype="bfloat16")
     logp, ent, grads, _ = _value_and_grad(bf, logits_chunk=3)
@@ -136,6 +137,7 @@ def test_bfloat16_compute_float32_master_weights():
     assert min(cos) > 0.99, cos
 
 
+@pytest.mark.slow
 def test_remat_and_chunks_on_a_moe_model():
     moe = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=16, moe_dispatch="naive")
     _assert_same(_value_and_grad(moe, remat="full", logits_chunk=5), _value_and_grad(moe))
