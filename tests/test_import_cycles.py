@@ -77,7 +77,8 @@ def test_jaxrl_module_level_imports_have_no_cycle():
 
 def test_config_modules_import_in_either_order_without_lazy_reexports():
     saved = {k: v for k, v in sys.modules.items() if k.startswith("jaxrl.config")}
-    saved_attrs = {k: getattr(jaxrl, k) for k in ("config", "config_load", "config_checks") if hasattr(jaxrl, k)}
+    names = {k.split(".")[1] for k in saved} | {"config", "config_load", "config_checks"}
+    saved_attrs = {k: getattr(jaxrl, k, None) for k in names}
     try:
         for name in saved:
             del sys.modules[name]
@@ -91,5 +92,8 @@ def test_config_modules_import_in_either_order_without_lazy_reexports():
         for name in [k for k in sys.modules if k.startswith("jaxrl.config")]:
             del sys.modules[name]
         sys.modules.update(saved)  # the rest of the suite keeps the classes it already imported
-        for k, v in saved_attrs.items():
-            setattr(jaxrl, k, v)
+        for k, v in saved_attrs.items():  # `from jaxrl import config` reads the package attribute
+            if v is None:
+                vars(jaxrl).pop(k, None)
+            else:
+                setattr(jaxrl, k, v)
