@@ -8,10 +8,12 @@ names the field or file and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any
 
 from jaxrl.config_agent import AgentConfig
 from jaxrl.config_checks import ConfigError, _check, _check_finite_floats, _check_learning_rate
+from jaxrl.config_load import apply_overrides, check_types, load_file, override, to_dict  # noqa: F401  (re-exported)
 from jaxrl.config_rollout import EngineConfig, RolloutConfig, SpeculativeConfig  # noqa: F401  (re-exported)
 
 
@@ -447,14 +449,6 @@ class Config:
         return self
 
 
-_LOADING = ("apply_overrides", "check_types", "load_config", "override", "to_dict")
-
-
-def __getattr__(name: str):
-    """The loading machinery lives in config_load.py (which imports this module); `from jaxrl.config
-    import load_config` keeps working through this lazy re-export."""
-    if name in _LOADING:
-        from jaxrl import config_load
-
-        return getattr(config_load, name)
-    raise AttributeError(f"module 'jaxrl.config' has no attribute {name!r}")
+def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) -> Config:
+    """Load `get_config()` from a config file, apply `--set` overrides, check types and ranges."""
+    return load_file(path, Config, overrides).validate()

@@ -1,6 +1,7 @@
-"""Config files and `--set` overrides: load `get_config()` from a file, set dotted fields from strings
-(parsed to each field's type), check types, then ranges (`Config.validate`). Every mistake is a
-ConfigError naming the field or the file."""
+"""Config files and `--set` overrides for any tree of frozen dataclasses: load `get_config()` from a
+file, set dotted fields from strings (parsed to each field's type), check types. Every mistake is a
+ConfigError naming the field or the file. It knows no particular config class, so `jaxrl.config`
+(the run's `Config`, its ranges, `load_config`) imports this module and never the other way round."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import importlib.util
 import pathlib
 import types
 import typing
-from typing import Any
+from typing import Any, TypeVar
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config_checks import ConfigError
+
+T = TypeVar("T")
 
 
 def _type_of(cls, name: str):
@@ -82,7 +85,7 @@ def check_types(cfg: Any, prefix: str = "") -> None:
         name = f"{prefix}{f.name}"
         value = getattr(cfg, f.name)
         typ = _type_of(type(cfg), f.name)
-        if dataclasses.is_dataclass(typ):
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ):  # a section (a class, never an instance)
             if not isinstance(value, typ):
                 raise ConfigError(f"{name}: got {type(value).__name__}, expected {typ.__name__}")
             check_types(value, name + ".")
@@ -112,7 +115,7 @@ def override(cfg: Any, path: str, value: Any, _prefix: str = "") -> Any:
     return dataclasses.replace(cfg, **{head: _check_type(full, value, typ)})
 
 
-def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+def apply_overrides(cfg: T, overrides: list[str]) -> T:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected the form a.b=value")
@@ -121,12 +124,15 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return cfg
 
 
-def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) -> Config:
-    """Load `get_config()` from a config file, apply `--set` overrides, check types and ranges."""
+def load_file(path: str | pathlib.Path, expected: type[T], overrides: list[str] | None = None) -> T:
+    """Load `get_config()` from a config file, check it returns an `expected`, apply `--set` overrides
+    and check field types (ranges are the caller's: `jaxrl.config.load_config` validates)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
     spec = importlib.util.spec_from_file_location(f"jaxrl_config_{path.stem}", path)
+    if spec is None or spec.loader is None:  # e.g. a name without the .py suffix
+        raise ConfigError(f"config file {str(path)!r} is not a Python file (expected a .py file)")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -138,11 +144,13 @@ def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) ->
         cfg = module.get_config()
     except Exception as e:  # any failure inside the user's get_config() is a mistake in that file
         raise ConfigError(f"config file {str(path)!r}: get_config() raised {type(e).__name__}: {e}") from e
-    if not isinstance(cfg, Config):
-        raise ConfigError(f"config file {str(path)!r}: get_config() returned {type(cfg).__name__}, expected Config")
+    if not isinstance(cfg, expected):
+        raise ConfigError(
+            f"config file {str(path)!r}: get_config() returned {type(cfg).__name__}, expected {expected.__name__}"
+        )
     cfg = apply_overrides(cfg, overrides or [])
     check_types(cfg)
-    return cfg.validate()
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict:

@@ -185,7 +185,7 @@ def process_rows(sharding: NamedSharding, n_rows: int, axis: int = 0) -> slice:
     shape[axis] = n_rows
     starts, stops = [], []
     for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
-        s = index[axis]
+        s = slice(None) if index is None else index[axis]  # None: the whole array
         starts.append(s.start or 0)
         stops.append(n_rows if s.stop is None else s.stop)
     lo, hi = min(starts), max(stops)

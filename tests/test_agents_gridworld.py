@@ -239,3 +239,11 @@ def test_asking_for_more_maps_than_exist_names_the_field(monkeypatch):
     worker.start()
     worker.join(60)  # about 1 s when the search gives up after 20k draws without a new map
     assert not worker.is_alive() and raised and "data.num_test=1" in raised[0], raised
+
+
+def test_start_must_be_one_floor_cell():
+    for start in ("1,1", "0,0,0", "7"):  # a wall, three coordinates, one coordinate
+        with pytest.raises(ValueError, match=f"start '{start}' is not a floor cell"):
+            GridWorld().reset({**OPEN, "start": start}, np.random.default_rng(0))
+    env = GridWorld()
+    assert env.done and env.step("up]").done  # before any reset: nothing to play, no crash

@@ -82,3 +82,17 @@ def test_unknown_field_in_config_file(tmp_path):
 def test_microbatches_must_divide_batch():
     with pytest.raises(C.ConfigError, match="train.microbatches"):
         C.apply_overrides(C.Config(), ["train.microbatches=7"]).validate()
+
+
+def test_config_file_that_is_not_python(tmp_path):
+    p = tmp_path / "grpo.yaml"
+    p.write_text("train: {steps: 3}\n")
+    with pytest.raises(C.ConfigError, match=r"grpo.yaml' is not a Python file"):
+        C.load_config(p)
+
+
+def test_config_file_returning_another_class_names_config(tmp_path):
+    p = tmp_path / "bad.py"
+    p.write_text("from jaxrl.config import TrainConfig\ndef get_config():\n    return TrainConfig()\n")
+    with pytest.raises(C.ConfigError, match=r"get_config\(\) returned TrainConfig, expected Config"):
+        C.load_config(p)

@@ -438,3 +438,15 @@ def test_contract_detects_per_microbatch_normalisers():
         mb = {k: v[i : i + 4] for k, v in host.items()}
         wrong += losses.weighted_sum(loss.weights(mb["completion_mask_BxT"], L_MAX), loss.token_loss(mb["logp"], mb)[0])
     assert abs(float(wrong) - float(full)) > 1e-4
+
+
+def test_reward_shaping_needs_both_reward_combine_and_normaliser():
+    """Shaping adds to the combined reward, then normalises: a given estimator with a reward_combine
+    but no normaliser is refused at build time (it used to fail later, inside the update)."""
+    from jaxrl.losses import aggregation, ratios
+    from jaxrl.losses.compose import compose
+
+    parts = dict(ratio=ratios.token_log_ratio, objective=lambda *a: None, weights=aggregation.seq_mean_token_mean)
+    estimator = adv_lib.estimator(adv_lib.reward_sum(None), adv_lib.group_mean_std(1e-6))
+    with pytest.raises(ValueError, match="kl_reward_beta.*combines the rewards first"):
+        compose("x", estimator=estimator, reward_combine=adv_lib.reward_sum(None), kl_reward_beta=0.1, **parts)

@@ -48,9 +48,11 @@ class StepResult(NamedTuple):
 class Environment(Protocol):
     def reset(self, record: dict, rng: np.random.Generator) -> str:
         """Start an episode for a task record; -> the first observation (the prompt text)."""
+        ...
 
     def step(self, action: str) -> StepResult:
         """The policy's turn (its text, end-of-turn string included when it ended the turn) -> the answer."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,13 +138,18 @@ class GridWorld:
         if not 0 <= slip <= 1:
             raise ValueError(f"gridworld slip: expected a probability in [0, 1], got {slip}")
         self.slip = slip
-        self.rows, self.pos, self.rng, self.done = None, None, None, True
+        # Set by `reset`; `done` until then.
+        self.rows: list[str] | None = None
+        self.pos: tuple[int, int] | None = None
+        self.rng: np.random.Generator | None = None
+        self.done = True
 
     def reset(self, record: dict, rng: np.random.Generator) -> str:
-        self.rows = parse_map(record["map"])
-        self.pos = tuple(int(x) for x in record["start"].split(","))
-        if not _inside(self.rows, self.pos) or self.rows[self.pos[0]][self.pos[1]] != FLOOR:
+        rows = parse_map(record["map"])
+        start = tuple(int(x) for x in record["start"].split(","))
+        if len(start) != 2 or not _inside(rows, start) or rows[start[0]][start[1]] != FLOOR:
             raise ValueError(f"gridworld record {record.get('id')!r}: start {record['start']!r} is not a floor cell")
+        self.rows, self.pos = rows, start
         self.rng, self.done = rng, False
         self._dist = goal_distances(self.rows)
         return render(self.rows, self.pos)
@@ -152,6 +157,7 @@ class GridWorld:
     def step(self, action: str) -> StepResult:
         if self.done:  # nothing left to play; never raise for what the policy writes
             return StepResult("", 0.0, True, {"success": False})
+        assert self.rows is not None and self.pos is not None and self.rng is not None  # not done: reset ran
         move = parse_action(action)
         if move is None:
             return StepResult(INVALID, 0.0, False, {"tool_errors": 1, "success": False, "shaping": 0.0})
@@ -235,6 +241,7 @@ def teacher(record: dict, rng: np.random.Generator, error_rate: float, max_turns
     policy = careless_move if choice_rng.random() < error_rate else best_move
     env = GridWorld()
     env.reset(record, rng)
+    assert env.rows is not None and env.pos is not None  # set by reset
     segments = []
     for _ in range(max_turns):
         move = policy(env.rows, env.pos)

@@ -35,7 +35,7 @@ class Verifier(Protocol):
 
 
 def score(
-    verifier: Verifier, completions: list[str], finished: list[bool], records: list[Mapping[str, str]]
+    verifier: Verifier, completions: list[str], finished: list[bool], records: Sequence[Mapping[str, str]]
 ) -> tuple[np.ndarray, int]:
     """(rewards_BxK float32 with columns REWARD_NAMES, number of samples whose verifier failed)."""
     if not len(completions) == len(finished) == len(records):

@@ -49,7 +49,9 @@ class _TaskBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(text))
 
     def _split_generators(self, dl_manager):
-        splits = self._generator()(**self.builder_config.params)
+        config = self.builder_config
+        assert config is not None  # every builder here is made with its config (make_builder)
+        splits = self._generator()(**config.params)
         return {name: self._generate_examples(records) for name, records in splits.items()}
 
     def _generate_examples(self, records):
@@ -117,7 +119,7 @@ class TaskData:
     task: str
     train: RecordSource
     test: RecordSource
-    verifier: Verifier
+    verifier: Verifier | None  # None for agent suites: their environments score the episodes
     data_dir: str  # the prepared dataset's own folder
 
 
@@ -188,9 +190,10 @@ def load_task(cfg: DataConfig, data_dir: str | None = None) -> TaskData:
             if not builder.is_prepared():
                 raise
         sources = builder.as_data_source()
+    assert isinstance(sources, dict)  # split=None: every split, by name
     splits = {}
     for split in ("train", "test"):
-        splits[split] = RecordSource(f"{cfg.task}/{builder.builder_config.name}/{split}", sources[split])
+        splits[split] = RecordSource(f"{cfg.task}/{builder.builder_config_name}/{split}", sources[split])
         if len(splits[split]) == 0:
             field = "data.num_train" if split == "train" else "data.num_test"
             raise ConfigError(f"{field}: the {split} split of {cfg.task} is empty")

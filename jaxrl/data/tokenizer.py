@@ -24,9 +24,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without BOS/EOS."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, stopping at the first EOS and dropping PAD/BOS."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ class CharTokenizer:
     pad_id: int = dataclasses.field(default=0, init=False)
     bos_id: int = dataclasses.field(default=1, init=False)
     eos_id: int = dataclasses.field(default=2, init=False)
-    _char_to_id: dict = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _char_to_id: dict[str, int] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if len(set(self.alphabet)) != len(self.alphabet):

@@ -66,9 +66,15 @@ class Loss(NamedTuple):
     reward_shaping: tuple = ()  # (batch, max_new_tokens) -> bonus_B, added to the combined reward
 
 
+class _Labelled(functools.partial):
+    """A `functools.partial` that carries a readable part label."""
+
+    part: str
+
+
 def named(label: str, fn: Callable) -> Callable:
     """`fn` with a readable part label (for `Loss.parts`), without mutating `fn` itself."""
-    wrapped = functools.partial(fn)
+    wrapped = _Labelled(fn)
     wrapped.part = label
     return wrapped
 
@@ -219,7 +225,7 @@ def compose(
     if kl_reward_beta:
         shapers.append(prep.kl_reward(kl_reward_beta, kl_estimator_by_name(kl_reward_estimator, "kl_reward_estimator")))
     if shapers:
-        if reward_combine is None:
+        if reward_combine is None or normaliser is None:
             raise ValueError(
                 f"{name}: reward shaping (overlong_buffer_frac, kl_reward_beta) needs an estimator that "
                 "combines the rewards first (reward_combine -> normaliser); this preset normalises each "

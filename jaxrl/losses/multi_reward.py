@@ -157,18 +157,20 @@ def gd2po(
     ddof: int = 1,
 ) -> Estimator:
     """GD2PO advantages, OUR READING (formula in `gd2po_parts`): (rewards_BxK, groups) -> adv_B."""
-    kw = dict(
-        weights=weights,
-        eps=eps,
-        batch_eps=batch_eps,
-        conflict_threshold=conflict_threshold,
-        consensus_power=consensus_power,
-        ddof=_check_ddof(ddof),
-    )
+    ddof = _check_ddof(ddof)
     _check_gd2po(batch_eps, conflict_threshold, consensus_power)  # bad values fail at build time
 
     def advantages(rewards_BxK: jax.Array, groups: GroupsLike) -> jax.Array:
-        return gd2po_parts(rewards_BxK, groups, **kw)["adv_B"]
+        return gd2po_parts(
+            rewards_BxK,
+            groups,
+            weights=weights,
+            eps=eps,
+            batch_eps=batch_eps,
+            conflict_threshold=conflict_threshold,
+            consensus_power=consensus_power,
+            ddof=ddof,
+        )["adv_B"]
 
     return advantages
 

@@ -51,7 +51,7 @@ def chain(*parts: Prepare) -> Prepare:
     if not parts:
         return no_prepare
 
-    def prepare(batch: dict, group_size: int | None = None, max_new_tokens: int | None = None) -> dict:
+    def prepare(batch: dict, group_size: int, max_new_tokens: int) -> dict:
         for part in parts:
             batch = part(batch, group_size, max_new_tokens)
         return batch
@@ -76,7 +76,7 @@ def drop_rows(keep_fn: RowKeep) -> Prepare:
     """completion_mask_BxT *= keep_B[:, None]: the dropped rows get no gradient and leave every
     normaliser (aggregation counts live rows and tokens from the mask)."""
 
-    def prepare(batch, group_size=None, max_new_tokens=None):
+    def prepare(batch: dict, group_size: int, max_new_tokens: int) -> dict:
         keep_B = jax.lax.stop_gradient(keep_fn(batch, group_size)).astype(jnp.float32)
         mask_BxT = batch["completion_mask_BxT"]
         return dict(batch, completion_mask_BxT=(mask_BxT * keep_B[:, None]).astype(mask_BxT.dtype))

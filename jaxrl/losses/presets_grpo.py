@@ -360,7 +360,6 @@ def gd2po(
     Masked rollouts are removed in `prepare` (mask zeroed), so B' counts only kept rows. adv_eps and
     std_ddof apply to both stds as in `gdpo` (the conflict mask reads signs only: ddof-invariant).
     """
-    kw = dict(weights=reward_weights, eps=adv_eps)
     est = named(
         f"gd2po(threshold={conflict_threshold}, power={consensus_power})",
         multi_reward.gd2po(
@@ -368,12 +367,12 @@ def gd2po(
             consensus_power=consensus_power,
             batch_eps=adv_eps,
             ddof=std_ddof,
-            **kw,
+            weights=reward_weights,
+            eps=adv_eps,
         ),
     )
-    rows = (
-        named(f"gd2po_conflict(>{conflict_threshold})", prep.gd2po_rows(conflict_threshold=conflict_threshold, **kw)),
-    )
+    conflict_rows = prep.gd2po_rows(conflict_threshold=conflict_threshold, weights=reward_weights, eps=adv_eps)
+    rows = (named(f"gd2po_conflict(>{conflict_threshold})", conflict_rows),)
     return compose(
         "gd2po",
         estimator=est,

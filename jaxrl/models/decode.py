@@ -107,7 +107,7 @@ def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT,
                     index,
                     live_BxT,
                 )
-                experts.append(st.experts_NxK)
+                experts.append(st.experts_NxK)  # pyright: ignore[reportAttributeAccessIssue]  (flax: apply's result typed Any | (Any, variables))
     else:
         for i in range(n_layers):
             (x_BxTxD, kv_out[i], _), _ = block.apply(

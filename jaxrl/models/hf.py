@@ -216,7 +216,11 @@ def load_params(directory, cfg: ModelConfig, shardings=None):
     if shardings is None:
         return jax.tree.map(lambda s: jax.numpy.asarray(_read(s, (), tensors)), src_tree, is_leaf=is_src)
     return jax.tree.map(
-        lambda s, a, sh: jax.make_array_from_callback(a.shape, sh, lambda i: _read(s, i, tensors)),
+        lambda s, a, sh: jax.make_array_from_callback(
+            a.shape,
+            sh,
+            lambda i: _read(s, () if i is None else i, tensors),  # None: the whole array
+        ),
         src_tree,
         abstract,
         shardings,

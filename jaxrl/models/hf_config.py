@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import Any
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.safetensors_io import CheckpointError
@@ -163,7 +164,7 @@ def model_config(hf: dict, base: ModelConfig | None = None, source: str = "confi
             )
         base = ModelConfig(max_seq_len=context)
     heads = need("num_attention_heads")
-    fields = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=need("vocab_size"),
         d_model=need("hidden_size"),
         n_layers=need("num_hidden_layers"),

@@ -66,14 +66,14 @@ def init_value(key, shape, std: float | None, dtype=jnp.float32) -> jax.Array:
 
 
 def logical_param(
-    module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str], std: float | None
+    module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None], std: float | None
 ) -> jax.Array:
     """A float32 parameter named by logical `axes`; std=None -> ones, else truncated normal * std."""
 
     def init(key, shape, dtype):
         return ScaledParam(init_value(key, shape, std, dtype), tuple(axes), std=std)
 
-    return module.param(name, init, tuple(shape), jnp.float32)
+    return module.param(name, init, tuple(shape), jnp.float32, unbox=True)
 
 
 class RMSNorm(nn.Module):
@@ -203,14 +203,13 @@ class Attention(nn.Module):
             o_BxTxHxHd = attend_group(q_BxTxHxHd, kv, key_valid_BxS, index, self.dtype)
             return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
         if kv is not None and kv[0].ndim == 4:  # LayerKV: this layer's own kv-head-major buffers
-            kv = tuple(
-                _write_layer_kv(buf, new.swapaxes(1, 2).astype(buf.dtype), index)
-                for buf, new in zip(kv, (k_BxTxKxHd, v_BxTxKxHd))
-            )
+            k_buf, v_buf = kv
+            k_buf = _write_layer_kv(k_buf, k_BxTxKxHd.swapaxes(1, 2).astype(k_buf.dtype), index)
+            v_buf = _write_layer_kv(v_buf, v_BxTxKxHd.swapaxes(1, 2).astype(v_buf.dtype), index)
             o_BxTxHxHd = _attend_kv_head_major(
-                q_BxTxHxHd, kv[0].astype(self.dtype), kv[1].astype(self.dtype), key_valid_BxS, index, self.dtype
+                q_BxTxHxHd, k_buf.astype(self.dtype), v_buf.astype(self.dtype), key_valid_BxS, index, self.dtype
             )
-            return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
+            return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), (k_buf, v_buf)
         if kv is None:
             k_BxSxKxHd, v_BxSxKxHd = k_BxTxKxHd, v_BxTxKxHd
         else:

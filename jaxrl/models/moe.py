@@ -227,7 +227,7 @@ class MoE(nn.Module):
         replay_NxK = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, K)
         logits_NxE = x_NxD.astype(jnp.float32) @ w_router_DxE
         gates_NxK, experts_NxK, topk_NxK, scores_NxE = route(logits_NxE, K, s.router, replay_NxK, s.norm_topk)
-        ws = tuple(w.astype(self.dtype) for w in (w_gate, w_up, w_down))
+        ws = (w_gate.astype(self.dtype), w_up.astype(self.dtype), w_down.astype(self.dtype))
         dropped = jnp.zeros((), jnp.float32)
         if s.dispatch == "dropless":
             gmm = s.grouped_matmul
@@ -235,6 +235,7 @@ class MoE(nn.Module):
                 gmm = "blocked" if jax.default_backend() == "cpu" else "ragged"
             mesh = expert_mesh(s.expert_axis, E, B * T)
             if mesh is not None:
+                assert s.expert_axis is not None  # expert_mesh is None without an expert axis
                 # Tokens over every mesh axis when they divide (the batch is split that way already).
                 token_axes = mesh.axis_names if (B * T) % mesh.size == 0 else (s.expert_axis,)
                 y_NxD = dispatch_expert_parallel(

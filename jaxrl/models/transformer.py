@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -141,7 +141,7 @@ class Transformer(nn.Module):
             remat_block(Block, self.remat),
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),  # pyright: ignore[reportArgumentType]  (flax: in_axes unannotated, inferred int)
             length=n_layers or cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(
@@ -171,7 +171,7 @@ class Transformer(nn.Module):
             remat_block(BlockGroup, self.remat),
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=in_axes,
+            in_axes=in_axes,  # pyright: ignore[reportArgumentType]  (flax: in_axes unannotated, inferred int)
             length=cfg.n_moe_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(
@@ -237,16 +237,17 @@ def _apply(
     tokens_BxT,
     positions_BxT,
     key_valid_BxS,
-    index=0,
+    index: int | jax.Array = 0,
     kv=None,
-    num_logits=None,
+    num_logits: int | None = None,
     replay_LxBxTxK=None,
     moe_mask_BxT=None,
     return_hidden=False,
     remat="none",
-):
-    """-> (logits_BxTxV, or with return_hidden the normed hidden states, kv, MoEOut or None)."""
-    return Transformer(cfg, remat).apply(
+) -> tuple[jax.Array, Any, MoEOut | None]:
+    """-> (logits_BxTxV, or with return_hidden the normed hidden states, kv (as passed in: the
+    stacked (k, v) or None), MoEOut or None)."""
+    return Transformer(cfg, remat).apply(  # pyright: ignore[reportReturnType]  (flax: apply has no mutable=False overload)
         {"params": params},
         tokens_BxT,
         positions_BxT,
@@ -374,11 +375,10 @@ def token_logprobs_moe(
     T = tokens_BxT.shape[1]
     tokens_BxS = jnp.concatenate([prompt_BxP, tokens_BxT], axis=1).astype(jnp.int32)
     mask_BxS = jnp.concatenate([prompt_mask_BxP.astype(bool), jnp.ones(tokens_BxT.shape, bool)], axis=1)
-    moe_kw = {}
+    replay_LxBxSxK, live_BxS = None, None  # MoE only
     if cfg.n_experts:
         live_BxS = jnp.concatenate([prompt_mask_BxP.astype(bool), completion_mask_BxT > 0], axis=1)
-        replay = None if replay_BxSxLxK is None else jnp.transpose(replay_BxSxLxK, (2, 0, 1, 3))
-        moe_kw = dict(replay_LxBxTxK=replay, moe_mask_BxT=live_BxS)
+        replay_LxBxSxK = None if replay_BxSxLxK is None else jnp.transpose(replay_BxSxLxK, (2, 0, 1, 3))
     # The logits predicting completion token t sit at slot P-1+t: the last T+1 slots minus the final one.
     out_BxTxX, _, moe = _apply(
         params,
@@ -387,9 +387,10 @@ def token_logprobs_moe(
         positions_from_mask(mask_BxS),
         mask_BxS,
         num_logits=T + 1,
+        replay_LxBxTxK=replay_LxBxSxK,
+        moe_mask_BxT=live_BxS,
         return_hidden=logits_chunk > 0,
         remat=remat,
-        **moe_kw,
     )
     if logits_chunk > 0:  # out = final hidden states; the head runs chunk by chunk
         logp_BxT, entropy_BxT = chunked_token_logprobs(

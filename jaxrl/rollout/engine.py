@@ -49,9 +49,11 @@ counts["accepted"] say how many drafts were kept, counts["speculative_chunks"] h
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
@@ -60,7 +62,6 @@ from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine_partial import release_slots, reprefill
 from jaxrl.rollout.engine_state import (
     EngineSpec,
-    SlotReadout,
     admit,
     decode_chunk,
     host_slots,
@@ -363,7 +364,7 @@ class Engine:
             gid = int(self._owner_S[slot])
             flight = self._flight[gid]
             member = int(np.flatnonzero(flight.slots_G == slot)[0])
-            flight.rows[member] = SlotReadout(*(None if x is None else x[r] for x in out))
+            flight.rows[member] = jax.tree.map(operator.itemgetter(r), out)  # row r; None (no MoE) stays None
             self._owner_S[slot] = -1
             if len(flight.rows) == len(flight.slots_G):
                 (self._ready if flight.sink is None else flight.sink).append(_group(flight))
@@ -399,13 +400,25 @@ def _group(flight: _Flight) -> Group:
 
 def concat_groups(parts: list[Group], tag, prompt_P, prompt_mask_P) -> Group:
     """One Group of a prompt from samples drawn in several admissions (its rows in `parts` order)."""
-    if not parts:
-        return Group(tag, prompt_P, prompt_mask_P, *[None] * 7)
+    if not parts:  # k = 0 samples asked for: the sample fields are None (`Engine.sample`'s contract)
+        return Group._make((tag, prompt_P, prompt_mask_P) + (None,) * 7)
 
-    def cat(name):
-        return None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
+    def cat(name) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts])
 
-    return Group(tag, prompt_P, prompt_mask_P, *(cat(f) for f in Group._fields[3:]))
+    routing = None if parts[0].routing_GxSxLxK is None else cat("routing_GxSxLxK")
+    return Group(
+        tag,
+        prompt_P,
+        prompt_mask_P,
+        cat("tokens_GxT"),
+        cat("completion_mask_GxT"),
+        cat("logp_GxT"),
+        cat("version_GxT"),
+        cat("finished_G"),
+        cat("truncated_G"),
+        routing,
+    )
 
 
 def assemble_batch(groups: list[Group]) -> dict:

@@ -36,7 +36,7 @@ _SHAPE_FIELDS = {
 
 
 def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _host_copy(x) -> np.ndarray:
@@ -115,7 +115,7 @@ def _group_rows(g) -> list[SlotReadout]:
             g.version_GxT[r],
             g.finished_G[r],
             g.truncated_G[r],
-            np.int32(g.completion_mask_GxT[r].sum()),
+            np.asarray(g.completion_mask_GxT[r].sum(), np.int32),
             None if g.routing_GxSxLxK is None else g.routing_GxSxLxK[r],
         )
         for r in range(len(g.tokens_GxT))
@@ -136,8 +136,10 @@ def load_engine_state(engine, host: dict, arrays: dict | None) -> None:
     engine.state = _device_state(engine, arrays["state"])
     parked = arrays.get("parked", {})
 
-    def row(i):
-        return SlotReadout(*(parked[n][i] if n in parked else None for n in SlotReadout._fields))
+    def row(i) -> SlotReadout:
+        routing = parked.get("routing_RxCxLxK")  # saved for MoE models only
+        fields = {n: parked[n][i] for n in SlotReadout._fields if n != "routing_RxCxLxK"}
+        return SlotReadout(**fields, routing_RxCxLxK=None if routing is None else routing[i])
 
     engine._owner_S = np.asarray(host["owner_S"], np.int64)
     engine._next_id = int(host["next_id"])
@@ -212,5 +214,5 @@ def _device_state(engine, saved: dict) -> EngineState:
                 f"run's engine needs {want.dtype}{list(want.shape)}; the model changed since the save "
                 "(use a new --workdir)"
             )
-        out.append(jax.random.wrap_key_data(x) if _is_key(like) else jax.numpy.array(x))  # a copy
+        out.append(jax.random.wrap_key_data(jax.numpy.asarray(x)) if _is_key(like) else jax.numpy.array(x))  # a copy
     return jax.tree.unflatten(treedef, out)

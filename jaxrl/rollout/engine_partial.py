@@ -68,5 +68,6 @@ def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_m
     kv = tuple((pick(nk, k), pick(nv, v)) for (nk, nv), (k, v) in zip(kv_new, state.cache.kv))
     routing = state.routing_SxCxLxK
     if experts_SxCxLxK is not None:
+        assert routing is not None  # a MoE engine's state carries its routing
         routing = jnp.where(take_SxC[:, :, None, None], experts_SxCxLxK.astype(routing.dtype), routing)
     return state._replace(cache=LayerCache(kv, state.cache.valid_BxS, state.cache.pos_B), routing_SxCxLxK=routing)

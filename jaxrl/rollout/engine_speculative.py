@@ -231,6 +231,7 @@ def _speculative_step(lparams, drafter, spec: SpeculativeEngineSpec, s: EngineSt
     cache = commit_window(s.cache, window, fill_S, kept_S)
     routing = s.routing_SxCxLxK
     if experts_SxWxLxK is not None:  # fed token i sits at cache slot fill + i
+        assert routing is not None  # a MoE engine's state carries its routing
         i_SxC = jnp.arange(routing.shape[1])[None, :] - fill_S[:, None]
         at_SxC = (i_SxC >= 0) & (i_SxC < kept_S[:, None])
         new_SxCxLxK = jnp.take_along_axis(experts_SxWxLxK, jnp.clip(i_SxC, 0, W - 1)[:, :, None, None], axis=1)

@@ -93,15 +93,19 @@ class EngineState(NamedTuple):
     key_S: jax.Array | None = None  # spec.slot_keys: each slot's own noise key (S x key shape); else None
 
 
+# A readout is taken on the device (`read_slots`: jax arrays) or from a host copy (numpy).
+DeviceOrHost = jax.Array | np.ndarray
+
+
 class SlotReadout(NamedTuple):
-    tokens_RxT: jax.Array
-    completion_mask_RxT: jax.Array
-    logp_RxT: jax.Array
-    version_RxT: jax.Array
-    finished_R: jax.Array  # emitted EOS
-    truncated_R: jax.Array  # done without EOS (max_new_tokens reached)
-    length_R: jax.Array
-    routing_RxCxLxK: jax.Array | None
+    tokens_RxT: DeviceOrHost
+    completion_mask_RxT: DeviceOrHost
+    logp_RxT: DeviceOrHost
+    version_RxT: DeviceOrHost
+    finished_R: DeviceOrHost  # emitted EOS
+    truncated_R: DeviceOrHost  # done without EOS (max_new_tokens reached)
+    length_R: DeviceOrHost
+    routing_RxCxLxK: DeviceOrHost | None
 
 
 def _blank_rows(spec: EngineSpec, n: int, done: bool):
@@ -264,12 +268,13 @@ def _readout(spec: EngineSpec, state: EngineState, slot_R, xp) -> SlotReadout:
     """What the slots slot_R hold, with array module xp (jnp on device, np on a host copy)."""
 
     def take(x):
-        return None if x is None else xp.take(x, slot_R, axis=0)
+        return xp.take(x, slot_R, axis=0)
 
     mask = take(state.mask_SxT)
     done, eos = take(state.done_S), take(state.eos_S)
-    routing = take(state.routing_SxCxLxK)  # C = P + T slots (a speculative engine's cache has more)
-    routing = None if routing is None else routing[:, : spec.prompt_len + spec.max_new_tokens]
+    routing = None  # C = P + T slots (a speculative engine's cache has more)
+    if state.routing_SxCxLxK is not None:
+        routing = take(state.routing_SxCxLxK)[:, : spec.prompt_len + spec.max_new_tokens]
     return SlotReadout(
         take(state.tokens_SxT),
         mask,

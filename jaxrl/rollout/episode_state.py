@@ -96,6 +96,7 @@ def place(
     R = n_R.shape[0]
     routing = state.routing_SxCxLxK
     if experts is not None:
+        assert routing is not None  # a MoE engine's state carries its routing
         routing = routing.at[slot_R, : experts.shape[1]].set(experts.astype(routing.dtype), mode="drop")
     return state._replace(
         cache=cache,

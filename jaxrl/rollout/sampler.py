@@ -29,10 +29,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.core import Tracer
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.decode import LayerCache, decode_layers, layer_params, to_layer_cache
-from jaxrl.models.group_decode import decode_group_layers, default_segments, group_cache, grow_own, segment_ends
+from jaxrl.models.group_decode import (
+    GroupCache,
+    decode_group_layers,
+    default_segments,
+    group_cache,
+    grow_own,
+    segment_ends,
+)
 from jaxrl.models.transformer import init_cache, prefill_routed
 
 
@@ -48,7 +56,7 @@ class SampleOutput(NamedTuple):
 
 class _Loop(NamedTuple):
     step: jax.Array  # columns emitted so far
-    cache: object  # GroupCache (share_prefix) or LayerCache
+    cache: GroupCache | LayerCache  # GroupCache with share_prefix
     last_N: jax.Array  # the next decode input: the last prompt token, then the last drawn token
     tokens_NxT: jax.Array
     logp_NxT: jax.Array
@@ -91,7 +99,7 @@ def scaled_logits(logits_NxV: jax.Array, temperature) -> jax.Array:
 
 def check_temperature(temperature) -> None:
     """A concrete negative (or NaN) temperature is a ValueError; a traced one cannot be checked here."""
-    if isinstance(temperature, jax.core.Tracer):
+    if isinstance(temperature, Tracer):
         return
     if not float(temperature) >= 0:
         raise ValueError(f"temperature: got {temperature!r}, expected a number >= 0 (0 = greedy)")
@@ -163,7 +171,7 @@ def _prefill_prompts(
         routing_NxSxLxK = jnp.zeros((B * G, routing_len, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
     if P > 1:
         _, cache, experts_LxBxPxK = prefill_routed(params, cfg, prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1], cache)
-        if cfg.n_experts:
+        if routing_NxSxLxK is not None:  # cfg.n_experts
             experts_NxPxLxK = jnp.repeat(jnp.transpose(experts_LxBxPxK, (1, 2, 0, 3)), G, axis=0)
             routing_NxSxLxK = lax.dynamic_update_slice(routing_NxSxLxK, experts_NxPxLxK, (0, 0, 0, 0))
     # The loop runs on per-layer params and cache buffers (see transformer.decode_step_layers):
@@ -257,16 +265,20 @@ def sample(
             params, cfg, prompt_BxP, prompt_mask_BxP, G, ends[0], P + T
         )
 
-        def step_fn(tok_N, cache, step):
+        def shared_step(tok_N, cache, step):
             return decode_group_layers(lparams, cfg, tok_N[:, None], cache, step)
+
+        step_fn = shared_step
     else:
         ends = (T,)
         cache, lparams, routing_NxSxLxK, last_N = prefill_groups(
             params, cfg, prompt_BxP, prompt_mask_BxP, G, P + T, P + T
         )
 
-        def step_fn(tok_N, cache, step):
+        def own_step(tok_N, cache, step):
             return decode_layers(lparams, cfg, tok_N[:, None], cache, P - 1 + step)
+
+        step_fn = own_step
 
     state = _Loop(
         step=jnp.zeros((), jnp.int32),
@@ -284,6 +296,7 @@ def sample(
         # Step t feeds the last prompt token, then each drawn token, at prompt slot P-1+t.
         logits_Nx1xV, cache, experts_Nx1xLxK = step_fn(s.last_N, s.cache, s.step)
         if experts_Nx1xLxK is not None:
+            assert s.routing_NxSxLxK is not None  # a MoE model's loop carries its routing
             s = s._replace(
                 routing_NxSxLxK=lax.dynamic_update_slice(s.routing_NxSxLxK, experts_Nx1xLxK, (0, P - 1 + s.step, 0, 0))
             )
@@ -291,6 +304,7 @@ def sample(
 
     for end in ends:  # one loop per segment; a segment's steps write completion slots < end
         if share_prefix:
+            assert isinstance(state.cache, GroupCache)
             state = state._replace(cache=grow_own(state.cache, end))
         state = lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done_N), body, state)
     return SampleOutput(

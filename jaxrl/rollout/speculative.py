@@ -80,7 +80,7 @@ class _State(NamedTuple):
     routing_NxSxLxK: jax.Array | None
 
 
-def choose_draft_length(r, max_draft: int, draft_cost, adaptive: bool, verify_cost=1.0):
+def choose_draft_length(r, max_draft: int, draft_cost, adaptive: bool, verify_cost: float | jax.Array = 1.0):
     """-> (k, gain): the draft length with the most expected tokens per unit cost (verify_cost for
     the verify, a scalar or one per k = 1..max_draft; draft_cost per drafted token; both in plain
     decode steps) and that rate (a plain step's is 1)."""
@@ -124,6 +124,27 @@ def worth_speculating(
     return max(rates, default=0.0) > 1.0
 
 
+def _fresh_stats(prior: jax.Array, reuse_prior: jax.Array) -> SpecStats:
+    """No steps or tokens counted yet; the acceptance estimates start at their priors."""
+    i, f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+    return SpecStats(
+        drafted=i,
+        accepted=i,
+        rejections=i,
+        row_verifications=i,
+        self_steps=i,
+        reuse_steps=i,
+        plain_steps=i,
+        draft_len_sum=i,
+        self_accepted=f,
+        self_rejected=f,
+        acceptance=prior,
+        reuse_accepted=f,
+        reuse_rejected=f,
+        reuse_acceptance=reuse_prior,
+    )
+
+
 def _row_write(buf_NxU, vals_NxW, col_N):
     return jax.vmap(lambda b, v, c: lax.dynamic_update_slice(b, v.astype(b.dtype), (c,)))(buf_NxU, vals_NxW, col_N)
 
@@ -157,9 +178,9 @@ def sample_speculative(
     greedy: bool = False,
     acceptance_prior=None,
     reuse_acceptance_prior=None,
-    draft_NxT=None,
-    draft_len_N=None,
-    draft_logp_NxT=None,
+    draft_NxT: jax.Array | None = None,
+    draft_len_N: jax.Array | None = None,
+    draft_logp_NxT: jax.Array | None = None,
     costs: StepCosts | None = None,
 ):
     """`sampler.sample` with speculation -> (SampleOutput, SpecStats).
@@ -187,7 +208,7 @@ def sample_speculative(
         raise ValueError(
             "rollout.speculative.drafter='reuse' needs draft_NxT and draft_len_N (the previous completions)"
         )
-    if reuse and draft_NxT.shape[0] != N:
+    if reuse and draft_NxT is not None and draft_NxT.shape[0] != N:
         raise ValueError(f"draft_NxT has {draft_NxT.shape[0]} rows, expected prompts x group_size = {N}")
     approx = reuse and spec.reuse_rule == "spec_rl"
     if approx and draft_logp_NxT is None:
@@ -204,7 +225,7 @@ def sample_speculative(
     cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True))
     if self_drafter:
         dparams, d_layers = draft_view(lparams, self_drafter, spec.draft_layers, cfg.n_layers)
-    if reuse:
+    if reuse and draft_NxT is not None and draft_len_N is not None:  # both given with reuse (checked above)
         draft_NxT = draft_NxT.astype(jnp.int32)
         draft_len_N = jnp.minimum(draft_len_N.astype(jnp.int32), draft_NxT.shape[1])
     prior = jnp.asarray(spec.initial_acceptance if acceptance_prior is None else acceptance_prior, jnp.float32)
@@ -213,7 +234,7 @@ def sample_speculative(
     )
     # A verify forward always runs its branch's full static width, whatever k the control picks.
     verify_self, verify_reuse = costs.verify_K[spec.max_draft - 1], costs.verify_K[spec.reuse_width - 1]
-    zero_i, zero_f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+    zero_i = jnp.zeros((), jnp.int32)
     state = _State(
         step=zero_i,
         cache=cache,
@@ -224,9 +245,9 @@ def sample_speculative(
         logp_NxU=jnp.zeros((N, U), jnp.float32),
         mask_NxU=jnp.zeros((N, U), jnp.float32),
         done_N=jnp.zeros((N,), bool),
-        alive_N=(draft_len_N > 0) if reuse else jnp.zeros((N,), bool),
+        alive_N=(draft_len_N > 0) if draft_len_N is not None and reuse else jnp.zeros((N,), bool),
         rng=rng,
-        stats=SpecStats(*([zero_i] * 8), zero_f, zero_f, prior, zero_f, zero_f, reuse_prior),
+        stats=_fresh_stats(prior, reuse_prior),
         routing_NxSxLxK=routing,
     )
 
@@ -331,12 +352,14 @@ def sample_speculative(
         return step_result(s._replace(stats=st._replace(acceptance=estimate(st))), window, a_N, live_N)
 
     def reuse_step(s: _State):
+        assert draft_NxT is not None and draft_len_N is not None  # a reuse step runs only with reuse drafts
         window_NxW1 = _row_window(draft_NxT, s.col_N, W_reuse - 1, pad_id)
         fed_NxW = jnp.concatenate([s.last_N[:, None], window_NxW1], axis=1)
         offset_W = jnp.arange(W_reuse) - 1  # fed token i >= 1 is draft column col + i - 1
         drafted_NxW = (offset_W >= 0) & s.alive_N[:, None] & (s.col_N[:, None] + offset_W < draft_len_N[:, None])
         old_logp = None
         if approx:
+            assert draft_logp_NxT is not None  # checked on entry
             old_logp = jnp.concatenate(
                 [jnp.zeros((N, 1)), _row_window(draft_logp_NxT, s.col_N, W_reuse - 1, 0.0)], axis=1
             )
@@ -367,6 +390,7 @@ def sample_speculative(
     def reuse_rate(s: _State, live_N):
         """Expected tokens per live row per unit cost of a reuse step: a row with m drafted tokens
         left in the window gets (1 - r^(m+1)) / (1 - r), the others one token."""
+        assert draft_len_N is not None  # only called with reuse drafts
         r = jnp.clip(reuse_estimate(s.stats), 0.0, 0.999)
         m_N = jnp.clip(draft_len_N - s.col_N, 0, W_reuse - 1)
         tokens_N = jnp.where(s.alive_N, (1 - r ** (m_N + 1)) / (1 - r), 1.0)
@@ -402,6 +426,6 @@ def sample_speculative(
         finished_B=jnp.any((state.tokens_NxU[:, :T] == eos_id) & (mask_NxT > 0), axis=1),
         length_B=jnp.sum(mask_NxT, axis=-1).astype(jnp.int32),
         num_steps=state.step,
-        routing_BxSxLxK=None if routing is None else state.routing_NxSxLxK[:, : P + T],
+        routing_BxSxLxK=None if state.routing_NxSxLxK is None else state.routing_NxSxLxK[:, : P + T],
     )
     return out, state.stats

@@ -132,8 +132,8 @@ def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> 
 
 def _first_line(e: BaseException) -> str:
     """The root cause's first line: orbax wraps tensorstore's one-line reason in a page of spec."""
-    while (e.__cause__ or e.__context__) is not None:
-        e = e.__cause__ or e.__context__
+    while (cause := e.__cause__ or e.__context__) is not None:
+        e = cause
     line = (str(e).strip().splitlines() or [""])[0]
     return f"{type(e).__name__}: {line[:300]}"
 
@@ -220,7 +220,7 @@ def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
     if step is None:
         return abstract_state
     try:
-        saved = ocp.StandardCheckpointHandler().metadata(pathlib.Path(manager.directory) / str(step) / "state")
+        saved = ocp.StandardCheckpointHandler().metadata(manager.directory / str(step) / "state")
         saved_ref = saved.get("ref_params") is not None
     except Exception:  # a damaged checkpoint is the restore's to report
         return abstract_state

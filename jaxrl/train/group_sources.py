@@ -159,7 +159,7 @@ class EngineSource:
         version = step - 1  # the number of updates the policy has had
         feed = PromptFeed(self.task.train, stream, self.tokenizer, cfg)
         pf = self.prompt_filter
-        filter0 = pf and (pf.n_filtered, pf.n_forced)
+        filter0 = (pf.n_filtered, pf.n_forced) if pf else (0, 0)
         prompts = pf.admitted(feed) if pf else feed  # the engine sees only the prompts the filter admits
         n_failed, picked, extra_metrics = self._draw(params, version, prompts)
         seconds = time.perf_counter() - t0
@@ -215,8 +215,9 @@ class EngineSource:
         rewards_BxK, n_failed = score(self.task.verifier, texts, list(finished), records)
         splits = np.cumsum([len(g.tokens_GxT) for g in groups])[:-1]
         scored = [ScoredGroup(g, r_GxK) for g, r_GxK in zip(groups, np.split(rewards_BxK, splits))]
-        for s in scored if self.prompt_filter else ():
-            self.prompt_filter.update(s.group.tag["id"], s.rewards_GxK)
+        if self.prompt_filter:
+            for s in scored:
+                self.prompt_filter.update(s.group.tag["id"], s.rewards_GxK)
         return scored, n_failed
 
     def checkpoint_state(self) -> dict:

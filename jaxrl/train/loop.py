@@ -316,6 +316,7 @@ def log_and_checkpoint(
     see a SIGTERM. -> (what is still pending or None, the eval metrics or None, stopping)."""
     cfg, tc = run.cfg, run.cfg.train
     row, evaluated = pending[0], None
+    still_pending: tuple | None = pending
     if tc.eval_every and step % tc.eval_every == 0 or step == tc.steps:
         evaluated = run.evaluate(state.params)
         row.update(evaluated)
@@ -324,14 +325,14 @@ def log_and_checkpoint(
     save_now = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tc.steps or stopping
     if save_now or "eval/accuracy" in row:
         emit(run.log, bar, *pending)  # the row must be on disk before the checkpoint that covers it
-        pending = None
+        still_pending = None
     if "eval/accuracy" in row and is_primary():
         plot(run.log.rows, run.workdir / "progress.png", title=str(run.workdir.name))
     if save_now:  # the JSON item: the data position, then the rollout source's host state
         run.saver.save(step, state, {"stream": stream._asdict(), **run.source.checkpoint_state()}, force=True)
     if stopping:
         print(f"jaxrl: SIGTERM received; saved step {step} to {run.workdir / 'checkpoints'}", file=sys.stderr)
-    return pending, evaluated, stopping
+    return still_pending, evaluated, stopping
 
 
 def _build(cfg: Config, progress: bool, mesh, preset):

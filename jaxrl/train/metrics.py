@@ -67,6 +67,10 @@ class MetricsLog:
             self._tb.close()
 
 
+def _nan_if_none(x: float | None) -> float:
+    return float("nan") if x is None else x  # a gap in the line, as matplotlib draws a None
+
+
 def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
     """Reward (every step) and held-out accuracy (eval steps) against the step, as a PNG."""
     import matplotlib
@@ -86,7 +90,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str = "") -> None:
     if any(r.get("reward/correctness") not in (None, r.get("reward/mean")) for r in rows):
         ax.plot(
             steps,
-            [r.get("reward/correctness") for r in rows if r.get("reward/mean") is not None],
+            [_nan_if_none(r.get("reward/correctness")) for r in rows if r.get("reward/mean") is not None],
             color="tab:green",
             alpha=0.6,
             label="train correctness",

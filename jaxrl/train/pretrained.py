@@ -119,6 +119,7 @@ def _run_params(run: pathlib.Path):
     from jaxrl.train.workdir import read_run_config
 
     run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
+    assert run_cfg is not None  # the caller found config.json
     model = ModelConfig(
         **{k: v for k, v in run_cfg["model"].items() if k in {f.name for f in dataclasses.fields(ModelConfig)}}
     )

@@ -55,7 +55,7 @@ def score_groups(
     rewards_BxK = gather_rows(rows.sharding, my_rewards_BxK, rows.n)
     mask_BxT = gather_rows(rows.sharding, rollout.completion_mask_BxT, rows.n)
     finished_B = gather_rows(rows.sharding, rollout.finished_B, rows.n)
-    n_failed = all_processes_sum(n_failed)
+    n_failed = int(all_processes_sum(n_failed))
     host_batch = {
         "prompt_tokens_BxP": np.repeat(prompt_BxP, G, 0)[rows.mine],
         "prompt_mask_BxP": np.repeat(prompt_mask_BxP, G, 0)[rows.mine],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pathlib
 import sys
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ def updated(control: SpecControl, stats: SpecStats | None) -> SpecControl:
 def control_state(control: SpecControl) -> dict:
     """The control's part of the checkpoint's JSON item (keys read by `restored_control` and
     `speculative_costs`; the same keys in every checkpoint written so far)."""
-    saved = {"spec_prior": control.prior, "spec_reuse_prior": control.reuse_prior}
+    saved: dict[str, Any] = {"spec_prior": control.prior, "spec_reuse_prior": control.reuse_prior}
     if control.costs is not None:
         saved["spec_costs"] = costs_to_json(control.costs)
     return saved
@@ -66,7 +66,10 @@ def control_state(control: SpecControl) -> dict:
 
 def rollout_inputs(control: SpecControl) -> dict:
     """The speculative sampler's host inputs besides the drafts: the priors and (measured) costs."""
-    out = {"acceptance_prior": np.float32(control.prior), "reuse_acceptance_prior": np.float32(control.reuse_prior)}
+    out: dict[str, Any] = {
+        "acceptance_prior": np.float32(control.prior),
+        "reuse_acceptance_prior": np.float32(control.reuse_prior),
+    }
     if control.costs is not None:
         out["costs"] = control.costs
     return out

@@ -246,7 +246,7 @@ def open_run(cfg: Config, workdir: pathlib.Path, allow_change: bool = False) -> 
     check_directory(workdir)
     saved = read_run_config(workdir) if workdir.is_dir() else None
     resuming = saved is not None and has_checkpoint(workdir)
-    changes = config_changes(saved, cfg) if resuming else {}
+    changes = config_changes(saved, cfg) if saved is not None and resuming else {}
     check_changes(workdir, changes, allow_change)
     if jax.process_count() > 1:  # every process has checked before process 0 writes anything
         from jax.experimental import multihost_utils
