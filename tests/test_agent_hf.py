@@ -169,6 +169,7 @@ def test_agent_calculator_trains_two_steps_on_a_qwen_checkpoint(qwen_agent, tmp_
     assert sum(r["agent/tool_errors"] for r in steps) > 0 and max(r["agent/tool_calls_mean"] for r in steps) > 0
 
 
+@pytest.mark.slow
 def test_gridworld_with_a_checkpoint_is_a_one_line_error(qwen_agent, tmp_path):
     from jaxrl.train.loop import train
 
@@ -180,6 +181,7 @@ def test_gridworld_with_a_checkpoint_is_a_one_line_error(qwen_agent, tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.slow
 def test_an_over_long_rendered_prompt_is_a_one_line_error(qwen_agent, tmp_path, in_process_cache):
     """`jaxrl train` stops before any rollout, naming the field and the length the first record needs."""
     from jaxrl.agents.formats import episode_format
@@ -216,6 +218,7 @@ def test_end_of_turn_split_by_the_tokenizer_is_a_one_line_error(tmp_path):
         episode_format(cfg, load_tokenizer(tmp_path), SUITE)
 
 
+@pytest.mark.slow
 def test_a_template_without_tool_support_or_no_template_is_a_config_error(qwen_agent, tmp_path):
     from jaxrl.agents.formats import episode_format
     from jaxrl.agents.tools import ToolRegistry

@@ -137,6 +137,7 @@ def test_the_sft_step_loss_ignores_an_observation_target():
     assert float(step(params, optimizer.init(params), batch)[2]) != losses[0]
 
 
+@pytest.mark.slow
 def test_a_few_sft_steps_on_teacher_episodes_lower_the_loss():
     batch, _ = teacher_batch(SUITE, SUITE.records("train", 16, 0), TOK, P, T, 0.3, np.random.default_rng(2))
     params = init_params(MODEL, jax.random.key(1))

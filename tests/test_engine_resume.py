@@ -61,6 +61,7 @@ def _same_step(a, b):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra, saved_at",
     [((), 2), (("rollout.engine.max_staleness=1", "rollout.engine.reprefill=true"), 5)],

@@ -63,6 +63,7 @@ def test_sampled_logprobs_equal_trainer_recomputation():
     np.testing.assert_array_equal(batch["group_id_B"], [0] * 3 + [1] + [2] * 4)
 
 
+@pytest.mark.slow
 def test_sample_draws_have_the_plain_distribution():
     """Temperature 0.8, top-k 3: 600 requests of 3 samples of one prompt and 5 of the other
     (pieces of 3, and 4 + 1, with G=4) through 64 slots -> chi-square p-value > 1e-3 against

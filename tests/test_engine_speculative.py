@@ -89,6 +89,7 @@ def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups,
         assert engine.counts["drafted"] > drafted and np.all(more.version_GxT[more.completion_mask_GxT > 0] == 1)
 
 
+@pytest.mark.slow
 def test_recorded_logprobs_and_versions_equal_trainer_recomputation():
     """Sampled at temperature 0.7 with 4 slots for 10 samples, two collects at versions 5 and 6: the
     recorded log-probs equal `token_logprobs` over the assembled batch (the target distribution
@@ -208,6 +209,7 @@ def _speculative_samples(seed, n_groups=N_GROUPS):
     return out, engine.counts
 
 
+@pytest.mark.slow
 def test_sampled_distribution_equals_enumeration():
     """3,000 samples per prompt (vocab 5, EOS inside it, 3 new tokens, two prompts interleaved through
     64 slots) against the exact distribution: chi-square p-value > 1e-3 (fixed seed), with a good
@@ -278,6 +280,7 @@ def test_benchmark_speculative_row(monkeypatch):
     assert 16 <= row["tokens"] <= 16 * te.T and row["chunks"] > 0
 
 
+@pytest.mark.slow
 def test_training_source_uses_the_speculative_engine(in_process_cache):
     """EngineSource (the training loop's rollout source) built from a config with speculation on runs
     the speculative engine and logs engine/drafted and engine/accepted for the step; a 1-layer policy

@@ -59,6 +59,7 @@ def test_vigor_step_has_b_rows_one_group_per_prompt_and_unequal_sizes(in_process
     assert m["engine/staleness_0"] == 1.0
 
 
+@pytest.mark.slow
 def test_grpo_trains_with_vigor(tmp_path, in_process_cache):
     from jaxrl.train.loop import train
 

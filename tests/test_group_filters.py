@@ -244,6 +244,7 @@ def test_filter_state_round_trip_gives_the_same_future_decisions():
     assert [fresh.admit(i) for i in ids] != future_g
 
 
+@pytest.mark.slow
 def test_engine_source_learns_the_filter_and_checkpoints_it(in_process_cache):
     cfg = _cfg("rollout.engine.prompt_filter=beta")
     source, task, tok, params = _source(cfg, _first_char_verifier)

@@ -161,6 +161,7 @@ def _hf_logits(model, tokens):
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
+@pytest.mark.slow
 def test_checkpoints_cover_the_cases(models):
     assert (models["qwen3"][0] / safetensors_io.INDEX).is_file()
     header = safetensors_io.read_file(models["qwen2"][0] / safetensors_io.SINGLE)
@@ -222,6 +223,7 @@ def test_logits_and_greedy_generation_match_transformers(models, name):
     np.testing.assert_array_equal(np.asarray(out.tokens_BxT), want)
 
 
+@pytest.mark.slow
 def test_left_padded_row_matches_unpadded_transformers_logits(models):
     d, ref = models["qwen2"]  # q/k/v biases: padding must stay invisible with them too
     cfg, params = hf.load(d)
@@ -233,6 +235,7 @@ def test_left_padded_row_matches_unpadded_transformers_logits(models):
     np.testing.assert_allclose(ours[1:], _hf_logits(ref, tokens[1:]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,dtype,shard",
     [
@@ -272,6 +275,7 @@ def _copy_with(src, dst, edit):
     return dst
 
 
+@pytest.mark.slow
 def test_missing_tensor_is_named(models, tmp_path):
     d = _copy_with(models["qwen2"][0], tmp_path / "c", lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
     with pytest.raises(
@@ -282,6 +286,7 @@ def test_missing_tensor_is_named(models, tmp_path):
         hf.load(d)
 
 
+@pytest.mark.slow
 def test_wrong_shape_is_named(models, tmp_path):
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     d = _copy_with(models["qwen3_moe"][0], tmp_path / "c", lambda t: t.update({name: np.zeros((31, 64), np.float32)}))
@@ -289,6 +294,7 @@ def test_wrong_shape_is_named(models, tmp_path):
         hf.load(d)
 
 
+@pytest.mark.slow
 def test_unused_tensor_is_named(models, tmp_path):
     # Layer 0 is dense (decoder_sparse_step=2): an expert tensor there means the config does not fit.
     name = "model.layers.0.mlp.experts.0.up_proj.weight"
@@ -308,6 +314,7 @@ def _config_error(models, tmp_path, edit):
     return str(e.value)
 
 
+@pytest.mark.slow
 def test_unsupported_architecture_and_config_keys_are_named(models, tmp_path):
     msg = _config_error(models, tmp_path, lambda c: c.update(architectures=["MistralForCausalLM"]))
     assert "architecture 'MistralForCausalLM' is not supported" in msg and "LlamaForCausalLM" in msg
@@ -401,6 +408,7 @@ def test_trailing_dense_layers_sample_replay_and_train(models):
     assert float(nll(stepped)) < float(loss)
 
 
+@pytest.mark.slow
 def test_export_keeps_the_checkpoint_context_length_and_rope_scaling(models, tmp_path):
     """A Llama 3 checkpoint made for 4096 positions, run at max_seq_len 32: export (directly, and through
     `convert --from-hf` then `--to-hf`) writes 4096 and the same llama3 rope fields back."""
@@ -434,6 +442,7 @@ def test_export_keeps_the_checkpoint_context_length_and_rope_scaling(models, tmp
     assert (cfg.max_seq_len, cfg.hf_max_position_embeddings) == (32, 4096)
 
 
+@pytest.mark.slow
 def test_load_without_base_runs_at_the_checkpoint_context(models):
     """hf.load(d) runs at the checkpoint's max_position_embeddings (256 here), not a silent 64; a config.json
     without one needs the run's length stated."""
@@ -448,6 +457,7 @@ def test_load_without_base_runs_at_the_checkpoint_context(models):
     assert hf.model_config(no_context, ModelConfig(max_seq_len=16)).max_seq_len == 16
 
 
+@pytest.mark.slow
 def test_two_checkpoints_of_one_architecture_compile_once(models, tmp_path):
     """The model config holds no path, so a second checkpoint of the same architecture gives an equal
     static config and reuses the compiled forward."""

@@ -177,6 +177,7 @@ def test_every_preset_matches_one_device(results, name):
         np.testing.assert_allclose(got["params"][key], value, atol=1e-4, rtol=0, err_msg=f"{name}: {key}")
 
 
+@pytest.mark.slow
 def test_params_really_are_sharded(results):
     # embedding (vocab=32, embed=32); gate (layers=1, embed=32, mlp=64)
     assert results["single"]["n_devices"] == 1 and results["data"]["n_devices"] == 8
@@ -196,6 +197,7 @@ def test_params_really_are_sharded(results):
     assert moe["shard_shape"] == [moe["shape"][0], 2, 8, 64]
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_restores_into_the_same_layout(results):
     r = results["restored"]
     assert r["step"] == 3 and r["host"] == {"stream": {"epoch": 0, "index": 5}}
@@ -215,6 +217,7 @@ def _train_error(cache_env, workdir, *sets: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_mesh_that_does_not_fit_the_devices_is_a_one_line_error(cache_env, tmp_path):
     proc = _train_error(cache_env, tmp_path, "mesh.preset=fsdp_tensor", "mesh.tensor=3")
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -224,6 +227,7 @@ def test_mesh_that_does_not_fit_the_devices_is_a_one_line_error(cache_env, tmp_p
     ]
 
 
+@pytest.mark.slow
 def test_batch_that_does_not_divide_is_a_one_line_error(cache_env, tmp_path):
     proc = _train_error(cache_env, tmp_path, "mesh.preset=data", "rollout.group_size=3")
     assert proc.returncode == 2, proc.stderr[-2000:]
