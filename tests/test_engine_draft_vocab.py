@@ -38,13 +38,13 @@ def test_subset_head_gives_the_full_logits_at_its_ids(tied):
     equal to the full head's logits at columns ids, in the ids' order."""
     import dataclasses
 
-    from jaxrl.models import decode
+    from jaxrl.models import decode, kv_cache
     from jaxrl.models import transformer as tf
 
     cfg = dataclasses.replace(te.CFG, tie_embeddings=tied)
     lparams = decode.layer_params(tf.init_params(cfg, jax.random.PRNGKey(1)), cfg)
     ids = jnp.asarray([7, 0, 28, 3], jnp.int32)
-    cache = decode.to_layer_cache(tf.init_cache(cfg, 2, 4))
+    cache = decode.to_layer_cache(kv_cache.init_cache(cfg, 2, 4))
     tokens = jnp.asarray([[5, 9], [1, 2]], jnp.int32)
     full, _, _ = decode.decode_layers(lparams, cfg, tokens, cache, 0, n_layers=1)
     sub_params, sub_cfg = draft_vocab.subset_head(lparams, cfg, ids)

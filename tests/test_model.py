@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ModelConfig
+from jaxrl.models import kv_cache
 from jaxrl.models import transformer as tf
 from jaxrl.models.layers import apply_rope
 
@@ -44,7 +45,7 @@ def test_shapes_and_dtypes():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
     attn = params["blocks"]["attn"]  # scanned layers: leading L axis
     assert attn["q"].shape == (2, 32, 4, 8) and attn["k"].shape == (2, 32, 2, 8) and attn["o"].shape == (2, 4, 8, 32)
-    cache = tf.init_cache(CFG, 3, 11)
+    cache = kv_cache.init_cache(CFG, 3, 11)
     assert cache.k_LxBxSxKxHd.shape == (2, 3, 11, 2, 8) and cache.valid_BxS.shape == (3, 11)
     assert cache.pos_B.dtype == jnp.int32 and not cache.valid_BxS.any()
 
@@ -204,12 +205,12 @@ def test_prefill_then_decode_matches_forward(cfg):
     full = tf.forward(
         params, cfg, jnp.concatenate([prompt, gen], 1), jnp.concatenate([pmask, jnp.ones((2, T), jnp.int32)], 1)
     )
-    cache = tf.init_cache(cfg, 2, P + T + 2)  # spare slots must stay invisible
-    logits, cache = tf.prefill(params, cfg, prompt, pmask, cache)
+    cache = kv_cache.init_cache(cfg, 2, P + T + 2)  # spare slots must stay invisible
+    logits, cache = kv_cache.prefill(params, cfg, prompt, pmask, cache)
     np.testing.assert_allclose(logits, full[:, P - 1], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(cache.pos_B, [2, 5])
     for t in range(T):
-        logits, cache = tf.decode_step(params, cfg, gen[:, t], cache, jnp.int32(P + t))
+        logits, cache = kv_cache.decode_step(params, cfg, gen[:, t], cache, jnp.int32(P + t))
         np.testing.assert_allclose(logits, full[:, P + t], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(cache.pos_B, [2 + T, 5 + T])
     np.testing.assert_array_equal(cache.valid_BxS[:, P:], [[1] * T + [0, 0]] * 2)
@@ -225,4 +226,4 @@ def test_bfloat16_activations():
     assert logits.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(logits)))
     ref = tf.forward(params, CFG, tokens, mask)
     np.testing.assert_allclose(logits[:, 3:], ref[:, 3:], atol=0.1)
-    assert tf.init_cache(cfg, 2, 8).k_LxBxSxKxHd.dtype == jnp.bfloat16
+    assert kv_cache.init_cache(cfg, 2, 8).k_LxBxSxKxHd.dtype == jnp.bfloat16

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, ModelConfig
-from jaxrl.models import decode, moe
+from jaxrl.models import decode, kv_cache, moe
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.sampler import sample
 
@@ -239,10 +239,10 @@ def test_moe_forward_equals_prefill_and_decode_paths():
     seq, smask = jnp.concatenate([prompt, gen], 1), jnp.concatenate([pmask, jnp.ones((2, Tg), jnp.int32)], 1)
     logits, _, out = _fast(lambda p: tf._apply(p, MCFG, seq, tf.positions_from_mask(smask), smask.astype(bool)), params)
     experts = np.asarray(out.experts_LxBxTxK)  # (1, 2, P+Tg, 2)
-    cache = tf.init_cache(MCFG, 2, P + Tg)
+    cache = kv_cache.init_cache(MCFG, 2, P + Tg)
 
     def prefill(p, t, m, c):
-        return tf.prefill_routed(p, MCFG, t, m, c)
+        return kv_cache.prefill_routed(p, MCFG, t, m, c)
 
     last, cache, pre_experts = _fast(prefill, params, prompt, pmask, cache)
     np.testing.assert_allclose(last, logits[:, P - 1], atol=1e-5)

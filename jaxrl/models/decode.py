@@ -1,6 +1,6 @@
 """Decode loops: per-layer params and cache, and the read-only-cache window form of speculation.
 
-`transformer.decode_step` runs the scanned layers over the stacked cache: each step, every layer
+`kv_cache.decode_step` runs the scanned layers over the stacked cache: each step, every layer
 slices its weights out of the stacked params and its keys/values out of the stacked cache (and
 XLA:CPU then transposes them for the attention dots). Inside a long decode loop those copies cost as
 much as the matmuls themselves. The functions below do the same math with the layers unrolled over
@@ -26,9 +26,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
+from jaxrl.models.kv_cache import Cache
 from jaxrl.models.layers import Block, RMSNorm, WindowKV
 from jaxrl.models.moe import MoEBlock
-from jaxrl.models.transformer import Cache, attn_options, moe_spec
+from jaxrl.models.transformer import attn_options, moe_spec
 
 
 class LayerCache(NamedTuple):

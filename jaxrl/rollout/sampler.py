@@ -41,7 +41,7 @@ from jaxrl.models.group_decode import (
     grow_own,
     segment_ends,
 )
-from jaxrl.models.transformer import init_cache, prefill_routed
+from jaxrl.models.kv_cache import init_cache, prefill_routed
 
 
 class SampleOutput(NamedTuple):
