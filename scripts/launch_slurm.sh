@@ -24,6 +24,8 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$HERE/lib.sh"
 
 WORKDIR="" DRY_RUN=0 JAXRL_CMD=jaxrl INIT_TIMEOUT=300
+split_dry_run "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
 SBATCH=(sbatch --ntasks-per-node=1)
 NODES=2 GPUS=8
 while [ $# -gt 0 ]; do

@@ -25,6 +25,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 NAME="" ZONE="" PROJECT="" WORKDIR="" REPO_DIR=jaxrl SYNC=0 INSTALL=0 INIT_TIMEOUT=300 DRY_RUN=0
+split_dry_run "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
 while [ $# -gt 0 ]; do
     case "$1" in
         --name) need_value "$@"; NAME=$2; shift 2 ;;

@@ -30,6 +30,15 @@ quoted() {  # the argv as one shell-quoted line
     echo "$line"
 }
 
+split_dry_run() {  # --dry-run anywhere on the line sets DRY_RUN=1 (never passed on: `jaxrl train` has
+    # no such flag, and a --dry-run typed after CONFIG must not launch the job); ARGS: the other words
+    ARGS=()
+    local word
+    for word in "$@"; do
+        if [ "$word" = --dry-run ]; then DRY_RUN=1; else ARGS+=("$word"); fi
+    done
+}
+
 run() {  # run the argv, or only print it under --dry-run
     if [ "${DRY_RUN:-0}" = 1 ]; then
         quoted "$@"

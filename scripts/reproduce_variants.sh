@@ -25,6 +25,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 SEEDS=3 STEPS=60 PRESETS=all DRY_RUN=0 PYTHON=""
+split_dry_run "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
 EXTRA=()
 while [ $# -gt 0 ]; do
     case "$1" in

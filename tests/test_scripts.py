@@ -134,6 +134,22 @@ def test_a_bad_option_is_a_one_line_error_naming_it(name, args, message):
     assert out.stderr.startswith(f"{name}: error: {message}") and out.stderr.count("\n") == 1, out.stderr
 
 
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("launch_tpu_pod.sh", ["--name", "pod", "--zone", "z", "--workdir", "/w", CONFIG, *PASSED]),
+        ("launch_slurm.sh", ["--workdir", "/w", "--nodes", "2", CONFIG, *PASSED]),
+        ("reproduce_variants.sh", ["--seeds", "1", "--set", SPACED]),
+    ],
+)
+def test_dry_run_after_the_config_still_only_prints(name, args):
+    """A --dry-run typed after CONFIG (among the arguments for jaxrl) prints the same commands as one
+    before it and is never passed on: without this the job would really be launched."""
+    before, after = script(name, "--dry-run", *args), script(name, *args, "--dry-run")
+    assert after.returncode == 0 and after.stdout == before.stdout and before.stdout.strip(), after.stderr
+    assert "--dry-run" not in after.stdout
+
+
 @pytest.fixture()
 def no_cluster(monkeypatch):
     for name in list(os.environ):
