@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             from jaxrl.eval import run as evaluation
 
             request = evaluation.EvalRequest(
-                args.config, args.samples, args.prompts, args.temperature, args.seed, args.out
+                args.config, args.samples, args.prompts, args.temperature, args.seed, args.out, tuple(args.overrides)
             )
             evaluation.check_request(request)
             located = evaluation.locate(args.workdir, args.checkpoint, args.hf, args.step)

@@ -8,6 +8,7 @@ from conftest import DEFAULT_CONFIG, REPO, TINY
 
 from jaxrl import cli
 from jaxrl.config import load_config, to_dict
+from jaxrl.eval.sources import locate, run_model
 
 TINY_ARGS = sum((["--set", t] for t in TINY), [])
 
@@ -75,9 +76,20 @@ def test_flag_errors(capsys, tmp_path):
 
 
 def test_a_run_of_another_model_names_the_fields(capsys, tmp_path):
-    run = _fake_run(tmp_path / "run", d_model=64)
+    run = _fake_run(tmp_path / "run", d_model=64)  # TINY_ARGS asks for d_model=32 with --set
     err = _error(capsys, str(DEFAULT_CONFIG), "--workdir", str(run), *TINY_ARGS)
-    assert str(run / "config.json") in err and "model.d_model 64 -> 32" in err
+    assert str(run / "config.json") in err and "--set model.d_model=32 but the run has 64" in err
+
+
+def test_a_run_lends_its_model_to_a_config_that_names_another(capsys, tmp_path):
+    """Without --set model.*, the run's config.json decides the model (the checkpoint holds its weights)."""
+    run = _fake_run(tmp_path / "run", d_model=64)
+    located = locate(str(run), None, None, None)
+    cfg = run_model(load_config(DEFAULT_CONFIG), located)  # the config file's model: d_model 128, 2 layers
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.mlp_dim) == (64, 1, 64)  # the run's
+    assert f"the run's model from {run / 'config.json'} (model.d_model=64" in capsys.readouterr().err
+    tiny = load_config(DEFAULT_CONFIG, TINY)
+    assert run_model(tiny, located, ["model.n_layers=1"]).model.d_model == 64  # an agreeing --set is fine
 
 
 def test_tasks_without_a_verified_test_split(capsys, tmp_path, in_process_cache):

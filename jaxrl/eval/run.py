@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from jaxrl.config import Config
 from jaxrl.data.rewards import score
 from jaxrl.eval.metrics import FINAL_ANSWERS, ks_up_to, sample_metrics
-from jaxrl.eval.sources import EvalError, Located, Policy, check_run_model, load_policy, locate
+from jaxrl.eval.sources import EvalError, Located, Policy, load_policy, locate, run_model
 from jaxrl.train.batching import decode_completions
 from jaxrl.train.evaluate import EVAL_CHUNK, encode_records, make_chunk_sampler, make_evaluator, sample_in_chunks
 
@@ -36,6 +36,7 @@ class EvalRequest(NamedTuple):
     temperature: float | None = None  # None: rollout.temperature
     seed: int = 0
     out: str | None = None  # the JSON report's path
+    overrides: tuple[str, ...] = ()  # the --set flags (a run's own model.* wins over the config's)
 
 
 def check_request(req: EvalRequest) -> None:
@@ -118,7 +119,7 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
             f"data.task={cfg.data.task!r} is an environment (multi-turn episodes), not a task with a verified "
             "test split; its held-out eval runs inside `jaxrl train` (train.eval_every)"
         )
-    check_run_model(cfg, located, req.config_path)
+    cfg = run_model(cfg, located, req.overrides)
     task = load_task(cfg.data)
     records = split_records(cfg, task, req.prompts)
     mesh, preset = make_mesh(cfg.mesh)

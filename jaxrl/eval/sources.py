@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import sys
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -117,22 +119,36 @@ def _locate_checkpoint(directory: pathlib.Path, step: int | None) -> Located:
     return Located("checkpoint", directory, step_dir, n, _run_dir(directory.parent))
 
 
-def check_run_model(cfg: Config, located: Located, config_path: str) -> None:
-    """The run's config.json (if any) names the same model as the config: else an error naming each field."""
+def run_model(cfg: Config, located: Located, overrides: Sequence[str] = ()) -> Config:
+    """`cfg` with the model the run trained: its config.json's `model.*` (the checkpoint holds those
+    weights, so no other model can be read from it). A `--set model.X=...` that differs from the run's
+    is an error naming the field; without a config.json (or for --hf / the initial policy) `cfg` as is."""
     if located.run_dir is None:
-        return
+        return cfg
     from jaxrl.train.workdir import config_changes, read_run_config
 
     saved = read_run_config(located.run_dir)
     if saved is None:
-        return
+        return cfg
     differ = {k: v for k, v in config_changes(saved, cfg).items() if k.startswith("model.")}
-    if differ:
-        shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items())
+    asked = {o.split("=", 1)[0].strip() for o in overrides}
+    clash = {k: v for k, v in differ.items() if k in asked}
+    if clash:
+        shown = ", ".join(f"{k}={new!r} but the run has {old!r}" for k, (old, new) in clash.items())
         raise EvalError(
-            f"{located.run_dir / 'config.json'}: the run trained another model than {config_path} ({shown}; "
-            "run -> config); give the run's model.* with --set"
+            f"{located.run_dir / 'config.json'}: --set {shown}; the checkpoint holds the run's model "
+            "(drop these --set flags)"
         )
+    if not differ:
+        return cfg
+    model = dataclasses.replace(cfg.model, **{k.split(".", 1)[1]: old for k, (old, _) in differ.items()})
+    print(
+        f"jaxrl: the run's model from {located.run_dir / 'config.json'} ("
+        + ", ".join(f"{k}={old!r}" for k, (old, _) in differ.items())
+        + ")",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(cfg, model=model).validate()
 
 
 def _param_shardings(model_cfg, mesh, preset):
