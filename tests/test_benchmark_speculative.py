@@ -1,19 +1,13 @@
-"""benchmarks/speculative.py runs end to end on random tiny weights and prints its JSON line last."""
-
-import json
+"""benchmarks/speculative.py runs end to end on random tiny weights and prints its JSON line last
+(in this process: it needs no fake devices and sets no global state)."""
 
 import pytest
-from harness import REPO, child_env, run_python
+from harness import main_in_process
 
 
 @pytest.mark.slow
 def test_small_run_prints_speedups_json_last(tmp_path):
-    proc = run_python(
-        [str(REPO / "benchmarks" / "speculative.py"), "--small", "--skip-tail", "--root", str(tmp_path)],
-        child_env(),
-        timeout=300,
-    )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = main_in_process("speculative.py", "--small", "--skip-tail", "--root", str(tmp_path))
     assert result["benchmark"] == "speculative" and result["config"] == "tiny"
     assert "tail" not in result  # part 5 has its own smoke test below
     emb = result["embedded"]
@@ -29,12 +23,7 @@ def test_small_run_prints_speedups_json_last(tmp_path):
 def test_small_tail_part_prints_its_json_last(tmp_path):
     """--only-tail --small: part 5 on random tiny weights (plain vs speculative engine at 1 and 2
     rows, the costs and threshold, a whole rollout with the toggle forced to 2 rows) in seconds."""
-    proc = run_python(
-        [str(REPO / "benchmarks" / "speculative.py"), "--small", "--only-tail", "--root", str(tmp_path)],
-        child_env(),
-        timeout=300,
-    )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = main_in_process("speculative.py", "--small", "--only-tail", "--root", str(tmp_path))
     tail = result["tail"]
     assert result["part"] == "tail" and result["speedup_tail_self_draft"] == tail["speedup_tail_self_draft"] > 0
     by_rows, reduced_by_rows = tail["speedup_tail_by_rows"], tail["speedup_tail_reduced_head_by_rows"]
@@ -51,6 +40,7 @@ def test_small_tail_part_prints_its_json_last(tmp_path):
             spec = tail["few_rows"][r][head]
             assert spec["speculative_chunks"] == spec["chunks"] > 0 and 0 <= spec["acceptance"] <= 1
             assert spec["tokens"] == tail["few_rows"][r]["plain"]["tokens"] == int(r) * tail["new_tokens"]  # no EOS
+        assert tail["few_rows"][r]["slots"] == 2  # --small: both row counts in the same 2-slot engines
     assert set(tail["costs"]) == {"2"} and len(tail["costs"]["2"]["verify_K"]) == tail["max_draft"] == 2
     whole = tail["whole_rollout"]
     assert whole["threshold_rows"] == max(tail["threshold_rows"], 2) and whole["speculative"]["speculative_chunks"] > 0

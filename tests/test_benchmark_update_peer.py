@@ -1,18 +1,21 @@
-"""update.py --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py, --small."""
+"""update.py --small --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py --small,
+each in this process (the peer is its own child Python, as in a full run)."""
 
 import math
 
 import pytest
-from harness import run_benchmark
-
-
-def _run(script: str, *args: str) -> dict:
-    return run_benchmark(script, *args, "--small")
+from harness import main_in_process
 
 
 @pytest.mark.slow
 def test_update_run_peer_reports_same_run_speedup():
-    result = _run("update.py", "--run-peer")
+    """One --small --run-peer run checks update.py's own figures and the peer's."""
+    result = main_in_process("update.py", "--small", "--run-peer")  # readable lines, then the JSON
+    assert result["tokens_per_s"] > 0 and 0 < result["mfu"], result
+    assert result["matmul_peak_gflops"] > 0 and result["seconds"] > 0, result
+    assert result["config"] == "tiny"
+    assert result["trained_tokens"] == result["shape"]["batch"] * result["shape"]["seq"]
+    assert result["share_prefix"] is True  # the default, as in the training loop
     torch = result["torch"]
     assert torch["tokens_per_s"] > 0 and torch["torch_threads"] >= 1 and torch["cpu_seconds"] > 0
     assert math.isclose(result["speedup_vs_torch"], result["tokens_per_s"] / torch["tokens_per_s"])
@@ -27,7 +30,9 @@ def test_update_run_peer_reports_same_run_speedup():
 
 @pytest.mark.slow
 def test_update_variants_small():
-    result = _run("update_variants.py", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1")
+    result = main_in_process(
+        "update_variants.py", "--small", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1"
+    )
     plain, auto = result["variants"]["mb1"], result["variants"]["mb0-chunk1024-rematfull"]
     assert auto["chosen_microbatches"] == 1 and auto["logits_chunk"] == 32 and auto["remat"] == "full"
     assert plain["tokens_per_s"] > 0 and auto["tokens_per_s"] > 0
