@@ -21,9 +21,10 @@ Timings are medians over `repeats` interleaved calls (plain, speculative, plain,
 compiling warm-up; tokens/s counts generated tokens; `tokens_per_cpu_s_x_cores` is tokens per
 process CPU-second times the core count (steadier than wall time on a shared machine).
 
---small (a smoke run: random tiny weights, structure not figures) times one round, runs R = 1 and 2
-rows in the same 2-slot engines (`few_rows[R]["slots"]`; one compile for both) and a 2 x 512 x 512
-int8 probe.
+--small (a smoke run: random tiny weights, structure not figures) times one round and compiles one
+engine shape: R = 1 and 2 rows in 4-slot engines that speculate at 2 or fewer decoding slots
+(`few_rows[R]["slots"]`), and for the whole rollout the same engines with EOS ignored on 5 prompts of
+one sample (4 decode plain, then the last alone speculates); and a 2 x 512 x 512 int8 probe.
 """
 
 from __future__ import annotations
@@ -228,15 +229,16 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
         params, info = init_params(cfg, jax.random.PRNGKey(0)), {"recipe": "random tiny"}
         rows_list, new_tokens, repeats, candidates, draft_layers = (1, 2), 8, 1, (2,), 1
         policies = {}
-        # One engine shape for every row count (R prompts in 2 slots, the others free): a smoke run
-        # compiles one set of programs for the few-rows part, not one per row count.
-        few_slots = max(rows_list)
+        # One engine shape for every part (4 slots, groups of 1, EOS ignored, speculation at 2 or
+        # fewer decoding slots): a smoke run compiles one set of programs, not one per row count and
+        # another for the whole rollout.
+        few_slots, few_toggle = 4, 2
     else:
         cfg = common.bench_small()
         params, info = tail_policy.tail_policy(root, cfg, tok, policy_steps, DRAFT_LAYERS, 1.0, log)
         rows_list, new_tokens, candidates, draft_layers = ROWS, 64, (1, 2, 4, 8, 16), DRAFT_LAYERS
         policies = {"no_exit_loss": tail_policy.tail_policy(root, cfg, tok, policy_steps, DRAFT_LAYERS, 0.0, log)[0]}
-        few_slots = 0  # R rows in R slots
+        few_slots = few_toggle = 0  # R rows in R slots, every one speculating
     spec = SpeculativeConfig(
         enabled=True, drafter="early_exit", draft_layers=draft_layers, max_draft=MAX_DRAFT if not small else 2
     )
@@ -252,7 +254,8 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
     few = {}
     probe = _prompts(tok, max(rows_list), 6, seed=1)
     for r in rows_list:
-        slots = few_slots or r
+        slots, toggle = few_slots or r, few_toggle or r
+        assert r <= toggle  # R decoding rows: every chunk speculates
         few[r] = compare(
             params,
             cfg,
@@ -261,12 +264,12 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
             slots,
             1,
             new_tokens,
-            dataclasses.replace(spec, max_active_rows=slots),  # every chunk speculates
+            dataclasses.replace(spec, max_active_rows=toggle),
             repeats,
             eos_id=-1,
             draft_ids=draft_ids,
         )
-        few[r]["slots"] = slots
+        few[r].update(slots=slots, max_active_rows=toggle)
         s, h = few[r]["speculative"], few[r]["reduced_head"]
         log(
             f"  {r} rows ({slots} slots): plain {few[r]['plain']['tokens_per_s']:.0f} tok/s, speculative "
@@ -294,10 +297,11 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
 
     whole = None
     # --small smoke-tests the path at 2 rows whatever random weights measure (labelled forced).
-    toggle_rows = max(threshold, 2) if small else threshold
+    toggle_rows = max(threshold, few_toggle) if small else threshold
     if toggle_rows:
-        slots, group = (8, 2) if small else (32, 4)
-        # --small: one group more than the slots hold, so the last one decodes alone (the tail).
+        # --small: the few-rows engines' shape (EOS ignored) and one group more than the slots hold, so
+        # the last one decodes alone (the tail) after the others decode plain.
+        slots, group, eos_id = (few_slots, 1, -1) if small else (32, 4, None)
         mixed = _prompts(tok, slots // group + small, 0, seed=2)
         whole = compare(
             params,
@@ -309,6 +313,7 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
             new_tokens,
             dataclasses.replace(spec, max_active_rows=toggle_rows),
             repeats,
+            eos_id=eos_id,
             draft_ids=draft_ids,
         )
         whole.update(threshold_rows=toggle_rows, forced=toggle_rows != threshold)
