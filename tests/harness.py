@@ -10,9 +10,6 @@ program that several child runs compile is compiled once. This module imports no
 policy before anything imports it.
 """
 
-import contextlib
-import importlib
-import io
 import json
 import os
 import pathlib
@@ -63,16 +60,3 @@ def run_benchmark(script: str, *flags: str, env: dict | None = None, timeout: fl
     """benchmarks/SCRIPT FLAGS in a child Python; its JSON line."""
     proc = run_python([str(REPO / "benchmarks" / script), *flags], env or child_env(), timeout)
     return last_json_line(proc.stdout, min_lines)
-
-
-def main_in_process(script: str, *flags: str, min_lines: int = 2) -> dict:
-    """benchmarks/SCRIPT's `main(FLAGS)` in this process (for a script that needs no fake devices
-    and sets no global state): it compiles into this worker's caches and pays no interpreter start.
-    Its stdout is captured; its JSON line."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))  # `benchmarks` is a plain folder at the repository root
-    module = importlib.import_module("benchmarks." + script.removesuffix(".py"))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        module.main(list(flags))
-    return last_json_line(out.getvalue(), min_lines)

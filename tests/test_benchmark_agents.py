@@ -1,12 +1,15 @@
-"""benchmarks/agents.py runs end to end in --quick mode (in this process) and prints its JSON line last."""
+"""benchmarks/agents.py runs end to end in --quick mode and prints its JSON line last."""
+
+import json
 
 import pytest
-from harness import main_in_process
+from harness import REPO, child_env, run_python
 
 
 @pytest.mark.slow
 def test_quick_run_prints_the_speedup_json_last():
-    result = main_in_process("agents.py", "--quick")
+    proc = run_python([str(REPO / "benchmarks" / "agents.py"), "--quick"], child_env(), timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "agents" and result["config"] == "quick" and result["same_episodes"] is True
     assert (
         result["speedup_async_env"]

@@ -1,16 +1,19 @@
-"""update.py --small --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py --small,
-each in this process (the peer is its own child Python, as in a full run)."""
+"""update.py --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py, --small.
+The one update.py run checks its own figures as well as the peer's."""
 
 import math
 
 import pytest
-from harness import main_in_process
+from harness import run_benchmark
+
+
+def _run(script: str, *args: str) -> dict:
+    return run_benchmark(script, *args, "--small")
 
 
 @pytest.mark.slow
 def test_update_run_peer_reports_same_run_speedup():
-    """One --small --run-peer run checks update.py's own figures and the peer's."""
-    result = main_in_process("update.py", "--small", "--run-peer")  # readable lines, then the JSON
+    result = _run("update.py", "--run-peer")
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"], result
     assert result["matmul_peak_gflops"] > 0 and result["seconds"] > 0, result
     assert result["config"] == "tiny"
@@ -30,9 +33,7 @@ def test_update_run_peer_reports_same_run_speedup():
 
 @pytest.mark.slow
 def test_update_variants_small():
-    result = main_in_process(
-        "update_variants.py", "--small", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1"
-    )
+    result = _run("update_variants.py", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1")
     plain, auto = result["variants"]["mb1"], result["variants"]["mb0-chunk1024-rematfull"]
     assert auto["chosen_microbatches"] == 1 and auto["logits_chunk"] == 32 and auto["remat"] == "full"
     assert plain["tokens_per_s"] > 0 and auto["tokens_per_s"] > 0

@@ -1,10 +1,11 @@
 """The benchmark scripts run end to end (tiny shapes) and print one JSON line last; FLOP counting."""
 
 import json
+import subprocess
 import sys
 
 import pytest
-from harness import REPO, main_in_process
+from harness import REPO, child_env, run_benchmark, run_python
 
 sys.path.insert(0, str(REPO))  # `benchmarks` is a plain folder at the repository root
 
@@ -12,12 +13,17 @@ from benchmarks import common  # noqa: E402  (imports jaxrl.config only: no jax 
 from jaxrl.config import ModelConfig  # noqa: E402
 
 
-@pytest.mark.slow
-def test_rollout_small_prints_json_last():
-    """rollout.py --small --compare in this process (update.py --small runs in test_benchmark_update_peer)."""
-    result = main_in_process("rollout.py", "--small", "--compare", "--segments", "2")  # readable lines, then the JSON
+def _run(script: str, *flags: str) -> dict:
+    result = run_benchmark(script, "--small", *flags, timeout=120)  # readable lines, then the JSON
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"], result
     assert result["matmul_peak_gflops"] > 0 and result["seconds"] > 0, result
+    return result
+
+
+@pytest.mark.slow
+def test_rollout_small_prints_json_last():
+    """rollout.py --small --compare (update.py --small is checked with --run-peer in test_benchmark_update_peer)."""
+    result = _run("rollout.py", "--compare", "--segments", "2")
     assert result["config"] == "tiny"
     shape = result["shape"]
     assert result["generated_tokens"] == shape["prompts"] * shape["samples"] * shape["new_tokens"]
@@ -147,13 +153,10 @@ def test_variants_tables_and_mc_grpo_gap_from_synthetic_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env, monkeypatch):
-    """variants.py in this process, twice; each training run is its own child (`jaxrl train`), which
-    inherits the session's data, warm-start and XLA caches from the environment set here."""
-    for name, value in cache_env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # no fake device count for the training child
+def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
     args = [
+        sys.executable,
+        str(REPO / "benchmarks" / "variants.py"),
         "--presets",
         "grpo",
         "--seeds",
@@ -172,29 +175,24 @@ def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env, mon
     ]
     for s in TINY_RUN:
         args += ["--set", s]
-    summary = main_in_process("variants.py", *args, min_lines=1)
+    first = subprocess.run(args, cwd=REPO, env=cache_env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert summary["runs"] == 1 and summary["failed"] == 0 and 0.0 <= summary["accuracy_mean"]["grpo"] <= 1.0
     table = (tmp_path / "out" / "variants.md").read_text()
     assert "| grpo |" in table and "PARTIAL" not in table and "MC-GRPO" not in table
     runs = json.loads((tmp_path / "out" / "variants.json").read_text())["runs"]
     assert len(runs) == 1 and runs[0]["seed"] == 0 and len(runs[0]["curve"]) == 3  # steps 0, 1, 2
-    assert not runs[0]["reused"]
-    again = main_in_process("variants.py", *args, min_lines=1)
-    assert again["runs"] == 1 and again["failed"] == 0
+    again = subprocess.run(args, cwd=REPO, env=cache_env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
     runs = json.loads((tmp_path / "out" / "variants.json").read_text())["runs"]
     assert runs[0]["reused"]  # a finished run is read back, not retrained
 
 
 @pytest.mark.slow
-def test_checkpoint_benchmark_small_reports_block_fractions(in_process_cache, monkeypatch):
-    """In this process (the session's data and warm-start caches); the script patches the loop's saver
-    for its part 1 and puts it back, checked below."""
-    from jaxrl.train import checkpoint as ckpt
-
-    save = ckpt.BackgroundSaver.save
-    monkeypatch.chdir(REPO)  # the script names its config relative to the repository root
-    result = main_in_process("checkpoint.py", "--small")
-    assert ckpt.BackgroundSaver.save is save
+def test_checkpoint_benchmark_small_reports_block_fractions():
+    proc = run_python([str(REPO / "benchmarks" / "checkpoint.py"), "--small"], child_env(), timeout=300)
+    result = json.loads(proc.stdout.splitlines()[-1])
     run, state = result["default_run"], result["bench_small"]
     assert run["saves"] == run["steps"] == 3, run  # a save after every step of the real loop
     assert result["block_fraction_default"] == pytest.approx(run["save_block_s"] / run["step_s"])
