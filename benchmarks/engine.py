@@ -227,7 +227,7 @@ def main(argv=None):
     p.add_argument("--no-policy", action="store_true", help="skip the long-tail task's warm-started policy")
     args = p.parse_args(argv)
     if args.small:
-        args.slots, args.samples, args.max_new, args.uniform_len, args.vocab = 16, 64, 64, 16, 12
+        args.slots, args.samples, args.max_new, args.uniform_len, args.vocab = 16, 256, 64, 16, 12
     import jax
     import numpy as np
 
