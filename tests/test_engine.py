@@ -187,7 +187,6 @@ def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     np.testing.assert_array_equal(batch["group_id_B"], np.repeat(np.arange(len(LENGTHS)), G))
 
 
-@pytest.mark.slow
 def test_fill_admission_carries_samples_across_collects():
     """admission=fill: the first collect (version 1) leaves samples decoding in their slots; the
     second (version 2, a new prompt iterable) finishes them. Every group comes back exactly once,
