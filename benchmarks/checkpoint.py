@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--small", action="store_true", help="tiny models, few steps (smoke test)")
     args = ap.parse_args(argv)
     if args.small:
-        args.steps, args.repeats, args.update_batch = 3, 2, 8
+        args.steps, args.repeats, args.update_batch = 3, 1, 8
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(args.root or tmp)
         default = default_run(args.steps, root, args.small)

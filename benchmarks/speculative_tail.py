@@ -20,6 +20,11 @@ memory-bound, on a policy whose distribution is not uniform.
 Timings are medians over `repeats` interleaved calls (plain, speculative, plain, ...) after a
 compiling warm-up; tokens/s counts generated tokens; `tokens_per_cpu_s_x_cores` is tokens per
 process CPU-second times the core count (steadier than wall time on a shared machine).
+
+--small (a smoke run: random tiny weights, structure not figures) times one round and compiles one
+engine shape: R = 1 and 2 rows in 4-slot engines that speculate at 2 or fewer decoding slots
+(`few_rows[R]["slots"]`), and for the whole rollout the same engines with EOS ignored on 5 prompts of
+one sample (4 decode plain, then the last alone speculates); and a 2 x 512 x 512 int8 probe.
 """
 
 from __future__ import annotations
@@ -138,14 +143,14 @@ def compare(params, cfg, tok, prompts, slots, group, new_tokens, spec, repeats, 
     return res
 
 
-def int8_probe(rows: int = 4, repeats: int = 7) -> dict:
-    """ms per pass over 8 layers of [512 x 4096] weights at `rows` rows: float32 weights vs int8
+def int8_probe(rows: int = 4, repeats: int = 7, layers: int = 8, width: int = 4096) -> dict:
+    """ms per pass over `layers` layers of [512 x width] weights at `rows` rows: float32 weights vs int8
     weights converted to float32 inside the jitted loop (what XLA:CPU makes of an int8 drafter)."""
     import jax
     import jax.numpy as jnp
 
-    w = jax.random.normal(jax.random.PRNGKey(0), (8, 512, 4096), jnp.float32)
-    q, scale = jnp.round(w * 20).astype(jnp.int8), jnp.full((8, 1, 4096), 0.05, jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(0), (layers, 512, width), jnp.float32)
+    q, scale = jnp.round(w * 20).astype(jnp.int8), jnp.full((layers, 1, width), 0.05, jnp.float32)
     x = jnp.ones((rows, 512), jnp.float32)
 
     def loop(weight):
@@ -153,11 +158,11 @@ def int8_probe(rows: int = 4, repeats: int = 7) -> dict:
         def run(n, x, *ws):
             def body(_, acc):
                 h = x + acc[:, :512] * 0
-                for layer in range(8):
-                    acc = acc + h @ weight(layer, *ws)[:, :4096]
+                for layer in range(layers):
+                    acc = acc + h @ weight(layer, *ws)[:, :width]
                 return acc
 
-            return jax.lax.fori_loop(0, n, body, jnp.zeros((rows, 4096), jnp.float32))
+            return jax.lax.fori_loop(0, n, body, jnp.zeros((rows, width), jnp.float32))
 
         return run
 
@@ -171,10 +176,12 @@ def int8_probe(rows: int = 4, repeats: int = 7) -> dict:
 
     return {
         "rows": rows,
+        "layers": layers,
+        "width": width,
         "float32_ms": ms(f32, w),
         "int8_ms": ms(i8, q, scale),
-        "bytes_float32": 8 * 512 * 4096 * 4,
-        "bytes_int8": 8 * 512 * 4096,
+        "bytes_float32": layers * 512 * width * 4,
+        "bytes_int8": layers * 512 * width,
     }
 
 
@@ -222,11 +229,16 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
         params, info = init_params(cfg, jax.random.PRNGKey(0)), {"recipe": "random tiny"}
         rows_list, new_tokens, repeats, candidates, draft_layers = (1, 2), 8, 1, (2,), 1
         policies = {}
+        # One engine shape for every part (4 slots, groups of 1, EOS ignored, speculation at 2 or
+        # fewer decoding slots): a smoke run compiles one set of programs, not one per row count and
+        # another for the whole rollout.
+        few_slots, few_toggle = 4, 2
     else:
         cfg = common.bench_small()
         params, info = tail_policy.tail_policy(root, cfg, tok, policy_steps, DRAFT_LAYERS, 1.0, log)
         rows_list, new_tokens, candidates, draft_layers = ROWS, 64, (1, 2, 4, 8, 16), DRAFT_LAYERS
         policies = {"no_exit_loss": tail_policy.tail_policy(root, cfg, tok, policy_steps, DRAFT_LAYERS, 0.0, log)[0]}
+        few_slots = few_toggle = 0  # R rows in R slots, every one speculating
     spec = SpeculativeConfig(
         enabled=True, drafter="early_exit", draft_layers=draft_layers, max_draft=MAX_DRAFT if not small else 2
     )
@@ -242,23 +254,27 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
     few = {}
     probe = _prompts(tok, max(rows_list), 6, seed=1)
     for r in rows_list:
+        slots, toggle = few_slots or r, few_toggle or r
+        assert r <= toggle  # R decoding rows: every chunk speculates
         few[r] = compare(
             params,
             cfg,
             tok,
             probe[:r],
-            r,
+            slots,
             1,
             new_tokens,
-            dataclasses.replace(spec, max_active_rows=r),
+            dataclasses.replace(spec, max_active_rows=toggle),
             repeats,
             eos_id=-1,
             draft_ids=draft_ids,
         )
+        few[r].update(slots=slots, max_active_rows=toggle)
         s, h = few[r]["speculative"], few[r]["reduced_head"]
         log(
-            f"  {r} rows: plain {few[r]['plain']['tokens_per_s']:.0f} tok/s, speculative {s['tokens_per_s']:.0f} "
-            f"tok/s ({few[r]['speedup']:.2f}x, CPU {few[r]['speedup_cpu']:.2f}x), acceptance {s['acceptance']:.3f}; "
+            f"  {r} rows ({slots} slots): plain {few[r]['plain']['tokens_per_s']:.0f} tok/s, speculative "
+            f"{s['tokens_per_s']:.0f} tok/s ({few[r]['speedup']:.2f}x, CPU {few[r]['speedup_cpu']:.2f}x), "
+            f"acceptance {s['acceptance']:.3f}; "
             f"reduced head {h['tokens_per_s']:.0f} tok/s ({few[r]['speedup_reduced_head']:.2f}x, CPU "
             f"{few[r]['speedup_cpu_reduced_head']:.2f}x), acceptance {h['acceptance']:.3f}"
         )
@@ -281,10 +297,11 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
 
     whole = None
     # --small smoke-tests the path at 2 rows whatever random weights measure (labelled forced).
-    toggle_rows = max(threshold, 2) if small else threshold
+    toggle_rows = max(threshold, few_toggle) if small else threshold
     if toggle_rows:
-        slots, group = (8, 2) if small else (32, 4)
-        # --small: one group more than the slots hold, so the last one decodes alone (the tail).
+        # --small: the few-rows engines' shape (EOS ignored) and one group more than the slots hold, so
+        # the last one decodes alone (the tail) after the others decode plain.
+        slots, group, eos_id = (few_slots, 1, -1) if small else (32, 4, None)
         mixed = _prompts(tok, slots // group + small, 0, seed=2)
         whole = compare(
             params,
@@ -296,6 +313,7 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
             new_tokens,
             dataclasses.replace(spec, max_active_rows=toggle_rows),
             repeats,
+            eos_id=eos_id,
             draft_ids=draft_ids,
         )
         whole.update(threshold_rows=toggle_rows, forced=toggle_rows != threshold)
@@ -307,10 +325,10 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
             f" {whole['speculative']['speculative_chunks']} of {whole['speculative']['chunks']} chunks speculative;"
             f" reduced head {whole['reduced_head']['tokens_per_s']:.0f} tok/s ({whole['speedup_reduced_head']:.2f}x)"
         )
-    int8 = int8_probe(repeats=2 if small else 7)
+    int8 = int8_probe(repeats=1, layers=2, width=512) if small else int8_probe()
     log(
-        f"  int8 probe (4 rows, 8 x 512 x 4096): float32 weights {int8['float32_ms']:.2f} ms, int8 converted "
-        f"in the loop {int8['int8_ms']:.2f} ms"
+        f"  int8 probe ({int8['rows']} rows, {int8['layers']} x 512 x {int8['width']}): float32 weights "
+        f"{int8['float32_ms']:.2f} ms, int8 converted in the loop {int8['int8_ms']:.2f} ms"
     )
     return {
         **_headline(few, rows_list, log),

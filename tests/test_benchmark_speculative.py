@@ -51,9 +51,11 @@ def test_small_tail_part_prints_its_json_last(tmp_path):
             spec = tail["few_rows"][r][head]
             assert spec["speculative_chunks"] == spec["chunks"] > 0 and 0 <= spec["acceptance"] <= 1
             assert spec["tokens"] == tail["few_rows"][r]["plain"]["tokens"] == int(r) * tail["new_tokens"]  # no EOS
+        # --small: every part in the same 4-slot engines, speculating at 2 or fewer decoding slots
+        assert tail["few_rows"][r]["slots"] == 4 and tail["few_rows"][r]["max_active_rows"] == 2
     assert set(tail["costs"]) == {"2"} and len(tail["costs"]["2"]["verify_K"]) == tail["max_draft"] == 2
     whole = tail["whole_rollout"]
     assert whole["threshold_rows"] == max(tail["threshold_rows"], 2) and whole["speculative"]["speculative_chunks"] > 0
-    assert whole["speculative"]["chunks"] > whole["speculative"]["speculative_chunks"]  # plain while 8 slots decode
+    assert whole["speculative"]["chunks"] > whole["speculative"]["speculative_chunks"]  # plain while 4 slots decode
     assert whole["reduced_head"]["speculative_chunks"] > 0
     assert tail["int8_probe"]["float32_ms"] > 0 and tail["int8_probe"]["int8_ms"] > 0

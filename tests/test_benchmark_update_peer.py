@@ -1,4 +1,5 @@
-"""update.py --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py, --small."""
+"""update.py --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py, --small.
+The one update.py run checks its own figures as well as the peer's."""
 
 import math
 
@@ -13,6 +14,11 @@ def _run(script: str, *args: str) -> dict:
 @pytest.mark.slow
 def test_update_run_peer_reports_same_run_speedup():
     result = _run("update.py", "--run-peer")
+    assert result["tokens_per_s"] > 0 and 0 < result["mfu"], result
+    assert result["matmul_peak_gflops"] > 0 and result["seconds"] > 0, result
+    assert result["config"] == "tiny"
+    assert result["trained_tokens"] == result["shape"]["batch"] * result["shape"]["seq"]
+    assert result["share_prefix"] is True  # the default, as in the training loop
     torch = result["torch"]
     assert torch["tokens_per_s"] > 0 and torch["torch_threads"] >= 1 and torch["cpu_seconds"] > 0
     assert math.isclose(result["speedup_vs_torch"], result["tokens_per_s"] / torch["tokens_per_s"])
