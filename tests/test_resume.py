@@ -163,5 +163,8 @@ def test_corrupt_newest_checkpoint_is_set_aside_and_the_run_finishes(tmp_path, c
     assert _finished_checkpoints(workdir) == [2, 4, 6]  # steps 5 and 6 were trained again
     again = _rows(workdir)
     assert sorted(again) == list(range(7))
-    assert again[6]["loss"] == first[6]["loss"]  # the redone steps are the same steps
+    for step in (5, 6):  # the redone steps are the same steps (loss alone is often 0: no reward spread)
+        for key in DETERMINISTIC:
+            if key in first[step]:
+                assert again[step][key] == first[step][key], (step, key)
     gc.collect()  # those coroutines go now, under this test's filter, not in whichever test collects next
