@@ -32,7 +32,7 @@ train: $(VENV)/.installed
 	$(VENV)/bin/jaxrl train $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -n 2 --durations=15 tests
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -m "not slow" tests

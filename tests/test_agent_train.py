@@ -55,9 +55,7 @@ def gridworld_run(tmp_path_factory, cache_env):
     return straight_run_once(RUN_ARGS, tmp_path_factory, cache_env)[1]
 
 
-# Tests that share a straight run run on one xdist worker (`make test` distributes by --dist loadgroup).
 @pytest.mark.slow
-@pytest.mark.xdist_group("agent_gridworld_run")
 @pytest.mark.parametrize("name", ["calculator", "gridworld"])
 def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_cache, request):
     from jaxrl.train.loop import train
@@ -123,7 +121,6 @@ def test_agent_config_errors_name_the_field(tmp_path, extra, field, capsys, in_p
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("agent_gridworld_run")
 def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env, gridworld_run):
     """Killed while a step's episodes are in flight (the rollout is most of a step), the run resumes from
     the previous step's checkpoint and replays that step's episodes from scratch: same environment

@@ -102,8 +102,9 @@ _STRAIGHT_RUNS: dict[tuple, tuple[pathlib.Path, dict[int, dict]]] = {}
 
 def straight_run_once(args: list, tmp_path_factory, cache_env: dict) -> tuple[pathlib.Path, dict[int, dict]]:
     """The uninterrupted run of `args`, trained in this process the first time a test asks for it and
-    kept for the session (a module fixture would be torn down whenever xdist runs another module's test
-    in between). -> (its workdir, which no test may change, its rows by step)."""
+    kept for the session: a module fixture is torn down whenever xdist runs another module's test in
+    between; under xdist, tests on other workers train their own. -> (its workdir, which no test may
+    change, its rows by step)."""
     key = tuple(args)
     if key not in _STRAIGHT_RUNS:
         workdir = tmp_path_factory.mktemp("straight") / "run"
@@ -120,9 +121,7 @@ def straight_run(tmp_path_factory, cache_env):
     return workdir, rows
 
 
-# Tests that share a straight run run on one xdist worker (`make test` distributes by --dist loadgroup).
 @pytest.mark.slow
-@pytest.mark.xdist_group("resume_straight_run")
 def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path, cache_env, straight_run):
     _, reference = straight_run
     _, resumed, restored = killed_and_resumed_runs(ARGS, tmp_path / "killed", cache_env, STEPS, kill_at=2)
@@ -156,7 +155,6 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, cache_env):
 
 # Orbax leaves the cancelled reads of a failed restore as never-awaited coroutines: noise, not a fault.
 @pytest.mark.slow
-@pytest.mark.xdist_group("resume_straight_run")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_newest_checkpoint_is_set_aside_and_the_run_finishes(tmp_path, capsys, in_process_cache, straight_run):
     from jaxrl import cli
