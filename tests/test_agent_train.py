@@ -2,11 +2,9 @@
 agent metrics, combinations that cannot work are one-line config errors, and a run SIGKILLed while
 its episodes are in flight resumes to the same metrics as an uninterrupted run."""
 
-import subprocess
-
 import pytest
-from conftest import REPO, TINY, jaxrl_cmd
-from test_resume import straight_and_killed_runs
+from conftest import REPO, TINY
+from test_resume import killed_and_resumed_runs, straight_run_once
 
 from jaxrl.config import load_config
 
@@ -37,13 +35,38 @@ def _cfg(name, *extra):
     return load_config(_config(name), SMALL + list(extra))
 
 
+STEPS = 4
+RUN_ARGS = [
+    str(_config("gridworld")),
+    *sum((["--set", t] for t in SMALL), []),
+    "--set",
+    f"train.steps={STEPS}",
+    "--set",
+    "checkpoint.every=1",
+    "--set",
+    "train.eval_every=2",
+]
+
+
+@pytest.fixture()
+def gridworld_run(tmp_path_factory, cache_env):
+    """The uninterrupted gridworld run of RUN_ARGS, trained once in this process (test_resume's
+    straight_run_once): the metrics test's run and the SIGKILL test's reference. -> its rows by step."""
+    return straight_run_once(RUN_ARGS, tmp_path_factory, cache_env)[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["calculator", "gridworld"])
-def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_cache):
+def test_agent_run_trains_and_logs_episode_metrics(name, tmp_path, in_process_cache, request):
     from jaxrl.train.loop import train
 
-    rows = train(_cfg(name, "train.steps=2", "train.eval_every=2"), tmp_path / "run")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    if name == "gridworld":  # the module's 4-step run: the same checks on its first two steps
+        by_step = request.getfixturevalue("gridworld_run")
+        rows = [by_step[s] for s in sorted(by_step)]
+        assert [r["step"] for r in rows] == list(range(STEPS + 1))
+    else:
+        rows = train(_cfg(name, "train.steps=2", "train.eval_every=2"), tmp_path / "run")
+        assert [r["step"] for r in rows] == [0, 1, 2]
     step = rows[1]
     for key in (
         "agent/turns_mean",
@@ -84,39 +107,26 @@ def test_starpo_s_draws_more_groups_and_keeps_the_batch_size(tmp_path, in_proces
         (["data.task=agent_gridworld"], "data.max_prompt_len=9: the rendered prompt"),  # the calculator's 9 < 21
     ],
 )
-def test_agent_config_errors_name_the_field(tmp_path, extra, field):
+def test_agent_config_errors_name_the_field(tmp_path, extra, field, capsys, in_process_cache):
+    # In this process: what the CLI prints and returns is what `python -m jaxrl.cli` exits with.
+    from jaxrl import cli
+
     sets = sum((["--set", t] for t in SMALL + extra), [])
-    proc = subprocess.run(
-        jaxrl_cmd("train", str(_config("calculator")), *sets, "--workdir", str(tmp_path / "run")),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("jaxrl: error:") and field in last, proc.stderr[-2000:]
+    code = cli.main(["train", str(_config("calculator")), *sets, "--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("jaxrl: error:") and field in last, err[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-STEPS = 4
-RUN_ARGS = [
-    str(_config("gridworld")),
-    *sum((["--set", t] for t in SMALL), []),
-    "--set",
-    f"train.steps={STEPS}",
-    "--set",
-    "checkpoint.every=1",
-    "--set",
-    "train.eval_every=2",
-]
-
-
 @pytest.mark.slow
-def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env):
+def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env, gridworld_run):
     """Killed while a step's episodes are in flight (the rollout is most of a step), the run resumes from
     the previous step's checkpoint and replays that step's episodes from scratch: same environment
     seeds, same token keys, so every metric but the timing ones matches the uninterrupted run."""
-    reference, _, resumed, _ = straight_and_killed_runs(RUN_ARGS, tmp_path, cache_env, STEPS, kill_at=2)
+    reference = gridworld_run
+    _, resumed, _ = killed_and_resumed_runs(RUN_ARGS, tmp_path / "killed", cache_env, STEPS, kill_at=2)
 
     def untimed(row):
         return {k: v for k, v in row.items() if k not in TIMING}
