@@ -55,10 +55,13 @@ def in_process_cache(cache_env, monkeypatch):
     return cache_env
 
 
-@pytest.fixture(scope="session", autouse=True)
-def compilation_cache(cache_env):
-    """Every test in this process shares the persistent XLA cache its children use: a program that
-    several training runs compile (the same tiny model, rollout and update) is compiled once."""
+@pytest.fixture(scope="module")
+def persistent_compile_cache(cache_env):
+    """For the modules that ask for it (`pytestmark = pytest.mark.usefixtures(...)`): the persistent
+    XLA cache the children use, in this process too, restored after the module. It pays where training
+    runs repeat programs (the same tiny model's rollout, update and eval; a child resuming a run this
+    process trained); elsewhere writing every program to disk costs more than it saves (~17% on the
+    compile-bound exactness tests)."""
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     before = {n: getattr(jax.config, n) for n in names}
     jax.config.update("jax_compilation_cache_dir", cache_env["JAX_COMPILATION_CACHE_DIR"])

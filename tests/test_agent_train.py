@@ -8,6 +8,8 @@ from test_resume import killed_and_resumed_runs, straight_run_once
 
 from jaxrl.config import load_config
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 # Timing-dependent fields: wall-clock figures, and how the environment time split into hidden and
 # exposed (which depends on thread scheduling). Everything else must replay exactly.
 TIMING = {

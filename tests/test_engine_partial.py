@@ -16,6 +16,8 @@ from jaxrl.rollout import engine_state as es
 from jaxrl.rollout.engine import Engine, assemble_batch, left_pad
 from jaxrl.rollout.engine_partial import fed_mask, release_slots, reprefill
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 
 def _engine(max_staleness=-1, reprefill=False, slots=6, chunk=1, eos=None, greedy=True, seed=0, temperature=1.0):
     ecfg = EngineConfig(

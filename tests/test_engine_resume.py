@@ -21,6 +21,8 @@ from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.group_sources import EngineSource
 from jaxrl.train.warmstart import load_or_train_base
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 # Slots for 8 groups, 4 a step, one decode step a chunk: groups are in flight at every step boundary,
 # some with members already read out (finished) while others still decode.
 FILL = [

@@ -20,6 +20,8 @@ from jaxrl.models.transformer import init_params
 from jaxrl.train.group_sources import EngineSource, PromptFeed, engine_metrics
 from jaxrl.train.warmstart import load_or_train_base
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 
 def _cfg(*extra):
     return load_config(config_path("grpo"), overrides("grpo") + ["rollout.engine.enabled=true", *extra])

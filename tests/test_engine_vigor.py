@@ -15,6 +15,8 @@ from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
 from jaxrl.train.group_sources import EngineSource, PromptFeed
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 VIGOR = ["rollout.engine.slots=8", "rollout.engine.allocation=vigor", "rollout.engine.initial_samples=2"]
 
 

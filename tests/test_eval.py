@@ -10,6 +10,8 @@ from jaxrl import cli
 from jaxrl.config import load_config, to_dict
 from jaxrl.eval.sources import locate, run_model
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 TINY_ARGS = sum((["--set", t] for t in TINY), [])
 
 
@@ -127,7 +129,7 @@ def _greedy(metrics: dict, prefix: str) -> dict:
 
 
 @pytest.mark.slow
-def test_eval_of_a_run_matches_the_trainers_greedy_eval(capsys, tmp_path, in_process_cache, fast_compiles):
+def test_eval_of_a_run_matches_the_trainers_greedy_eval(capsys, tmp_path, in_process_cache):
     """Newest step, --step 1 and the initial policy each score exactly what the trainer logged for that
     step on the same 20 prompts (train.eval_prompts); sampled at temperature 0, every sample is the
     greedy completion, so pass@k and maj@k equal the greedy accuracy."""
@@ -163,7 +165,7 @@ def test_eval_of_a_run_matches_the_trainers_greedy_eval(capsys, tmp_path, in_pro
 
 
 @pytest.mark.slow
-def test_eval_is_deterministic_in_its_seed(capsys, tmp_path, in_process_cache, fast_compiles):
+def test_eval_is_deterministic_in_its_seed(capsys, tmp_path, in_process_cache):
     """The initial policy at temperature 1: one seed twice gives one report; another seed other samples."""
     args = [str(DEFAULT_CONFIG), *TINY_ARGS, "--prompts", "8", "--samples", "4"]
     reports = []
@@ -176,7 +178,7 @@ def test_eval_is_deterministic_in_its_seed(capsys, tmp_path, in_process_cache, f
 
 
 @pytest.mark.slow
-def test_eval_of_a_tiny_hf_checkpoint_agrees_with_transformers(capsys, tmp_path, in_process_cache, fast_compiles):
+def test_eval_of_a_tiny_hf_checkpoint_agrees_with_transformers(capsys, tmp_path, in_process_cache):
     """--hf on a tiny random Qwen2: the reference answer of each problem is the final number of
     transformers' own greedy completion, so jaxrl's greedy decode, tokenizer and verifier must together
     score exactly the problems where that completion has a number."""

@@ -14,6 +14,8 @@ from jaxrl.data.rewards import VERIFIERS, score, verify_long_addition
 from jaxrl.data.teachers import fallible_answer
 from jaxrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 CONFIG = REPO / "configs" / "grpo_longtail.py"
 TOK = CharTokenizer()
 

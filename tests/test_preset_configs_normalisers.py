@@ -7,6 +7,8 @@ from preset_configs import FILES, check_config_trains_two_steps
 
 from jaxrl.losses import PRESETS
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", FILES["normalisers"])

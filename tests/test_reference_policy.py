@@ -19,6 +19,8 @@ from jaxrl.config import ConfigError, load_config
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import loop
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 STEPS = 4
 # The format reward too (the tiny policy gets no sum right): groups differ, the policy moves.
 OVERRIDES = [t for t in TINY if not t.startswith("train.eval_")] + [

@@ -13,6 +13,8 @@ import time
 import pytest
 from conftest import DEFAULT_CONFIG, TINY, jaxrl_cmd
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 # Steps are cheap (tens of milliseconds once compiled); a run's cost is starting it. Six steps leave four
 # after the kill's checkpoint, each saved (two more checkpoints to write), so the kill lands mid-run.
 STEPS = 6

@@ -21,6 +21,8 @@ from jaxrl.train.batching import prompt_width
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.speculation import SpecControl, control_state, restored_control, speculate_now, updated
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 
 def _stats(acceptance, reuse_acceptance):
     zeros = {f: jnp.int32(0) for f in SpecStats._fields}

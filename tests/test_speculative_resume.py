@@ -13,6 +13,8 @@ from preset_configs import config_path, overrides
 from jaxrl.config import load_config
 from jaxrl.rollout import calibrate
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 STEPS = 4
 TIMING = ("rollout/tokens_per_s", "rollout/seconds", "step_seconds", "wall_time")
 SPEC = [

@@ -9,6 +9,8 @@ from preset_configs import config_path, overrides
 
 from jaxrl.config import load_config
 
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
