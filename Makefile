@@ -21,8 +21,9 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# pyright resolves the optional imports too (hf: tokenizers, jinja2)
 $(VENV)/.installed-lint: pyproject.toml $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[lint]'
+	$(PY) -m pip install -q -e '.[lint,hf]'
 	touch $@
 
 install: $(VENV)/.installed
