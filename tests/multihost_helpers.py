@@ -1,6 +1,6 @@
-"""Shared by the multi-process tests (test_multihost.py, test_scripts.py): the run every process trains,
-the metrics compared with a one-process run, and a harness that starts `jaxrl train` processes at once
-and kills each one that outlives its deadline."""
+"""Shared by the multi-process tests (test_multihost.py; test_scripts.py's cluster variables): the run
+every process trains, the metrics compared with a one-process run, and a harness that starts `jaxrl
+train` processes at once and kills each one that outlives its deadline."""
 
 import json
 import socket
@@ -10,6 +10,22 @@ import time
 import numpy as np
 from conftest import DEFAULT_CONFIG, TINY, jaxrl_cmd
 from harness import child_env
+
+# what a cluster or an earlier multi-process launch may have left in the environment of these tests
+CLUSTER_VARS = (
+    "SLURM_",
+    "OMPI_",
+    "KUBERNETES_SERVICE_HOST",
+    "TPU_WORKER",
+    "MEGASCALE_",
+    "JAX_COORDINATOR",
+    "JAX_LOCAL",
+)
+DIST_VARS = ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID", "JAXRL_INIT_TIMEOUT", "JAXRL_CLUSTER")
+
+
+def without_cluster_vars(env: dict) -> dict:
+    return {k: v for k, v in env.items() if not k.startswith(CLUSTER_VARS + DIST_VARS)}
 
 
 def run_args(steps: int) -> list[str]:

@@ -128,7 +128,9 @@ def test_sigkill_mid_episodes_resumes_to_the_same_metrics(tmp_path, cache_env, g
     the previous step's checkpoint and replays that step's episodes from scratch: same environment
     seeds, same token keys, so every metric but the timing ones matches the uninterrupted run."""
     reference = gridworld_run
-    _, resumed, _ = killed_and_resumed_runs(RUN_ARGS, tmp_path / "killed", cache_env, STEPS, kill_at=2)
+    _, resumed, _ = killed_and_resumed_runs(
+        RUN_ARGS, tmp_path / "killed", cache_env, STEPS, kill_at=2, resume_in_process=True
+    )
 
     def untimed(row):
         return {k: v for k, v in row.items() if k not in TIMING}

@@ -1,6 +1,13 @@
 """Two processes x 4 fake CPU devices (gloo collectives over localhost) train exactly like one process
 x 8 devices; a run whose peer never arrives exits nonzero within its --init-timeout instead of hanging.
 
+The two processes join by both launch paths at once: process 0 with explicit --coordinator /
+--num-processes / --process-id, process 1 with `--cluster auto` and the SLURM variables of the second
+task of a 2-node job whose node list names this machine (JAX_COORDINATOR_PORT picks the port instead of
+JAX's 61440 + job id % 4096). Each path must find the same coordinator, process count and a distinct
+process id, or the join fails; one two-process run and one reference cover both (the job
+scripts/slurm_train.sbatch starts).
+
 All runs start at once (they are mostly compile time on a small machine) and each is killed at its
 own deadline.
 """
@@ -9,7 +16,16 @@ import time
 
 import pytest
 from conftest import DEFAULT_CONFIG
-from multihost_helpers import assert_same_metrics, device_env, finish, free_port, metric_rows, run_args, start_train
+from multihost_helpers import (
+    assert_same_metrics,
+    device_env,
+    finish,
+    free_port,
+    metric_rows,
+    run_args,
+    start_train,
+    without_cluster_vars,
+)
 
 STEPS = 3
 ARGS = run_args(STEPS)
@@ -17,26 +33,40 @@ RUN_TIMEOUT_S = 300
 INIT_TIMEOUT_S = 10
 
 
+def slurm_task(port: int, task: int) -> dict[str, str]:
+    """The variables SLURM gives task `task` of a 2-task, 2-node job on this machine."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": str(task),
+        "SLURM_LOCALID": "0",  # one task per node
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NODELIST": "127.0.0.1",
+        "JAX_COORDINATOR_PORT": str(port),
+    }
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_process_and_a_missing_peer_fails(tmp_path, cache_env):
+def test_two_processes_by_flags_and_by_slurm_match_one_process_and_a_missing_peer_fails(tmp_path, cache_env):
     port, lonely_port = free_port(), free_port()
+    clean = without_cluster_vars(cache_env)  # whatever cluster or launch this test itself runs under
 
-    def start(args, env):
-        return start_train(args, env, tmp_path / f"stderr_{len(list(tmp_path.glob('stderr_*')))}.txt")
+    def start(name, args, env):
+        return start_train(args, env, tmp_path / f"stderr_{name}.txt")
 
-    multi = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--init-timeout", "120"]
+    two = [*ARGS, "--workdir", str(tmp_path / "two"), "--init-timeout", "120"]
+    task_env = device_env(clean, 4, tmp_path / "cache2")
     procs = {
-        "one_x8": start([*ARGS, "--workdir", str(tmp_path / "one")], device_env(cache_env, 8)),
+        "one_x8": start("one_x8", [*ARGS, "--workdir", str(tmp_path / "one")], device_env(clean, 8)),
         "p0": start(
-            [*ARGS, "--workdir", str(tmp_path / "two"), *multi, "--process-id", "0"],
-            device_env(cache_env, 4, tmp_path / "cache2"),
+            "p0", [*two, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"], task_env
         ),
-        "p1": start(
-            [*ARGS, "--workdir", str(tmp_path / "two"), *multi, "--process-id", "1"],
-            device_env(cache_env, 4, tmp_path / "cache2"),
-        ),
+        "p1": start("p1", [*two, "--cluster", "auto"], {**task_env, **slurm_task(port, 1)}),
         # process 0 of 2 whose peer never starts
         "lonely": start(
+            "lonely",
             [
                 *ARGS,
                 "--workdir",
@@ -50,7 +80,7 @@ def test_two_processes_match_one_process_and_a_missing_peer_fails(tmp_path, cach
                 "--init-timeout",
                 str(INIT_TIMEOUT_S),
             ],
-            device_env(cache_env, 4, tmp_path / "cache3"),
+            device_env(clean, 4, tmp_path / "cache3"),
         ),
     }
     done = finish(procs, time.time() + RUN_TIMEOUT_S)
@@ -62,6 +92,8 @@ def test_two_processes_match_one_process_and_a_missing_peer_fails(tmp_path, cach
     assert not (tmp_path / "lonely").exists(), "nothing may be written before every process joined"
     for name in ("one_x8", "p0", "p1"):
         assert done[name][0] == 0, (name, done[name][1][-3000:])
+    assert f"jaxrl: process 0 of 2 joining localhost:{port}" in done["p0"][1]
+    assert f"jaxrl: process 1 of 2 joined 127.0.0.1:{port} (slurm)\n" in done["p1"][1]
 
     assert_same_metrics(metric_rows(tmp_path / "two"), metric_rows(tmp_path / "one"), STEPS)
     # one checkpoint, saved by both processes together, restorable like any other

@@ -69,10 +69,14 @@ def train_in_process(args: list, workdir: pathlib.Path, cache_env: dict) -> dict
     return _rows(workdir)
 
 
-def killed_and_resumed_runs(args: list, workdir: pathlib.Path, cache_env: dict, steps: int, kill_at: int):
+def killed_and_resumed_runs(
+    args: list, workdir: pathlib.Path, cache_env: dict, steps: int, kill_at: int, resume_in_process: bool = False
+):
     """In `workdir`, SIGKILL `jaxrl train args` (a child) once checkpoint `kill_at` exists, then rerun it
-    (another child) to the end. -> (rows as the kill left them, rows after the resume, the step the
-    resume restored)."""
+    to the end: another child, or with `resume_in_process` this process (train_in_process: the same
+    metrics bit for bit, and the programs an uninterrupted in-process run of `args` traced and compiled
+    are reused; only the kill needs a process of its own). -> (rows as the kill left them, rows after the
+    resume, the step the resume restored)."""
     proc = subprocess.Popen(jaxrl_cmd("train", *args, "--workdir", str(workdir)), env=cache_env)
     try:
         _wait_for(lambda: any(s >= kill_at for s in _finished_checkpoints(workdir)), proc)
@@ -83,8 +87,11 @@ def killed_and_resumed_runs(args: list, workdir: pathlib.Path, cache_env: dict, 
     restored = max(_finished_checkpoints(workdir))
     assert restored < steps, "the kill came too late to test resumption"
     before = _rows(workdir)
-    subprocess.run(jaxrl_cmd("train", *args, "--workdir", str(workdir)), env=cache_env, check=True, timeout=600)
-    resumed = _rows(workdir)
+    if resume_in_process:
+        resumed = train_in_process(args, workdir, cache_env)
+    else:
+        subprocess.run(jaxrl_cmd("train", *args, "--workdir", str(workdir)), env=cache_env, check=True, timeout=600)
+        resumed = _rows(workdir)
     assert sorted(resumed) == list(range(steps + 1))
     return before, resumed, restored
 
@@ -126,7 +133,9 @@ def straight_run(tmp_path_factory, cache_env):
 @pytest.mark.slow
 def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path, cache_env, straight_run):
     _, reference = straight_run
-    _, resumed, restored = killed_and_resumed_runs(ARGS, tmp_path / "killed", cache_env, STEPS, kill_at=2)
+    _, resumed, restored = killed_and_resumed_runs(
+        ARGS, tmp_path / "killed", cache_env, STEPS, kill_at=2, resume_in_process=True
+    )
     assert restored < STEPS - 1  # at least two steps are trained again after the restore
     for step in range(1, STEPS + 1):
         for key in DETERMINISTIC:

@@ -1,31 +1,20 @@
 """scripts/: the launchers' --dry-run output (each printed line is run through a shell parser and compared
 with the argv it must run), their option errors, the SLURM template's per-node setup, `jaxrl train
---cluster auto`'s errors, and two local processes that join as a fake two-node SLURM job."""
+--cluster auto`'s errors. A process that joins as a task of a fake two-node SLURM job and trains with a
+peer: tests/test_multihost.py (its two processes join one by flags, one by `--cluster auto`)."""
 
 import os
 import shlex
 import subprocess
-import time
 
 import pytest
 from conftest import REPO
-from multihost_helpers import assert_same_metrics, device_env, finish, free_port, metric_rows, run_args, start_train
+from multihost_helpers import CLUSTER_VARS, DIST_VARS
 
 SCRIPTS = REPO / "scripts"
 CONFIG = "configs/grpo_arithmetic.py"
 SPACED = "data.prompt_template=Q: {q} it's A:"  # a space, braces and a quote must all survive
 PASSED = ["--set", SPACED, "--set", "train.steps=3"]
-# what a cluster or an earlier multi-process launch may have left in the environment of these tests
-CLUSTER_VARS = (
-    "SLURM_",
-    "OMPI_",
-    "KUBERNETES_SERVICE_HOST",
-    "TPU_WORKER",
-    "MEGASCALE_",
-    "JAX_COORDINATOR",
-    "JAX_LOCAL",
-)
-DIST_VARS = ("JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID", "JAXRL_INIT_TIMEOUT", "JAXRL_CLUSTER")
 
 
 def script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -187,42 +176,3 @@ def test_cluster_auto_finds_a_slurm_job(no_cluster):
         distributed_args(args)
     no_cluster.setenv("SLURM_LOCALID", "0")
     assert distributed_args(args) == {"cluster": "slurm", "timeout_s": 9}
-
-
-@pytest.mark.slow
-def test_two_local_processes_join_as_a_two_node_slurm_job(tmp_path, cache_env):
-    """Two `jaxrl train --cluster auto` processes with the SLURM variables of the two tasks of a 2-node
-    job whose node list names this machine; JAX_COORDINATOR_PORT picks a free port instead of JAX's
-    61440 + job id % 4096. They must train like one process with all 8 devices (as in test_multihost)."""
-    steps, port = 1, free_port()
-    args = run_args(steps)
-    slurm = {
-        "SLURM_JOB_ID": "4242",
-        "SLURM_NTASKS": "2",
-        "SLURM_LOCALID": "0",
-        "SLURM_NNODES": "2",
-        "SLURM_STEP_NUM_NODES": "2",
-        "SLURM_STEP_NODELIST": "127.0.0.1",
-        "SLURM_NODELIST": "127.0.0.1",
-        "JAX_COORDINATOR_PORT": str(port),
-    }
-    clean = {k: v for k, v in cache_env.items() if not k.startswith(CLUSTER_VARS + DIST_VARS)}
-    task_env = device_env(clean, 4, tmp_path / "cache2")
-    procs = {
-        f"p{i}": start_train(
-            [*args, "--workdir", str(tmp_path / "two"), "--cluster", "auto", "--init-timeout", "120"],
-            {**task_env, **slurm, "SLURM_PROCID": str(i)},
-            tmp_path / f"stderr_p{i}.txt",
-        )
-        for i in (0, 1)
-    }
-    procs["one_x8"] = start_train(
-        [*args, "--workdir", str(tmp_path / "one")], device_env(clean, 8), tmp_path / "one.txt"
-    )
-    done = finish(procs, time.time() + 240)
-    for name, (code, err, _) in done.items():
-        assert code == 0, (name, err[-3000:])
-    for i in (0, 1):
-        assert f"jaxrl: process {i} of 2 joined 127.0.0.1:{port} (slurm)\n" in done[f"p{i}"][1]
-    assert_same_metrics(metric_rows(tmp_path / "two"), metric_rows(tmp_path / "one"), steps)
-    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir() if p.name.isdigit()) == [str(steps)]

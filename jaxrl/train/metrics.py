@@ -1,4 +1,4 @@
-"""Where metrics go: `metrics.jsonl` (one object per step), TensorBoard events and a PNG plot."""
+"""Where metrics go: `metrics.jsonl` (one object per step), TensorBoard events (tb_events.py) and a PNG plot."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pathlib
 from typing import Any
 
 import numpy as np
+
+from jaxrl.train.tb_events import ScalarEventWriter
 
 
 def _plain(v: Any) -> Any:
@@ -39,12 +41,7 @@ class MetricsLog:
                 if resume_step is not None and row.get("step", 0) <= resume_step:
                     self.rows.append(row)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-        try:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
-        except ImportError:  # TensorBoard events are optional; the JSONL file is the record
-            pass
+        self._tb = ScalarEventWriter(pathlib.Path(workdir) / "tensorboard")
 
     def write(self, row: dict) -> None:
         row = {k: _plain(v) for k, v in row.items()}
@@ -54,9 +51,10 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, row["step"])
+            numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            numbers.pop("step", None)
+            self._tb.add_scalars(row["step"], numbers)
+            self._tb.flush()  # a step is rare and its record small: TensorBoard sees every step as it ends
 
     def flush(self) -> None:
         if self._tb is not None:
