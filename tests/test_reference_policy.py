@@ -3,7 +3,7 @@ checkpoint and the update hold no reference; with one (loss.kl_beta > 0) the run
 and resumes exactly; a checkpoint written before the reference was optional (it always held a
 copy) resumes exactly in a run without one.
 
-Four 2-4 step in-process runs of the TINY default config (test_resume.py kills a default run with
+Four 1-3 step in-process runs of the TINY default config (test_resume.py kills a default run with
 SIGKILL; here a resume is a rerun after deleting the newest checkpoint, same guarantee, no subprocess).
 """
 
@@ -21,7 +21,7 @@ from jaxrl.train import loop
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
 
-STEPS = 4
+STEPS = 3  # checkpoints at 2 and 3 (the last step always saves): a resume from 2 replays one real update
 # The format reward too (the tiny policy gets no sum right): groups differ, the policy moves.
 OVERRIDES = [t for t in TINY if not t.startswith("train.eval_")] + [
     f"train.steps={STEPS}",
@@ -51,7 +51,7 @@ def _size(path: pathlib.Path) -> int:
 
 
 def _resume_from_step_2(workdir: pathlib.Path, copy: pathlib.Path, cfg) -> list[dict]:
-    """Rerun a copy of a finished run whose step-4 checkpoint is gone: it resumes at step 2."""
+    """Rerun a copy of a finished run whose last (step-STEPS) checkpoint is gone: it resumes at step 2."""
     shutil.copytree(workdir, copy)
     shutil.rmtree(copy / "checkpoints" / str(STEPS))
     return loop.train(cfg, copy)
@@ -82,7 +82,10 @@ def test_old_checkpoint_with_a_reference_copy_resumes_exactly_without_one(tmp_pa
     assert not _holds_ref(tmp_path / "new", STEPS)  # what the new code saves: no reference
     assert all("kl" not in row for row in resumed)
     # a reference copy is a params-sized part of the checkpoint (params, 2 Adam moments, reference)
-    with_ref, without = _size(tmp_path / "old" / "checkpoints" / "4"), _size(tmp_path / "new" / "checkpoints" / "4")
+    with_ref, without = (
+        _size(tmp_path / "old" / "checkpoints" / str(STEPS)),
+        _size(tmp_path / "new" / "checkpoints" / str(STEPS)),
+    )
     assert 0.6 < without / with_ref < 0.85, (without, with_ref)
 
 
