@@ -84,7 +84,7 @@ def default_run(steps: int, root: pathlib.Path, small: bool) -> dict:
             "rollout.group_size=4",
             "train.eval_prompts=8",
         ]
-    cfg = load_config("configs/grpo_arithmetic.py", sets)
+    cfg = load_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "grpo_arithmetic.py", sets)  # any cwd
     calls: list[float] = []
     original, wrapper = timed_saves(calls)
     ckpt.BackgroundSaver.save = wrapper

@@ -60,3 +60,19 @@ def run_benchmark(script: str, *flags: str, env: dict | None = None, timeout: fl
     """benchmarks/SCRIPT FLAGS in a child Python; its JSON line."""
     proc = run_python([str(REPO / "benchmarks" / script), *flags], env or child_env(), timeout)
     return last_json_line(proc.stdout, min_lines)
+
+
+def run_benchmark_here(script: str, *flags: str, capsys, min_lines: int = 2) -> dict:
+    """benchmarks/SCRIPT's `main(FLAGS)` in this process; its JSON line, from what pytest's `capsys`
+    captured. For smoke runs where a separate interpreter is not the point: no interpreter start and
+    JAX import per run, and programs this worker already compiled (random keys, tiny params) are
+    reused. The scripts' own children (the torch peer, the 8-device expert-parallel worker, training
+    runs) still run as children."""
+    import importlib
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # `benchmarks` is a plain folder at the repository root
+    module = importlib.import_module("benchmarks." + script.removesuffix(".py"))
+    capsys.readouterr()  # drop what earlier code printed
+    module.main(list(flags))
+    return last_json_line(capsys.readouterr().out, min_lines)

@@ -1,19 +1,12 @@
 """benchmarks/speculative.py runs end to end on random tiny weights and prints its JSON line last."""
 
-import json
-
 import pytest
-from harness import REPO, child_env, run_python
+from harness import run_benchmark_here
 
 
 @pytest.mark.slow
-def test_small_run_prints_speedups_json_last(tmp_path):
-    proc = run_python(
-        [str(REPO / "benchmarks" / "speculative.py"), "--small", "--skip-tail", "--root", str(tmp_path)],
-        child_env(),
-        timeout=300,
-    )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_small_run_prints_speedups_json_last(tmp_path, capsys):
+    result = run_benchmark_here("speculative.py", "--small", "--skip-tail", "--root", str(tmp_path), capsys=capsys)
     assert result["benchmark"] == "speculative" and result["config"] == "tiny"
     assert "tail" not in result  # part 5 has its own smoke test below
     emb = result["embedded"]
@@ -26,15 +19,10 @@ def test_small_run_prints_speedups_json_last(tmp_path):
 
 
 @pytest.mark.slow
-def test_small_tail_part_prints_its_json_last(tmp_path):
+def test_small_tail_part_prints_its_json_last(tmp_path, capsys):
     """--only-tail --small: part 5 on random tiny weights (plain vs speculative engine at 1 and 2
     rows, the costs and threshold, a whole rollout with the toggle forced to 2 rows) in seconds."""
-    proc = run_python(
-        [str(REPO / "benchmarks" / "speculative.py"), "--small", "--only-tail", "--root", str(tmp_path)],
-        child_env(),
-        timeout=300,
-    )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_benchmark_here("speculative.py", "--small", "--only-tail", "--root", str(tmp_path), capsys=capsys)
     tail = result["tail"]
     assert result["part"] == "tail" and result["speedup_tail_self_draft"] == tail["speedup_tail_self_draft"] > 0
     by_rows, reduced_by_rows = tail["speedup_tail_by_rows"], tail["speedup_tail_reduced_head_by_rows"]

@@ -1,19 +1,20 @@
-"""update.py --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py, --small.
-The one update.py run checks its own figures as well as the peer's."""
+"""update.py --run-peer (the PyTorch forward+backward peer, same run) and update_variants.py, --small,
+each `main` in this process (the torch peer is still update.py's child). The one update.py run checks
+its own figures as well as the peer's."""
 
 import math
 
 import pytest
-from harness import run_benchmark
+from harness import run_benchmark_here
 
 
-def _run(script: str, *args: str) -> dict:
-    return run_benchmark(script, *args, "--small")
+def _run(script: str, *args: str, capsys) -> dict:
+    return run_benchmark_here(script, *args, "--small", capsys=capsys)
 
 
 @pytest.mark.slow
-def test_update_run_peer_reports_same_run_speedup():
-    result = _run("update.py", "--run-peer")
+def test_update_run_peer_reports_same_run_speedup(capsys):
+    result = _run("update.py", "--run-peer", capsys=capsys)
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"], result
     assert result["matmul_peak_gflops"] > 0 and result["seconds"] > 0, result
     assert result["config"] == "tiny"
@@ -32,8 +33,8 @@ def test_update_run_peer_reports_same_run_speedup():
 
 
 @pytest.mark.slow
-def test_update_variants_small():
-    result = _run("update_variants.py", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1")
+def test_update_variants_small(capsys):
+    result = _run("update_variants.py", "--variants", "mb1,mb0-chunk1024-rematfull", "--rounds", "1", capsys=capsys)
     plain, auto = result["variants"]["mb1"], result["variants"]["mb0-chunk1024-rematfull"]
     assert auto["chosen_microbatches"] == 1 and auto["logits_chunk"] == 32 and auto["remat"] == "full"
     assert plain["tokens_per_s"] > 0 and auto["tokens_per_s"] > 0

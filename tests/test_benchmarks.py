@@ -1,11 +1,10 @@
 """The benchmark scripts run end to end (tiny shapes) and print one JSON line last; FLOP counting."""
 
 import json
-import subprocess
 import sys
 
 import pytest
-from harness import REPO, child_env, run_benchmark, run_python
+from harness import REPO, run_benchmark_here
 
 sys.path.insert(0, str(REPO))  # `benchmarks` is a plain folder at the repository root
 
@@ -13,17 +12,17 @@ from benchmarks import common  # noqa: E402  (imports jaxrl.config only: no jax 
 from jaxrl.config import ModelConfig  # noqa: E402
 
 
-def _run(script: str, *flags: str) -> dict:
-    result = run_benchmark(script, "--small", *flags, timeout=120)  # readable lines, then the JSON
+def _run(script: str, *flags: str, capsys) -> dict:
+    result = run_benchmark_here(script, "--small", *flags, capsys=capsys)  # readable lines, then the JSON
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"], result
     assert result["matmul_peak_gflops"] > 0 and result["seconds"] > 0, result
     return result
 
 
 @pytest.mark.slow
-def test_rollout_small_prints_json_last():
+def test_rollout_small_prints_json_last(capsys):
     """rollout.py --small --compare (update.py --small is checked with --run-peer in test_benchmark_update_peer)."""
-    result = _run("rollout.py", "--compare", "--segments", "2")
+    result = _run("rollout.py", "--compare", "--segments", "2", capsys=capsys)
     assert result["config"] == "tiny"
     shape = result["shape"]
     assert result["generated_tokens"] == shape["prompts"] * shape["samples"] * shape["new_tokens"]
@@ -153,10 +152,14 @@ def test_variants_tables_and_mc_grpo_gap_from_synthetic_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
+def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, in_process_cache, monkeypatch, capsys):
+    """variants.py's main here (its training run is still its own `jaxrl train` child), twice."""
+    from benchmarks import variants
+
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        monkeypatch.setenv(name, in_process_cache[name])  # the training child shares this worker's cache
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     args = [
-        sys.executable,
-        str(REPO / "benchmarks" / "variants.py"),
         "--presets",
         "grpo",
         "--seeds",
@@ -175,24 +178,23 @@ def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, cache_env):
     ]
     for s in TINY_RUN:
         args += ["--set", s]
-    first = subprocess.run(args, cwd=REPO, env=cache_env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    summary = json.loads(first.stdout.strip().splitlines()[-1])
+    capsys.readouterr()
+    variants.main(args)
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["runs"] == 1 and summary["failed"] == 0 and 0.0 <= summary["accuracy_mean"]["grpo"] <= 1.0
     table = (tmp_path / "out" / "variants.md").read_text()
     assert "| grpo |" in table and "PARTIAL" not in table and "MC-GRPO" not in table
     runs = json.loads((tmp_path / "out" / "variants.json").read_text())["runs"]
     assert len(runs) == 1 and runs[0]["seed"] == 0 and len(runs[0]["curve"]) == 3  # steps 0, 1, 2
-    again = subprocess.run(args, cwd=REPO, env=cache_env, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stderr[-3000:]
+    variants.main(args)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["failed"] == 0
     runs = json.loads((tmp_path / "out" / "variants.json").read_text())["runs"]
     assert runs[0]["reused"]  # a finished run is read back, not retrained
 
 
 @pytest.mark.slow
-def test_checkpoint_benchmark_small_reports_block_fractions():
-    proc = run_python([str(REPO / "benchmarks" / "checkpoint.py"), "--small"], child_env(), timeout=300)
-    result = json.loads(proc.stdout.splitlines()[-1])
+def test_checkpoint_benchmark_small_reports_block_fractions(capsys):
+    result = run_benchmark_here("checkpoint.py", "--small", capsys=capsys)
     run, state = result["default_run"], result["bench_small"]
     assert run["saves"] == run["steps"] == 3, run  # a save after every step of the real loop
     assert result["block_fraction_default"] == pytest.approx(run["save_block_s"] / run["step_s"])

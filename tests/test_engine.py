@@ -265,6 +265,8 @@ def test_benchmark_small_prints_json_last(capsys):
     bench.main(["--small"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["speedup_long_tail"] > 0 and last["uniform_ratio"] > 0
-    # Same completed samples on both sides; uniform lengths: every sample runs exactly uniform_len tokens.
-    assert last["uniform"]["static_tokens"] == last["uniform"]["engine_tokens"] == 256 * 16
-    assert last["long_tail"]["engine_tokens"] < 256 * 64  # EOS really cut samples short
+    # Same completed samples on both sides (--small: 64); uniform lengths: every sample runs exactly
+    # uniform_len (16) tokens.
+    assert last["uniform"]["samples"] == last["long_tail"]["samples"] == 64
+    assert last["uniform"]["static_tokens"] == last["uniform"]["engine_tokens"] == 64 * 16
+    assert last["long_tail"]["engine_tokens"] < 64 * 64  # EOS really cut samples short (max_new 64)
