@@ -17,6 +17,12 @@ from jaxrl.rollout.sampler import prefill_groups
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 P, S = 5, 16
 
+# Jitted, not eager: op-by-op dispatch compiles every primitive of the model for every shape (about
+# twice the time of compiling each call's program once); the arithmetic is the same.
+_prefill_groups = jax.jit(prefill_groups, static_argnums=(1, 4, 5, 6))
+_decode_layers = jax.jit(decode_layers, static_argnums=(1, 5))
+_decode_rows = jax.jit(decode_rows, static_argnums=1)
+
 
 def _setup():
     params = tf.init_params(CFG, jax.random.PRNGKey(0))
@@ -25,7 +31,7 @@ def _setup():
     for i, n in enumerate((2, 5, 4)):
         mask[i, P - n :] = 1
     prompt = jnp.asarray(np.where(mask, rng.integers(1, 29, (3, P)), 0), jnp.int32)
-    cache, lparams, _, last_B = prefill_groups(params, CFG, prompt, jnp.asarray(mask), 1, S, S)
+    cache, lparams, _, last_B = _prefill_groups(params, CFG, prompt, jnp.asarray(mask), 1, S, S)
     fed_Bx4 = jnp.concatenate([last_B[:, None], jnp.asarray(rng.integers(1, 29, (3, 3)), jnp.int32)], axis=1)
     return lparams, cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True)), fed_Bx4
 
@@ -34,8 +40,8 @@ def _setup():
 def test_rows_at_one_fill_level_give_the_samplers_logits():
     """All rows at fill P-1: the same logits, bit for bit, as `decode_layers` at index P-1."""
     lparams, cache, fed_Bx4 = _setup()
-    ref_Bx1xV, ref_cache, _ = decode_layers(lparams, CFG, fed_Bx4[:, :1], cache, P - 1)
-    got_BxV, got_cache, _ = decode_rows(lparams, CFG, fed_Bx4[:, 0], cache, jnp.full((3,), P - 1), jnp.ones(3, int))
+    ref_Bx1xV, ref_cache, _ = _decode_layers(lparams, CFG, fed_Bx4[:, :1], cache, P - 1)
+    got_BxV, got_cache, _ = _decode_rows(lparams, CFG, fed_Bx4[:, 0], cache, jnp.full((3,), P - 1), jnp.ones(3, int))
     np.testing.assert_array_equal(got_BxV, ref_Bx1xV[:, 0])
     for (k, v), (rk, rv) in zip(got_cache.kv, ref_cache.kv):
         np.testing.assert_array_equal(k, rk)
@@ -53,7 +59,7 @@ def test_rows_advance_at_their_own_rate():
     for step in range(3):
         advance_B = (jnp.arange(3) <= step).astype(jnp.int32)
         token_B = fed_Bx4[jnp.arange(3), col_B]
-        logits_BxV, cache, _ = decode_rows(lparams, CFG, token_B, cache, fill_B, advance_B)
+        logits_BxV, cache, _ = _decode_rows(lparams, CFG, token_B, cache, fill_B, advance_B)
         fill_B, col_B = fill_B + advance_B, col_B + advance_B
     _, ref_cache, _ = _setup()
     for b in range(3):
@@ -62,7 +68,7 @@ def test_rows_advance_at_their_own_rate():
             ref_cache.valid_BxS[b : b + 1],
             ref_cache.pos_B[b : b + 1],
         )
-        ref, _, _ = decode_layers(lparams, CFG, fed_Bx4[b : b + 1, : 3 - b], row, P - 1)
+        ref, _, _ = _decode_layers(lparams, CFG, fed_Bx4[b : b + 1, : 3 - b], row, P - 1)
         np.testing.assert_allclose(logits_BxV[b], ref[0, -1], atol=1e-5)
     np.testing.assert_array_equal(cache.pos_B - ref_cache.pos_B, [3, 2, 1])
 

@@ -15,6 +15,13 @@ from jaxrl.rollout.sampler import prefill_groups
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 P, S = 5, 16
 
+# Jitted, not eager: op-by-op dispatch compiles every primitive of the model for every shape (about
+# twice the time of compiling each call's program once); the arithmetic is the same.
+_prefill_groups = jax.jit(prefill_groups, static_argnums=(1, 4, 5, 6))
+_commit_window = jax.jit(commit_window)
+_decode_layers = jax.jit(decode_layers, static_argnums=(1, 5))
+_window_layers = jax.jit(window_layers, static_argnums=(1, 7))
+
 
 def _setup():
     params = tf.init_params(CFG, jax.random.PRNGKey(0))
@@ -23,7 +30,7 @@ def _setup():
     for i, n in enumerate((2, 5, 4)):
         mask[i, P - n :] = 1
     prompt = jnp.asarray(np.where(mask, rng.integers(1, 29, (3, P)), 0), jnp.int32)
-    cache, lparams, _, last_B = prefill_groups(params, CFG, prompt, jnp.asarray(mask), 1, S, S)
+    cache, lparams, _, last_B = _prefill_groups(params, CFG, prompt, jnp.asarray(mask), 1, S, S)
     fed_Bx4 = jnp.concatenate([last_B[:, None], jnp.asarray(rng.integers(1, 29, (3, 3)), jnp.int32)], axis=1)
     return lparams, cache, fed_Bx4
 
@@ -37,15 +44,15 @@ def test_window_calls_equal_decode_layers():
     """One 1-token call then one 2-token call into the same window give the logits of a 3-token
     decode at the shared cache slots."""
     lparams, cache, fed_Bx4 = _setup()
-    ref_Bx3xV, _, _ = decode_layers(lparams, CFG, fed_Bx4[:, :3], cache, P - 1)
+    ref_Bx3xV, _, _ = _decode_layers(lparams, CFG, fed_Bx4[:, :3], cache, P - 1)
     wcache, fill_B = _window_cache(cache), jnp.full((3,), P - 1, jnp.int32)
     window = empty_window(wcache, 4, CFG.n_layers)
-    first, window, _ = window_layers(lparams, CFG, fed_Bx4[:, :1], wcache, fill_B, window, 0)
-    rest, window, _ = window_layers(lparams, CFG, fed_Bx4[:, 1:3], wcache, fill_B, window, 1)
+    first, window, _ = _window_layers(lparams, CFG, fed_Bx4[:, :1], wcache, fill_B, window, 0)
+    rest, window, _ = _window_layers(lparams, CFG, fed_Bx4[:, 1:3], wcache, fill_B, window, 1)
     np.testing.assert_allclose(jnp.concatenate([first, rest], axis=1), ref_Bx3xV, atol=1e-5)
     # The early-exit view (first layer only) reads and fills only that layer's window.
-    ref1, _, _ = decode_layers(lparams, CFG, fed_Bx4[:, :2], cache, P - 1, n_layers=1)
-    got1, win1, _ = window_layers(lparams, CFG, fed_Bx4[:, :2], wcache, fill_B, empty_window(wcache, 4, 1), 0, 1)
+    ref1, _, _ = _decode_layers(lparams, CFG, fed_Bx4[:, :2], cache, P - 1, n_layers=1)
+    got1, win1, _ = _window_layers(lparams, CFG, fed_Bx4[:, :2], wcache, fill_B, empty_window(wcache, 4, 1), 0, 1)
     assert len(win1) == 1
     np.testing.assert_allclose(got1, ref1, atol=1e-5)
 
@@ -56,11 +63,11 @@ def test_commit_keeps_a_different_number_of_tokens_per_row():
     kept tokens: its logits equal a plain decode of that row alone over those tokens."""
     lparams, cache, fed_Bx4 = _setup()
     wcache, fill_B = _window_cache(cache), jnp.full((3,), P - 1, jnp.int32)
-    _, window, _ = window_layers(lparams, CFG, fed_Bx4, wcache, fill_B, empty_window(wcache, 4, CFG.n_layers), 0)
+    _, window, _ = _window_layers(lparams, CFG, fed_Bx4, wcache, fill_B, empty_window(wcache, 4, CFG.n_layers), 0)
     keep_B = jnp.asarray([1, 3, 2], jnp.int32)
-    committed = commit_window(wcache, window, fill_B, keep_B)
+    committed = _commit_window(wcache, window, fill_B, keep_B)
     next_B = jnp.asarray([11, 12, 13], jnp.int32)
-    got_BxV, _, _ = window_layers(
+    got_BxV, _, _ = _window_layers(
         lparams, CFG, next_B[:, None], committed, fill_B + keep_B, empty_window(committed, 4, CFG.n_layers), 0
     )
     for b in range(3):
@@ -68,7 +75,7 @@ def test_commit_keeps_a_different_number_of_tokens_per_row():
             tuple((k[b : b + 1], v[b : b + 1]) for k, v in cache.kv), cache.valid_BxS[b : b + 1], cache.pos_B[b : b + 1]
         )
         tokens = jnp.concatenate([fed_Bx4[b, : int(keep_B[b])], next_B[b : b + 1]])[None]
-        ref, _, _ = decode_layers(lparams, CFG, tokens, row, P - 1)
+        ref, _, _ = _decode_layers(lparams, CFG, tokens, row, P - 1)
         np.testing.assert_allclose(got_BxV[b, 0], ref[0, -1], atol=1e-5)
 
 

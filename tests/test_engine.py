@@ -79,12 +79,34 @@ def _engine(cfg, eos_id, slots, chunk, admit_groups=1, admission="exact", greedy
 
 
 @functools.cache
+def _greedy_by_forward(cfg):
+    """The five prompts' greedy completions (no EOS) from full forwards over prompt + the tokens so
+    far, no cache -> (tokens_NxT, logp_NxT at temperature 1). One compiled `forward` (right-filled
+    to a fixed width; causality makes the slots after the query irrelevant): cheaper than compiling
+    a second `sample` program (its eos_id is static) just to find an EOS."""
+    prompt, mask = _prompts()
+    n = len(prompt)
+    tokens, logp = np.zeros((n, T), np.int32), np.zeros((n, T), np.float32)
+    for t in range(T):
+        gen_mask = np.broadcast_to(np.arange(T) < t, (n, T)).astype(np.int32)
+        seq, seq_mask = (
+            np.concatenate([prompt, np.where(gen_mask, tokens, PAD)], 1),
+            np.concatenate([mask, gen_mask], 1),
+        )
+        logits_NxV = np.asarray(tf.forward(_params(cfg), cfg, seq, seq_mask))[:, P - 1 + t]
+        tokens[:, t] = np.argmax(logits_NxV, -1)
+        logp[:, t] = np.asarray(jax.nn.log_softmax(logits_NxV, -1))[np.arange(n), tokens[:, t]]
+    return tokens, logp
+
+
+@functools.cache
 def _eos(cfg):
     """A token that some greedy row first emits at a step t >= 2 and another row never emits: as
-    EOS it makes groups finish at different steps (so slots free up at different times)."""
-    toks = np.asarray(_plain(cfg, NEVER).tokens_BxT)
+    EOS it makes groups finish at different steps (so slots free up at different times). (The
+    tests check that the sampler's greedy rollout with this EOS really has such lengths.)"""
+    toks = _greedy_by_forward(cfg)[0]
     for t in range(2, T):
-        for r in range(0, len(toks), G):
+        for r in range(len(toks)):
             tok = toks[r, t]
             if tok not in toks[r, :t] and any(tok not in row for row in toks):
                 return int(tok)
@@ -139,7 +161,7 @@ def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, 
 def test_direct_api_staggered_admission_and_versions():
     """Device functions by hand: prompt 0 admitted, 2 steps at version 3; prompt 1 admitted, 3 steps
     at version 4; the rest at version 5. Each token records its chunk's version, and both samples
-    equal the greedy sampler's although they were admitted 2 steps apart."""
+    equal the greedy tokens (full forwards) although they were admitted 2 steps apart."""
     prompt, mask = _prompts()
     spec = es.EngineSpec(
         CFG, slots=6, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD, greedy=True
@@ -153,9 +175,9 @@ def test_direct_api_staggered_admission_and_versions():
     state = es.decode_chunk(params, spec, state, 3, 4, 1.0)
     state = es.decode_chunk(params, spec, state, 100, 5, 1.0)  # stops once every slot is done
     out = jax.device_get(es.read_slots(spec, state, np.asarray([4, 1, 0, 5, 2, 3], np.int32)))
-    ref = _plain(CFG, NEVER)
-    np.testing.assert_array_equal(out.tokens_RxT, np.asarray(ref.tokens_BxT)[:6])
-    np.testing.assert_allclose(out.logp_RxT, np.asarray(ref.logp_BxT)[:6], atol=1e-5, rtol=0)
+    tokens_NxT, logp_NxT = _greedy_by_forward(CFG)  # the greedy sampler's (tests/test_sampler.py's oracle)
+    np.testing.assert_array_equal(out.tokens_RxT, np.repeat(tokens_NxT, G, 0)[:6])
+    np.testing.assert_allclose(out.logp_RxT, np.repeat(logp_NxT, G, 0)[:6], atol=1e-5, rtol=0)
     first, second = [3, 3, 4, 4, 4, 5], [4, 4, 4, 5, 5, 5]  # T = 6 tokens each
     np.testing.assert_array_equal(out.version_RxT, [first, first, second, second, second, second])
     assert np.all(out.truncated_R) and not np.any(out.finished_R) and np.all(out.length_R == T)

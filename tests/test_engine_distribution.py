@@ -47,9 +47,9 @@ def _exact_distribution(prompt, temperature, top_k):
     return dist
 
 
-def _engine_samples(temperature, top_k, seed):
-    """All samples of 2 x N_GROUPS groups (the two prompts alternating), through 64 slots."""
-    ecfg = EngineConfig(enabled=True, slots=64, chunk=2, admit_groups=8)
+def _engine_samples(temperature, top_k, seed, n_groups=N_GROUPS, slots=64):
+    """All samples of 2 x n_groups groups (the two prompts alternating), through `slots` slots."""
+    ecfg = EngineConfig(enabled=True, slots=slots, chunk=2, admit_groups=8)
     engine = Engine(
         SMALL,
         ecfg,
@@ -62,9 +62,9 @@ def _engine_samples(temperature, top_k, seed):
         pad_id=PAD,
         rng=jax.random.PRNGKey(seed),
     )
-    items = ((i % 2, PROMPTS[i % 2]) for i in range(2 * N_GROUPS))
-    groups = engine.collect(_params(), 0, items, n_groups=2 * N_GROUPS)
-    assert len(groups) == 2 * N_GROUPS and engine.counts["chunks"] > 100  # 64 slots reused many times
+    items = ((i % 2, PROMPTS[i % 2]) for i in range(2 * n_groups))
+    groups = engine.collect(_params(), 0, items, n_groups=2 * n_groups)
+    assert len(groups) == 2 * n_groups and engine.counts["chunks"] > 100  # slots reused many times
     out = {0: [], 1: []}
     for g in groups:
         out[g.tag] += [tuple(int(t) for t in row[m > 0]) for row, m in zip(g.tokens_GxT, g.completion_mask_GxT)]
@@ -86,18 +86,19 @@ def test_sampled_distribution_equals_enumeration(temperature, top_k):
 def test_chi_square_catches_noise_reused_across_steps(monkeypatch):
     """An engine that draws every step's Gumbel noise from the same key (a plausible bug: splitting
     the key once per chunk instead of once per step) correlates a sample's tokens; the test above
-    fails it by a wide margin."""
+    fails it by a wide margin, even with a third of its samples (more samples only add power)."""
     real_split = jax.random.split
 
     def frozen_split(key, num=2):
         return jnp.stack([key, key]) if num == 2 else real_split(key, num)
 
     monkeypatch.setattr(engine_state.jax.random, "split", frozen_split)
-    jax.clear_caches()  # decode_chunk is jitted: retrace with the broken split
     try:
-        samples = _engine_samples(1.0, 0, seed=11)
+        # decode_chunk is jitted: 60 slots (a spec no other test compiles) make it trace again, now
+        # with the broken split, and leave every other cached program as it is (no jax.clear_caches,
+        # which would make every later test in this process compile again).
+        samples = _engine_samples(1.0, 0, seed=11, n_groups=N_GROUPS // 3, slots=60)
     finally:
         monkeypatch.undo()
-        jax.clear_caches()
     pvalue, _ = chi_square_pvalue(samples[0], _exact_distribution(PROMPTS[0], 1.0, 0))
     assert pvalue < 1e-6, pvalue

@@ -16,8 +16,6 @@ from jaxrl.rollout import engine_state as es
 from jaxrl.rollout.engine import Engine, assemble_batch, left_pad
 from jaxrl.rollout.engine_partial import fed_mask, release_slots, reprefill
 
-pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
-
 
 def _engine(max_staleness=-1, reprefill=False, slots=6, chunk=1, eos=None, greedy=True, seed=0, temperature=1.0):
     ecfg = EngineConfig(
@@ -298,7 +296,11 @@ def test_update_splits_the_logprob_mismatch_by_staleness():
 # In the training loop's EngineSource
 
 
+# The persistent XLA cache only where training runs repeat programs (the module-scoped fixture stays
+# on from the first of these to the module's end: keep them last). For the engine-level tests above,
+# writing every program to disk costs more than it saves.
 @pytest.mark.slow
+@pytest.mark.usefixtures("persistent_compile_cache")
 def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_process_cache):
     from test_engine_train import _cfg, _source
 
@@ -326,6 +328,7 @@ def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_proc
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("persistent_compile_cache")
 def test_grpo_trains_with_partial_rollouts_and_reports_the_split_mismatch(tmp_path, in_process_cache):
     from test_engine_train import _cfg
 

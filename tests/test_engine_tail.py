@@ -56,8 +56,9 @@ def _both_kinds_ran(counts):
 @pytest.mark.slow
 def test_greedy_with_the_toggle_equals_plain_engine_and_sampler(cfg=te.CFG):
     """Five prompts (G=2) through 4 slots, one step a chunk, speculating once 2 or fewer slots decode:
-    tokens, masks and truncation identical to `sampler.sample(greedy=True)` and to the
-    plain engine, with both chunk kinds run on the same slots."""
+    tokens, masks and truncation identical to `sampler.sample(greedy=True)` (so to the plain engine,
+    which tests/test_engine.py holds to the same sampler), every drawn token at the collect's
+    version, with both chunk kinds run on the same slots."""
     eos = te._eos(cfg)
     ref = te._plain(cfg, eos)
     ecfg = EngineConfig(enabled=True, slots=4, chunk=1, admit_groups=1)
@@ -78,10 +79,8 @@ def test_greedy_with_the_toggle_equals_plain_engine_and_sampler(cfg=te.CFG):
     batch = assemble_batch(te._by_tag(engine.collect(te._params(cfg), 0, te._items(), n_groups=len(te.LENGTHS))))
     te._check_same_rollout(batch, ref, cfg)
     _both_kinds_ran(engine.counts)
-    plain = te._engine(cfg, eos, 4, 1)
-    plain_batch = assemble_batch(te._by_tag(plain.collect(te._params(cfg), 0, te._items(), n_groups=len(te.LENGTHS))))
-    for name in ("tokens_BxT", "completion_mask_BxT", "truncated_B", "version_BxT"):
-        np.testing.assert_array_equal(batch[name], plain_batch[name])
+    # What a plain engine records (without compiling one here): version 0 on every drawn token, -1 after.
+    np.testing.assert_array_equal(batch["version_BxT"], np.where(batch["completion_mask_BxT"] > 0, 0, -1))
 
 
 N_GROUPS = 500  # per prompt: 2,000 samples each

@@ -26,6 +26,15 @@ def _prompts(lengths=LENGTHS, prompt_len=P, seed=3):
     return jnp.asarray(prompt, jnp.int32), jnp.asarray(mask)
 
 
+# Jitted, not eager: op-by-op dispatch compiles every primitive of the model for every shape (about
+# twice the time of compiling each call's program once); the arithmetic is the same.
+_prefill_groups = jax.jit(prefill_groups, static_argnums=(1, 4, 5, 6))
+_prefill_shared = jax.jit(prefill_shared, static_argnums=(1, 4, 5, 6))
+_decode_layers = jax.jit(decode_layers, static_argnums=1)
+_decode_group_layers = jax.jit(decode_group_layers, static_argnums=1)
+_grow_own = jax.jit(grow_own, static_argnums=1)
+
+
 @pytest.fixture(scope="module")
 def params():
     return tf.init_params(CFG, jax.random.PRNGKey(0))
@@ -38,8 +47,8 @@ def test_group_cache_logits_equal_row_cache_with_left_padding(params):
     3 slots long and grow before steps 3 and 4 (segment boundaries: a call writes the first slots of
     a fresh segment). Every step's logits match the per-row cache's."""
     prompt, pmask = _prompts()
-    rows, lparams, _, last_N = prefill_groups(params, CFG, prompt, pmask, G, P + STEPS, P + STEPS)
-    shared, _, _, last_N2 = prefill_shared(params, CFG, prompt, pmask, G, 3, P + STEPS)
+    rows, lparams, _, last_N = _prefill_groups(params, CFG, prompt, pmask, G, P + STEPS, P + STEPS)
+    shared, _, _, last_N2 = _prefill_shared(params, CFG, prompt, pmask, G, 3, P + STEPS)
     np.testing.assert_array_equal(last_N, last_N2)
     assert shared.prefix[0][0].shape == (3, CFG.n_kv_heads, P - 1, CFG.head_dim)  # once per group
     assert shared.own[0][0].shape == (3, CFG.n_kv_heads, G, 3, CFG.head_dim)
@@ -47,9 +56,9 @@ def test_group_cache_logits_equal_row_cache_with_left_padding(params):
     calls = [(0, 1, None), (1, 3, None), (3, 4, 4), (4, 6, 6)]  # (first step, end, grow to)
     for start, end, grow in calls:
         if grow:
-            shared = grow_own(shared, grow)
-        want, rows, _ = decode_layers(lparams, CFG, fed_NxS[:, start:end], rows, P - 1 + start)
-        got, shared, _ = decode_group_layers(lparams, CFG, fed_NxS[:, start:end], shared, start)
+            shared = _grow_own(shared, grow)
+        want, rows, _ = _decode_layers(lparams, CFG, fed_NxS[:, start:end], rows, P - 1 + start)
+        got, shared, _ = _decode_group_layers(lparams, CFG, fed_NxS[:, start:end], shared, start)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"steps {start}..{end - 1}")
     np.testing.assert_array_equal(shared.pos_B, rows.pos_B)
     # The rows of a group really saw different tokens (else a row mix-up could go unnoticed).

@@ -6,6 +6,8 @@ on it must equal the one without (metrics and new params); `make_logp_fn` must s
 its promise holds; the loop must use it on the default (static sampler) config and nowhere else.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,26 @@ def _shared(params, b, group_size=G, logits_chunk=0, remat="none"):
 
 
 # The memory options compose with sharing: a chunk of 7 (row, position) pairs splits rows, and full remat.
+def _objective_value_and_grad(logp_fn):
+    """(value, gradients) at _params() of a weighted sum of logp_fn's log-probs plus its entropies
+    over _batch(): both outputs get gradients."""
+    params, b = _params(), _batch()
+    w_BxT = jnp.asarray(np.random.default_rng(1).normal(size=(N * G, T)), jnp.float32)
+
+    def f(p):
+        logp_BxT, entropy_BxT = logp_fn(p, b)
+        return jnp.sum(w_BxT * logp_BxT) + 0.3 * jnp.sum(entropy_BxT)
+
+    return jax.jit(jax.value_and_grad(f))(params)
+
+
+@functools.cache
+def _one_pass_reference():
+    """The one-pass values and (value, gradients): the same for every case below, compiled once."""
+    params, b = _params(), _batch()
+    return _one_pass(params, b), _objective_value_and_grad(_one_pass)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("logits_chunk,remat", [(0, "none"), (7, "full")])
 def test_shared_prefix_equals_one_pass_values_and_gradients(logits_chunk, remat):
@@ -83,19 +105,11 @@ def test_shared_prefix_equals_one_pass_values_and_gradients(logits_chunk, remat)
     def shared(p, b):
         return _shared(p, b, logits_chunk=logits_chunk, remat=remat)
 
-    w_BxT = jnp.asarray(np.random.default_rng(1).normal(size=(N * G, T)), jnp.float32)
-
-    def objective(logp_fn):  # a weighted sum of log-probs plus the entropies: both outputs get gradients
-        def f(p):
-            logp_BxT, entropy_BxT = logp_fn(p, b)
-            return jnp.sum(w_BxT * logp_BxT) + 0.3 * jnp.sum(entropy_BxT)
-
-        return jax.jit(jax.value_and_grad(f)).lower(params).compile()
-
-    for got, want in zip(shared(params, b), _one_pass(params, b)):
+    one_pass, (v_plain, g_plain) = _one_pass_reference()
+    for got, want in zip(shared(params, b), one_pass):
         assert got.shape == (N * G, T)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5)
-    (v_shared, g_shared), (v_plain, g_plain) = objective(shared)(params), objective(_one_pass)(params)
+    v_shared, g_shared = _objective_value_and_grad(shared)
     np.testing.assert_allclose(float(v_shared), float(v_plain), rtol=1e-5)
     for path, x in jax.tree_util.tree_leaves_with_path(g_plain):
         y = g_shared

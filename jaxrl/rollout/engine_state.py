@@ -142,12 +142,19 @@ def init_state(spec: EngineSpec, rng) -> EngineState:
     return EngineState(cache, *_blank_rows(spec, S, True), rng, routing, key_S)
 
 
-@functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
 def admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_AxP, dest_N) -> EngineState:
     """Prefill A left-padded prompts once each and copy each prompt's cache to G slots: prompt a's
     samples go to slots dest_N[a*G .. a*G+G-1]. A dest of S (or more) drops that row, so a caller
     with fewer than A prompts pads the batch (any prompt, e.g. a copy) and points it at S. The
-    admitted slots are reset and start decoding; every other slot is left as it was."""
+    admitted slots are reset and start decoding; every other slot is left as it was. Donates `state`."""
+    # Admission reads the shapes and pad_id, never how tokens are drawn or end: one compiled program
+    # serves engines that differ only in those (a greedy and a sampled engine of one model).
+    drawless = dataclasses.replace(spec, eos_id=-1, top_k=0, top_p=1.0, greedy=False, stop_ids=())
+    return _admit(params, drawless, state, prompt_AxP, prompt_mask_AxP, dest_N)
+
+
+@functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
+def _admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_AxP, dest_N) -> EngineState:
     cfg, P = spec.cfg, spec.prompt_len
     if prompt_AxP.shape[1] != P:
         raise ValueError(f"prompt_AxP has {prompt_AxP.shape[1]} columns, expected the engine's prompt_len={P}")
