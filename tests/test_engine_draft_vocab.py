@@ -158,9 +158,12 @@ def test_config_errors_name_the_field():
 
 @pytest.mark.slow
 def test_training_source_ranks_the_draft_ids_over_the_task(in_process_cache):
-    """EngineSource with rollout.speculative.draft_vocab=12 gives the engine EOS and then the 11 ids
-    most frequent in the task's training prompts and answers (recomputed here by counting), and a
-    step runs with drafts."""
+    """EngineSource (the training loop's rollout source) built from a config with speculation on and
+    rollout.speculative.draft_vocab=12 runs the speculative engine, giving it EOS and then the 11 ids
+    most frequent in the task's training prompts and answers (recomputed here by counting), and logs
+    engine/drafted and engine/accepted for the step; a 1-layer policy is a config error naming
+    draft_layers. (One source for both: with draft_vocab=0 it only passes no ids, which
+    tests/test_engine_speculative.py's from_config test covers.)"""
     import collections
     import dataclasses
 
@@ -170,6 +173,7 @@ def test_training_source_ranks_the_draft_ids_over_the_task(in_process_cache):
     from jaxrl.data.tasks import load_task
     from jaxrl.data.tokenizer import CharTokenizer
     from jaxrl.models import transformer as tf
+    from jaxrl.rollout.engine_speculative import SpeculativeEngineSpec
     from jaxrl.train.group_sources import EngineSource
 
     on = [
@@ -184,6 +188,7 @@ def test_training_source_ranks_the_draft_ids_over_the_task(in_process_cache):
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
     task = load_task(cfg.data)
     source = EngineSource(cfg, model_cfg, tok, task, {})
+    assert isinstance(source.engine.spec, SpeculativeEngineSpec)
     recs = [task.train[i] for i in range(min(512, len(task.train)))]
     counts = collections.Counter(t for r in recs for k in ("prompt", "answer") for t in tok.encode(r[k]))
     ids = source.engine.spec.draft_ids
@@ -191,4 +196,9 @@ def test_training_source_ranks_the_draft_ids_over_the_task(in_process_cache):
     ranked = sorted(counts, key=lambda t: (-counts[t], t))
     assert list(ids[1:]) == [t for t in ranked if t != tok.eos_id][:11]
     produced = source.produce(tf.init_params(model_cfg, jax.random.key(0)), StreamState(0, 0), None, step=1)
-    assert produced.metrics["engine/drafted"] > 0
+    m = produced.metrics
+    assert m["engine/drafted"] > 0 and 0 <= m["engine/accepted"] <= m["engine/drafted"]
+    assert m["engine/drafted"] == source.engine.counts["drafted"]  # the step's own drafts (the first step)
+    one_layer = dataclasses.replace(model_cfg, n_layers=1)
+    with pytest.raises(ConfigError, match=r"^rollout.speculative.draft_layers: got 1, expected fewer than "):
+        EngineSource(cfg, one_layer, tok, task, {})

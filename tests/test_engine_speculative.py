@@ -4,6 +4,8 @@ distribution against enumeration (chi-square) with drafts both accepted and reje
 log-probs equal the trainer's recomputation, EOS inside an accepted draft ends the sample, and the
 config errors. Helpers and models are those of tests/test_engine.py and test_engine_distribution.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from chi_square import chi_square_pvalue
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
-from jaxrl.rollout import acceptance
+from jaxrl.rollout import acceptance, engine_speculative
 from jaxrl.rollout.engine import Engine, assemble_batch
 from jaxrl.rollout.engine_speculative import SpeculativeEngineSpec
 from jaxrl.rollout.sampler import sample
@@ -138,26 +140,24 @@ def test_eos_inside_an_accepted_draft_ends_the_sample():
     that one prompt's greedy completion first emits at column 1 and another's at column 6 or 7:
     the first must end at column 1 (length 2, pad and mask 0 after it, finished) although the drafts
     after its EOS were accepted too; the second must end truncated at T, not finished by an EOS that
-    was never kept. The whole batch equals `sampler.sample`'s."""
+    was never kept. The whole batch equals `sampler.sample`'s greedy tokens cut at that EOS."""
     params = _perfect_drafter_params()
     prompt, mask = te._prompts()
 
-    def run(eos, t):
-        return sample(
-            params,
-            te.CFG,
-            jnp.asarray(prompt),
-            jnp.asarray(mask),
-            jax.random.PRNGKey(0),
-            group_size=te.G,
-            max_new_tokens=t,
-            temperature=1.0,
-            eos_id=eos,
-            pad_id=te.PAD,
-            greedy=True,
-        )
-
-    toks = np.asarray(run(te.NEVER, te.T + 2).tokens_BxT)  # two columns past T: the second window's end
+    toks = sample(  # two columns past T: the second window's end
+        params,
+        te.CFG,
+        jnp.asarray(prompt),
+        jnp.asarray(mask),
+        jax.random.PRNGKey(0),
+        group_size=te.G,
+        max_new_tokens=te.T + 2,
+        temperature=1.0,
+        eos_id=te.NEVER,
+        pad_id=te.PAD,
+        greedy=True,
+    ).tokens_BxT
+    toks = np.asarray(toks)
     eos = next(
         e
         for e in range(te.CFG.vocab_size)
@@ -165,7 +165,12 @@ def test_eos_inside_an_accepted_draft_ends_the_sample():
     )
     early = next(r for r in range(len(toks)) if _first(toks[r], eos) == 1)
     late = next(r for r in range(len(toks)) if _first(toks[r], eos) in (6, 7))
-    ref = run(eos, te.T)
+    # sampler.sample with this EOS: the same greedy tokens (EOS only stops rows), cut after the first
+    # EOS within T; one sampler compile fewer than running it again with eos_id=eos.
+    cut_B = [te.T if _first(r[: te.T], eos) is None else _first(r[: te.T], eos) + 1 for r in toks]
+    want_mask = np.asarray([[1] * n + [0] * (te.T - n) for n in cut_B])
+    want_tokens = np.where(want_mask > 0, toks[:, : te.T], te.PAD)
+    want_truncated = np.asarray([float(eos not in r[: te.T]) for r in toks], np.float32)
     engine = _engine(te.CFG, eos, slots=10, chunk=8, admit_groups=5)
     batch = assemble_batch(te._by_tag(engine.collect(params, 0, te._items(), n_groups=len(te.LENGTHS))))
     assert engine.counts["accepted"] == engine.counts["drafted"] > 0  # every draft accepted, EOS's included
@@ -174,16 +179,17 @@ def test_eos_inside_an_accepted_draft_ends_the_sample():
     assert batch["truncated_B"][early] == 0 and batch["truncated_B"][late] == 1
     np.testing.assert_array_equal(batch["tokens_BxT"][late], toks[late, : te.T])
     for name, want in (
-        ("tokens_BxT", ref.tokens_BxT),
-        ("completion_mask_BxT", ref.completion_mask_BxT),
-        ("truncated_B", (~np.asarray(ref.finished_B)).astype(np.float32)),
+        ("tokens_BxT", want_tokens),
+        ("completion_mask_BxT", want_mask),
+        ("truncated_B", want_truncated),
     ):
-        np.testing.assert_array_equal(batch[name], np.asarray(want))
+        np.testing.assert_array_equal(batch[name], want)
 
 
 # --- the sampled distribution, against enumeration --------------------------------------------
 
 N_GROUPS = 750  # per prompt: 3,000 samples each
+_exact_distribution = functools.cache(td._exact_distribution)  # both chi-square tests enumerate prompt 0
 
 
 def _speculative_samples(seed, n_groups=N_GROUPS):
@@ -216,7 +222,7 @@ def test_sampled_distribution_equals_enumeration():
     share of the drafts accepted and a good share rejected."""
     samples, counts = _speculative_samples(seed=11)
     for tag, prompt in enumerate(td.PROMPTS):
-        pvalue, df = chi_square_pvalue(samples[tag], td._exact_distribution(prompt, 1.0, 0))
+        pvalue, df = chi_square_pvalue(samples[tag], _exact_distribution(prompt, 1.0, 0))
         assert df >= 8
         assert pvalue > 1e-3, (prompt, pvalue)
     assert 0.2 < counts["accepted"] / counts["drafted"] < 0.9, counts
@@ -280,41 +286,11 @@ def test_benchmark_speculative_row(monkeypatch):
     assert 16 <= row["tokens"] <= 16 * te.T and row["chunks"] > 0
 
 
-@pytest.mark.slow
-def test_training_source_uses_the_speculative_engine(in_process_cache):
-    """EngineSource (the training loop's rollout source) built from a config with speculation on runs
-    the speculative engine and logs engine/drafted and engine/accepted for the step; a 1-layer policy
-    is a config error naming draft_layers."""
-    import dataclasses
-
-    from preset_configs import config_path, overrides
-
-    from jaxrl.data.stream import StreamState
-    from jaxrl.data.tasks import load_task
-    from jaxrl.data.tokenizer import CharTokenizer
-    from jaxrl.train.group_sources import EngineSource
-
-    on = [
-        "rollout.engine.enabled=true",
-        "rollout.engine.slots=8",
-        "rollout.speculative.enabled=true",
-        "rollout.speculative.max_draft=2",
-    ]
-    cfg = C.load_config(config_path("grpo"), overrides("grpo") + on + ["model.n_layers=2"])
-    tok = CharTokenizer()
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
-    source = EngineSource(cfg, model_cfg, tok, load_task(cfg.data), {})
-    assert isinstance(source.engine.spec, SpeculativeEngineSpec)
-    produced = source.produce(tf.init_params(model_cfg, jax.random.key(0)), StreamState(0, 0), None, step=1)
-    m = produced.metrics
-    assert m["engine/drafted"] > 0 and 0 <= m["engine/accepted"] <= m["engine/drafted"]
-    assert m["engine/drafted"] == source.engine.counts["drafted"]  # the step's own drafts (the first step)
-    one_layer = dataclasses.replace(model_cfg, n_layers=1)
-    with pytest.raises(ConfigError, match=r"^rollout.speculative.draft_layers: got 1, expected fewer than "):
-        EngineSource(cfg, one_layer, tok, None, {})
+# The training loop's source (EngineSource) with speculation on: test_engine_draft_vocab.py's
+# test_training_source_ranks_the_draft_ids_over_the_task (one source checks both, compiled once).
 
 
-# --- last: it clears jax's compile caches ------------------------------------------------------
+# --- a broken acceptance rule is caught ---------------------------------------------------------
 
 
 def _accept_every_draft(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None):
@@ -330,12 +306,21 @@ def test_chi_square_catches_accepting_every_draft(monkeypatch):
     drafter's distribution then leaks into the samples) by a wide margin, even with a third of the
     samples (p == 0.0 in float64)."""
     monkeypatch.setattr(acceptance, "verify_sampled", _accept_every_draft)
-    jax.clear_caches()  # speculative_chunk is jitted: retrace with the broken rule
+    # speculative_chunk is jitted: the engine gets its body under a new jit (an empty trace cache), so
+    # it is traced with the broken rule without flushing jax's caches (jax.clear_caches() made every
+    # later test on this worker compile its programs again).
+    body = engine_speculative.speculative_chunk.__wrapped__
+
+    @functools.wraps(body)  # body's signature: `spec` and `state` are found by name
+    def retraced(*args, **kwargs):
+        return body(*args, **kwargs)
+
+    retraced_chunk = jax.jit(retraced, static_argnames="spec", donate_argnames="state")
+    monkeypatch.setattr(engine_speculative, "speculative_chunk", retraced_chunk)
     try:
         samples, counts = _speculative_samples(seed=11, n_groups=N_GROUPS // 3)
     finally:
         monkeypatch.undo()
-        jax.clear_caches()
     assert counts["accepted"] == counts["drafted"]
-    pvalue, _ = chi_square_pvalue(samples[0], td._exact_distribution(td.PROMPTS[0], 1.0, 0))
+    pvalue, _ = chi_square_pvalue(samples[0], _exact_distribution(td.PROMPTS[0], 1.0, 0))
     assert pvalue < 1e-6, pvalue

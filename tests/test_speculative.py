@@ -14,7 +14,7 @@ from chi_square import chi_square_pvalue
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout import acceptance
-from jaxrl.rollout.calibrate import StepCosts
+from jaxrl.rollout.calibrate import StepCosts, constant_costs
 from jaxrl.rollout.drafters import dequantize, quantize_int8
 from jaxrl.rollout.reuse import DraftStore
 from jaxrl.rollout.sampler import sample
@@ -46,9 +46,13 @@ def _spec(drafter, **kw):
 
 
 def _run(params, cfg, spec, rng, draft=None, **kw):
+    """sample_speculative over _prompts(). The costs and the acceptance prior are always passed (the
+    configured ones by default): traced arguments, so the tests that differ only in them (the greedy
+    and the cost tests, at the same spec) share one compiled program."""
     prompt, pmask = _prompts()
     extra = {} if draft is None else dict(draft_NxT=draft[0], draft_len_N=draft[1])
     args = dict(group_size=2, max_new_tokens=T, temperature=1.0, eos_id=EOS, pad_id=PAD)
+    args.update(costs=constant_costs(spec), acceptance_prior=jnp.float32(spec.initial_acceptance))
     args.update(kw)
     return sample_speculative(params, cfg, prompt, pmask, rng, spec=spec, **args, **extra)
 
@@ -60,6 +64,15 @@ def _plain(params, cfg, rng, **kw):
     return sample(params, cfg, prompt, pmask, rng, **args)
 
 
+# One spec per drafter for the greedy, temperature-zero, log-prob and cost tests: the same static
+# arguments, so the programs compiled by one test are reused by the next (each costs seconds).
+W = 3  # drafted tokens per verify forward (self and reuse): a window of 4 < T, so rows take several
+
+
+def _fixed(drafter):
+    return _spec(drafter, max_draft=W, adaptive=False, reuse_width=W)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg,drafter",
@@ -69,7 +82,8 @@ def _plain(params, cfg, rng, **kw):
 def test_greedy_equals_plain_greedy(cfg, drafter):
     """Temperature 0: every drafter gives exactly the plain greedy tokens, masks, lengths and (MoE)
     routing; log-probs agree to float32 noise. Reuse is tried with the right completion as the draft
-    and with a corrupted one (a wrong token in the middle)."""
+    (accepted whole: no rejection, every verify step keeps its full window of W drafts + 1) and with
+    a corrupted one (a wrong token in the middle)."""
     params = _params(cfg, 3.0)
     ref = _plain(params, cfg, jax.random.PRNGKey(0), greedy=True)
     drafts = [None]
@@ -77,15 +91,8 @@ def test_greedy_equals_plain_greedy(cfg, drafter):
         bad = np.asarray(ref.tokens_BxT).copy()
         bad[:, 1] = (bad[:, 1] + 1) % cfg.vocab_size
         drafts = [(ref.tokens_BxT, ref.length_B), (jnp.asarray(bad), ref.length_B)]
-    for draft in drafts:
-        out, stats = _run(
-            params,
-            cfg,
-            _spec(drafter, max_draft=3, adaptive=False, reuse_width=3),
-            jax.random.PRNGKey(0),
-            draft,
-            greedy=True,
-        )
+    for i, draft in enumerate(drafts):
+        out, stats = _run(params, cfg, _fixed(drafter), jax.random.PRNGKey(0), draft, greedy=True)
         np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
         np.testing.assert_array_equal(out.completion_mask_BxT, ref.completion_mask_BxT)
         np.testing.assert_array_equal(out.length_B, ref.length_B)
@@ -100,16 +107,41 @@ def test_greedy_equals_plain_greedy(cfg, drafter):
                 np.asarray(ref.routing_BxSxLxK)[:, : P - 1 + T][live],
             )
         assert int(stats.drafted) > 0 and int(stats.self_steps) + int(stats.reuse_steps) > 0
-    if drafter == "reuse":  # the right draft is accepted whole: one verify step per row's completion
+        if drafter == "reuse" and i == 0:  # the right draft: one verify step per W + 1 tokens of the longest row
+            assert int(stats.rejections) == 0, stats
+            assert int(out.num_steps) == -(-int(np.max(ref.length_B)) // (W + 1)) == 2, int(out.num_steps)
+        if drafter == "reuse" and i == 1:
+            assert int(stats.rejections) > 0
+
+
+@pytest.mark.slow
+def test_costs_decide_whether_to_speculate():
+    """With (measured) costs under which no draft length pays, the adaptive loop never speculates;
+    with cheap ones it does. Either way greedy tokens are the plain ones."""
+    params = _params(CFG, 3.0)
+    plain = _plain(params, CFG, jax.random.PRNGKey(0), greedy=True)
+    for verify, draft, speculates in ((4.0, 1.0, False), (1.0, 0.05, True)):
+        costs = StepCosts(jnp.full((W,), verify, jnp.float32), jnp.float32(draft))
         out, stats = _run(
             params,
-            cfg,
-            _spec(drafter, reuse_width=T),
+            CFG,
+            _spec("early_exit", max_draft=W, reuse_width=W),
             jax.random.PRNGKey(0),
-            (ref.tokens_BxT, ref.length_B),
             greedy=True,
+            costs=costs,
+            acceptance_prior=jnp.float32(0.9),
         )
-        assert int(stats.rejections) == 0 and int(out.num_steps) == 1
+        assert (int(stats.self_steps) > 0) == speculates
+        np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
+    # Reuse too: a reused draft is verified only while that is expected to beat a plain step, unless
+    # the control is off (that spec's program is the greedy test's).
+    draft = (plain.tokens_BxT, plain.length_B)
+    for verify, adaptive, reuses in ((1.0, True, True), (8.0, True, False), (8.0, False, True)):
+        costs = StepCosts(jnp.full((W,), verify, jnp.float32), jnp.float32(0.5))
+        spec = _spec("reuse", max_draft=W, reuse_width=W, adaptive=adaptive)
+        out, stats = _run(params, CFG, spec, jax.random.PRNGKey(0), draft=draft, greedy=True, costs=costs)
+        assert (int(stats.reuse_steps) > 0) == reuses, (verify, adaptive)
+        np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
 
 
 @pytest.mark.slow
@@ -120,14 +152,7 @@ def test_temperature_zero_without_greedy_flag(drafter):
     params = _params(CFG, 3.0)
     ref = _plain(params, CFG, jax.random.PRNGKey(0), greedy=True)
     draft = (ref.tokens_BxT, ref.length_B) if drafter == "reuse" else None
-    out, _ = _run(
-        params,
-        CFG,
-        _spec(drafter, max_draft=3, adaptive=False, reuse_width=3),
-        jax.random.PRNGKey(5),
-        draft,
-        temperature=0.0,
-    )
+    out, _ = _run(params, CFG, _fixed(drafter), jax.random.PRNGKey(5), draft, temperature=0.0)
     np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
     np.testing.assert_array_equal(np.asarray(out.logp_BxT), np.zeros(out.logp_BxT.shape, np.float32))
 
@@ -140,7 +165,8 @@ def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     params = _params(cfg, 2.0)
     prompt, pmask = _prompts()
     for drafter in ("early_exit",):  # the int8 drafter's tokens are checked by the greedy and chi-square tests
-        out, stats = _run(params, cfg, _spec(drafter, max_draft=3), jax.random.PRNGKey(3), temperature=0.7)
+        # The temperature is traced: on the dense model this is the program of the test above.
+        out, stats = _run(params, cfg, _fixed(drafter), jax.random.PRNGKey(3), temperature=0.7)
 
         def rows(x):
             return jnp.repeat(x, 2, axis=0)
@@ -172,9 +198,11 @@ def _small_prompt():
     return jnp.asarray([[2, 4, 3]], jnp.int32), jnp.ones((1, S_P), jnp.int32)
 
 
-def _exact_distribution(params, temperature, top_k):
+@functools.cache
+def _exact_distribution(temperature, top_k):
     """{completion tuple (up to and including EOS): probability} by brute force: the probability of
     every length-T token string under the plain sampler's per-step distribution, cut at EOS."""
+    params = _small_params()
     prompt, _ = _small_prompt()
     V = SMALL.vocab_size
     strings = np.array(list(itertools.product(range(V), repeat=S_T)), np.int32)
@@ -197,13 +225,13 @@ def _chi_square_pvalue(tokens, mask, dist):
     )
 
 
-def _sample_small(params, spec, temperature, top_k, seed, draft=None):
+def _sample_small(params, spec, temperature, top_k, seed, draft=None, sampler=sample_speculative):
     prompt, pmask = _small_prompt()
     extra = {}
     if draft is not None:
         d = jnp.broadcast_to(jnp.asarray(draft, jnp.int32), (N_SAMPLES, S_T))
         extra = dict(draft_NxT=d, draft_len_N=jnp.full((N_SAMPLES,), len(draft), jnp.int32))
-    out, stats = sample_speculative(
+    out, stats = sampler(
         params,
         SMALL,
         prompt,
@@ -221,9 +249,13 @@ def _sample_small(params, spec, temperature, top_k, seed, draft=None):
     return out, stats
 
 
+def _small_params():
+    return _params(SMALL, 1.5)
+
+
 @pytest.fixture(scope="module")
 def small_params():
-    return _params(SMALL, 1.5)
+    return _small_params()
 
 
 CASES = [  # (drafter, temperature, top_k, reuse draft)
@@ -242,9 +274,7 @@ def test_sampled_distribution_equals_enumeration(small_params, drafter, temperat
     tested: a good share of them is rejected and a good share accepted."""
     spec = _spec(drafter, max_draft=2, adaptive=False, reuse_width=3)
     out, stats = _sample_small(small_params, spec, temperature, top_k, seed=11, draft=draft)
-    pvalue, df = _chi_square_pvalue(
-        out.tokens_BxT, out.completion_mask_BxT, _exact_distribution(small_params, temperature, top_k)
-    )
+    pvalue, df = _chi_square_pvalue(out.tokens_BxT, out.completion_mask_BxT, _exact_distribution(temperature, top_k))
     assert df >= 8
     assert pvalue > 1e-3, (drafter, pvalue)
     drafted, accepted = int(stats.drafted), int(stats.accepted)
@@ -261,21 +291,32 @@ def _wrong_residual(rng, p, draft, drafted, q=None, approx_old_logp_NxW=None):
     return acceptance.Verdict(a, acceptance.categorical(jax.random.fold_in(rng, 1), p_a))
 
 
+def _retraced_sampler():
+    """sample_speculative's body under a new jit (its own, empty trace cache): traced with whatever
+    acceptance rule is patched in now, without flushing jax's caches (jax.clear_caches() made every
+    later test on this worker compile its programs again)."""
+    body = sample_speculative.__wrapped__.__wrapped__  # temperature_checked(jax.jit(body))
+
+    @functools.wraps(body)  # body's signature: `cfg`, passed by position, is found static by name
+    def retraced(*args, **kwargs):
+        return body(*args, **kwargs)
+
+    static = ("cfg", "spec", "group_size", "max_new_tokens", "top_k", "top_p", "eos_id", "pad_id", "greedy")
+    return jax.jit(retraced, static_argnames=static)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,draft", [("early_exit", None)])
 def test_chi_square_catches_a_wrong_acceptance_rule(small_params, monkeypatch, drafter, draft):
     """The same test with the residual replaced by p (the most common speculative-sampling bug) fails
     by a wide margin: the test has the power to tell a wrong rule from the right one."""
     monkeypatch.setattr(acceptance, "verify_sampled", _wrong_residual)
-    jax.clear_caches()  # sample_speculative is jitted: retrace with the wrong rule
     try:
-        out, _ = _sample_small(
-            small_params, _spec(drafter, max_draft=2, adaptive=False, reuse_width=3), 1.0, 0, 11, draft
-        )
+        spec = _spec(drafter, max_draft=2, adaptive=False, reuse_width=3)
+        out, _ = _sample_small(small_params, spec, 1.0, 0, 11, draft, sampler=_retraced_sampler())
     finally:
         monkeypatch.undo()
-        jax.clear_caches()
-    pvalue, _ = _chi_square_pvalue(out.tokens_BxT, out.completion_mask_BxT, _exact_distribution(small_params, 1.0, 0))
+    pvalue, _ = _chi_square_pvalue(out.tokens_BxT, out.completion_mask_BxT, _exact_distribution(1.0, 0))
     assert pvalue < 1e-6, pvalue
 
 
@@ -312,38 +353,6 @@ def test_draft_length_choice():
     # A verify step costing 3 plain steps (this CPU): even at r=0.9 the best, k=4, gives 4.0951/5 < 1.
     k, gain = choose_draft_length(jnp.float32(0.9), 4, 0.5, True, verify_cost=3.0)
     assert int(k) == 4 and abs(float(gain) - (1 - 0.9**5) / 0.1 / 5.0) < 1e-5
-
-
-@pytest.mark.slow
-def test_costs_decide_whether_to_speculate():
-    """With (measured) costs under which no draft length pays, the adaptive loop never speculates;
-    with cheap ones it does. Either way greedy tokens are the plain ones."""
-    params = _params(CFG, 2.0)
-    plain = _plain(params, CFG, jax.random.PRNGKey(0), greedy=True)
-    spec = _spec("early_exit", max_draft=3)
-    for verify, draft, speculates in ((4.0, 1.0, False), (1.0, 0.05, True)):
-        costs = StepCosts(jnp.full((3,), verify, jnp.float32), jnp.float32(draft))
-        out, stats = _run(
-            params, CFG, spec, jax.random.PRNGKey(0), greedy=True, costs=costs, acceptance_prior=jnp.float32(0.9)
-        )
-        assert (int(stats.self_steps) > 0) == speculates
-        np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
-    # Reuse too: a reused draft is verified only while that is expected to beat a plain step, unless
-    # the control is off.
-    draft = (plain.tokens_BxT, plain.length_B)
-    for verify, adaptive, reuses in ((1.0, True, True), (8.0, True, False), (8.0, False, True)):
-        costs = StepCosts(jnp.full((T,), verify, jnp.float32), jnp.float32(0.5))
-        out, stats = _run(
-            params,
-            CFG,
-            _spec("reuse", reuse_width=T, adaptive=adaptive),
-            jax.random.PRNGKey(0),
-            draft=draft,
-            greedy=True,
-            costs=costs,
-        )
-        assert (int(stats.reuse_steps) > 0) == reuses, (verify, adaptive)
-        np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
 
 
 def test_worth_speculating_by_hand():

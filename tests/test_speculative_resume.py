@@ -15,7 +15,14 @@ from jaxrl.rollout import calibrate
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
 
-STEPS = 4
+
+def _steps(drafter):
+    """Reuse drafts from step 3 on (a prompt's previous completions), so its run resumes into step 3;
+    the self-drafters speculate from step 1, so theirs resume into step 2. The resumed run's first step
+    is the one that needs the costs and the draft store from the checkpoint."""
+    return 3 if drafter == "reuse" else 2
+
+
 TIMING = ("rollout/tokens_per_s", "rollout/seconds", "step_seconds", "wall_time")
 SPEC = [
     "rollout.speculative.enabled=true",
@@ -30,13 +37,14 @@ SPEC = [
 def _config(drafter):
     # 8 prompts, 4 a step: every prompt comes back after 2 steps, so reuse has drafts to verify.
     extra = [
-        f"train.steps={STEPS}",
+        f"train.steps={_steps(drafter)}",
         "checkpoint.every=1",
         "checkpoint.keep=10",
         "data.num_train=8",
         f"rollout.speculative.drafter={drafter}",
-        "model.n_layers=2",
     ]
+    if drafter == "early_exit":  # its drafter is the first of 2 layers; the others run the preset's 1-layer
+        extra.append("model.n_layers=2")  # model, whose update and warm start the suite has compiled already
     return load_config(config_path("grpo"), overrides("grpo") + SPEC + extra)
 
 
@@ -81,9 +89,9 @@ def test_speculative_reruns_and_resumes_match(
 ):
     from jaxrl.train.loop import train
 
-    cfg = _config(drafter)
+    cfg, steps = _config(drafter), _steps(drafter)
     first = train(cfg, tmp_path / "first")
-    assert [r["step"] for r in first] == list(range(STEPS + 1))
+    assert [r["step"] for r in first] == list(range(steps + 1))
     assert len(flaky_timer) == 1
     # Reuse drafts from step 3 on (each prompt's previous completions); the self-drafters from step 1.
     assert all(r["spec/speculated_frac"] > 0 for r in first[3 if drafter == "reuse" else 1 :]), "never speculated"
@@ -92,19 +100,18 @@ def test_speculative_reruns_and_resumes_match(
     # A second fresh run on this machine reads the cached costs instead of timing again.
     second = train(cfg, tmp_path / "second")
     assert len(flaky_timer) == 1 and "cached in" in capsys.readouterr().err
-    _same(first, second, range(STEPS + 1))
+    _same(first, second, range(steps + 1))
 
-    # A kill after step 2's checkpoint: the later checkpoints never finished. The resumed run takes the
-    # costs and the draft store from the checkpoint and ends exactly like the uninterrupted run.
+    # A kill after the last step's checkpoint began: it never finished. The resumed run takes the
+    # costs and the draft store from the previous checkpoint and ends exactly like the uninterrupted run.
     shutil.rmtree(tmp_path / "cache")
     killed = tmp_path / "killed"
     shutil.copytree(tmp_path / "first", killed)
-    for step in range(3, STEPS + 1):
-        shutil.rmtree(killed / "checkpoints" / str(step))
+    shutil.rmtree(killed / "checkpoints" / str(steps))
     resumed = train(cfg, killed)
     assert len(flaky_timer) == 1 and "from the checkpoint" in capsys.readouterr().err
-    assert [r["step"] for r in resumed] == list(range(STEPS + 1))
-    _same(first, resumed, range(STEPS + 1))
+    assert [r["step"] for r in resumed] == list(range(steps + 1))
+    _same(first, resumed, range(steps + 1))
 
 
 def test_draft_store_round_trip():
