@@ -3,6 +3,7 @@
 import dataclasses
 
 from jaxrl.config_checks import _check
+from jaxrl.config_lora import LoraConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,8 @@ class ModelConfig:
     # The checkpoint's own context length (config.json max_position_embeddings; 0: not from a checkpoint).
     # Not used by the computation (max_seq_len is the run's length); export writes it back.
     hf_max_position_embeddings: int = 0
+    # Low-rank adapters on the frozen base (jaxrl.models.lora); rank 0 (the default): full fine-tuning.
+    lora: LoraConfig = LoraConfig()
 
     @property
     def n_moe_layers(self) -> int:
@@ -73,6 +76,7 @@ class ModelConfig:
         _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "'float32' or 'bfloat16'", self.dtype)
         self._validate_moe(prefix)
         self._validate_checkpoint_features(prefix)
+        self.lora.validate(f"{prefix}.lora")
 
     def _validate_checkpoint_features(self, prefix: str) -> None:
         _check(
