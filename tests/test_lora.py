@@ -188,3 +188,13 @@ def test_targets_parse_from_the_command_line():
     cfg = apply_overrides(Config(), ["model.lora.rank=8", "model.lora.targets=q, v"])
     assert cfg.model.lora.targets == ("q", "v") and cfg.model.lora.enabled and cfg.model.lora.scale == 2.0
     hash(cfg.model)  # the model config stays a valid static jit argument
+
+
+def test_fingerprint_tells_bases_apart():
+    params, logical, _ = _setup(DENSE, LORA)
+    fp = lora.fingerprint(params)
+    assert lora.same_fingerprint(fp, lora.fingerprint(jax.tree.map(jnp.copy, params)))
+    other = jax.tree.map(lambda x: x, params)
+    other["blocks"]["attn"]["q"] = other["blocks"]["attn"]["q"].at[0, 0, 0, 0].add(0.05)
+    assert not lora.same_fingerprint(fp, lora.fingerprint(other))
+    assert not lora.same_fingerprint(fp, fp[:-2])

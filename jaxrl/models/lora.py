@@ -205,3 +205,19 @@ def merge(base: Any, adapters: dict | None, cfg: LoraConfig, logical: Any) -> An
         return w + d_SxIxO.reshape(*stack, *ins, *outs)
 
     return _with_axes(add, dense, logical)
+
+
+def fingerprint(base: Any) -> list[float]:
+    """A cheap identity of the base weights, stored with LoRA checkpoints (which hold only adapters) so
+    that a resume or an export on a different base is refused: per leaf, the sum and the sum of squares
+    of its float32 values (in path order)."""
+    out = []
+    for w in jax.tree.leaves(dense_base(base)):
+        w64 = jnp.asarray(w, jnp.float32)
+        out += [float(jnp.sum(w64)), float(jnp.sum(w64 * w64))]
+    return out
+
+
+def same_fingerprint(a: list[float], b: list[float], rtol: float = 1e-5) -> bool:
+    """Equal up to float32 summation order (another device count or platform reduces differently)."""
+    return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(x), abs(y), 1e-6) for x, y in zip(a, b))
