@@ -277,13 +277,13 @@ def _sharded_worker() -> None:
     runs = {}
     for preset in ("single", "fsdp"):
         _, run, state, state_sh, optimizer, param_sh = build(DENSE, LORA, MeshConfig(preset=preset))
+        out[f"{preset}_split"] = [  # the state as created (the update donates it): adapters, base
+            isinstance(x.sharding.spec, PartitionSpec) and any(ax is not None for ax in x.sharding.spec)
+            for x in (jax.tree.leaves(state.params)[0], jax.tree.leaves(state.base)[0])
+        ]
         policy = lora_state.policy_fn(run, state_sh, param_sh)(state)
         new, metrics = update_fn(DENSE, run, optimizer, kl_beta=0.1)(state, batch())
         runs[preset] = (_host(policy), _host(new.params), {k: float(v) for k, v in metrics.items()})
-        out[f"{preset}_split"] = [
-            any(ax is not None for ax in x.sharding.spec) and isinstance(x.sharding.spec, PartitionSpec)
-            for x in (jax.tree.leaves(new.params)[0], jax.tree.leaves(new.base)[0])
-        ]
     (p1, a1, m1), (p8, a8, m8) = runs["single"], runs["fsdp"]
     out["policy"] = max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)))
     out["adapters"] = max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a1), jax.tree.leaves(a8)))
