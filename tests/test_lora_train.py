@@ -212,6 +212,23 @@ def test_checkpoints_hold_adapters_and_the_bases_identity_only(lora_run, cache_e
     assert all(math.isfinite(x) for x in host["lora"]["fingerprint"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "source",
+    [
+        ["rollout.engine.enabled=true", "rollout.engine.slots=8", "rollout.engine.admission=fill"],
+        ["rollout.speculative.enabled=true", "rollout.speculative.drafter=int8"],
+    ],
+    ids=["engine", "speculative_int8"],
+)
+def test_the_engine_and_the_speculative_sampler_roll_out_the_merged_policy(source, tmp_path, in_process_cache):
+    overrides = [o for o in OVERRIDES if not o.startswith(("train.steps", "loss.kl_beta"))]
+    cfg = load_config(DEFAULT_CONFIG, [*overrides, "train.steps=3", "checkpoint.every=0", *source])
+    rows = loop.train(cfg, tmp_path / "run")
+    assert all(r["grad_norm"] > 0 for r in rows[1:])  # the adapters moved before steps 2 and 3 sampled
+    assert all(r["mismatch_abs_logp"] < 1e-5 for r in rows[1:]), [r["mismatch_abs_logp"] for r in rows[1:]]
+
+
 def _copy_without_newest(workdir: pathlib.Path, copy: pathlib.Path) -> pathlib.Path:
     shutil.copytree(workdir, copy)
     shutil.rmtree(copy / "checkpoints" / str(STEPS))
