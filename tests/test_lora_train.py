@@ -146,6 +146,16 @@ def test_warm_start_cache_key_ignores_lora():
         assert cache_key(cfg, with_lora, "abc") == cache_key(cfg, model, "abc")
 
 
+def test_the_lora_config_is_the_default_run_with_adapters_on_the_same_base():
+    full = load_config(DEFAULT_CONFIG, [])
+    cfg = load_config(DEFAULT_CONFIG.with_name("grpo_arithmetic_lora.py"), [])
+    assert cfg.model.lora.rank == 8 and set(cfg.model.lora.targets) == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert cfg.optim.learning_rate == 1e-3
+    assert dataclasses.replace(cfg, model=full.model, optim=full.optim) == full
+    model = dataclasses.replace(full.model, vocab_size=20)
+    assert cache_key(cfg, dataclasses.replace(cfg.model, vocab_size=20), "v") == cache_key(full, model, "v")
+
+
 def test_resume_checks_name_the_mismatch():
     run = lora_state.LoraRun(LORA, None, pathlib.Path("/bases/one"), [1.0, 2.0])
     lora_state.check_resume(run, lora_state.checkpoint_item(run), 4, "ckpts")  # the same base: fine
