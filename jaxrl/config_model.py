@@ -54,6 +54,17 @@ class ModelConfig:
     # Low-rank adapters on the frozen base (jaxrl.models.lora); rank 0 (the default): full fine-tuning.
     lora: LoraConfig = LoraConfig()
 
+    @classmethod
+    def from_dict(cls, saved: dict) -> "ModelConfig":
+        """A ModelConfig from its JSON form (a run's config.json `model`, a converted model_config.json):
+        fields this version does not know are ignored, `lora` becomes its section, lists become tuples."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        flat = {k: v for k, v in saved.items() if k in names and k != "lora"}
+        lora = saved.get("lora") or {}
+        lora_names = {f.name for f in dataclasses.fields(LoraConfig)}
+        lora = {k: tuple(v) if isinstance(v, list) else v for k, v in lora.items() if k in lora_names}
+        return cls(**flat, lora=LoraConfig(**lora))
+
     @property
     def n_moe_layers(self) -> int:
         return (self.n_layers - self.dense_tail_layers) // self.moe_every if self.n_experts else 0

@@ -3,6 +3,7 @@ the merge equals a naive per-matrix loop, the int8 base stays within half a quan
 every user mistake in model.lora.* is a one-line error naming the field."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -198,3 +199,12 @@ def test_fingerprint_tells_bases_apart():
     other["blocks"]["attn"]["q"] = other["blocks"]["attn"]["q"].at[0, 0, 0, 0].add(0.05)
     assert not lora.same_fingerprint(fp, lora.fingerprint(other))
     assert not lora.same_fingerprint(fp, fp[:-2])
+
+
+def test_model_config_round_trips_its_json_form_with_the_lora_section():
+    cfg = dataclasses.replace(DENSE, lora=LoraConfig(rank=4, targets=("q", "v"), base_dtype="int8"))
+    saved = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as config.json / model_config.json hold it
+    assert ModelConfig.from_dict(saved) == cfg
+    assert ModelConfig.from_dict({**saved, "a_field_from_the_future": 1}) == cfg
+    no_lora = {k: v for k, v in saved.items() if k != "lora"}  # written before LoRA existed
+    assert ModelConfig.from_dict(no_lora).lora == LoraConfig()

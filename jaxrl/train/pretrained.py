@@ -55,7 +55,9 @@ def checkpoint_config(model: ModelConfig) -> ModelConfig:
     saved = json.loads((path / MODEL_CONFIG).read_text())
     if "hf_max_position_embeddings" not in saved and (path / "config.json").is_file():  # converted before it existed
         saved["hf_max_position_embeddings"] = hf.read_config(path).get("max_position_embeddings") or 0
-    cfg = dataclasses.replace(ModelConfig(**saved), hf_path="", **{f: getattr(model, f) for f in RUNTIME_FIELDS})
+    cfg = dataclasses.replace(
+        ModelConfig.from_dict(saved), hf_path="", **{f: getattr(model, f) for f in RUNTIME_FIELDS}
+    )
     cfg.validate()
     return cfg
 
@@ -125,9 +127,7 @@ def _run_params(run: pathlib.Path):
         return policy.model_cfg, jax.tree.map(np.asarray, policy.merged()), policy.tokenizer_dir
     run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
     assert run_cfg is not None  # the caller found config.json
-    model = ModelConfig(
-        **{k: v for k, v in run_cfg["model"].items() if k in {f.name for f in dataclasses.fields(ModelConfig)}}
-    )
+    model = ModelConfig.from_dict(run_cfg["model"])
     side = None
     if model.hf_path:
         cfg = checkpoint_config(model)
