@@ -98,6 +98,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MB",
         help="--to-hf: split the safetensors into shards of at most this size (0: one file)",
     )
+    c.add_argument(
+        "--peft-adapter",
+        dest="peft_adapter",
+        default=None,
+        metavar="DIR",
+        help="a LoRA run only: write its adapters here as a PEFT adapter directory; --to-hf then gets the frozen "
+        "base they apply to (without this flag --to-hf gets the merged weights)",
+    )
     _add_eval_parser(sub)
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
     v.add_argument(
@@ -267,10 +275,20 @@ def main(argv: list[str] | None = None) -> int:
                 or bool(args.from_) != bool(args.to_hf)
             ):
                 raise UserError("convert: give either --from-hf DIR --to DIR, or --from DIR --to-hf DIR")
+            if args.peft_adapter and args.from_hf:
+                raise UserError("convert: --peft-adapter goes with --from RUN --to-hf DIR (a LoRA run's export)")
             if args.from_hf:
                 pretrained.convert_from_hf(args.from_hf, args.to)
             else:
-                pretrained.convert_to_hf(args.from_, args.to_hf, args.dtype, args.max_shard_mb * 2**20)
+                pretrained.convert_to_hf(
+                    args.from_, args.to_hf, args.dtype, args.max_shard_mb * 2**20, peft_dir=args.peft_adapter
+                )
+                if args.peft_adapter:
+                    print(
+                        f"jaxrl: wrote the frozen base to {args.to_hf} and the PEFT adapter to {args.peft_adapter} "
+                        "(PeftModel.from_pretrained(base, adapter))",
+                        file=sys.stderr,
+                    )
             return 0
         if args.command == "variants":
             print(variants_table(args.configs))

@@ -43,7 +43,9 @@ def _parse_value(field: str, text: str, typ) -> Any:
     if typ is str:
         return text
     if typ is tuple or origin is tuple:
-        parts = [p for p in text.strip("()[] ").split(",") if p.strip()]
+        parts = [p.strip() for p in text.strip("()[] ").split(",") if p.strip()]
+        if typing.get_args(typ)[:1] == (str,):  # tuple[str, ...]: names, e.g. model.lora.targets=q,v
+            return tuple(p.strip("'\"") for p in parts)
         try:
             return tuple(float(p) for p in parts)
         except ValueError:
@@ -72,9 +74,11 @@ def _check_type(field: str, value: Any, typ) -> Any:
         raise ConfigError(f"{field}: got {value!r}, expected a number")
     if typ is str and not isinstance(value, str):
         raise ConfigError(f"{field}: got {value!r}, expected a string")
-    if typ is tuple:
+    if typ is tuple or typing.get_origin(typ) is tuple:
         if not isinstance(value, (tuple, list)):
             raise ConfigError(f"{field}: got {value!r}, expected a tuple")
+        if typing.get_args(typ)[:1] == (str,) and not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{field}: got {value!r}, expected a tuple of names")
         return tuple(value)
     return value
 

@@ -3,6 +3,7 @@
 import dataclasses
 
 from jaxrl.config_checks import _check
+from jaxrl.config_lora import LoraConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,19 @@ class ModelConfig:
     # The checkpoint's own context length (config.json max_position_embeddings; 0: not from a checkpoint).
     # Not used by the computation (max_seq_len is the run's length); export writes it back.
     hf_max_position_embeddings: int = 0
+    # Low-rank adapters on the frozen base (jaxrl.models.lora); rank 0 (the default): full fine-tuning.
+    lora: LoraConfig = LoraConfig()
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "ModelConfig":
+        """A ModelConfig from its JSON form (a run's config.json `model`, a converted model_config.json):
+        fields this version does not know are ignored, `lora` becomes its section, lists become tuples."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        flat = {k: v for k, v in saved.items() if k in names and k != "lora"}
+        lora = saved.get("lora") or {}
+        lora_names = {f.name for f in dataclasses.fields(LoraConfig)}
+        lora = {k: tuple(v) if isinstance(v, list) else v for k, v in lora.items() if k in lora_names}
+        return cls(**flat, lora=LoraConfig(**lora))
 
     @property
     def n_moe_layers(self) -> int:
@@ -73,6 +87,7 @@ class ModelConfig:
         _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "'float32' or 'bfloat16'", self.dtype)
         self._validate_moe(prefix)
         self._validate_checkpoint_features(prefix)
+        self.lora.validate(f"{prefix}.lora")
 
     def _validate_checkpoint_features(self, prefix: str) -> None:
         _check(

@@ -119,6 +119,42 @@ def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_proce
     assert back.config.max_position_embeddings == 32768 and cfg.model.max_seq_len == 1024
 
 
+@pytest.mark.slow
+def test_lora_on_the_hf_stand_in_trains_adapters_over_its_weights(stand_in, tmp_path, in_process_cache):
+    """model.lora on a checkpoint loaded from model.hf_path: the KL against the base starts at exactly
+    0, and the checkpoint points at the HF directory as its base (adapters only)."""
+    from jaxrl.train.loop import train
+
+    d, jsonl = stand_in
+    overrides = [
+        f"model.hf_path={d}",
+        f"data.train_file={jsonl}",
+        "data.test_file=",
+        "data.num_test=1",
+        "model.dtype=float32",
+        "data.prompt_template=Q: {question} A:",
+        "data.max_prompt_len=64",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "train.steps=2",
+        "train.eval_prompts=1",
+        "train.eval_every=0",
+        "train.progress=false",
+        "train.microbatches=1",
+        "checkpoint.every=2",
+        "mesh.preset=single",
+        "loss.kl_beta=0.1",
+        "model.lora.rank=2",
+        "model.lora.base_dtype=bfloat16",
+    ]
+    rows = train(load_config(RECIPE, overrides), tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["kl"] == 0.0
+    assert all(np.isfinite(r["loss"]) for r in rows[1:])
+    host = json.loads((tmp_path / "run" / "checkpoints" / "2" / "host" / "metadata").read_text())
+    assert host["lora"]["base_path"] == str(d)
+
+
 def test_convert_from_hf_then_train_start_loads_the_same_model(stand_in, tmp_path, capsys):
     import jax
 

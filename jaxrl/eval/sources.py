@@ -11,6 +11,8 @@ tokenizer, the model config and the params, laid out by the config's mesh preset
 is read as the config's model (its tokenizer: model.hf_path's, else the character tokenizer); when the
 run's config.json is next to it, a model.* field that differs from the config is an error naming it.
 Only the params are read from the checkpoint (orbax partial restore), not the optimizer state.
+A LoRA run's checkpoint holds adapters only: its policy is the base rebuilt as training builds it,
+merged with them (jaxrl.train.lora_run).
 """
 
 from __future__ import annotations
@@ -141,7 +143,11 @@ def run_model(cfg: Config, located: Located, overrides: Sequence[str] = ()) -> C
         )
     if not differ:
         return cfg
-    model = dataclasses.replace(cfg.model, **{k.split(".", 1)[1]: old for k, (old, _) in differ.items()})
+    from jaxrl.config_load import override
+
+    model = cfg.model
+    for k, (old, _) in differ.items():  # nested fields too (model.lora.rank)
+        model = override(model, k.split(".", 1)[1], tuple(old) if isinstance(old, list) else old)
     print(
         f"jaxrl: the run's model from {located.run_dir / 'config.json'} ("
         + ", ".join(f"{k}={old!r}" for k, (old, _) in differ.items())
@@ -207,6 +213,8 @@ def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: boo
         tokenizer, model_cfg, params, path, _ = load_pretrained(model, mesh, preset)
         return Policy(tokenizer, model_cfg, params, str(path))
     tokenizer, model_cfg = config_model(cfg)
+    if located.step_dir is not None and cfg.model.lora.enabled:
+        return _lora_policy(cfg, located, mesh, preset, tokenizer)
     if located.step_dir is not None:
         return Policy(
             tokenizer, model_cfg, restore_params(located.step_dir, model_cfg, mesh, preset), str(located.step_dir)
@@ -220,3 +228,15 @@ def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: boo
         cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet, progress=progress, shardings=shardings
     )
     return Policy(tokenizer, model_cfg, jax.device_put(params, shardings), str(path))
+
+
+def _lora_policy(cfg: Config, located: Located, mesh, preset, tokenizer) -> Policy:
+    """A LoRA checkpoint's merged policy: the base rebuilt from the run's own config (its warm-start key
+    depends on data.*, warmstart.*, ...) when its config.json is there, else from `cfg`."""
+    from jaxrl.train import lora_run
+
+    assert located.step_dir is not None
+    run_cfg = lora_run.run_config(located.run_dir) if located.run_dir is not None else cfg
+    policy = lora_run.load_policy(run_cfg, located.step_dir, mesh, preset)
+    _, shardings = _param_shardings(policy.model_cfg, mesh, preset)
+    return Policy(tokenizer, policy.model_cfg, jax.device_put(policy.merged(), shardings), str(located.step_dir))

@@ -54,6 +54,7 @@ from jaxrl.sharding import (
     replicated,
 )
 from jaxrl.train import checkpoint as ckpt
+from jaxrl.train import lora_state
 from jaxrl.train.agent_source import AgentSource, check_agent_config, make_agent_evaluator
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.group_sources import EngineSource, StaticSource
@@ -63,7 +64,7 @@ from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.report import emit
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.scoring import RowLayout, assemble_batch
-from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
+from jaxrl.train.state import TrainState, init_state, make_optimizer, saved_part, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.warmstart import cache_root, load_or_train_base
 from jaxrl.train.workdir import RunRecord, open_run
@@ -95,6 +96,8 @@ class Run(NamedTuple):
     saver: ckpt.BackgroundSaver  # the orbax checkpoint manager, saving off the loop's thread
     log: MetricsLog
     base_path: pathlib.Path  # where the base policy came from
+    policy: Callable  # state -> the params the rollout and the evaluation use (under LoRA: merged)
+    lora: lora_state.LoraRun | None  # None for full fine-tuning
 
 
 def train(cfg: Config, workdir: pathlib.Path, allow_config_change: bool = False) -> list[dict]:
@@ -118,21 +121,25 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
     )
     last_eval = {}
     try:
+        policy = run.policy(state)  # once per state: under LoRA, the merged params
         if start == 0 and tc.steps >= 0:
-            last_eval = run.evaluate(state.params)
+            last_eval = run.evaluate(policy)
             run.log.write({"step": 0, **last_eval, "wall_time": time.time()})
             if is_primary():
                 plot(run.log.rows, workdir / "progress.png", title=str(workdir.name))
         pending = None  # (row, device metrics, t0) of the step dispatched last: pulled after the next dispatch
         for step in range(start + 1, tc.steps + 1):
             t0 = time.perf_counter()
-            state, produced = produce_scored_groups(run, state, stream, step)
+            state, produced = produce_scored_groups(run, state, policy, stream, step)
             stream, row = produced.stream, {"step": step, **produced.metrics}
             batch = assemble_batch(produced.host_batch, produced.routing_BxSxLxK, run.mesh, run.preset, run.rows.n)
             state, metrics = run.update(state, batch)
+            policy = run.policy(state)
             if pending is not None:
                 emit(run.log, bar, *pending)
-            pending, evaluated, stopping = log_and_checkpoint(run, state, stream, step, (row, metrics, t0), stop, bar)
+            pending, evaluated, stopping = log_and_checkpoint(
+                run, (state, policy), stream, step, (row, metrics, t0), stop, bar
+            )
             last_eval = last_eval if evaluated is None else evaluated
             if stopping:
                 break
@@ -165,11 +172,18 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     tokenizer, model_cfg, task, base_params, base_path, param_sh = _build(cfg, tc.progress, mesh, preset)
     optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
-    state, state_sh = _initial_state(base_params, optimizer, tc.seed, param_sh, rep, with_ref=loss.needs_ref)
+    layout = (mesh, preset, param_sh, rep)
+    if cfg.model.lora.enabled:  # adapters trained, the base frozen; the reference is the base (no copy)
+        lora = lora_state.LoraRun(cfg.model.lora, param_logical_axes(model_cfg), base_path, [])
+        state, state_sh, lora = lora_state.initial_state(base_params, optimizer, tc.seed, lora, layout)
+    else:
+        state, state_sh = _initial_state(base_params, optimizer, tc.seed, param_sh, rep, with_ref=loss.needs_ref)
+        lora = None
     del base_params
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
-    resumed_step, state, stream, host = _restore(manager, state, loss, record)
+    resumed_step, state, stream, host = _restore(manager, state, loss, record, lora)
+    policy = lora_state.policy_fn(lora, state_sh, param_sh)
     log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
 
     logp_fn = make_logp_fn(
@@ -190,10 +204,11 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
         max_new_tokens=rc.max_new_tokens,
         group_size=G,
         use_ref=loss.needs_ref,
+        merge=lora_state.merge_fn(lora),
     )
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
     # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
-    source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, (mesh, preset, param_sh, rep), state, rows, host)
+    source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, layout, (policy(state), state.rng), rows, host)
     run = Run(
         cfg,
         workdir,
@@ -208,6 +223,8 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
         ckpt.BackgroundSaver(manager),
         log,
         base_path,
+        policy,
+        lora,
     )
     return run, state, stream, resumed_step or 0
 
@@ -221,9 +238,10 @@ def prompt_groups(cfg: Config) -> int:
     return cfg.rollout.group_size if cfg.train.share_prefix and static else 0
 
 
-def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, state: TrainState, rows: RowLayout, host: dict):
+def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: tuple, rows: RowLayout, host: dict):
     """(the rollout source, the evaluator): multi-turn episodes for an environment task, else the slot
-    engine or the static sampler, each with its held-out evaluation."""
+    engine or the static sampler, each with its held-out evaluation. policy_rng: the params the
+    rollout uses (for shapes and step costs) and the state's RNG."""
     mesh, preset, param_sh, rep = layout
     if is_agent_task(cfg.data.task):  # multi-turn episodes (jaxrl.train.agent_source)
         suite = load_suite(cfg.data.task)
@@ -243,8 +261,8 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, state: TrainS
                 mesh,
                 preset,
                 param_sh,
-                state.params,
-                state.rng,
+                policy_rng[0],
+                policy_rng[1],
                 host,
                 cache_root(cfg) / "speculative_costs",
             ),
@@ -256,12 +274,17 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, state: TrainS
     return source, evaluate
 
 
-def _restore(manager, state: TrainState, loss, record: RunRecord):
-    """-> (the restored step or None, state, stream position, the checkpoint's JSON item ({} when fresh))."""
-    restored = ckpt.restore_latest(manager, ckpt.match_reference(manager, ckpt.abstract_like(state)))
+def _restore(manager, state: TrainState, loss, record: RunRecord, lora):
+    """-> (the restored step or None, state, stream position, the checkpoint's JSON item ({} when fresh)).
+    A checkpoint holds no LoRA base: `state`'s own (rebuilt as at the start) stays, if it is the same."""
+    lora_state.check_latest(manager, lora)  # before the restore: a LoRA/full mismatch fails it unclearly
+    saved = ckpt.abstract_like(saved_part(state))
+    restored = ckpt.restore_latest(manager, ckpt.match_reference(manager, saved))
     if restored is None:
         return None, state, StreamState(0, 0), {}
-    start, state, host = restored
+    start, restored_state, host = restored
+    lora_state.check_resume(lora, host, start, manager.directory)
+    state = TrainState(*restored_state, base=state.base)
     if not loss.needs_ref:  # a reference copy from a checkpoint written before it was optional
         state = state._replace(ref_params=None)
     record.commit(start)  # an allowed config change is recorded only once the checkpoint restored
@@ -300,25 +323,26 @@ def _lazily_jitted_update(update_for, tc, state_sh, rep, mesh) -> Callable:
     return update
 
 
-def produce_scored_groups(run: Run, state: TrainState, stream: StreamState, step: int):
-    """The step's scored groups from the rollout source (prompts from `stream`). -> (state with its
-    RNG advanced, `Produced`: this process's host batch, the metrics row so far, the stream after)."""
+def produce_scored_groups(run: Run, state: TrainState, policy, stream: StreamState, step: int):
+    """The step's scored groups from the rollout source (prompts from `stream`), sampled from `policy`
+    (`run.policy(state)`). -> (state with its RNG advanced, `Produced`: this process's host batch, the
+    metrics row so far, the stream after)."""
     rng, k_sample = jax.random.split(state.rng)
     state = state._replace(rng=rng)
-    return state, run.source.produce(state.params, stream, k_sample, step)
+    return state, run.source.produce(policy, stream, k_sample, step)
 
 
-def log_and_checkpoint(
-    run: Run, state: TrainState, stream: StreamState, step: int, pending: tuple, stop: _StopFlag, bar
-):
+def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int, pending: tuple, stop: _StopFlag, bar):
     """After the step's update is dispatched: evaluate on the cadence, write the row when a save or
     an eval needs it now (else it stays pending, pulled after the next dispatch), checkpoint, and
-    see a SIGTERM. -> (what is still pending or None, the eval metrics or None, stopping)."""
+    see a SIGTERM. updated: (the state after the update, its policy). -> (what is still pending or
+    None, the eval metrics or None, stopping)."""
     cfg, tc = run.cfg, run.cfg.train
+    state, policy = updated
     row, evaluated = pending[0], None
     still_pending: tuple | None = pending
     if tc.eval_every and step % tc.eval_every == 0 or step == tc.steps:
-        evaluated = run.evaluate(state.params)
+        evaluated = run.evaluate(policy)
         row.update(evaluated)
     # Read once: a signal landing later in this step is seen next step. All processes agree.
     stopping = any_process(stop.requested)
@@ -328,8 +352,9 @@ def log_and_checkpoint(
         still_pending = None
     if "eval/accuracy" in row and is_primary():
         plot(run.log.rows, run.workdir / "progress.png", title=str(run.workdir.name))
-    if save_now:  # the JSON item: the data position, then the rollout source's host state
-        run.saver.save(step, state, {"stream": stream._asdict(), **run.source.checkpoint_state()}, force=True)
+    if save_now:  # the JSON item: the data position, the rollout source's host state, the LoRA base's identity
+        host = {"stream": stream._asdict(), **run.source.checkpoint_state(), **lora_state.checkpoint_item(run.lora)}
+        run.saver.save(step, saved_part(state), host, force=True)
     if stopping:
         print(f"jaxrl: SIGTERM received; saved step {step} to {run.workdir / 'checkpoints'}", file=sys.stderr)
     return still_pending, evaluated, stopping

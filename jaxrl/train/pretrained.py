@@ -55,7 +55,9 @@ def checkpoint_config(model: ModelConfig) -> ModelConfig:
     saved = json.loads((path / MODEL_CONFIG).read_text())
     if "hf_max_position_embeddings" not in saved and (path / "config.json").is_file():  # converted before it existed
         saved["hf_max_position_embeddings"] = hf.read_config(path).get("max_position_embeddings") or 0
-    cfg = dataclasses.replace(ModelConfig(**saved), hf_path="", **{f: getattr(model, f) for f in RUNTIME_FIELDS})
+    cfg = dataclasses.replace(
+        ModelConfig.from_dict(saved), hf_path="", **{f: getattr(model, f) for f in RUNTIME_FIELDS}
+    )
     cfg.validate()
     return cfg
 
@@ -114,15 +116,18 @@ def convert_from_hf(src, dst) -> ModelConfig:
 
 
 def _run_params(run: pathlib.Path):
-    """(model_cfg, params, source dir of tokenizer files or None) of a run's newest checkpoint."""
+    """(model_cfg, params, source dir of tokenizer files or None) of a run's newest checkpoint; a LoRA
+    run's params are its merged policy (the base rebuilt, jaxrl.train.lora_run)."""
     from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.train import lora_run
     from jaxrl.train.workdir import read_run_config
 
+    if lora_run.is_lora_run(run):
+        policy = lora_run.run_policy(run)
+        return policy.model_cfg, jax.tree.map(np.asarray, policy.merged()), policy.tokenizer_dir
     run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
     assert run_cfg is not None  # the caller found config.json
-    model = ModelConfig(
-        **{k: v for k, v in run_cfg["model"].items() if k in {f.name for f in dataclasses.fields(ModelConfig)}}
-    )
+    model = ModelConfig.from_dict(run_cfg["model"])
     side = None
     if model.hf_path:
         cfg = checkpoint_config(model)
@@ -138,9 +143,13 @@ def _run_params(run: pathlib.Path):
     return cfg, jax.tree.map(np.asarray, params), side
 
 
-def convert_to_hf(src, dst, dtype: str = "float32", max_shard_bytes: int = 0) -> ModelConfig:
-    """A converted directory, or a run directory's newest checkpoint -> a HF checkpoint directory."""
+def convert_to_hf(src, dst, dtype: str = "float32", max_shard_bytes: int = 0, peft_dir=None) -> ModelConfig:
+    """A converted directory, or a run directory's newest checkpoint -> a HF checkpoint directory.
+    With `peft_dir` (a LoRA run only): `dst` gets the frozen base policy and `peft_dir` the adapters as
+    a PEFT adapter directory whose base is `dst` (jaxrl.models.peft_export)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if peft_dir is not None:
+        return _convert_to_peft(src, dst, pathlib.Path(peft_dir), dtype, max_shard_bytes)
     if (src / MODEL_CONFIG).is_file():
         cfg, params = load_model(ModelConfig(hf_path=str(src)))
         side = src
@@ -151,6 +160,11 @@ def convert_to_hf(src, dst, dtype: str = "float32", max_shard_bytes: int = 0) ->
             f"--from {str(src)!r}: expected a `jaxrl convert --from-hf` output ({MODEL_CONFIG}) or a "
             "run directory (config.json + checkpoints/)"
         )
+    _save_hf(dst, params, cfg, side, dtype, max_shard_bytes)
+    return cfg
+
+
+def _save_hf(dst: pathlib.Path, params, cfg: ModelConfig, side, dtype: str, max_shard_bytes: int) -> None:
     extra = {}
     if side is not None and (side / "config.json").is_file():
         original = json.loads((side / "config.json").read_text())
@@ -158,4 +172,21 @@ def convert_to_hf(src, dst, dtype: str = "float32", max_shard_bytes: int = 0) ->
     hf.save(dst, params, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes, **extra)
     if side is not None:
         _copy_side_files(side, dst)
-    return cfg
+
+
+def _convert_to_peft(src: pathlib.Path, dst: pathlib.Path, peft_dir: pathlib.Path, dtype: str, max_shard_bytes: int):
+    """A LoRA run -> its base policy as a HF checkpoint (`dst`) + its adapters as a PEFT directory."""
+    from jaxrl.models import peft_export
+    from jaxrl.train import lora_run
+
+    if not ((src / "checkpoints").is_dir() and (src / "config.json").is_file() and lora_run.is_lora_run(src)):
+        raise ConfigError(
+            f"--peft-adapter: --from {str(src)!r} is not a LoRA run (a run directory with model.lora.rank > 0); "
+            "drop --peft-adapter to export its weights"
+        )
+    policy = lora_run.run_policy(src)
+    tensors = peft_export.peft_tensors(policy.adapters, policy.model_cfg, policy.lcfg.rank)  # fails before writing
+    base = jax.tree.map(np.asarray, policy.dense_base())
+    _save_hf(dst, base, policy.model_cfg, policy.tokenizer_dir, dtype, max_shard_bytes)
+    peft_export.save_adapter(peft_dir, tensors, policy.model_cfg, policy.lcfg, dst)
+    return policy.model_cfg

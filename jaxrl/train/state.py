@@ -18,6 +18,23 @@ class TrainState(NamedTuple):
     rng: jax.Array  # carried key: every random draw of the run is split from it
     ref_params: Any | None = None  # frozen reference policy, only when `Loss.needs_ref` (a KL term);
     # None otherwise, so neither the state nor its checkpoints hold a second copy of the weights
+    base: Any | None = None  # LoRA (model.lora.rank > 0): the frozen base weights in their storage dtype,
+    # `params` then being the adapters (jaxrl.train.lora_state); None for full fine-tuning. Never saved.
+
+
+class SavedState(NamedTuple):
+    """What a checkpoint holds of a `TrainState`: all but the LoRA base, which a resume rebuilds from its
+    source (jaxrl.train.lora_state). The same tree as checkpoints written before `base` existed."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    ref_params: Any | None = None
+
+
+def saved_part(state: TrainState) -> SavedState:
+    return SavedState(state.step, state.params, state.opt_state, state.rng, state.ref_params)
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -41,19 +58,34 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 
 
 def init_state(
-    params: Any, optimizer: optax.GradientTransformation, rng: jax.Array, ref_params: Any | None = None
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    rng: jax.Array,
+    ref_params: Any | None = None,
+    base: Any | None = None,
 ) -> TrainState:
+    """`params` are what the optimizer trains: the model's params, or under LoRA the adapters (`base`
+    then holds the frozen weights, which the optimizer never sees)."""
     return TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), rng=rng, ref_params=ref_params
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=rng,
+        ref_params=ref_params,
+        base=base,
     )
 
 
 def state_shardings(
-    optimizer: optax.GradientTransformation, abstract_state: TrainState, param_shardings: Any, replicated: Any
+    optimizer: optax.GradientTransformation,
+    abstract_state: TrainState,
+    param_shardings: Any,
+    replicated: Any,
+    base_shardings: Any = None,
 ) -> TrainState:
     """Shardings of the whole state: params and reference params (and the optimizer's per-parameter
     moments, via `optax.tree_map_params`) laid out like the params, scalars (step, RNG, counts)
-    replicated. `abstract_state` comes from `jax.eval_shape(init_state, ...)`."""
+    replicated, the LoRA base by `base_shardings`. `abstract_state` comes from `jax.eval_shape(init_state, ...)`."""
     opt_sh = optax.tree_map_params(
         optimizer,
         lambda _, sh: sh,
@@ -67,4 +99,5 @@ def state_shardings(
         opt_state=opt_sh,
         rng=replicated,
         ref_params=None if abstract_state.ref_params is None else param_shardings,
+        base=None if abstract_state.base is None else base_shardings,
     )

@@ -241,6 +241,12 @@ def mismatch_by_staleness(metrics: dict) -> dict:
     }
 
 
+def _on_merged(logp_fn: LogpFn, merge: Callable, base: Any) -> LogpFn:
+    """(adapters, batch) -> logp_fn(merge(base, adapters), batch): LoRA's policy, differentiable in the
+    adapters only."""
+    return lambda adapters, batch: logp_fn(merge(base, adapters), batch)
+
+
 def make_update_step(
     logp_fn: LogpFn,
     loss: Loss,
@@ -251,6 +257,7 @@ def make_update_step(
     max_new_tokens: int,
     group_size: int,
     use_ref: bool | None = None,
+    merge: Callable | None = None,
 ):
     """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
 
@@ -261,6 +268,9 @@ def make_update_step(
     ppo_epochs > 1 or `loss.needs_old_logp`.
     The reference forward (on `state.ref_params`) runs when `use_ref`, by default `loss.needs_ref`;
     `use_ref=True` without a KL term only adds the `kl` metric.
+    LoRA (`merge` given: (base, adapters or None) -> params, `jaxrl.train.lora_state.merge_fn`): the
+    state's params are the adapters, gradients and optimizer cover them only, every policy forward
+    reads merge(state.base, adapters) and the reference forward merge(state.base, None).
 
     metrics: loss, grad_norm, entropy, kl (with a reference), every per-token loss stat as a masked
     token mean (clipped_low / clipped_high, m2po_masked, mis_masked, vetoed, is_weight, ...), their
@@ -275,30 +285,39 @@ def make_update_step(
         use_ref = loss.needs_ref
     elif loss.needs_ref and not use_ref:
         raise ValueError(f"use_ref=False, but loss {loss.name!r} needs the reference log-probs (a KL term)")
-    grad_fn = make_grad_fn(logp_fn, loss, microbatches=microbatches, old_logp_recorded=record_old, detailed_stats=True)
+
+    def grad_fn_for(policy_logp_fn: LogpFn):
+        return make_grad_fn(
+            policy_logp_fn, loss, microbatches=microbatches, old_logp_recorded=record_old, detailed_stats=True
+        )
+
+    grad_fn = grad_fn_for(logp_fn)
 
     def update_step(state: TrainState, batch: dict):
         batch = dict(batch)
         live_before_B = jnp.any(batch["completion_mask_BxT"] > 0, axis=1)
+        policy_logp_fn, grads_of = logp_fn, grad_fn
+        if merge is not None:  # LoRA: params are the adapters; the base is frozen state, not a variable
+            policy_logp_fn = _on_merged(logp_fn, merge, state.base)
+            grads_of = grad_fn_for(policy_logp_fn)
         if record_old:  # old log-probs recorded once, before the first epoch
-            old_logp_BxT, old_entropy_BxT = microbatched_logp(logp_fn, state.params, batch, microbatches)
+            old_logp_BxT, old_entropy_BxT = microbatched_logp(policy_logp_fn, state.params, batch, microbatches)
             batch["old_logp_BxT"] = lax.stop_gradient(old_logp_BxT)
             batch["old_entropy_BxT"] = lax.stop_gradient(old_entropy_BxT)
         if use_ref:
-            if state.ref_params is None:
+            ref_params = state.ref_params if merge is None else merge(state.base, None)
+            if ref_params is None:
                 raise ValueError(
                     "the update uses a reference policy but state.ref_params is None: create the "
                     "state with ref_params (jaxrl.train.state.init_state)"
                 )
-            batch["ref_logp_BxT"] = lax.stop_gradient(
-                microbatched_logp(logp_fn, state.ref_params, batch, microbatches)[0]
-            )
+            batch["ref_logp_BxT"] = lax.stop_gradient(microbatched_logp(logp_fn, ref_params, batch, microbatches)[0])
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
 
         def epoch(carry, _):
             params, opt_state = carry
-            value, grads, sums = grad_fn(params, batch)
+            value, grads, sums = grads_of(params, batch)
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, sums)

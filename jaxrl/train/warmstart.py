@@ -82,6 +82,7 @@ def warmstart_seed(cfg: Config) -> int:
 
 def cache_key(cfg: Config, model_cfg: ModelConfig, vocab: str) -> str:
     model = _without_new_defaults(model_cfg, ModelConfig())
+    model.pop("lora", None)  # adapters train on top of the base: a LoRA run shares the full run's base
     if not model_cfg.n_experts:  # a dense model's key must not change when MoE fields are added
         model = {k: v for k, v in model.items() if k in _DENSE_MODEL_FIELDS}
     what = {
