@@ -1,6 +1,7 @@
 """`model.*`: the decoder's shape, dtype, MoE layout and attention options (re-exported by jaxrl.config)."""
 
 import dataclasses
+from typing import Any
 
 from jaxrl.config_checks import _check
 from jaxrl.config_lora import LoraConfig
@@ -62,7 +63,7 @@ class ModelConfig:
         flat = {k: v for k, v in saved.items() if k in names and k != "lora"}
         lora = saved.get("lora") or {}
         lora_names = {f.name for f in dataclasses.fields(LoraConfig)}
-        lora = {k: tuple(v) if isinstance(v, list) else v for k, v in lora.items() if k in lora_names}
+        lora: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in lora.items() if k in lora_names}
         return cls(**flat, lora=LoraConfig(**lora))
 
     @property
