@@ -200,3 +200,23 @@ def test_checkpoint_benchmark_small_reports_block_fractions(capsys):
     assert result["block_fraction_default"] == pytest.approx(run["save_block_s"] / run["step_s"])
     assert 0 < state["save_block_s"] <= state["save_finish_s"], state  # returns before the write is done
     assert result["block_fraction_bench_small"] == pytest.approx(state["save_block_s"] / state["step_s"])
+
+
+@pytest.mark.slow
+def test_lora_benchmark_small_counts_state_bytes_by_hand(capsys):
+    """benchmarks/lora.py --small: the state sizes are exact (hand count below), both updates ran."""
+    result = run_benchmark_here("lora.py", "--small", capsys=capsys)
+    params = result["params"]  # tiny: d_model 64, 2 layers, q 4x16, k/v 2x16, mlp 128, vocab 256 untied
+    # full fine-tuning: float32 params + AdamW's mu and nu + a reference copy = 16 bytes per parameter,
+    # plus the step, the RNG key and Adam's count (a few scalars)
+    assert 16 * params <= result["state_bytes_full"] <= 16 * params + 64
+    parts = result["lora_state_parts"]
+    assert parts["base_bytes"] == 2 * params  # bfloat16 base
+    # rank 8 per layer: q 64*8+8*64, k and v 64*8+8*32, o 64*8+8*64, gate/up 64*8+8*128, down 128*8+8*64
+    per_layer = 1024 + 768 + 768 + 1024 + 1536 + 1536 + 1536
+    assert parts["adapter_bytes"] == 4 * 2 * per_layer
+    assert 2 * parts["adapter_bytes"] <= parts["optimizer_bytes"] <= 2 * parts["adapter_bytes"] + 64
+    assert result["state_bytes_ratio"] == pytest.approx(parts["state_bytes"] / result["state_bytes_full"])
+    ratios = result["state_bytes_ratio_by_base_dtype"]
+    assert ratios["int8"] < ratios["bfloat16"] < ratios["float32"] < 1
+    assert result["update_tokens_per_s_full"] > 0 and result["update_speed_ratio"] > 0
