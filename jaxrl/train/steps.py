@@ -241,6 +241,26 @@ def mismatch_by_staleness(metrics: dict) -> dict:
     }
 
 
+def _epoch_means(sums: dict, mask_BxT, microbatches: int) -> dict:
+    """The per-epoch stat sums (leading epoch axis) -> metrics: masked token means averaged over epochs,
+    `_min` / `_max` over all epochs (0 when nothing was live), MoE scalars averaged over microbatches and
+    epochs, and the mismatch split by staleness when the batch had one."""
+    n_tokens = jnp.maximum(jnp.sum((mask_BxT > 0).astype(jnp.float32)), 1.0)
+    metrics = {}
+    for k, v in sums.items():
+        if k.endswith("/min") or k.endswith("/max"):
+            low = k.endswith("/min")
+            x = jnp.min(v) if low else jnp.max(v)
+            metrics[_stat_name(k[:-4]) + ("_min" if low else "_max")] = jnp.where(jnp.isfinite(x), x, 0.0)
+        elif k in MOE_SCALARS:
+            metrics[k] = jnp.mean(v) / microbatches
+        else:
+            metrics[_stat_name(k)] = jnp.mean(v) / n_tokens
+    if "stale_tokens" in metrics:
+        metrics.update(mismatch_by_staleness(metrics))
+    return metrics
+
+
 def _on_merged(logp_fn: LogpFn, merge: Callable, base: Any) -> LogpFn:
     """(adapters, batch) -> logp_fn(merge(base, adapters), batch): LoRA's policy, differentiable in the
     adapters only."""
@@ -325,19 +345,7 @@ def make_update_step(
         (params, opt_state), (values, grad_norms, sums) = lax.scan(
             epoch, (state.params, state.opt_state), None, length=ppo_epochs
         )
-        n_tokens = jnp.maximum(jnp.sum((mask_BxT > 0).astype(jnp.float32)), 1.0)
-        metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0]}
-        for k, v in sums.items():
-            if k.endswith("/min") or k.endswith("/max"):  # over epochs; 0 when nothing was live
-                low = k.endswith("/min")
-                x = jnp.min(v) if low else jnp.max(v)
-                metrics[_stat_name(k[:-4]) + ("_min" if low else "_max")] = jnp.where(jnp.isfinite(x), x, 0.0)
-            elif k in MOE_SCALARS:  # per-microbatch scalars: mean over microbatches and epochs
-                metrics[k] = jnp.mean(v) / microbatches
-            else:  # masked token means, averaged over epochs
-                metrics[_stat_name(k)] = jnp.mean(v) / n_tokens
-        if "stale_tokens" in metrics:
-            metrics.update(mismatch_by_staleness(metrics))
+        metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0], **_epoch_means(sums, mask_BxT, microbatches)}
         live_after_B = jnp.any(mask_BxT > 0, axis=1)
         metrics["rows_dropped"] = jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32)) / jnp.maximum(
             jnp.sum(live_before_B.astype(jnp.float32)), 1.0
