@@ -76,6 +76,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="give up (nonzero exit) if not all processes joined by then (env JAXRL_INIT_TIMEOUT, default 300)",
     )
+    _add_convert_parser(sub)
+    _add_eval_parser(sub)
+    v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
+    v.add_argument(
+        "--configs",
+        default=None,
+        help="directory searched for <preset>_arithmetic.py (default: the repository's configs/)",
+    )
+    return p
+
+
+def _add_convert_parser(sub) -> None:
+    """`jaxrl convert`: HF -> jaxrl (--from-hf/--to) or a checkpoint / run -> HF (--from/--to-hf)."""
     c = sub.add_parser(
         "convert",
         help="convert checkpoints: Hugging Face -> jaxrl (--from-hf/--to) or jaxrl -> Hugging Face (--from/--to-hf)",
@@ -106,14 +119,6 @@ def _parser() -> argparse.ArgumentParser:
         help="a LoRA run only: write its adapters here as a PEFT adapter directory; --to-hf then gets the frozen "
         "base they apply to (without this flag --to-hf gets the merged weights)",
     )
-    _add_eval_parser(sub)
-    v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
-    v.add_argument(
-        "--configs",
-        default=None,
-        help="directory searched for <preset>_arithmetic.py (default: the repository's configs/)",
-    )
-    return p
 
 
 def _add_eval_parser(sub) -> None:

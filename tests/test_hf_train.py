@@ -60,6 +60,28 @@ def test_math_answer_verifier():
     assert extract_answer("#### $-3.50")[0] == -3.5
 
 
+def stand_in_overrides(d, jsonl) -> list[str]:
+    """The recipe shrunk to two 2x2-row GRPO steps on the stand-in checkpoint `d` and its data `jsonl`."""
+    return [
+        f"model.hf_path={d}",
+        f"data.train_file={jsonl}",
+        "data.test_file=",
+        "data.num_test=1",
+        "model.dtype=float32",
+        "data.prompt_template=Q: {question} A:",
+        "data.max_prompt_len=64",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "train.steps=2",
+        "train.eval_prompts=1",
+        "train.eval_every=0",
+        "train.microbatches=1",
+        "train.progress=false",
+        "mesh.preset=single",
+    ]
+
+
 @pytest.mark.slow
 def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_process_cache):
     from jaxrl.train.loop import train
@@ -68,23 +90,8 @@ def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_proce
     cfg = load_config(
         RECIPE,
         [
-            f"model.hf_path={d}",
-            f"data.train_file={jsonl}",
-            "data.test_file=",
-            "data.num_test=1",
-            "model.dtype=float32",
-            "data.prompt_template=Q: {question} A:",
-            "data.max_prompt_len=64",
-            "rollout.prompts_per_step=2",
-            "rollout.group_size=2",
-            "rollout.max_new_tokens=6",
-            "train.steps=2",
-            "train.eval_prompts=1",
-            "train.eval_every=0",
-            "train.microbatches=1",
-            "train.progress=false",
+            *stand_in_overrides(d, jsonl),
             "checkpoint.every=0",
-            "mesh.preset=single",
             "optim.learning_rate=1e-3",
             "optim.warmup_steps=0",
         ],
@@ -127,23 +134,8 @@ def test_lora_on_the_hf_stand_in_trains_adapters_over_its_weights(stand_in, tmp_
 
     d, jsonl = stand_in
     overrides = [
-        f"model.hf_path={d}",
-        f"data.train_file={jsonl}",
-        "data.test_file=",
-        "data.num_test=1",
-        "model.dtype=float32",
-        "data.prompt_template=Q: {question} A:",
-        "data.max_prompt_len=64",
-        "rollout.prompts_per_step=2",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "train.steps=2",
-        "train.eval_prompts=1",
-        "train.eval_every=0",
-        "train.progress=false",
-        "train.microbatches=1",
+        *stand_in_overrides(d, jsonl),
         "checkpoint.every=2",
-        "mesh.preset=single",
         "loss.kl_beta=0.1",
         "model.lora.rank=2",
         "model.lora.base_dtype=bfloat16",
