@@ -32,11 +32,16 @@ install-test: $(VENV)/.installed-test
 train: $(VENV)/.installed
 	$(VENV)/bin/jaxrl train $(CONFIG) $(ARGS)
 
+# A test whose worker process dies (a segfault or abort inside a native library) runs once more in a
+# fresh worker; pytest-rerunfailures reschedules crashes whatever --only-rerun says, and the pattern
+# below matches no Python error, so an ordinary failure is never retried. Reruns are listed (-rR).
+CRASH_RERUN := --reruns 1 --only-rerun '^a worker crash$$' -rfER
+
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -n 2 --durations=15 tests
+	$(PY) -m pytest -n 2 --durations=15 $(CRASH_RERUN) tests
 
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -n 2 -m "not slow" tests
+	$(PY) -m pytest -n 2 -m "not slow" $(CRASH_RERUN) tests
 
 lint: $(VENV)/.installed-lint
 	$(VENV)/bin/ruff check .
