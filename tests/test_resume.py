@@ -150,18 +150,47 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, cache_env):
     args = [a.replace("checkpoint.every=2", "checkpoint.every=1000") for a in args]
     # The learning-rate schedule of the STEPS-step runs (max(6, warmup 5 + 1) = 6 updates): the update is
     # the program they compiled, found in the shared XLA cache.
-    args += ["--set", f"optim.decay_steps={STEPS}"]
-    proc = subprocess.Popen(jaxrl_cmd("train", *args, "--workdir", str(workdir)), env=cache_env)
+    args += ["--set", f"optim.decay_steps={STEPS}", "--set", "train.progress=true"]  # the summary line
+    proc = subprocess.Popen(
+        jaxrl_cmd("train", *args, "--workdir", str(workdir)),
+        env=cache_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         _wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(_rows(workdir)) >= 3, proc)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
     finally:
         proc.kill()
     saved = _finished_checkpoints(workdir)
     assert saved, ("SIGTERM did not leave a checkpoint", sorted(p.name for p in workdir.rglob("*")))
     assert saved[-1] == max(_rows(workdir)), "the checkpoint must cover every logged step"
     assert saved[-1] < 400
+    summary = json.loads(out.strip().splitlines()[-1])  # the run says how far it got, not its target
+    assert summary["steps_done"] == saved[-1] and summary["steps"] == 400, summary
+    assert summary["status"].startswith(f"stopped by SIGTERM after step {saved[-1]}"), summary
+    evals = {s: r["eval/accuracy"] for s, r in _rows(workdir).items() if "eval/accuracy" in r}
+    assert summary["final_eval"]["step"] == max(evals), summary  # the newest eval, not {}
+    assert summary["final_eval"]["eval/accuracy"] == evals[max(evals)], summary
+
+
+def test_rerunning_a_finished_run_says_so_and_reports_its_last_eval(tmp_path, capsys, in_process_cache, straight_run):
+    from jaxrl import cli
+
+    finished, first = straight_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    capsys.readouterr()
+    assert cli.main(["train", *ARGS, "--set", "train.progress=true", "--workdir", str(workdir)]) == 0
+    captured = capsys.readouterr()
+    assert f"is already complete (step {STEPS} of {STEPS}); nothing to train" in captured.err, captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["status"] == "complete" and summary["steps_done"] == STEPS, summary
+    assert summary["final_eval"] == {"step": STEPS, **{k: v for k, v in first[STEPS].items() if k.startswith("eval/")}}
+    assert _rows(workdir) == first  # nothing trained, nothing rewritten
 
 
 # Orbax leaves the cancelled reads of a failed restore as never-awaited coroutines: noise, not a fault.
@@ -184,6 +213,7 @@ def test_corrupt_newest_checkpoint_is_set_aside_and_the_run_finishes(tmp_path, c
     )  # before: a page of tensorstore error on every rerun
     err = capsys.readouterr().err
     assert "checkpoint step 6 could not be restored" in err and "resuming from step 4" in err, err
+    assert f"jaxrl: resuming {workdir} from step 4 of 6" in err, err
     assert (workdir / "checkpoints.unreadable" / "6" / "state").is_dir()  # kept for inspection
     assert _finished_checkpoints(workdir) == [2, 4, 6]  # steps 5 and 6 were trained again
     again = _rows(workdir)

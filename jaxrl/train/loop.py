@@ -63,6 +63,7 @@ from jaxrl.train.metrics import MetricsLog, plot
 from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.report import emit
 from jaxrl.train.rollout_source import SamplerSource
+from jaxrl.train.run_summary import start_line, summary
 from jaxrl.train.scoring import RowLayout, assemble_batch
 from jaxrl.train.state import TrainState, init_state, make_optimizer, saved_part, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
@@ -119,12 +120,13 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
         disable=not tc.progress or not is_primary(),
         dynamic_ncols=True,
     )
-    last_eval = {}
+    done, stopping = start, False
+    if is_primary() and (line := start_line(workdir, start, tc.steps)):
+        print(line, file=sys.stderr)
     try:
         policy = run.policy(state)  # once per state: under LoRA, the merged params
         if start == 0 and tc.steps >= 0:
-            last_eval = run.evaluate(policy)
-            run.log.write({"step": 0, **last_eval, "wall_time": time.time()})
+            run.log.write({"step": 0, **run.evaluate(policy), "wall_time": time.time()})
             if is_primary():
                 plot(run.log.rows, workdir / "progress.png", title=str(workdir.name))
         pending = None  # (row, device metrics, t0) of the step dispatched last: pulled after the next dispatch
@@ -137,10 +139,8 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
             policy = run.policy(state)
             if pending is not None:
                 emit(run.log, bar, *pending)
-            pending, evaluated, stopping = log_and_checkpoint(
-                run, (state, policy), stream, step, (row, metrics, t0), stop, bar
-            )
-            last_eval = last_eval if evaluated is None else evaluated
+            pending, stopping = log_and_checkpoint(run, (state, policy), stream, step, (row, metrics, t0), stop, bar)
+            done = step
             if stopping:
                 break
         if pending is not None:
@@ -150,9 +150,8 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
         run.log.close()
         bar.close()
         signal.signal(signal.SIGTERM, previous)
-    summary = {"workdir": str(workdir), "base_policy": str(run.base_path), "steps": tc.steps, "final_eval": last_eval}
     if tc.progress and is_primary():
-        print(json.dumps(summary))
+        print(json.dumps(summary(workdir, run.base_path, done, tc.steps, stopping, run.log.rows)))
     return run.log.rows
 
 
@@ -336,14 +335,13 @@ def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int,
     """After the step's update is dispatched: evaluate on the cadence, write the row when a save or
     an eval needs it now (else it stays pending, pulled after the next dispatch), checkpoint, and
     see a SIGTERM. updated: (the state after the update, its policy). -> (what is still pending or
-    None, the eval metrics or None, stopping)."""
+    None, stopping)."""
     cfg, tc = run.cfg, run.cfg.train
     state, policy = updated
-    row, evaluated = pending[0], None
+    row = pending[0]
     still_pending: tuple | None = pending
     if tc.eval_every and step % tc.eval_every == 0 or step == tc.steps:
-        evaluated = run.evaluate(policy)
-        row.update(evaluated)
+        row.update(run.evaluate(policy))
     # Read once: a signal landing later in this step is seen next step. All processes agree.
     stopping = any_process(stop.requested)
     save_now = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == tc.steps or stopping
@@ -357,7 +355,7 @@ def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int,
         run.saver.save(step, saved_part(state), host, force=True)
     if stopping:
         print(f"jaxrl: SIGTERM received; saved step {step} to {run.workdir / 'checkpoints'}", file=sys.stderr)
-    return still_pending, evaluated, stopping
+    return still_pending, stopping
 
 
 def _build(cfg: Config, progress: bool, mesh, preset):
