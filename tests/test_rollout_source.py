@@ -19,7 +19,15 @@ from jaxrl.rollout.speculative import SpecStats
 from jaxrl.sharding import make_mesh, param_shardings
 from jaxrl.train.batching import prompt_width
 from jaxrl.train.rollout_source import SamplerSource
-from jaxrl.train.speculation import SpecControl, control_state, restored_control, speculate_now, updated
+from jaxrl.train.speculation import (
+    SpecControl,
+    can_ever_pay,
+    control_state,
+    restored_control,
+    speculate_now,
+    stays_off,
+    updated,
+)
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
 
@@ -110,6 +118,28 @@ def reuse_setup():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["early_exit", "reuse"])
+def test_the_cost_line_says_when_speculation_can_never_pay(drafter):
+    """Self-drafting 4 tokens, all accepted, gives 5 tokens for verify_K[3] + 4 * draft steps; reusing
+    4 whole drafts gives 5 tokens for verify_K[3]. At 5 tokens for 4.4 steps it pays, at 5.2 never."""
+    spec = load_config(
+        DEFAULT_CONFIG,
+        [
+            "rollout.speculative.enabled=true",
+            f"rollout.speculative.drafter={drafter}",
+            "rollout.speculative.reuse_width=4",
+            "rollout.speculative.fallback=none",
+            "rollout.speculative.probe_every=7",
+        ],
+    ).rollout.speculative
+    draft = 0.1 if drafter == "early_exit" else 0.0
+    for verify, pays in [(4.4 - 4 * draft, True), (5.2 - 4 * draft, False)]:
+        costs = StepCosts(jnp.full((4,), verify, jnp.float32), jnp.float32(draft))
+        assert can_ever_pay(costs, spec) is pays, (verify, draft)
+    assert "plain sampler except one in 7" in stays_off(spec)
+    assert "every rollout speculate" in stays_off(dataclasses.replace(spec, probe_every=1))
+
+
 def test_a_source_rebuilt_from_its_checkpoint_state_draws_what_the_original_would(reuse_setup):
     build, params, prompt_BxP, mask_BxP = reuse_setup
     source = build({})

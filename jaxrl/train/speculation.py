@@ -112,10 +112,28 @@ def speculative_costs(cfg: Config, model_cfg, params, host: dict, n_rows: int, c
 
             costs = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, costs)))
     if is_primary():
+        verify = ", ".join(f"{float(c):.2f}" for c in np.asarray(costs.verify_K))
         print(
             f"jaxrl: speculative costs on this machine ({where}), in plain decode steps: "
-            f"verify k=1..{widest_draft(spec)} drafts {[round(float(c), 2) for c in np.asarray(costs.verify_K)]}, "
-            f"one drafted token {float(costs.draft):.2f}",
+            f"verify k=1..{widest_draft(spec)} drafts [{verify}], one drafted token {float(costs.draft):.2f}"
+            + ("" if can_ever_pay(costs, spec) else f"; {stays_off(spec)}"),
             file=sys.stderr,
         )
     return costs
+
+
+def can_ever_pay(costs: StepCosts, spec: SpeculativeConfig) -> bool:
+    """Could any speculative step beat a plain one at these costs with every draft accepted?"""
+    whole_reuse_drafts_N = np.full((1,), spec.reuse_width) if spec.drafter == "reuse" else None
+    return bool(worth_speculating(costs, spec, 0.999, 0.999, whole_reuse_drafts_N))
+
+
+def stays_off(spec: SpeculativeConfig) -> str:
+    """What a run does when the costs say speculation never pays."""
+    never = "even with every draft accepted no speculative step beats a plain one here"
+    if spec.probe_every <= 1:
+        return f"{never}, yet rollout.speculative.probe_every=1 makes every rollout speculate"
+    return (
+        f"{never}, so rollouts run the plain sampler except one in {spec.probe_every} "
+        "(rollout.speculative.probe_every), which speculates to re-measure acceptance"
+    )
