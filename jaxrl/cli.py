@@ -240,6 +240,44 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
+def _convert(args) -> int:
+    """`jaxrl convert`: check the direction, convert, and say what was written where."""
+    from jaxrl.train import pretrained
+
+    if (
+        bool(args.from_hf) == bool(args.from_)
+        or bool(args.from_hf) != bool(args.to)
+        or bool(args.from_) != bool(args.to_hf)
+    ):
+        raise UserError("convert: give either --from-hf DIR --to DIR, or --from DIR --to-hf DIR")
+    if args.peft_adapter and args.from_hf:
+        raise UserError("convert: --peft-adapter goes with --from RUN --to-hf DIR (a LoRA run's export)")
+    if args.from_hf:
+        model = pretrained.convert_from_hf(args.from_hf, args.to)
+        print(
+            f"jaxrl: converted {args.from_hf} ({pretrained.describe(model)}) to {args.to}; "
+            f"train from it with --set model.hf_path={args.to}",
+            file=sys.stderr,
+        )
+    else:
+        model = pretrained.convert_to_hf(
+            args.from_, args.to_hf, args.dtype, args.max_shard_mb * 2**20, peft_dir=args.peft_adapter
+        )
+        if not args.peft_adapter:
+            print(
+                f"jaxrl: wrote {args.from_} ({pretrained.describe(model)}) to {args.to_hf} as a Hugging "
+                f"Face checkpoint ({args.dtype}); load it with AutoModelForCausalLM.from_pretrained",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"jaxrl: wrote the frozen base to {args.to_hf} and the PEFT adapter to {args.peft_adapter} "
+                "(PeftModel.from_pretrained(base, adapter))",
+                file=sys.stderr,
+            )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -272,29 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxrl: wrote {path}", file=sys.stderr)
             return 0
         if args.command == "convert":
-            from jaxrl.train import pretrained
-
-            if (
-                bool(args.from_hf) == bool(args.from_)
-                or bool(args.from_hf) != bool(args.to)
-                or bool(args.from_) != bool(args.to_hf)
-            ):
-                raise UserError("convert: give either --from-hf DIR --to DIR, or --from DIR --to-hf DIR")
-            if args.peft_adapter and args.from_hf:
-                raise UserError("convert: --peft-adapter goes with --from RUN --to-hf DIR (a LoRA run's export)")
-            if args.from_hf:
-                pretrained.convert_from_hf(args.from_hf, args.to)
-            else:
-                pretrained.convert_to_hf(
-                    args.from_, args.to_hf, args.dtype, args.max_shard_mb * 2**20, peft_dir=args.peft_adapter
-                )
-                if args.peft_adapter:
-                    print(
-                        f"jaxrl: wrote the frozen base to {args.to_hf} and the PEFT adapter to {args.peft_adapter} "
-                        "(PeftModel.from_pretrained(base, adapter))",
-                        file=sys.stderr,
-                    )
-            return 0
+            return _convert(args)
         if args.command == "variants":
             print(variants_table(args.configs))
             return 0

@@ -5,6 +5,7 @@ the math-answer verifier. The loading of a checkpoint onto an 8-device mesh runs
 import json
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -83,7 +84,7 @@ def stand_in_overrides(d, jsonl) -> list[str]:
 
 
 @pytest.mark.slow
-def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_process_cache):
+def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_process_cache, capsys):
     from jaxrl.train.loop import train
 
     d, jsonl = stand_in
@@ -102,8 +103,10 @@ def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_proce
 
     # The trained policy goes back to transformers (bfloat16, sharded), with the checkpoint's tokenizer.
     out = tmp_path / "hf_out"
-    assert (
-        main(
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(
             [
                 "convert",
                 "--from",
@@ -116,8 +119,10 @@ def test_recipe_runs_two_grpo_steps_on_the_stand_in(stand_in, tmp_path, in_proce
                 "0",
             ]
         )
-        == 0
-    )
+    assert code == 0
+    err = capsys.readouterr().err  # one line saying what was written where; no orbax topology warning
+    assert f"jaxrl: wrote {tmp_path / 'run'} (" in err and f"to {out} as a Hugging Face checkpoint (bfloat16)" in err
+    assert not [w for w in caught if "Sharding info" in str(w.message)], [str(w.message) for w in caught]
     assert (out / "tokenizer.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert back.config.eos_token_id == 2 and back.dtype == torch.bfloat16
@@ -156,7 +161,11 @@ def test_convert_from_hf_then_train_start_loads_the_same_model(stand_in, tmp_pat
 
     d, _ = stand_in
     assert main(["convert", "--from-hf", str(d), "--to", str(tmp_path / "conv")]) == 0
+    err = capsys.readouterr().err
+    assert f"jaxrl: converted {d} (" in err and f"--set model.hf_path={tmp_path / 'conv'}" in err, err
     cfg, params = load_model(ModelConfig(hf_path=str(tmp_path / "conv")))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    assert f"{n_params / 1e6:.2f} M parameters, {cfg.n_layers} layers, d_model {cfg.d_model}" in err, err
     cfg0, params0 = hf.load(d)
     assert cfg.qkv_bias and cfg.vocab_size == cfg0.vocab_size
     jax.tree.map(np.testing.assert_array_equal, params, params0)

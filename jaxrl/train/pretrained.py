@@ -19,6 +19,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import warnings
 
 import jax
 import numpy as np
@@ -138,7 +139,9 @@ def _run_params(run: pathlib.Path):
     step = manager.latest_step()
     if step is None:
         raise ConfigError(f"--from {str(run)!r}: the run has no finished checkpoint")
-    restored = ocp.PyTreeCheckpointer().restore((run / "checkpoints" / str(step) / "state").absolute())
+    with warnings.catch_warnings():  # restored on the host for export: no topology to mismatch
+        warnings.filterwarnings("ignore", message="Sharding info not provided when restoring")
+        restored = ocp.PyTreeCheckpointer().restore((run / "checkpoints" / str(step) / "state").absolute())
     params = restored["params"] if isinstance(restored, dict) else restored[1]
     return cfg, jax.tree.map(np.asarray, params), side
 
@@ -190,3 +193,11 @@ def _convert_to_peft(src: pathlib.Path, dst: pathlib.Path, peft_dir: pathlib.Pat
     _save_hf(dst, base, policy.model_cfg, policy.tokenizer_dir, dtype, max_shard_bytes)
     peft_export.save_adapter(peft_dir, tensors, policy.model_cfg, policy.lcfg, dst)
     return policy.model_cfg
+
+
+def describe(cfg: ModelConfig) -> str:
+    """One phrase for a converted model: its size and shape."""
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    moe = f", {cfg.n_experts} experts" if cfg.n_experts else ""
+    return f"{n / 1e6:.2f} M parameters, {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}{moe}"
