@@ -17,6 +17,7 @@ and each process feeds and reads only the rows its own devices hold (`process_ro
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -248,10 +249,32 @@ def is_primary() -> bool:
 # Several processes
 
 
+@contextlib.contextmanager
+def _join_deadline(timeout_s: int, why: str):
+    """Around `jax.distributed.initialize`: if it has not returned just before its own timeout (when
+    XLA would abort with a C++ check failure that blames "another task"), print `why` as one error
+    line and exit with code 1. The wait inside initialize releases the GIL, so a timer thread runs."""
+    import os
+    import sys
+    import threading
+
+    def give_up():
+        print(f"jaxrl: error: {why}", file=sys.stderr, flush=True)
+        os._exit(1)  # the main thread is blocked inside XLA: no exception can reach it
+
+    timer = threading.Timer(max(timeout_s - 1.0, 0.9 * timeout_s), give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def init_distributed(coordinator: str, num_processes: int, process_id: int, timeout_s: int = 120) -> None:
     """Join `num_processes` processes through `coordinator` (host:port; process 0 serves it). Call
     before anything touches devices. On CPU the cross-process collectives run over gloo. A peer that
-    never arrives makes every process exit nonzero after `timeout_s` seconds (XLA aborts)."""
+    never arrives makes every waiting process exit with code 1 and one line after `timeout_s` s."""
     import sys
 
     print(
@@ -260,12 +283,18 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int, time
         flush=True,
     )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=int(timeout_s),
+    why = (
+        f"process {process_id} of {num_processes}: not all {num_processes} processes joined {coordinator} within "
+        f"--init-timeout {timeout_s} s; start each with the same --coordinator and --num-processes and its own "
+        "--process-id (0 serves the coordinator), or raise --init-timeout"
     )
+    with _join_deadline(timeout_s, why):
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=int(timeout_s),
+        )
 
 
 def detect_cluster() -> str | None:
@@ -289,7 +318,12 @@ def init_distributed_auto(cluster: str, timeout_s: int = 300) -> None:
 
     print(f"jaxrl: {cluster} cluster detected; joining (timeout {timeout_s} s)", file=sys.stderr, flush=True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(initialization_timeout=int(timeout_s))
+    why = (
+        f"the {cluster} cluster's processes did not all join within --init-timeout {timeout_s} s (is every "
+        "task of the job running `jaxrl train --cluster auto`?), or raise --init-timeout"
+    )
+    with _join_deadline(timeout_s, why):
+        jax.distributed.initialize(initialization_timeout=int(timeout_s))
     print(
         f"jaxrl: process {global_state.process_id} of {global_state.num_processes} joined "
         f"{global_state.coordinator_address} ({cluster})",
