@@ -95,6 +95,21 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> tuple[Mesh, MeshP
     return mesh, preset
 
 
+def layout_line(mesh: Mesh, preset_name: str, shardings, params) -> str:
+    """One line on how a run is laid out: the mesh's axes, and the parameters' bytes in all and on the
+    most loaded device under `shardings` (a pytree of NamedSharding matching `params`)."""
+    leaves, shards = jax.tree.leaves(params), jax.tree.leaves(shardings)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+    per_device = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize for x, s in zip(leaves, shards))
+    split = sum(s.shard_shape(x.shape) != tuple(x.shape) for x, s in zip(leaves, shards))
+    axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return (
+        f"jaxrl: mesh.preset={preset_name} on {mesh.size} devices ({axes}); params {total / 2**20:.2f} MiB, "
+        f"{per_device / 2**20:.2f} MiB per device ({split} of {len(leaves)} arrays split); each step's "
+        f"rows split over {_axis_size(mesh, dict(PRESETS[preset_name].rules).get('batch'))} devices"
+    )
+
+
 def _axis_size(mesh: Mesh, axis) -> int:
     if axis is None:
         return 1

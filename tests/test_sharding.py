@@ -27,7 +27,7 @@ def _worker() -> None:
     from jaxrl.config import LossConfig, MeshConfig, ModelConfig, OptimConfig
     from jaxrl.losses import make_loss
     from jaxrl.models.transformer import init_params, param_logical_axes
-    from jaxrl.sharding import batch_sharding, make_mesh, param_shardings, replicated
+    from jaxrl.sharding import batch_sharding, layout_line, make_mesh, param_shardings, replicated
     from jaxrl.train.state import init_state, make_optimizer, state_shardings
     from jaxrl.train.steps import make_logp_fn, make_update_step
 
@@ -100,6 +100,7 @@ def _worker() -> None:
                 "mu_gate": list(mu["blocks"]["mlp"]["gate"].addressable_shards[0].data.shape),
             },
             "n_devices": len(p["embedding"].sharding.device_set),
+            "layout": layout_line(mesh, name, param_sh, base),
         }
         if name == "fsdp_tensor":  # a checkpoint of the sharded state restores into the same layout
             results["restored"] = _checkpoint_roundtrip(state)
@@ -175,6 +176,31 @@ def test_every_preset_matches_one_device(results, name):
     assert ref["loss"][0] != ref["loss"][-1], "the steps must change the params for the comparison to mean anything"
     for key, value in ref["params"].items():
         np.testing.assert_allclose(got["params"][key], value, atol=1e-4, rtol=0, err_msg=f"{name}: {key}")
+
+
+@pytest.mark.slow
+def test_the_layout_line_names_the_axes_and_the_bytes_per_device(results):
+    import re
+
+    def numbers(name):
+        line = results[name]["layout"]
+        total, per_device, split, n, rows = re.search(
+            r"params ([\d.]+) MiB, ([\d.]+) MiB per device \((\d+) of (\d+) arrays split\); each step's rows "
+            r"split over (\d+) devices",
+            line,
+        ).groups()
+        return line, float(total), float(per_device), int(split), int(n), int(rows)
+
+    n_floats = sum(len(v) for v in results["single"]["params"].values())
+    line, total, per_device, split, n, rows = numbers("data")
+    assert line.startswith("jaxrl: mesh.preset=data on 8 devices (data=8); ") and rows == 8
+    assert (
+        total == per_device == round(4 * n_floats / 2**20, 2) and split == 0 and n == len(results["single"]["params"])
+    )
+    line, total, per_device, split, _, rows = numbers("fsdp_tensor")
+    assert "on 8 devices (fsdp=4, tensor=2)" in line and rows == 4 and split > 0
+    assert per_device < total / 4  # every array with an embed dimension is split 4 ways, mlp/heads 2 more
+    assert numbers("fsdp_expert")[-1] == 8  # rows over fsdp x expert
 
 
 @pytest.mark.slow

@@ -47,6 +47,7 @@ from jaxrl.sharding import (
     batch_sharding,
     check_batch_divides,
     is_primary,
+    layout_line,
     make_mesh,
     param_shardings,
     process_rows,
@@ -169,6 +170,8 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     if is_agent_task(cfg.data.task):
         check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = _build(cfg, tc.progress, mesh, preset)
+    if mesh.size > 1 and is_primary():
+        print(layout_line(mesh, cfg.mesh.preset, param_sh, base_params), file=sys.stderr)
     optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     layout = (mesh, preset, param_sh, rep)
