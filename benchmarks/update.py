@@ -246,6 +246,7 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
 
     cfg = dataclasses.replace(common.tiny() if args.small else common.bench_small(), dtype=args.dtype)
+    _say("measuring this machine's matmul peak (for MFU)")
     peak = common.measure_matmul_peak(n=512, repeats=3) if args.small else common.measure_matmul_peak()
     B, P, T = args.batch, args.prompt_len, args.seq - args.prompt_len
     batch = jax.device_put(make_batch(cfg, B, P, T, args.group_size, args.seed))
@@ -253,8 +254,10 @@ def main(argv=None) -> dict:
     if args.compare:
         variants.append(Variant(cfg, args, not args.share_prefix, batch))
     for v in variants:  # warm-up
+        _say(f"compiling and warming up the update ({B} x {args.seq} tokens, shared prompts {v.shared})")
         jax.block_until_ready(v.run())
-    for _ in range(args.repeats):  # rounds: a load change on the shared machine hits every variant alike
+    for r in range(args.repeats):  # rounds: a load change on the shared machine hits every variant alike
+        _say(f"timing round {r + 1} of {args.repeats}")
         for v in variants:
             v.timed()
     metrics = jax.device_get(variants[0].run())
@@ -292,9 +295,15 @@ def main(argv=None) -> dict:
         result["speedup_share_prefix_cpu"] = statistics.median(p / s for p, s in zip(plain.cpu, shared.cpu))
     _print(result, args, cfg)
     if args.run_peer:
+        _say("running the PyTorch peer on the same shape (benchmarks/peers/torch_update.py)")
         result.update(torch_peer(args, result))
     common.emit(result)
     return result
+
+
+def _say(what: str) -> None:
+    """Progress on stderr: a bench-small run is minutes of silence otherwise; stdout stays the report."""
+    print(f"update.py: {what} ...", file=sys.stderr, flush=True)
 
 
 def _print(result: dict, args, cfg) -> None:
