@@ -144,7 +144,7 @@ class LossConfig:
 class OptimConfig:
     learning_rate: float = 3e-4
     warmup_steps: int = 5
-    decay_steps: int = 0  # 0 -> train.steps * train.ppo_epochs (optimizer updates)
+    decay_steps: int = 0  # 0 -> train.steps * train.ppo_epochs * train.minibatches (optimizer updates)
     end_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     b1: float = 0.9
@@ -189,7 +189,10 @@ class TrainConfig:
     steps: int = 100
     seed: int = 0
     ppo_epochs: int = 1
-    microbatches: int = 1  # 0: the fewest that fit memory_budget_gib (jaxrl.train.memory_budget)
+    # Optimizer steps per epoch over the rollout batch, each on 1/minibatches of its rows (DAPO's and
+    # verl's mini-batches): with more than one, the later steps are off-policy and ratio clipping acts.
+    minibatches: int = 1
+    microbatches: int = 1  # per optimizer step; 0: the fewest that fit memory_budget_gib (jaxrl.train.memory_budget)
     memory_budget_gib: float = 2.0  # XLA temporaries of the compiled update, for microbatches=0
     # The update forward's memory options (jaxrl.models.transformer.token_logprobs): the LM head and
     # log-softmax on logits_chunk (row, position) pairs at a time (0: all at once), and what each
@@ -211,6 +214,7 @@ class TrainConfig:
     def validate(self, prefix: str = "train") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)
         _check(self.ppo_epochs > 0, f"{prefix}.ppo_epochs", "a positive integer", self.ppo_epochs)
+        _check(self.minibatches > 0, f"{prefix}.minibatches", "a positive integer", self.minibatches)
         _check(
             self.microbatches >= 0,
             f"{prefix}.microbatches",
@@ -292,9 +296,16 @@ class Config:
             getattr(self, f.name).validate(f.name)
         b = self.rollout.prompts_per_step * self.rollout.group_size
         _check(
-            self.train.microbatches == 0 or b % self.train.microbatches == 0,
-            "train.microbatches",
+            b % self.train.minibatches == 0,
+            "train.minibatches",
             f"a divisor of the rollout batch prompts_per_step*group_size={b}",
+            self.train.minibatches,
+        )
+        rows = b // self.train.minibatches
+        _check(
+            self.train.microbatches == 0 or rows % self.train.microbatches == 0,
+            "train.microbatches",
+            f"a divisor of the rows per optimizer step, prompts_per_step*group_size/train.minibatches={rows}",
             self.train.microbatches,
         )
         return self

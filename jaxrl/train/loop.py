@@ -172,7 +172,7 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     tokenizer, model_cfg, task, base_params, base_path, param_sh = _build(cfg, tc.progress, mesh, preset)
     if mesh.size > 1 and is_primary():
         print(layout_line(mesh, cfg.mesh.preset, param_sh, base_params), file=sys.stderr)
-    optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs)
+    optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs * tc.minibatches)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     layout = (mesh, preset, param_sh, rep)
     if cfg.model.lora.enabled:  # adapters trained, the base frozen; the reference is the base (no copy)
@@ -203,6 +203,7 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
         loss,
         optimizer,
         ppo_epochs=tc.ppo_epochs,
+        minibatches=tc.minibatches,
         max_new_tokens=rc.max_new_tokens,
         group_size=G,
         use_ref=loss.needs_ref,
@@ -312,7 +313,7 @@ def _lazily_jitted_update(update_for, tc, state_sh, rep, mesh) -> Callable:
                         donate_argnums=0,
                     )
 
-                rows = batch["completion_mask_BxT"].shape[0]
+                rows = batch["completion_mask_BxT"].shape[0] // tc.minibatches  # per optimizer step
                 jitted.append(
                     auto_jit(jit_for, (state, batch), rows, tc.memory_budget_gib)
                     if tc.microbatches == 0

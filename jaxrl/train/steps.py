@@ -241,6 +241,14 @@ def mismatch_by_staleness(metrics: dict) -> dict:
     }
 
 
+def _merged_over_minibatches(sums_M: dict) -> dict:
+    """Stat sums of an epoch's mini-batches (leading axis M) -> the epoch's: sums add, min / max."""
+    merged = {}
+    for k, v in sums_M.items():
+        merged[k] = jnp.min(v, 0) if k.endswith("/min") else jnp.max(v, 0) if k.endswith("/max") else jnp.sum(v, 0)
+    return merged
+
+
 def _epoch_means(sums: dict, mask_BxT, microbatches: int) -> dict:
     """The per-epoch stat sums (leading epoch axis) -> metrics: masked token means averaged over epochs,
     `_min` / `_max` over all epochs (0 when nothing was live), MoE scalars averaged over microbatches and
@@ -278,6 +286,7 @@ def make_update_step(
     group_size: int,
     use_ref: bool | None = None,
     merge: Callable | None = None,
+    minibatches: int = 1,
 ):
     """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
 
@@ -285,7 +294,11 @@ def make_update_step(
     multiple of `group_size` (any B when the batch carries `group_id_B`: groups by id) and completions
     `max_new_tokens` wide (a ValueError naming both otherwise, at trace time). Old log-probs (and the old
     policy's entropies, `old_entropy_BxT`) are recorded for the whole batch before anything else when
-    ppo_epochs > 1 or `loss.needs_old_logp`.
+    ppo_epochs > 1, minibatches > 1 or `loss.needs_old_logp`.
+    Each epoch takes `minibatches` optimizer steps, one per contiguous 1/minibatches of the prepared
+    batch's rows (DAPO's and verl's mini-batches): advantages and `loss.prepare` see the whole batch,
+    the normaliser `loss.weights` each mini-batch's own mask, and each mini-batch is split into
+    `microbatches` for gradient accumulation.
     The reference forward (on `state.ref_params`) runs when `use_ref`, by default `loss.needs_ref`;
     `use_ref=True` without a KL term only adds the `kl` metric.
     LoRA (`merge` given: (base, adapters or None) -> params, `jaxrl.train.lora_state.merge_fn`): the
@@ -300,7 +313,7 @@ def make_update_step(
     MoE moe/aux_loss, moe/z_loss, moe/dropped_frac (and moe/routing_mismatch with a recorded routing). Means
     are over the live tokens of the PREPARED mask, averaged over epochs; min / max are over all epochs.
     """
-    record_old = ppo_epochs > 1 or bool(getattr(loss, "needs_old_logp", False))
+    record_old = ppo_epochs > 1 or minibatches > 1 or bool(getattr(loss, "needs_old_logp", False))
     if use_ref is None:
         use_ref = loss.needs_ref
     elif loss.needs_ref and not use_ref:
@@ -335,17 +348,31 @@ def make_update_step(
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
 
-        def epoch(carry, _):
+        def optimizer_step(carry, minibatch):
             params, opt_state = carry
-            value, grads, sums = grads_of(params, batch)
+            value, grads, sums = grads_of(params, minibatch)
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, sums)
 
+        def split_minibatches(batch):  # each mini-batch normalised over its own live tokens
+            mbs = split_microbatches(batch, minibatches)
+            return dict(mbs, weights_BxT=jax.vmap(loss.weights, (0, None))(mbs["completion_mask_BxT"], max_new_tokens))
+
+        def epoch(carry, _):
+            if minibatches == 1:
+                return optimizer_step(carry, batch)
+            carry, (values_M, norms_M, sums_M) = lax.scan(optimizer_step, carry, split_minibatches(batch))
+            return carry, (jnp.mean(values_M), jnp.mean(norms_M), _merged_over_minibatches(sums_M))
+
         (params, opt_state), (values, grad_norms, sums) = lax.scan(
             epoch, (state.params, state.opt_state), None, length=ppo_epochs
         )
-        metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0], **_epoch_means(sums, mask_BxT, microbatches)}
+        metrics = {
+            "loss": jnp.mean(values),
+            "grad_norm": grad_norms[0],
+            **_epoch_means(sums, mask_BxT, microbatches * minibatches),
+        }
         live_after_B = jnp.any(mask_BxT > 0, axis=1)
         metrics["rows_dropped"] = jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32)) / jnp.maximum(
             jnp.sum(live_before_B.astype(jnp.float32)), 1.0
