@@ -1,4 +1,6 @@
-"""M2PO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+"""M2PO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced
+and two PPO epochs per rollout batch, as in the loss study (benchmarks/variants.py): the second epoch is
+off-policy, so the preset's clipping and ratio corrections act (with one epoch every ratio is exactly 1).
 
 No clip; the tokens with the largest (log r)^2 (old vs rollout) are masked until the second
 moment is <= 0.04. On this synchronous loop the data is fresh, so little is masked.
@@ -13,4 +15,8 @@ from jaxrl.config import Config, LossConfig, load_config
 
 def get_config() -> Config:
     base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
-    return dataclasses.replace(base, loss=LossConfig(preset="m2po", reward_weights=(1.0, 0.0)))
+    return dataclasses.replace(
+        base,
+        loss=LossConfig(preset="m2po", reward_weights=(1.0, 0.0)),
+        train=dataclasses.replace(base.train, ppo_epochs=2),
+    )

@@ -1,4 +1,6 @@
-"""MC-GRPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+"""MC-GRPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced
+and two PPO epochs per rollout batch, as in the loss study (benchmarks/variants.py): the second epoch is
+off-policy, so the preset's clipping and ratio corrections act (with one epoch every ratio is exactly 1).
 
 Median baseline over G+1 samples; the median pivot is dropped from the loss.
 Preset: `jaxrl.losses.presets.PRESETS["mc_grpo"]` (`jaxrl variants` lists its parts and paper).
@@ -17,6 +19,7 @@ def get_config() -> Config:
     # small G: try --set rollout.group_size=3 (G = 2).
     return dataclasses.replace(
         base,
+        train=dataclasses.replace(base.train, ppo_epochs=2),
         rollout=dataclasses.replace(base.rollout, group_size=9),
         loss=LossConfig(preset="mc_grpo", reward_weights=(1.0, 0.0)),
     )

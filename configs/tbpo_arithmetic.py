@@ -1,4 +1,6 @@
-"""TBPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced.
+"""TBPO on the default task: `configs/grpo_arithmetic.py` with the loss section replaced
+and two PPO epochs per rollout batch, as in the loss study (benchmarks/variants.py): the second epoch is
+off-policy, so the preset's clipping and ratio corrections act (with one epoch every ratio is exactly 1).
 
 Sequence-level ratio in a 1 - 3e-4 / 1 + 4e-4 band, negative samples capped at 3|A| (dual clip).
 Preset: `jaxrl.losses.presets.PRESETS["tbpo"]` (`jaxrl variants` lists its parts and paper).
@@ -12,4 +14,8 @@ from jaxrl.config import Config, LossConfig, load_config
 
 def get_config() -> Config:
     base = load_config(pathlib.Path(__file__).with_name("grpo_arithmetic.py"))
-    return dataclasses.replace(base, loss=LossConfig(preset="tbpo", reward_weights=(1.0, 0.0)))
+    return dataclasses.replace(
+        base,
+        loss=LossConfig(preset="tbpo", reward_weights=(1.0, 0.0)),
+        train=dataclasses.replace(base.train, ppo_epochs=2),
+    )
