@@ -53,10 +53,11 @@ class DataConfig:
         )
         max_digits = 8 if self.task == "long_addition" else 6  # long_addition: its longest-solution tail
         _check(1 <= self.digits <= max_digits, f"{prefix}.digits", f"an integer in [1, {max_digits}]", self.digits)
+        ops = "+-*/" if self.task == "countdown" else "+-*"  # countdown divides (exactly); the others do not
         _check(
-            len(self.operations) > 0 and set(self.operations) <= set("+-*"),
+            len(self.operations) > 0 and set(self.operations) <= set(ops),
             f"{prefix}.operations",
-            "a non-empty string over '+-*'",
+            f"a non-empty string over {ops!r}" + ("" if self.task == "countdown" else " ('/' only for countdown)"),
             self.operations,
         )
         _check(self.num_train > 0, f"{prefix}.num_train", "a positive integer", self.num_train)

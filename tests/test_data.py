@@ -291,3 +291,36 @@ def test_carry_free_teacher_drops_every_carry():
     assert fallible_answer(rec) == "90"
     with pytest.raises(Exception, match="warmstart.teacher_error"):
         fallible_answer({"id": "train/1", "info": '{"a": 9, "b": 1, "op": "-", "answer": 8}'})
+
+
+def test_countdown_teacher_forgets_parentheses_and_is_wrong_only_where_they_matter():
+    from jaxrl.data import countdown
+    from jaxrl.data.rewards import verify_countdown
+    from jaxrl.data.teachers import fallible_answer
+
+    rec = countdown._record("train/0", [9, 3, 7], 42, "(9-3)*7")
+    assert fallible_answer(rec) == "9-3*7" and verify_countdown("9-3*7", True, rec) == (0.0, 1.0)
+    records = countdown.generate_splits(1, "+-*/", 300, 10, seed=0)["train"]
+    wrong = [r for r in records if verify_countdown(fallible_answer(r), True, r)[0] == 0.0]
+    assert all("(" in r["answer"] for r in wrong)  # only a needed parenthesis, forgotten, makes it wrong
+    assert 0.1 < len(wrong) / len(records) < 0.9, len(wrong)  # both kinds of problem are common
+
+
+def test_the_countdown_config_fits_every_problem_and_its_teacher():
+    """configs/grpo_countdown.py: every prompt (with BOS) fits data.max_prompt_len, every reference
+    answer (with EOS) fits rollout.max_new_tokens, and the fallible teacher can answer every record."""
+    from conftest import REPO
+
+    from jaxrl.config import load_config
+    from jaxrl.data import countdown
+    from jaxrl.data.teachers import fallible_answer
+    from jaxrl.data.tokenizer import CharTokenizer
+
+    cfg = load_config(REPO / "configs" / "grpo_countdown.py")
+    d, tok = cfg.data, CharTokenizer()
+    splits = countdown.generate_splits(d.digits, d.operations, d.num_train, d.num_test, d.seed)
+    records = splits["train"] + splits["test"]
+    assert set("".join(r["answer"] for r in records)) >= set("+-*/()")  # all four operations occur
+    assert max(len(tok.encode(r["prompt"])) + 1 for r in records) <= d.max_prompt_len
+    assert max(len(tok.encode(r["answer"])) + 1 for r in records) <= cfg.rollout.max_new_tokens
+    assert cfg.warmstart.teacher_error > 0 and all(fallible_answer(r) for r in records)

@@ -22,13 +22,22 @@ def carry_free_sum(a: int, b: int) -> int:
     return out
 
 
+def without_parentheses(expression: str) -> str:
+    """A countdown answer written by a teacher who forgets parentheses: `(9-3)*7` -> `9-3*7` (= -12, not
+    42). Expressions whose precedence needs no parentheses stay right: `25+3*7`."""
+    return expression.replace("(", "").replace(")", "")
+
+
 def fallible_answer(record: dict) -> str:
-    """The answer a carry-forgetting teacher gives for an addition record (arithmetic or long_addition)."""
+    """The answer a fallible teacher gives: for an addition record (arithmetic or long_addition) it
+    forgets every carry; for a countdown record, every parenthesis."""
     info = json.loads(record["info"])
+    if "target" in info and "numbers" in info:  # countdown
+        return without_parentheses(record["answer"])
     if info.get("op") != "+":
         raise ConfigError(
-            "warmstart.teacher_error: the fallible teacher is defined for addition only "
-            f"(arithmetic, long_addition); record {record['id']!r} is not an addition"
+            "warmstart.teacher_error: the fallible teacher is defined for addition (arithmetic, long_addition: "
+            f"it forgets carries) and countdown (it forgets parentheses); record {record['id']!r} is neither"
         )
     if ":" in record.get("answer", ""):  # a worked long_addition solution: the same columns, every carry dropped
         return long_addition.solution(int(info["a"]), int(info["b"]), carries=False)
