@@ -214,8 +214,9 @@ def _median_groups(r_B: jax.Array, groups: GroupsLike) -> Groups:
 
 
 def group_median(mad_scale: bool = True, mad_eps: float = 1e-3, nonzero_rescale: bool = True) -> Normaliser:
-    """MC-GRPO advantage ("Median-Centered Group Relative Policy Optimization", papers.txt; the
-    paper's code, github.com/lotusroot-kim/MC-GRPO, `grpo_trainer_*.py`). With M = median_{G+1} r:
+    """MC-GRPO advantage (Kim 2026, "MC-GRPO: Median-Centered Group Relative Policy Optimization",
+    arXiv:2601.22582; the paper's code, github.com/lotusroot-kim/MC-GRPO, `grpo_trainer_*.py`).
+    With M = median_{G+1} r:
 
         A_i = (r_i - M) / (MAD + mad_eps)                  MAD = median_{G+1} |r_i - M|   (mad_scale)
         A_i <- A_i * (G+1) / #{j : |A_j| > 1e-6}           on the rows with |A_i| > 1e-6 (nonzero_rescale)

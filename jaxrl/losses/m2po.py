@@ -126,8 +126,8 @@ def rollout_behaviour(token_loss: Callable) -> Callable:
     """Wrap `token_loss(logp_BxT, batch)` so its ratio's behaviour policy is the ROLLOUT policy:
     the inner loss sees old_logp_BxT := rollout_logp_BxT (when the batch has it), so its ratio is
     pi_theta / pi_rollout, M2PO's importance weight on data sampled by a stale or mismatched sampler
-    ("Prosperity before Collapse", papers.txt: r = pi_theta / pi_behav). Without rollout log-probs,
-    or when they equal the old ones, nothing changes. Inside the wrapped loss, rollout-mismatch
+    ("Prosperity before Collapse", arXiv:2510.01161: r = pi_theta / pi_behav). Without rollout
+    log-probs, or when they equal the old ones, nothing changes. Inside the wrapped loss, rollout-mismatch
     corrections (TIS / MIS on pi_old / pi_rollout) then see a ratio of 1: the M2PO ratio already
     carries that factor."""
 

@@ -104,7 +104,8 @@ def gd2po_parts(
     consensus_power: float = 1.0,
     ddof: int = 1,
 ) -> dict:
-    """GD2PO, OUR READING (PAPERS.md gives no formula): GDPO + conflict masking + query reweighting.
+    """GD2PO (arXiv:2606.16771), OUR READING (its abstract gives no formula): GDPO + conflict masking +
+    query reweighting.
 
     With z_ik and a_i = sum_k w_k z_ik as in `gdpo`, and A_i^GDPO its batch normalisation:
 

@@ -63,35 +63,39 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "grpo": Preset(grpo, "Shao et al. 2024, DeepSeekMath (GRPO), arXiv:2402.03300"),
     "dr_grpo": Preset(dr_grpo, "Liu et al. 2025, Understanding R1-Zero-Like Training (Dr.GRPO), arXiv:2503.20783"),
-    "bnpo": Preset(bnpo, "token-mean normaliser as PAPERS.md defines BNPO"),
+    "bnpo": Preset(bnpo, "GRPO with the batch token-mean (the trainers' bnpo loss type)"),
     "dapo": Preset(dapo, "Yu et al. 2025, DAPO, arXiv:2503.14476"),
     "gspo": Preset(gspo, "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071"),
     "gspo_token": Preset(gspo_token, "Zheng et al. 2025, GSPO-token, arXiv:2507.18071"),
     "gmpo": Preset(gmpo, "Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673"),
     "cispo": Preset(cispo, "MiniMax 2025, MiniMax-M1 (CISPO), arXiv:2506.13585"),
-    "sapo": Preset(sapo, "Qwen 2025, Soft Adaptive Policy Optimization"),
+    "sapo": Preset(sapo, "Gao et al. (Qwen) 2025, Soft Adaptive Policy Optimization (SAPO), arXiv:2511.20347"),
     "mc_grpo": Preset(
         mc_grpo,
-        "Median-Centered GRPO (MC-GRPO), papers.txt",
+        "Kim 2026, Median-Centered GRPO (MC-GRPO), arXiv:2601.22582",
         group="an odd G+1 >= 3 (G + 1 pivot)",
         min_group_size=3,
         odd_group_size=True,
     ),
-    "gdpo": Preset(gdpo, "Group reward-Decoupled Normalization PO (GDPO), papers.txt"),
-    "gd2po": Preset(gd2po, "Group-Dynamic reward-Decoupled PO (GD2PO), papers.txt; our reading"),
-    "m2po": Preset(m2po, "Second-Moment Trust PO (M2PO), Prosperity before Collapse, papers.txt"),
-    "mu_grpo": Preset(mu_grpo, "Mu-GRPO, How off-policy can GRPO be?, papers.txt; our reading"),
+    "gdpo": Preset(gdpo, "Liu et al. 2026, Group reward-Decoupled Normalization PO (GDPO), arXiv:2601.05242"),
+    "gd2po": Preset(gd2po, "Liu et al. 2026, Group-Dynamic reward-Decoupled PO (GD2PO), arXiv:2606.16771; our reading"),
+    "m2po": Preset(m2po, "Zheng et al. 2025, Prosperity before Collapse (M2PO), arXiv:2510.01161"),
+    "mu_grpo": Preset(
+        mu_grpo, "Tian et al. 2026, How Off-Policy Can GRPO Be? (Mu-GRPO), arXiv:2605.17570; our reading"
+    ),
     "sao": Preset(
         sao,
-        "Single-rollout Asynchronous Optimization (SAO), papers.txt; batch baseline",
+        "Hou et al. 2026, Single-Rollout Asynchronous Optimization (SAO), arXiv:2607.07508; batch baseline",
         group="G >= 1 (single rollout: 1)",
         min_group_size=1,
     ),
-    "pnpo": Preset(pnpo, "Prefix-Normalized Policy Optimization (PNPO), papers.txt"),
+    "pnpo": Preset(pnpo, "PNPO 2026, Reusing Rollouts under Policy Lag, arXiv:2608.01418"),
     "rloo": Preset(rloo, "Ahmadian et al. 2024, Back to Basics (RLOO), arXiv:2402.14740"),
     "reinforce_pp": Preset(reinforce_pp, "Hu et al. 2025, REINFORCE++ (baseline), arXiv:2501.03262"),
-    "async_const_norm": Preset(async_const_norm, "AsyncWebRL constant 1/k normaliser, papers.txt"),
-    "tbpo": Preset(tbpo, "Trust-Band PO (TBPO) from QaRL, papers.txt; our reading"),
+    "async_const_norm": Preset(
+        async_const_norm, "Bai et al. 2026, AsyncWebRL (constant 1/k normaliser), arXiv:2606.05597"
+    ),
+    "tbpo": Preset(tbpo, "Gu et al. 2026, QaRL (Trust-Band PO, TBPO), arXiv:2604.07853; our reading"),
 }
 
 # LossConfig fields passed to the factory when set (None = the preset's default).

@@ -7,8 +7,9 @@ by a group or batch std, `adv_eps` (added to every std it divides by) and `std_d
 std, the default, as TRL / verl; 0 = the population std; see `advantages.py`), and the options in
 `compose.EXTRAS` via **extras (TIS / MIS corrections, entropy bonus, KL in the reward, overlong
 shaping, truncation masking, top-entropy masking), all off unless the paper uses them.
-Formulas use the notation of `shared/PAPERS.md`: rho_t = pi_theta(y_t) / pi_old(y_t), m_t the mask,
-|y_i| = sum_t m_t, B the number of live rows of the update batch, L_max = max_new_tokens.
+Notation: G completions y_i per prompt with rewards r_i (r_ik for reward function k), A_i the advantage,
+rho_t = pi_theta(y_t) / pi_old(y_t), m_t the mask, |y_i| = sum_t m_t, sg = stop-gradient, B the number of
+live rows of the update batch, L_max = max_new_tokens.
 """
 
 from __future__ import annotations
@@ -108,13 +109,13 @@ def bnpo(
     reward_weights: Sequence[float] | None = None,
     **extras,
 ) -> Loss:
-    """BNPO as `shared/PAPERS.md` defines it: GRPO with the batch-normalised token mean.
+    """BNPO in the sense of the trainers' "bnpo" loss type: GRPO with the batch-normalised token mean.
 
         A_i = (r_i - mean_G r) / (std_G r + adv_eps)
         J   = sum_{i,t} m_it min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i) / sum_{i,t} m_it
     (token_mean over the WHOLE update batch, the "bnpo" loss type of common trainers). Not the
     Beta-distribution advantage normalisation of Xiao et al. 2025 ("BNPO: Beta Normalization Policy
-    Optimization"), which PAPERS.md does not cover.
+    Optimization", arXiv:2506.02864), which this preset does not implement.
     """
     return compose(
         "bnpo",
@@ -179,8 +180,9 @@ def async_const_norm(
     k: float | None = None,
     **extras,
 ) -> Loss:
-    """AsyncWebRL's constant normaliser (`shared/seeds/papers.txt`: asynchronous multi-step GRPO for
-    vision-language web agents on WebGym): GRPO with the per-trajectory 1/|y_i| replaced by 1/k.
+    """AsyncWebRL's constant normaliser (Bai et al. 2026, "AsyncWebRL: Efficient Multi-Step RL for Visual
+    Web Agents", arXiv:2606.05597: asynchronous multi-step GRPO for web agents on WebGym): GRPO with
+    the per-trajectory 1/|y_i| replaced by 1/k.
 
         A_i = (r_i - mean_G r) / (std_G r + adv_eps)
         J   = 1/B sum_i 1/k sum_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
@@ -276,8 +278,9 @@ def mc_grpo(
     nonzero_rescale: bool = True,
     **extras,
 ) -> Loss:
-    """MC-GRPO, "Median-Centered Group Relative Policy Optimization" (`shared/seeds/papers.txt`;
-    code github.com/lotusroot-kim/MC-GRPO). Sample G+1 completions: rollout.group_size = G+1, ODD.
+    """MC-GRPO, Kim 2026, "MC-GRPO: Median-Centered Group Relative Policy Optimization for Small-Rollout
+    Reinforcement Learning" (arXiv:2601.22582; code github.com/lotusroot-kim/MC-GRPO). Sample G+1
+    completions: rollout.group_size = G+1, ODD.
     As the paper's code (`advantages.group_median`), with M = median_{G+1} r:
 
         A_i = (r_i - M) / (MAD + mad_eps),  MAD = median_{G+1} |r - M|         (mad_scale, default on)
@@ -315,7 +318,8 @@ def gdpo(
     reward_weights: Sequence[float] | None = None,
     **extras,
 ) -> Loss:
-    """GDPO, "Group reward-Decoupled Normalization Policy Optimization" (`shared/seeds/papers.txt`):
+    """GDPO, Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
+    Multi-reward RL Optimization" (arXiv:2601.05242):
     normalise each reward function within the group first, then combine, then batch-normalise.
 
         z_ik = (r_ik - mean_G r_k) / (std_G r_k + adv_eps);  a_i = sum_k w_k z_ik
@@ -350,8 +354,9 @@ def gd2po(
     consensus_power: float = 1.0,
     **extras,
 ) -> Loss:
-    """GD^2PO, "Group-Dynamic reward-Decoupled Policy Optimization" (`shared/seeds/papers.txt`; code
-    github.com/Qwen-Applications/GD2PO), OUR READING (formulas in `multi_reward.gd2po_parts`):
+    """GD^2PO, Liu et al. 2026, "GD^2PO: Mitigating Multi-Reward Conflicts via Group-Dynamic
+    reward-Decoupled Policy Optimization" (arXiv:2606.16771; code github.com/Qwen-Applications/GD2PO),
+    OUR READING (formulas in `multi_reward.gd2po_parts`):
 
         A_i^GDPO as in `gdpo`; conflict_i = weighted share of reward functions whose z_ik opposes A_i
         keep_i = conflict_i <= conflict_threshold;  consensus_g = 1 - mean_{i in g} conflict_i

@@ -85,8 +85,10 @@ def tbpo(
     reward_weights: Sequence[float] | None = None,
     **extras,
 ) -> Loss:
-    """TBPO, Trust-Band Policy Optimization from QaRL ("Rollout Alignment Quantization-Aware RL",
-    `shared/seeds/papers.txt`): "a sequence-level objective with dual clipping for negative samples".
+    """TBPO, Trust-Band Policy Optimization from QaRL (Gu et al. 2026, "QaRL: Rollout-Aligned
+    Quantization-Aware RL for Fast and Stable Training under Training--Inference Mismatch",
+    arXiv:2604.07853), in its abstract's words a sequence-level objective with dual clipping for
+    negative samples.
 
         s_i = exp(1/|y_i| sum_t log rho_t)                               (sequence_log_ratio, as GSPO)
         l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)    and, if A_i < 0 and s_i > c,
@@ -118,7 +120,8 @@ def pnpo(
     reward_weights: Sequence[float] | None = None,
     **extras,
 ) -> Loss:
-    """PNPO, "Prefix-Normalized Policy Optimization" (`shared/seeds/papers.txt`):
+    """PNPO, "Reusing Rollouts under Policy Lag: Prefix-Normalized Policy Optimization for LLM
+    Reinforcement Learning" (2026, arXiv:2608.01418):
 
         w_t = exp(1/t sum_{j <= t} log rho_j)           (prefix_log_ratio: causal geometric mean)
         J   = 1/B sum_i 1/|y_i| sum_t min(w_t A_i, clip(w_t, 1-eps_low, 1+eps_high) A_i)
@@ -213,8 +216,8 @@ def sapo(
     reward_weights: Sequence[float] | None = None,
     **extras,
 ) -> Loss:
-    """SAPO, Qwen 2025, "Soft Adaptive Policy Optimization" (not in papers.txt, whose SAPO is the
-    unrelated Swarm sAmpling Policy Optimization; the formula is PAPERS.md's soft gate):
+    """SAPO, Gao et al. (Qwen) 2025, "Soft Adaptive Policy Optimization" (arXiv:2511.20347), the soft
+    gate; not the unrelated "Swarm sAmpling Policy Optimization" that shares the acronym:
 
         J = 1/B sum_i 1/|y_i| sum_t (4 / tau) sigmoid(tau (rho_t - 1)) A_i,  tau = tau_pos if A > 0 else tau_neg
     A smooth trust region instead of a hard clip (gradient -A at rho = 1, decaying away from it);
@@ -239,8 +242,8 @@ def sao(
     reward_weights: Sequence[float] | None = None,
     **extras,
 ) -> Loss:
-    """SAO, "Single-rollout Asynchronous Optimization" (`shared/seeds/papers.txt`). One rollout per
-    prompt (rollout.group_size = 1):
+    """SAO, Hou et al. 2026, "Single-Rollout Asynchronous Optimization for Agentic Reinforcement
+    Learning" (arXiv:2607.07508). One rollout per prompt (rollout.group_size = 1):
 
         A_i = r_i - mean_B r                            (OUR READING: batch-mean baseline, see below)
         l_t = -rho_t A_i  if 1 - eps_low <= rho_t <= 1 + eps_high, else dropped (no gradient, either sign)
@@ -273,8 +276,9 @@ def mu_grpo(
     reward_weights: Sequence[float] | None = None,
     **extras,
 ) -> Loss:
-    """Mu-GRPO (`shared/seeds/papers.txt`: "How off-policy can GRPO be?"): relaxed clipping plus a
-    negative-advantage veto, OUR READING (`objectives.mu_grpo`):
+    """Mu-GRPO (Tian et al. 2026, "How Off-Policy Can GRPO Be? Mu-GRPO for Efficient LLM Reinforcement
+    Learning", arXiv:2605.17570): relaxed clipping plus a negative-advantage veto, OUR READING
+    (`objectives.mu_grpo`):
 
         l_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i), except for A_i < 0 every
               token from the first with |log rho_t| > delta to the end of the row is vetoed (loss 0)
@@ -308,8 +312,8 @@ def m2po(
     **extras,
 ) -> Loss:
     """M2PO, Second-Moment Trust Policy Optimization (Zheng, Zhao, Chen 2025, "Prosperity before
-    Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv:2510.01161;
-    `shared/seeds/papers.txt`), Algorithm 1:
+    Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv:2510.01161),
+    Algorithm 1:
 
         r_t = pi_theta(y_t) / pi_rollout(y_t)            behaviour = the rollout policy (the sampler)
         S   = trust-region tokens {A > 0, r > 1} u {A < 0, r < 1}   (token_set="trust_region", default)
