@@ -100,7 +100,9 @@ def test_sampler_segments_stop_early_on_eos_and_single_token_prompts(params):
     kw = dict(group_size=G, max_new_tokens=7, temperature=1.0, pad_id=0)
     probe = sample(params, CFG, prompt, pmask, jax.random.PRNGKey(4), share_prefix=False, eos_id=99, **kw)
     eos = int(np.bincount(np.asarray(probe.tokens_BxT)[:, :2].ravel()).argmax())  # common early token
+    n_programs = sample.__wrapped__._cache_size()  # temperature_checked(jax.jit(sample's body))
     want = sample(params, CFG, prompt, pmask, jax.random.PRNGKey(4), share_prefix=False, eos_id=eos, **kw)
+    assert sample.__wrapped__._cache_size() == n_programs  # eos_id is traced: another EOS, the same program
     got = sample(params, CFG, prompt, pmask, jax.random.PRNGKey(4), decode_segments=3, eos_id=eos, **kw)
     for a, b in zip(got[:6], want[:6]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)

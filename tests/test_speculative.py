@@ -258,8 +258,11 @@ def small_params():
     return _small_params()
 
 
-CASES = [  # (drafter, temperature, top_k, reuse draft)
-    ("early_exit", 1.0, 0, None),
+# (drafter, temperature, top_k, reuse draft). Each case is a compile of its own (top_k and the spec
+# are static), so the set covers each path once: a self-drafter with temperature and top-k (q and p
+# both truncated, the residual between them), a self-drafter untruncated at temperature 1 (int8: the
+# same self-draft code as early exit, over the quantized view), and point-mass reuse drafts.
+CASES = [
     ("early_exit", 0.8, 3, None),
     ("int8", 1.0, 0, None),
     ("reuse", 1.0, 0, (3, 3, 1)),
@@ -306,17 +309,18 @@ def _retraced_sampler():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter,draft", [("early_exit", None)])
-def test_chi_square_catches_a_wrong_acceptance_rule(small_params, monkeypatch, drafter, draft):
-    """The same test with the residual replaced by p (the most common speculative-sampling bug) fails
-    by a wide margin: the test has the power to tell a wrong rule from the right one."""
+@pytest.mark.parametrize("drafter,temperature,top_k,draft", CASES[:1])
+def test_chi_square_catches_a_wrong_acceptance_rule(small_params, monkeypatch, drafter, temperature, top_k, draft):
+    """The same test (its first case) with the residual replaced by p (the most common
+    speculative-sampling bug) fails by a wide margin: the test has the power to tell a wrong rule
+    from the right one."""
     monkeypatch.setattr(acceptance, "verify_sampled", _wrong_residual)
     try:
         spec = _spec(drafter, max_draft=2, adaptive=False, reuse_width=3)
-        out, _ = _sample_small(small_params, spec, 1.0, 0, 11, draft, sampler=_retraced_sampler())
+        out, _ = _sample_small(small_params, spec, temperature, top_k, 11, draft, sampler=_retraced_sampler())
     finally:
         monkeypatch.undo()
-    pvalue, _ = _chi_square_pvalue(out.tokens_BxT, out.completion_mask_BxT, _exact_distribution(1.0, 0))
+    pvalue, _ = _chi_square_pvalue(out.tokens_BxT, out.completion_mask_BxT, _exact_distribution(temperature, top_k))
     assert pvalue < 1e-6, pvalue
 
 
@@ -331,7 +335,8 @@ def test_point_mass_verification_by_hand():
     p_NxWxV = jnp.broadcast_to(p, (n, 3, 3))
     draft = jnp.broadcast_to(jnp.asarray([0, 1, 2]), (n, 3))
     drafted = jnp.broadcast_to(jnp.asarray([False, True, True]), (n, 3))
-    a, new = acceptance.verify_sampled(jax.random.PRNGKey(0), p_NxWxV, draft, drafted)
+    # Jitted, as the samplers run it: eager dispatch compiles each primitive on its own (several x slower).
+    a, new = jax.jit(acceptance.verify_sampled)(jax.random.PRNGKey(0), p_NxWxV, draft, drafted)
     a, new = np.asarray(a), np.asarray(new)
     np.testing.assert_allclose(np.mean(a == 0), 0.1, atol=0.01)
     np.testing.assert_allclose(np.mean(a == 1), 0.9 * 0.75, atol=0.01)
@@ -377,9 +382,11 @@ def test_worth_speculating_by_hand():
 @pytest.mark.slow
 def test_int8_view_is_close_and_int8():
     params = _params()
-    q = quantize_int8(params)
+    # Jitted, as the int8 drafter runs them (inside the sampler's program): eager dispatch would
+    # compile every primitive for every leaf shape.
+    q = jax.jit(quantize_int8)(params)
     assert q["blocks"]["mlp"]["gate"][0].dtype == jnp.int8
-    for a, b in zip(jax.tree.leaves(dequantize(q)), jax.tree.leaves(params)):
+    for a, b in zip(jax.tree.leaves(jax.jit(dequantize)(q)), jax.tree.leaves(params)):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=float(jnp.max(jnp.abs(b))) / 127 * 0.51 + 1e-7)
 

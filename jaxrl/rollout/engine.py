@@ -156,7 +156,7 @@ class Engine:
             self.spec = engine_speculative.speculative_spec(self.spec, speculative, draft_ids)
             self.tail_rows = engine_speculative.tail_rows(speculative, engine_cfg.slots)
             self._decode_chunk = engine_speculative.toggle_chunk(self, self.tail_rows)
-        self.state = init_state(self.spec, rng)
+        self.state = init_state(self.spec.without_drafter(), rng)
         self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
         self._flight: dict[int, _Flight] = {}
         self._ready: list[Group] = []  # complete, not yet returned

@@ -73,6 +73,12 @@ class SpeculativeEngineSpec(EngineSpec):
         # A window of k + 1 written at fill level P-1+T (a finished slot's) ends at P+T+k-1.
         return self.prompt_len + self.max_new_tokens + self.max_draft
 
+    def without_drafter(self) -> SpeculativeEngineSpec:
+        """The cache length (max_draft) kept, the drafter's other fields dropped: engines that differ
+        only in their drafter (e.g. full vs reduced draft head) share init_state, admit and the
+        plain decode_chunk instead of compiling each again."""
+        return dataclasses.replace(self, draft_layers=1, draft_ids=())
+
 
 def check_engine_drafter(speculative: SpeculativeConfig, model_cfg: ModelConfig) -> None:
     """The engine drafts with early exit only, from fewer layers than the policy has."""
@@ -130,7 +136,7 @@ def toggle_chunk(engine, tail: int):
         decoding = np.flatnonzero(engine._owner_S >= 0)  # retired slots are freed: owned == decoding
         if chunk_kind(len(decoding), tail) == "plain":
             stop_at = min(S if stop_at is None else stop_at, S - tail)
-            return decode_chunk(params, spec, state, n_steps, version, temperature, stop_at)
+            return decode_chunk(params, spec.without_drafter(), state, n_steps, version, temperature, stop_at)
         if tail == S:  # a speculative chunk runs until n_steps or no slot decodes
             state, drafted, accepted = speculative_chunk(params, spec, state, n_steps, version, temperature)
         else:

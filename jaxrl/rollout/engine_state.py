@@ -77,6 +77,11 @@ class EngineSpec:
         # Fill levels reach P-1+T; a finished slot's (unread) window write lands at that slot.
         return self.prompt_len + self.max_new_tokens
 
+    def without_drafter(self) -> EngineSpec:
+        """The spec the programs that never draft (`init_state`, `admit`, the plain `decode_chunk`)
+        compile under: this one; a speculative spec overrides it (see engine_speculative)."""
+        return self
+
 
 class EngineState(NamedTuple):
     cache: LayerCache  # S rows of cache_len slots; pos_B = each slot's next position id
@@ -149,7 +154,7 @@ def admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_
     admitted slots are reset and start decoding; every other slot is left as it was. Donates `state`."""
     # Admission reads the shapes and pad_id, never how tokens are drawn or end: one compiled program
     # serves engines that differ only in those (a greedy and a sampled engine of one model).
-    drawless = dataclasses.replace(spec, eos_id=-1, top_k=0, top_p=1.0, greedy=False, stop_ids=())
+    drawless = dataclasses.replace(spec.without_drafter(), eos_id=-1, top_k=0, top_p=1.0, greedy=False, stop_ids=())
     return _admit(params, drawless, state, prompt_AxP, prompt_mask_AxP, dest_N)
 
 

@@ -221,7 +221,6 @@ def prefill_shared(
         "max_new_tokens",
         "top_k",
         "top_p",
-        "eos_id",
         "pad_id",
         "greedy",
         "share_prefix",
@@ -240,7 +239,7 @@ def sample(
     temperature,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int,
+    eos_id,
     pad_id: int,
     greedy: bool = False,
     share_prefix: bool = True,
@@ -248,8 +247,9 @@ def sample(
 ) -> SampleOutput:
     """G completions per left-padded prompt; output rows i*G .. i*G+G-1 belong to prompt i.
 
-    `temperature` is traced (changing it does not recompile; 0 = greedy, see `scaled_logits`); top_k
-    (0 = off) and top_p (1.0 = off) are static because they change the graph.
+    `temperature` is traced (changing it does not recompile; 0 = greedy, see `scaled_logits`), and so
+    is `eos_id` (only compared with the drawn tokens: a sampler per EOS id would be a compile per id);
+    top_k (0 = off) and top_p (1.0 = off) are static because they change the graph.
     share_prefix (default) decodes over a `GroupCache`: the prompt prefix stored once per group and
     the loop run in `decode_segments` segments (default `default_segments`) whose completion buffers
     grow, so early steps skip the never-written slots; False keeps one P+T-slot cache per row (the
