@@ -7,6 +7,8 @@ advantages and prepared mask equal those of each group evaluated ALONE with grou
 (batch-level presets: their batch statistic written out in NumPy over the per-group parts).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,11 +65,28 @@ def _unequal_batch(sizes, seed=0, n_pad=2):
     return {k: v[perm] for k, v in batch.items()}
 
 
-def _prepared(name, batch, group_size=1):
-    out = prepare_batch(
-        PRESETS[name](), {k: jnp.asarray(v) for k, v in batch.items()}, group_size=group_size, max_new_tokens=T
-    )
-    return np.asarray(out["advantages_B"]), np.asarray(out["completion_mask_BxT"])
+def _prepare_traced(name, batch, group_size=1):
+    """(advantages_B, prepared completion_mask_BxT) of `prepare_batch`, traceable."""
+    out = prepare_batch(PRESETS[name](), batch, group_size=group_size, max_new_tokens=T)
+    return out["advantages_B"], out["completion_mask_BxT"]
+
+
+def _in_one_program(*thunks):
+    """Each thunk's result as NumPy, all computed by ONE jitted program (compiled once per test).
+
+    A thunk is (fn, *arrays): `fn(*arrays)` is traced with the arrays as inputs. Eager dispatch would
+    compile every op anew for each batch shape (the groups alone have several), and a jit per call
+    pays XLA's fixed cost per call: one program for every call of a test costs about half of either.
+    Only the outputs the test reads are computed (jit drops the rest: M2PO's token mask, ...)."""
+    fns = [t[0] for t in thunks]
+    args = [t[1:] for t in thunks]
+    out = jax.jit(lambda args: [fn(*a) for fn, a in zip(fns, args)])(jax.tree.map(jnp.asarray, args))
+    return jax.tree.map(np.asarray, out)
+
+
+def _prep(name, batch, group_size=1):
+    """A thunk for `_in_one_program`: `_prepare_traced(name, batch, group_size)`."""
+    return (functools.partial(_prepare_traced, name, group_size=group_size), batch)
 
 
 # ============================================================================= the equal form
@@ -79,9 +98,8 @@ def test_equal_contiguous_group_ids_give_exactly_the_group_size_path(name):
     G = EQUAL_G.get(name, 4)
     batch = _rows(3 * G if G > 1 else 8, np.random.default_rng(1))
     batch["rewards_BxK"][:G] = 1.0  # a constant group
-    plain = _prepared(name, batch, G)
     ids = dict(batch, group_id_B=(np.arange(len(batch["truncated_B"])) // G).astype(np.int32))
-    with_ids = _prepared(name, ids, G)
+    plain, with_ids = _in_one_program(_prep(name, batch, G), _prep(name, ids, G))
     for a, b in zip(plain, with_ids):
         np.testing.assert_array_equal(a, b)
     assert np.any(plain[0] != 0)
@@ -92,8 +110,9 @@ def test_equal_contiguous_group_ids_give_exactly_the_group_size_path(name):
 def test_permuting_rows_and_their_group_ids_permutes_the_advantages(name):
     batch = _unequal_batch(_sizes(name), seed=2)
     perm = np.random.default_rng(3).permutation(len(batch["group_id_B"]))
-    adv, mask = _prepared(name, batch)
-    adv_p, mask_p = _prepared(name, {k: v[perm] for k, v in batch.items()})
+    (adv, mask), (adv_p, mask_p) = _in_one_program(
+        _prep(name, batch), _prep(name, {k: v[perm] for k, v in batch.items()})
+    )
     np.testing.assert_allclose(adv_p, adv[perm], rtol=1e-5, atol=1e-5)
     if name == "mc_grpo":  # the pivot among rows tied at the median is the first in ROW order (a stable
         # sort), so a permutation may pick another tied row: compare (group, reward) of the dropped rows
@@ -120,17 +139,23 @@ def test_grpo_on_groups_of_3_and_5_by_hand():
     # (ddof=0: std_7 = sqrt(2/9) = 0.471405 -> 1.414214 / -0.707107; std_3 = sqrt(.24) = .489898 -> 1.224745 / -.816497)
     ids = np.array([3, 7, 3, 7, 3, 3, 7, 3], np.int32)
     r = np.array([1, 1, 1, 0, 0, 0, 0, 0], np.float32)
-    g = segments.from_ids(jnp.asarray(ids))
+
+    def by_ddof(r_B, id_B):  # [ddof 1, ddof 0]
+        g = segments.from_ids(id_B)
+        return [adv_lib.group_mean_std(ddof=ddof)(r_B, g) for ddof in (1, 0)]
+
+    # a group of one (id 9) appended: it has no spread
+    (unbiased, population), with_9 = _in_one_program(
+        (by_ddof, r, ids), (by_ddof, np.append(r, 1.0), np.append(ids, 9).astype(np.int32))
+    )
     want = [1.095445, 1.154701, 1.095445, -0.577350, -0.730297, -0.730297, -0.577350, -0.730297]
-    np.testing.assert_allclose(adv_lib.group_mean_std()(jnp.asarray(r), g), want, rtol=1e-5)
+    np.testing.assert_allclose(unbiased, want, rtol=1e-5)
     want0 = [1.224745, 1.414214, 1.224745, -0.707107, -0.816497, -0.816497, -0.707107, -0.816497]
-    np.testing.assert_allclose(adv_lib.group_mean_std(ddof=0)(jnp.asarray(r), g), want0, rtol=1e-5)
-    # a group of one (id 9) has no spread: exactly 0, whatever ddof; the others do not move
-    g9 = segments.from_ids(jnp.asarray(np.append(ids, 9)))
-    for ddof in (0, 1):
-        out = np.asarray(adv_lib.group_mean_std(ddof=ddof)(jnp.asarray(np.append(r, 1.0)), g9))
+    np.testing.assert_allclose(population, want0, rtol=1e-5)
+    # the group of one gets exactly 0, whatever ddof; the others do not move
+    for out in with_9:
         assert out[-1] == 0.0 and np.isfinite(out).all()
-    np.testing.assert_allclose(adv_lib.group_mean_std()(jnp.asarray(np.append(r, 1.0)), g9)[:-1], want, rtol=1e-5)
+    np.testing.assert_allclose(with_9[0][:-1], want, rtol=1e-5)
 
 
 def test_rloo_leaves_one_out_of_each_groups_own_size():
@@ -141,7 +166,7 @@ def test_rloo_leaves_one_out_of_each_groups_own_size():
     ids = np.array([0, 0, 0, 1, 1, 2, 3, 3, 3, 3], np.int32)
     perm = np.array([9, 2, 5, 0, 7, 3, 1, 8, 4, 6])
     want = np.array([1, -0.5, -0.5, 1, -1, 0, 0, 2 / 3, -2 / 3, 0], np.float32)
-    out = adv_lib.rloo(jnp.asarray(r[perm]), segments.from_ids(jnp.asarray(ids[perm])))
+    [out] = _in_one_program((lambda r_B, id_B: adv_lib.rloo(r_B, segments.from_ids(id_B)), r[perm], ids[perm]))
     np.testing.assert_allclose(out, want[perm], rtol=1e-6, atol=1e-7)
 
 
@@ -163,16 +188,20 @@ def test_mc_grpo_median_mad_and_rescale_with_each_groups_own_size():
     at = np.argsort(perm)  # at[i] = where original row i sits in the permuted batch
     pivot = np.zeros(12, np.float32)
     pivot[[max((1, 2), key=lambda i: at[i]), min((3, 4, 5), key=lambda i: at[i]), 11]] = 1.0
-    g = segments.from_ids(jnp.asarray(ids[perm]))
-    np.testing.assert_allclose(adv_lib.group_median()(jnp.asarray(r[perm]), g), want[perm], rtol=1e-5)
-    np.testing.assert_array_equal(adv_lib.median_pivot(jnp.asarray(r[perm]), g), pivot[perm])
-    # the preset drops exactly those pivot rows from the loss
     batch = {
         "completion_mask_BxT": np.ones((12, T), np.float32),
         "rewards_BxK": r[perm][:, None],
         "group_id_B": ids[perm],
     }
-    adv, mask = _prepared("mc_grpo", batch)
+
+    def median_and_pivot(r_B, id_B):
+        g = segments.from_ids(id_B)
+        return adv_lib.group_median()(r_B, g), adv_lib.median_pivot(r_B, g)
+
+    (median, pivot_out), (adv, mask) = _in_one_program((median_and_pivot, r[perm], ids[perm]), _prep("mc_grpo", batch))
+    np.testing.assert_allclose(median, want[perm], rtol=1e-5)
+    np.testing.assert_array_equal(pivot_out, pivot[perm])
+    # the preset drops exactly those pivot rows from the loss
     np.testing.assert_allclose(adv, want[perm], rtol=1e-5)
     np.testing.assert_array_equal(mask[:, 0], 1.0 - pivot[perm])
 
@@ -185,8 +214,9 @@ def test_mc_grpo_median_mad_and_rescale_with_each_groups_own_size():
 def test_padding_rows_get_zero_and_do_not_move_the_others(name):
     batch = _unequal_batch(_sizes(name), seed=4, n_pad=3)
     live = batch["completion_mask_BxT"].any(1)
-    adv, mask = _prepared(name, batch)
-    adv_live, mask_live = _prepared(name, {k: v[live] for k, v in batch.items()})
+    (adv, mask), (adv_live, mask_live) = _in_one_program(
+        _prep(name, batch), _prep(name, {k: v[live] for k, v in batch.items()})
+    )
     assert np.all(adv[~live] == 0) and np.all(mask[~live] == 0)
     np.testing.assert_allclose(adv[live], adv_live, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(mask[live], mask_live)
@@ -194,19 +224,29 @@ def test_padding_rows_get_zero_and_do_not_move_the_others(name):
 
 
 def test_a_negative_group_id_is_padding_whatever_its_rewards():
-    r = jnp.asarray([1.0, 0.0, 5.0, 1.0, 0.0])
-    g = segments.from_ids(jnp.asarray([0, 0, -1, 1, 1], jnp.int32))
-    for norm in (adv_lib.group_mean_std(), adv_lib.group_mean_batch_whiten(), adv_lib.batch_mean, adv_lib.rloo):
-        out = np.asarray(norm(r, g))
+    r = np.array([1.0, 0.0, 5.0, 1.0, 0.0], np.float32)
+    norms = (adv_lib.group_mean_std(), adv_lib.group_mean_batch_whiten(), adv_lib.batch_mean, adv_lib.rloo)
+    [outs] = _in_one_program(
+        (
+            lambda r_B, id_B: [norm(r_B, segments.from_ids(id_B)) for norm in norms],
+            r,
+            np.array([0, 0, -1, 1, 1], np.int32),
+        )
+    )
+    for out in outs:
         assert out[2] == 0.0
         np.testing.assert_allclose(out[[0, 1]], out[[3, 4]], rtol=1e-6)  # the two live groups alike
 
 
 def test_an_explicit_live_mask_keeps_a_padding_row_out_of_the_group_it_shares_an_id_with():
-    r = jnp.asarray([1.0, 0.0, 0.0, 9.0])
-    alone = adv_lib.group_mean_std()(r[:3], 3)
-    g = segments.from_ids(jnp.asarray([4, 4, 4, 4]), live_B=jnp.asarray([1, 1, 1, 0]))  # one id, row 3 padding
-    with_pad = adv_lib.group_mean_std()(r, g)
+    r = np.array([1.0, 0.0, 0.0, 9.0], np.float32)
+
+    def padded(r_B):  # one id, row 3 padding
+        return adv_lib.group_mean_std()(
+            r_B, segments.from_ids(jnp.asarray([4, 4, 4, 4]), live_B=jnp.asarray([1, 1, 1, 0]))
+        )
+
+    alone, with_pad = _in_one_program((lambda r_B: adv_lib.group_mean_std()(r_B, 3), r[:3]), (padded, r))
     np.testing.assert_allclose(with_pad[:3], alone, rtol=1e-6)
     assert float(with_pad[3]) == 0.0
 
@@ -221,7 +261,7 @@ def test_dapo_drops_whole_constant_groups_and_keeps_zero_rows_of_informative_one
         "rewards_BxK": r[:, None],
         "group_id_B": ids,
     }
-    adv, mask = _prepared("dapo", batch)
+    [(adv, mask)] = _in_one_program(_prep("dapo", batch))
     assert adv[6] == 0.0
     np.testing.assert_array_equal(mask[:, 0], (ids != 5).astype(np.float32))
 
@@ -235,19 +275,27 @@ def _whiten(a, eps=1e-6):
 
 
 def _group_alone(name, sub):
-    """(adv, mask) of one group's rows, evaluated alone with group_size = its size."""
-    n = len(sub["truncated_B"])
+    """(adv, mask) of one group's rows, evaluated alone with group_size = its size (traceable)."""
+    n = sub["completion_mask_BxT"].shape[0]
     if name == "reinforce_pp":  # group stage alone; the batch stage is the caller's
-        return np.asarray(adv_lib.group_mean(jnp.asarray(sub["rewards_BxK"].sum(1)), n)), sub["completion_mask_BxT"]
+        return adv_lib.group_mean(sub["rewards_BxK"].sum(1), n), sub["completion_mask_BxT"]
     if name in ("gdpo", "gd2po"):
-        z = np.asarray(multi_reward.group_z_scores(jnp.asarray(sub["rewards_BxK"]), n))
-        parts = multi_reward.gd2po_parts(jnp.asarray(sub["rewards_BxK"]), n)
-        keep = np.asarray(parts["keep_B"]) if name == "gd2po" else np.ones(n, np.float32)
-        return (z.sum(1), np.asarray(parts["consensus_B"]), keep), sub["completion_mask_BxT"] * keep[:, None]
-    return _prepared(name, sub, n)
+        z = multi_reward.group_z_scores(sub["rewards_BxK"], n)
+        parts = multi_reward.gd2po_parts(sub["rewards_BxK"], n)
+        keep = parts["keep_B"] if name == "gd2po" else jnp.ones(n, jnp.float32)
+        return (z.sum(1), parts["consensus_B"], keep), sub["completion_mask_BxT"] * keep[:, None]
+    return _prepare_traced(name, sub, n)
 
 
-def _oracle(name, batch):
+def _live_groups(batch):
+    """The row indices of each live group, in group-id order."""
+    live = batch["completion_mask_BxT"].any(1)
+    return [np.flatnonzero(live & (batch["group_id_B"] == gid)) for gid in np.unique(batch["group_id_B"][live])]
+
+
+def _oracle(name, batch, alone):
+    """The advantages and prepared mask the batch must get, from `alone[i]` = `_group_alone` of the
+    rows `_live_groups(batch)[i]` (batch-level presets: their batch statistic written out here)."""
     live = batch["completion_mask_BxT"].any(1)
     B = len(live)
     adv, mask = np.zeros(B, np.float32), np.zeros_like(batch["completion_mask_BxT"])
@@ -255,19 +303,18 @@ def _oracle(name, batch):
         r = batch["rewards_BxK"].sum(1)
         adv[live] = r[live] - r[live].mean()
         return adv, batch["completion_mask_BxT"]
-    per_group = {}
-    for gid in np.unique(batch["group_id_B"][live]):
-        rows = np.flatnonzero(live & (batch["group_id_B"] == gid))
-        a, mask[rows] = _group_alone(name, {k: v[rows] for k, v in batch.items() if k != "group_id_B"})
-        per_group[gid] = (rows, a)
+    per_group = []
+    for rows, (a, group_mask) in zip(_live_groups(batch), alone, strict=True):
+        mask[rows] = group_mask
+        per_group.append((rows, a))
     if name not in ("reinforce_pp", "gdpo", "gd2po"):
-        for rows, a in per_group.values():
+        for rows, a in per_group:
             adv[rows] = a
         return adv, mask
-    rows_all = np.concatenate([rows for rows, _ in per_group.values()])
-    a_all = np.concatenate([a if name == "reinforce_pp" else a[0] for _, a in per_group.values()])
+    rows_all = np.concatenate([rows for rows, _ in per_group])
+    a_all = np.concatenate([a if name == "reinforce_pp" else a[0] for _, a in per_group])
     white = dict(zip(rows_all, _whiten(a_all)))
-    for rows, a in per_group.values():
+    for rows, a in per_group:
         a0 = a if name == "reinforce_pp" else a[0]
         if np.any(a0 != 0):
             adv[rows] = [white[i] for i in rows]
@@ -280,8 +327,13 @@ def _oracle(name, batch):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_on_unequal_groups_equals_each_group_alone(name):
     batch = _unequal_batch(_sizes(name), seed=5)
-    adv, mask = _prepared(name, batch)
-    want_adv, want_mask = _oracle(name, batch)
+    groups = [] if name == "sao" else _live_groups(batch)  # SAO: one batch-wide baseline, no groups
+    alone = [
+        (functools.partial(_group_alone, name), {k: v[rows] for k, v in batch.items() if k != "group_id_B"})
+        for rows in groups
+    ]
+    (adv, mask), *alone_out = _in_one_program(_prep(name, batch), *alone)
+    want_adv, want_mask = _oracle(name, batch, alone_out)
     np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(mask, want_mask)
     assert np.any(adv != 0)
@@ -338,6 +390,6 @@ def test_update_step_reads_group_id_B_across_microbatches():
 
         return jax.grad(value)(params)["w"]
 
-    want, without_ids = grad(batch), grad({k: v for k, v in batch.items() if k != "group_id_B"})
+    want, without_ids = _in_one_program((grad, batch), (grad, {k: v for k, v in batch.items() if k != "group_id_B"}))
     np.testing.assert_allclose(applied, want, rtol=1e-5, atol=1e-6)
     assert float(jnp.max(jnp.abs(want - without_ids))) > 1e-3  # the ids matter on this batch

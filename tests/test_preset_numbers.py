@@ -71,6 +71,9 @@ TABLE = {
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _tiny_grad(loss, G, logp, batch):
+    # The advantages inside the same program: run eagerly, the estimators (GD2PO's, DAPO's shaping,
+    # MC-GRPO's median) compile op by op for each new batch shape, seconds per test on 2 cores.
+    batch = dict(batch, advantages_B=losses.batch_advantages(loss, batch, G, 4))  # with reward shaping, as the update
     return _run(loss, G, logp, batch, max_new_tokens=4)  # L_max = 4 in the hand-worked examples
 
 
@@ -79,7 +82,6 @@ def _tiny(loss, G, batch, logp=None):
     batch = dict(batch)
     batch.setdefault("old_logp_BxT", logp)
     batch.setdefault("rollout_logp_BxT", batch["old_logp_BxT"])
-    batch["advantages_B"] = losses.batch_advantages(loss, batch, G, 4)  # with reward shaping, as the update
     return _tiny_grad(loss, G, logp, batch)
 
 
@@ -444,14 +446,18 @@ def test_update_step_runs_prepare_and_reports_exact_metrics():
     assert float(m1["ratio_max"]) > 1.0 > float(m1["ratio_min"]) > 0
     # epoch 1 is a plain gradient step on the prepared batch: check it against _run by hand.
     (s_one, _), _ = _update(loss, 3, batch, 1, 1)
-    logp, _ = _toy_logp(params, batch)
-    hand = dict(
-        batch,
-        advantages_B=loss.advantages(batch["rewards_BxK"], 3),
-        old_logp_BxT=logp,
-        ref_logp_BxT=_toy_logp({"w": params["w"] * 0.5}, batch)[0],
-    )
-    grad_w = jax.grad(lambda p: _run(loss, 3, _toy_logp(p, hand)[0], hand)[0])(params)["w"]
+
+    @jax.jit  # eagerly, the median estimator and autodiff through prepare compile op by op (seconds)
+    def hand_grad_w(params):
+        hand = dict(
+            batch,
+            advantages_B=loss.advantages(batch["rewards_BxK"], 3),
+            old_logp_BxT=_toy_logp(params, batch)[0],
+            ref_logp_BxT=_toy_logp({"w": params["w"] * 0.5}, batch)[0],
+        )
+        return jax.grad(lambda p: _run(loss, 3, _toy_logp(p, hand)[0], hand)[0])(params)["w"]
+
+    grad_w = hand_grad_w(params)
     _close(s_one.params["w"], params["w"] - 0.5 * grad_w, atol=1e-6)
 
 
