@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from preset_configs import config_path, overrides
-from test_resume import straight_and_killed_runs
+from test_resume import killed_and_resumed_runs, train_in_process
 
 from jaxrl.config import ConfigError, load_config
 from jaxrl.data.stream import StreamState
@@ -170,7 +170,13 @@ RUN_ARGS = [
 
 @pytest.mark.slow
 def test_sigkilled_run_with_partial_rollouts_resumes_to_the_same_metrics(tmp_path, cache_env):
-    reference, before, resumed, restored = straight_and_killed_runs(RUN_ARGS, tmp_path, cache_env, STEPS, kill_at=2)
+    reference = train_in_process(RUN_ARGS, tmp_path / "straight", cache_env)
+    assert sorted(reference) == list(range(STEPS + 1))
+    # Only the kill needs a process of its own: the resume runs here, reusing the programs the
+    # straight run compiled (the same metrics bit for bit: train_in_process has the children's policy).
+    before, resumed, restored = killed_and_resumed_runs(
+        RUN_ARGS, tmp_path / "killed", cache_env, STEPS, kill_at=2, resume_in_process=True
+    )
     for step in range(restored + 1):  # a resume, not a fresh start: the rows it restored from are kept as written
         assert resumed[step] == before[step]
     # Groups were in flight at the checkpoint the run resumed from, and the next step used samples

@@ -33,7 +33,8 @@ def _x(seed=0, shape=(B, T, D)):
 @functools.cache
 def _layer_params(n_shared: int):
     spec = moe.MoESpec(E, K, F, n_shared)
-    boxed = moe.MoE(D, spec).init(jax.random.PRNGKey(0), _x(), jnp.ones((B, T), bool))["params"]
+    # One compiled init program, not an eager compile of every initialiser op (truncated normals, ...).
+    boxed = jax.jit(moe.MoE(D, spec).init)(jax.random.PRNGKey(0), _x(), jnp.ones((B, T), bool))["params"]
     return jax.tree.map(
         lambda p: p * 3.0 if p.ndim == 2 and p.shape[-1] == E else p,  # a peakier router
         nn.meta.unbox(boxed),
@@ -215,6 +216,13 @@ def _mparams(cfg=MCFG):
     return tf.init_params(cfg, jax.random.PRNGKey(0))
 
 
+@jax.jit
+def _mforward(params, seq_BxS, mask_BxS):
+    """MCFG's scanned forward -> (logits, aux, routing). One program for both tests below: they feed it
+    the same shapes (6 rows of 9 tokens), so a worker that runs both compiles it once."""
+    return tf._apply(params, MCFG, seq_BxS, tf.positions_from_mask(mask_BxS), mask_BxS.astype(bool))
+
+
 def test_moe_model_params_and_axes():
     params, axes = _mparams(), tf.param_logical_axes(MCFG)
     assert set(params["blocks"]) == {"dense_0", "moe"}  # one scanned group = 1 dense + 1 MoE layer
@@ -230,23 +238,27 @@ def test_moe_model_params_and_axes():
 @pytest.mark.slow
 def test_moe_forward_equals_prefill_and_decode_paths():
     """Scanned forward == prefill + decode_step_layers (the sampler's unrolled loop), logits and
-    experts, on a left-padded batch."""
-    params, P, Tg = _mparams(), 5, 3
+    experts, on a left-padded batch (6 rows: the routing test's forward shape)."""
+    params, P, Tg, B = _mparams(), 5, 4, 6
     rng = np.random.default_rng(5)
-    prompt = jnp.asarray(rng.integers(1, 29, (2, P)), jnp.int32)
-    pmask = jnp.array([[0, 0, 1, 1, 1], [1] * 5], jnp.int32)
-    gen = jnp.asarray(rng.integers(1, 29, (2, Tg)), jnp.int32)
-    seq, smask = jnp.concatenate([prompt, gen], 1), jnp.concatenate([pmask, jnp.ones((2, Tg), jnp.int32)], 1)
-    logits, _, out = _fast(lambda p: tf._apply(p, MCFG, seq, tf.positions_from_mask(smask), smask.astype(bool)), params)
-    experts = np.asarray(out.experts_LxBxTxK)  # (1, 2, P+Tg, 2)
-    cache = kv_cache.init_cache(MCFG, 2, P + Tg)
+    prompt = jnp.asarray(rng.integers(1, 29, (B, P)), jnp.int32)
+    pads_B = np.array([2, 0, 4, 1, 3, 0])  # left padding per row: 3, 5, 1, 4, 2, 5 real prompt tokens
+    pmask = jnp.asarray(np.arange(P)[None] >= pads_B[:, None], jnp.int32)
+    gen = jnp.asarray(rng.integers(1, 29, (B, Tg)), jnp.int32)
+    seq, smask = jnp.concatenate([prompt, gen], 1), jnp.concatenate([pmask, jnp.ones((B, Tg), jnp.int32)], 1)
+    logits, _, out = _mforward(params, seq, smask)
+    experts = np.asarray(out.experts_LxBxTxK)  # (1, B, P+Tg, 2)
+    cache = kv_cache.init_cache(MCFG, B, P + Tg)
 
     def prefill(p, t, m, c):
         return kv_cache.prefill_routed(p, MCFG, t, m, c)
 
     last, cache, pre_experts = _fast(prefill, params, prompt, pmask, cache)
     np.testing.assert_allclose(last, logits[:, P - 1], atol=1e-5)
-    np.testing.assert_array_equal(pre_experts, experts[:, :, :P])
+    # Live prompt slots only: a padding slot's query attends to no key, so its hidden state (and
+    # experts) depend on what the unread keys hold: the full sequence here, an empty cache there.
+    live_BxP = np.asarray(pmask, bool)
+    np.testing.assert_array_equal(np.asarray(pre_experts)[:, live_BxP], experts[:, :, :P][:, live_BxP])
     lparams, lcache = decode.layer_params(params, MCFG), decode.to_layer_cache(cache)
     step = jax.jit(lambda lp, tok, c, i: decode.decode_step_layers_routed(lp, MCFG, tok, c, i))
     for t in range(Tg):
@@ -301,7 +313,7 @@ def test_sampler_routing_replay_and_mismatch():
     }
     seq = jnp.concatenate([batch["prompt_tokens_BxP"], out.tokens_BxT], 1)
     smask = jnp.concatenate([batch["prompt_mask_BxP"], jnp.ones_like(out.tokens_BxT)], 1)
-    _, _, fwd = _fast(lambda p: tf._apply(p, MCFG, seq, tf.positions_from_mask(smask), smask.astype(bool)), params)
+    _, _, fwd = _mforward(params, seq, smask)
     own = np.transpose(np.asarray(fwd.experts_LxBxTxK), (1, 2, 0, 3))
     live = np.asarray(smask, bool)[:, : P + Tn - 1]  # padding slots' outputs are never read; the last is never fed
     np.testing.assert_array_equal(np.asarray(routing)[:, : P + Tn - 1][live], own[:, : P + Tn - 1][live])
