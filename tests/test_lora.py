@@ -3,6 +3,7 @@ the merge equals a naive per-matrix loop, the int8 base stays within half a quan
 every user mistake in model.lora.* is a one-line error naming the field."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -19,6 +20,18 @@ from jaxrl.models.transformer import forward, init_params, param_logical_axes
 DENSE = ModelConfig(vocab_size=19, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=24)
 MOE = dataclasses.replace(DENSE, n_layers=2, n_experts=3, moe_every=2, experts_per_token=2, n_shared_experts=1)
 LORA = LoraConfig(rank=3, alpha=6.0)
+
+
+@functools.cache
+def _jitted_merge(cfg: ModelConfig, lcfg: LoraConfig):
+    logical = param_logical_axes(cfg)
+    return jax.jit(lambda params, adapters: lora.merge(params, adapters, lcfg, logical))
+
+
+def _merge(cfg: ModelConfig, lcfg: LoraConfig, params, adapters):
+    """lora.merge as one jitted program per model, shared by the tests (eagerly, every matmul and add
+    compiles once per leaf shape)."""
+    return _jitted_merge(cfg, lcfg)(params, adapters)
 
 
 def _setup(cfg: ModelConfig, lcfg: LoraConfig):
@@ -45,7 +58,7 @@ def _weight_names(adapters) -> set[str]:
 @pytest.mark.parametrize("cfg,lcfg", [(DENSE, LORA), (MOE, dataclasses.replace(LORA, experts=True))])
 def test_zero_adapters_leave_the_logits_bit_identical(cfg, lcfg):
     params, logical, adapters = _setup(cfg, lcfg)
-    merged = lora.merge(params, adapters, lcfg, logical)
+    merged = _merge(cfg, lcfg, params, adapters)
     tokens_BxS, mask_BxS = _tokens()
     np.testing.assert_array_equal(
         forward(merged, cfg, tokens_BxS, mask_BxS), forward(params, cfg, tokens_BxS, mask_BxS)
@@ -70,10 +83,9 @@ def test_merge_equals_a_naive_loop_over_layers_and_experts():
     lcfg = dataclasses.replace(LORA, experts=True)
     params, logical, adapters = _setup(MOE, lcfg)
     # B = 0 at init hides any mistake in the product: give every B random values.
-    leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(3), len(leaves))
-    adapters = jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
-    merged = lora.merge(params, adapters, lcfg, logical)
+    rng = np.random.default_rng(3)  # numpy: eager jax.random would compile a sampler per leaf shape
+    adapters = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), adapters)
+    merged = _merge(MOE, lcfg, params, adapters)
     s = lcfg.alpha / lcfg.rank  # 6 / 3 = 2
 
     o, ad = params["blocks"]["dense_0"]["attn"]["o"], adapters["blocks"]["dense_0"]["attn"]["o"]
@@ -130,7 +142,7 @@ def test_one_gradient_step_moves_only_b_first_and_changes_the_policy():
     assert float(jnp.abs(q["b"]).max()) > 0.0
     stepped = jax.tree.map(lambda x, g: x - 0.1 * g, adapters, grads)
     assert not np.array_equal(
-        forward(lora.merge(params, stepped, LORA, logical), DENSE, tokens_BxS, mask_BxS),
+        forward(_merge(DENSE, LORA, params, stepped), DENSE, tokens_BxS, mask_BxS),
         forward(params, DENSE, tokens_BxS, mask_BxS),
     )
 
@@ -138,34 +150,29 @@ def test_one_gradient_step_moves_only_b_first_and_changes_the_policy():
 def test_int8_base_is_within_half_a_step_per_output_column():
     lcfg = dataclasses.replace(LORA, base_dtype="int8", experts=True)
     params, logical, _ = _setup(MOE, lcfg)
-    base = lora.store_base(params, logical, lcfg)
+    # jitted: eagerly, each quantising op compiles once per leaf shape
+    store_base = jax.jit(lambda p: lora.store_base(p, logical, lcfg))
+    base = store_base(params)
     q8 = base["blocks"]["moe"]["attn"]["q"]
     assert isinstance(q8, lora.Int8Weight) and q8.values.dtype == jnp.int8
     assert q8.scale.shape == (1, 1, 2, 8)  # reduced over d_model only: one scale per layer and output column
     assert base["blocks"]["moe"]["moe"]["gate"].scale.shape == (1, 3, 1, 24)  # per layer, expert and column
     assert base["blocks"]["moe"]["moe"]["router"].dtype == jnp.float32  # routers are never quantised
     assert base["final_norm"]["scale"].dtype == jnp.float32
-    dense = lora.dense_base(base)
+    dense_base = jax.jit(lora.dense_base)
+    dense = dense_base(base)
     for w, d, b in [(params["blocks"]["moe"]["attn"]["q"], dense["blocks"]["moe"]["attn"]["q"], q8)]:
-        assert float(jnp.max(jnp.abs(w - d) - b.scale / 2)) <= 1e-7
+        assert float(np.max(np.abs(np.asarray(w) - np.asarray(d)) - np.asarray(b.scale) / 2)) <= 1e-7
     # The per-layer scale is the point: one layer with 100x larger weights must not flatten the other.
-    w = params["blocks"]["dense_0"]["attn"]["o"]
-    w = w.at[0].multiply(100.0)
-    big = lora.store_base(
-        dict(
-            params,
-            blocks=dict(
-                params["blocks"],
-                dense_0=dict(params["blocks"]["dense_0"], attn=dict(params["blocks"]["dense_0"]["attn"], o=w)),
-            ),
-        ),
-        logical,
-        lcfg,
-    )
-    np.testing.assert_allclose(
-        lora.dense_base(big)["blocks"]["dense_0"]["attn"]["o"][1], w[1], atol=float(jnp.abs(w[1]).max()) / 127
-    )
-    bf = lora.store_base(params, logical, dataclasses.replace(LORA, base_dtype="bfloat16"))
+    # (A 2-layer stack: the MoE model's dense_0 has one layer, where an index 1 is out of bounds.)
+    logical_o = {"o": param_logical_axes(DENSE)["blocks"]["attn"]["o"]}
+    w = np.array(init_params(DENSE, jax.random.key(0))["blocks"]["attn"]["o"])
+    assert w.shape[0] == 2
+    w[0] *= 100.0
+    big = jax.jit(lambda t: lora.store_base(t, logical_o, lcfg))({"o": w})
+    assert isinstance(big["o"], lora.Int8Weight)
+    np.testing.assert_allclose(dense_base(big)["o"][1], w[1], atol=float(np.abs(w[1]).max()) / 127)
+    bf = jax.jit(lambda p: lora.store_base(p, logical, dataclasses.replace(LORA, base_dtype="bfloat16")))(params)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf))
 
 

@@ -9,6 +9,7 @@ full fine-tuning run are one-line errors.
 """
 
 import dataclasses
+import functools
 import json
 import pathlib
 
@@ -36,11 +37,35 @@ from jaxrl.train.workdir import RunRecord  # noqa: E402
 
 
 def _random_adapters(params, model_cfg, lcfg, seed):
-    """init_adapters with every B redrawn (B = 0 would hide any layout mistake)."""
-    adapters = lora.init_adapters(params, param_logical_axes(model_cfg), lcfg, jax.random.key(seed))
-    leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(treedef, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    """init_adapters' tree with every A and B redrawn (B = 0 would hide any layout mistake). In numpy:
+    eager jax.random would compile a sampler for every leaf shape."""
+    shapes = jax.eval_shape(
+        lambda p: lora.init_adapters(p, param_logical_axes(model_cfg), lcfg, jax.random.key(0)), params
+    )
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: jnp.asarray(0.3 * rng.normal(size=x.shape), jnp.float32), shapes)
+
+
+@functools.cache
+def _jitted_store_base(model_cfg: ModelConfig, lcfg: LoraConfig):
+    """lora.store_base as one jitted program per model (eagerly, every op compiles per leaf shape)."""
+    logical = param_logical_axes(model_cfg)
+    return jax.jit(lambda params: lora.store_base(params, logical, lcfg))
+
+
+@functools.cache
+def _jitted_merge(model_cfg: ModelConfig, lcfg: LoraConfig):
+    """lora.merge as one jitted program per model."""
+    logical = param_logical_axes(model_cfg)
+    return jax.jit(lambda base, adapters: lora.merge(base, adapters, lcfg, logical))
+
+
+def _store_base(params, model_cfg, lcfg):
+    return _jitted_store_base(model_cfg, lcfg)(params)
+
+
+def _merge(base, adapters, model_cfg, lcfg):
+    return _jitted_merge(model_cfg, lcfg)(base, adapters)
 
 
 def write_lora_run(run: pathlib.Path, cfg: Config, base_params, model_cfg, base_path, step=3, fingerprint=None):
@@ -52,7 +77,7 @@ def write_lora_run(run: pathlib.Path, cfg: Config, base_params, model_cfg, base_
         adapters, base = base_params, None
     else:
         adapters = _random_adapters(base_params, model_cfg, lcfg, seed=step)
-        base = lora.store_base(base_params, param_logical_axes(model_cfg), lcfg)
+        base = _store_base(base_params, model_cfg, lcfg)
     state = init_state(adapters, make_optimizer(OptimConfig(), 10), jax.random.key(0))._replace(
         step=jnp.asarray(step, jnp.int32)
     )
@@ -72,7 +97,7 @@ def _hf_run(tmp_path, models, name, base_dtype):
     cfg = Config(model=ModelConfig(hf_path=str(d), max_seq_len=64, lora=lcfg)).validate()
     model_cfg, params = load_model(cfg.model)
     adapters, base = write_lora_run(tmp_path / "run", cfg, params, model_cfg, d)
-    return cfg, model_cfg, params, lora.merge(base, adapters, lcfg, param_logical_axes(model_cfg))
+    return cfg, model_cfg, params, _merge(base, adapters, model_cfg, lcfg)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +139,7 @@ def test_merged_and_peft_exports_reload_with_our_merged_logits(models, tmp_path,
     base = transformers.AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
     base_logits = th._hf_logits(base.eval(), tokens)
     np.testing.assert_allclose(
-        base_logits, _ours(lora.dense_base(lora.store_base(params, param_logical_axes(model_cfg), cfg.model.lora)),
+        base_logits, _ours(jax.jit(lora.dense_base)(_store_base(params, model_cfg, cfg.model.lora)),
                            model_cfg, tokens), atol=1e-4, rtol=0,
     )  # fmt: skip
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
@@ -160,7 +185,7 @@ def warmstart_run(cache_env, tmp_path_factory):
         train = load_task(cfg.data).train
     params, path = load_or_train_base(cfg, model_cfg, tokenizer, train, tokenizer.alphabet, False)
     adapters, base = write_lora_run(tmp / "run", cfg, params, model_cfg, path)
-    merged = lora.merge(base, adapters, cfg.model.lora, param_logical_axes(model_cfg))
+    merged = _merge(base, adapters, model_cfg, cfg.model.lora)
     return tmp / "run", cfg, model_cfg, params, merged
 
 

@@ -5,11 +5,12 @@ record the update's log-probs; checkpoints hold no base, resume exactly, and ref
 the warm-start cache is shared with full fine-tuning.
 
 The unit tests build the state as the loop does (`lora_state.initial_state` on a one-device mesh) on
-the tiny models of tests/test_lora.py; one 4-step in-process run of the TINY default config covers
+the tiny models of tests/test_lora.py; one 3-step in-process run of the TINY default config covers
 the loop (the resume reruns a copy of it whose newest checkpoint is gone, as test_reference_policy.py).
 """
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -39,11 +40,13 @@ DENSE = ModelConfig(vocab_size=19, d_model=16, n_layers=2, n_heads=2, n_kv_heads
 MOE = dataclasses.replace(DENSE, n_experts=3, moe_every=2, experts_per_token=2, n_shared_experts=1)
 LORA = LoraConfig(rank=3, alpha=6.0)
 B, P, T, G = 4, 3, 4, 2
+SINGLE = MeshConfig()  # one device
 
 
-def build(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig | None = None):
+@functools.cache  # the update does not donate the state (see update_fn): tests share one build
+def build(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig = SINGLE):
     """As `loop.build_run` does: -> (base params, LoraRun, state, its shardings, optimizer, param_sh)."""
-    mesh, preset = make_mesh(mesh_cfg or MeshConfig())
+    mesh, preset = make_mesh(mesh_cfg)
     params = init_params(cfg, jax.random.key(0))
     logical = param_logical_axes(cfg)
     param_sh = param_shardings(mesh, preset, logical, params)
@@ -68,6 +71,8 @@ def batch(vocab: int = 19):
 
 
 def update_fn(cfg: ModelConfig, run, optimizer, kl_beta: float):
+    """The loop's LoRA update, jitted; without the loop's donation, so that the tests can share one
+    built state (the loop's runs below donate)."""
     loss = losses.PRESETS["grpo"](kl_beta=kl_beta)
     step = make_update_step(
         make_logp_fn(cfg, 1.0),
@@ -79,7 +84,21 @@ def update_fn(cfg: ModelConfig, run, optimizer, kl_beta: float):
         group_size=G,
         merge=lora_state.merge_fn(run),
     )
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step)
+
+
+@functools.cache
+def jitted_update(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig = SINGLE):
+    """update_fn (KL term on) for build(cfg, lcfg, mesh_cfg), compiled once for the tests that share it."""
+    _, run, _, _, optimizer, _ = build(cfg, lcfg, mesh_cfg)
+    return update_fn(cfg, run, optimizer, kl_beta=0.1)
+
+
+@functools.cache
+def jitted_policy(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig = SINGLE):
+    """lora_state.policy_fn for build(cfg, lcfg, mesh_cfg), compiled once for the tests that share it."""
+    _, run, _, state_sh, _, param_sh = build(cfg, lcfg, mesh_cfg)
+    return lora_state.policy_fn(run, state_sh, param_sh)
 
 
 def _host(tree):
@@ -105,7 +124,7 @@ def test_one_update_trains_only_the_adapters_and_kl_starts_at_exactly_zero(cfg, 
             "expert" in jax.tree_util.keystr(p) or "moe" in jax.tree_util.keystr(p)
             for p, _ in jax.tree_util.tree_flatten_with_path(adapters_before)[0]
         )
-    new, metrics = update_fn(cfg, run, optimizer, kl_beta=0.1)(state, batch())
+    new, metrics = jitted_update(cfg, lcfg)(state, batch())
     assert float(metrics["kl"]) == 0.0  # adapters start at B = 0: the policy IS the reference
     assert float(metrics["grad_norm"]) > 0
     jax.tree.map(np.testing.assert_array_equal, _host(new.base), base_before)  # frozen, bit for bit
@@ -121,7 +140,7 @@ def test_one_update_trains_only_the_adapters_and_kl_starts_at_exactly_zero(cfg, 
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16", "int8"])
 def test_the_initial_policy_is_the_stored_base_bit_for_bit(base_dtype):
     params, run, state, state_sh, _, param_sh = build(DENSE, dataclasses.replace(LORA, base_dtype=base_dtype))
-    policy = lora_state.policy_fn(run, state_sh, param_sh)(state)
+    policy = jitted_policy(DENSE, dataclasses.replace(LORA, base_dtype=base_dtype))(state)
     # laid out like full params, so the rollout's jitted programs take it unchanged
     assert jax.tree.structure(policy) == jax.tree.structure(params)
     assert all(p.sharding == s for p, s in zip(jax.tree.leaves(policy), jax.tree.leaves(param_sh)))
@@ -171,7 +190,7 @@ def test_resume_checks_name_the_mismatch():
 
 # ----------------------------------------------------------------------------- the training loop
 
-STEPS = 4
+STEPS = 3  # checkpoints at 2 and 3: the resume reruns step 3
 OVERRIDES = [t for t in TINY if not t.startswith("train.eval_")] + [
     f"train.steps={STEPS}",
     "checkpoint.every=2",
@@ -188,7 +207,7 @@ DETERMINISTIC = ("reward/mean", "loss", "grad_norm", "entropy", "clip_frac", "re
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, cache_env, persistent_compile_cache):
-    """A finished 4-step LoRA run with a KL term (checkpoints 2 and 4): (its config, workdir, rows)."""
+    """A finished 3-step LoRA run with a KL term (checkpoints 2 and 3): (its config, workdir, rows)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXRL_DATA_DIR", cache_env["JAXRL_DATA_DIR"])
         mp.setenv("JAXRL_CACHE_DIR", cache_env["JAXRL_CACHE_DIR"])
@@ -233,9 +252,10 @@ def test_checkpoints_hold_adapters_and_the_bases_identity_only(lora_run, cache_e
 )
 def test_the_engine_and_the_speculative_sampler_roll_out_the_merged_policy(source, tmp_path, in_process_cache):
     overrides = [o for o in OVERRIDES if not o.startswith(("train.steps", "loss.kl_beta"))]
-    cfg = load_config(DEFAULT_CONFIG, [*overrides, "train.steps=3", "checkpoint.every=0", *source])
+    cfg = load_config(DEFAULT_CONFIG, [*overrides, "train.steps=2", "checkpoint.every=0", *source])
     rows = loop.train(cfg, tmp_path / "run")
-    assert all(r["grad_norm"] > 0 for r in rows[1:])  # the adapters moved before steps 2 and 3 sampled
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["grad_norm"] > 0 for r in rows[1:])  # the adapters moved before step 2 sampled
     assert all(r["mismatch_abs_logp"] < 1e-5 for r in rows[1:]), [r["mismatch_abs_logp"] for r in rows[1:]]
 
 
@@ -295,38 +315,44 @@ def test_checkpoints_keep_the_format_from_before_the_base_field(tmp_path):
     manager.close()
 
 
-def _sharded_worker() -> None:
-    """In a child with 8 fake devices: the LoRA state, its policy and one update (KL term on) under
-    the fsdp preset and on one device. Prints RESULT {max differences, whether leaves are split}."""
+def _policy_and_one_update(preset: str) -> dict[str, np.ndarray]:
+    """On a `preset` mesh: the LoRA policy at initialisation and the adapters and metrics after one
+    update (KL term on), flattened into named host arrays; and whether the built state splits its
+    first adapter and base leaves over devices (`split/...`)."""
     from jax.sharding import PartitionSpec
 
-    out = {}
-    runs = {}
-    for preset in ("single", "fsdp"):
-        _, run, state, state_sh, optimizer, param_sh = build(DENSE, LORA, MeshConfig(preset=preset))
-        out[f"{preset}_split"] = [  # the state as created (the update donates it): adapters, base
-            isinstance(x.sharding.spec, PartitionSpec) and any(ax is not None for ax in x.sharding.spec)
-            for x in (jax.tree.leaves(state.params)[0], jax.tree.leaves(state.base)[0])
-        ]
-        policy = lora_state.policy_fn(run, state_sh, param_sh)(state)
-        new, metrics = update_fn(DENSE, run, optimizer, kl_beta=0.1)(state, batch())
-        runs[preset] = (_host(policy), _host(new.params), {k: float(v) for k, v in metrics.items()})
-    (p1, a1, m1), (p8, a8, m8) = runs["single"], runs["fsdp"]
-    out["policy"] = max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)))
-    out["adapters"] = max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a1), jax.tree.leaves(a8)))
-    out["metrics"] = max(abs(m1[k] - m8[k]) for k in m1)
-    out["moved"] = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(a1))
-    print("RESULT " + json.dumps(out))
+    mesh_cfg = MeshConfig(preset=preset)
+    state = build(DENSE, LORA, mesh_cfg)[2]
+    out = {
+        f"split/{i}": np.asarray(isinstance(s := x.sharding.spec, PartitionSpec) and any(ax is not None for ax in s))
+        for i, x in enumerate((jax.tree.leaves(state.params)[0], jax.tree.leaves(state.base)[0]))
+    }
+    policy = jitted_policy(DENSE, LORA, mesh_cfg)(state)
+    new, metrics = jitted_update(DENSE, LORA, mesh_cfg)(state, batch())
+    for name, tree in (("policy", policy), ("adapters", new.params), ("metrics", metrics)):
+        out.update({f"{name}/{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))})
+    return out
+
+
+def _sharded_worker(out_file: str) -> None:
+    """In a child with 8 fake devices: `_policy_and_one_update("fsdp")`, saved to `out_file` (.npz)."""
+    np.savez(out_file, **_policy_and_one_update("fsdp"))
 
 
 @pytest.mark.slow
-def test_fsdp_on_8_devices_equals_one_device(cache_env):
-    proc = run_python([__file__, "worker"], child_env(cache_env, devices=8))
-    result = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
-    assert result["fsdp_split"] == [True, True] and result["single_split"] == [False, False], result
-    assert result["policy"] <= 1e-5 and result["adapters"] <= 1e-5 and result["metrics"] <= 1e-5, result
-    assert result["moved"] > 0, result
+def test_fsdp_on_8_devices_equals_one_device(cache_env, tmp_path):
+    """The fsdp preset over 8 devices (in a child) against this process's single device: the same
+    policy, update and metrics. Only the sharded run needs the 8 devices' child."""
+    out_file = tmp_path / "fsdp.npz"
+    run_python([__file__, "worker", str(out_file)], child_env(cache_env, devices=8))
+    fsdp, single = dict(np.load(out_file)), _policy_and_one_update("single")
+    assert fsdp.keys() == single.keys()
+    assert [bool(fsdp["split/0"]), bool(fsdp["split/1"])] == [True, True]  # adapters and base both sharded
+    assert [bool(single["split/0"]), bool(single["split/1"])] == [False, False]
+    for name in (k for k in fsdp if not k.startswith("split/")):
+        np.testing.assert_allclose(fsdp[name], single[name], rtol=0, atol=1e-5, err_msg=name)
+    assert max(float(np.max(np.abs(x))) for k, x in single.items() if k.startswith("adapters/")) > 0
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
-    _sharded_worker()
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    _sharded_worker(sys.argv[2])

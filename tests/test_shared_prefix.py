@@ -78,38 +78,36 @@ def _shared(params, b, group_size=G, logits_chunk=0, remat="none"):
 
 # The memory options compose with sharing: a chunk of 7 (row, position) pairs splits rows, and full remat.
 def _objective_value_and_grad(logp_fn):
-    """(value, gradients) at _params() of a weighted sum of logp_fn's log-probs plus its entropies
-    over _batch(): both outputs get gradients."""
+    """((value, (logp_BxT, entropy_BxT)), gradients) at _params() of a weighted sum of logp_fn's
+    log-probs plus its entropies over _batch(): both outputs get gradients. The log-probs and entropies
+    come out of the same program, so each case compiles once for its values and its gradients."""
     params, b = _params(), _batch()
     w_BxT = jnp.asarray(np.random.default_rng(1).normal(size=(N * G, T)), jnp.float32)
 
     def f(p):
         logp_BxT, entropy_BxT = logp_fn(p, b)
-        return jnp.sum(w_BxT * logp_BxT) + 0.3 * jnp.sum(entropy_BxT)
+        return jnp.sum(w_BxT * logp_BxT) + 0.3 * jnp.sum(entropy_BxT), (logp_BxT, entropy_BxT)
 
-    return jax.jit(jax.value_and_grad(f))(params)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
 
 
 @functools.cache
 def _one_pass_reference():
-    """The one-pass values and (value, gradients): the same for every case below, compiled once."""
-    params, b = _params(), _batch()
-    return _one_pass(params, b), _objective_value_and_grad(_one_pass)
+    """The one-pass ((value, values), gradients): the same for every case below, compiled once."""
+    return _objective_value_and_grad(_one_pass)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("logits_chunk,remat", [(0, "none"), (7, "full")])
 def test_shared_prefix_equals_one_pass_values_and_gradients(logits_chunk, remat):
-    params, b = _params(), _batch()
-
     def shared(p, b):
         return _shared(p, b, logits_chunk=logits_chunk, remat=remat)
 
-    one_pass, (v_plain, g_plain) = _one_pass_reference()
-    for got, want in zip(shared(params, b), one_pass):
+    (v_plain, one_pass), g_plain = _one_pass_reference()
+    (v_shared, values_shared), g_shared = _objective_value_and_grad(shared)
+    for got, want in zip(values_shared, one_pass):
         assert got.shape == (N * G, T)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5)
-    v_shared, g_shared = _objective_value_and_grad(shared)
     np.testing.assert_allclose(float(v_shared), float(v_plain), rtol=1e-5)
     for path, x in jax.tree_util.tree_leaves_with_path(g_plain):
         y = g_shared
@@ -154,7 +152,8 @@ def test_make_logp_fn_shares_only_whole_groups_of_a_dense_model(monkeypatch):
     shapes(steps_lib.make_logp_fn(CFG, TEMP), b)  # no promise
     shapes(steps_lib.make_logp_fn(CFG, TEMP, prompt_groups=1), b)  # groups of one: nothing to share
     moe = ModelConfig(**{**CFG.__dict__, "n_experts": 4, "experts_per_token": 2})
-    jax.eval_shape(steps_lib.make_logp_fn(moe, TEMP, prompt_groups=G), tf.init_params(moe, jax.random.PRNGKey(0)), b)
+    moe_params = jax.eval_shape(lambda k: tf.init_params(moe, k), jax.random.PRNGKey(0))  # no compile
+    jax.eval_shape(steps_lib.make_logp_fn(moe, TEMP, prompt_groups=G), moe_params, b)
     assert calls == [G]  # none of these shared
 
 

@@ -449,7 +449,7 @@ def test_sgd_step_moves_logprobs_in_the_sign_of_the_advantage():
 def test_learning_rate_schedule_warmup_peak_and_decay():
     lr = 1e-2
     cfg = OptimConfig(learning_rate=lr, warmup_steps=4, end_lr_ratio=0.1)
-    s = learning_rate_schedule(cfg, total_steps=20)
+    s = jax.jit(learning_rate_schedule(cfg, total_steps=20))  # one program, not one per op
     vals = np.asarray(s(jnp.arange(26)), np.float64)
     assert vals[0] == 0.0
     np.testing.assert_allclose(vals[:5], [0, lr / 4, lr / 2, 3 * lr / 4, lr], rtol=1e-6)
@@ -458,7 +458,7 @@ def test_learning_rate_schedule_warmup_peak_and_decay():
     np.testing.assert_allclose(vals[12], 0.1 * lr + 0.9 * lr / 2, rtol=1e-5)  # cosine midpoint
     np.testing.assert_allclose(vals[20:], 0.1 * lr, rtol=1e-6)  # end value, and it stays there
     # decay_steps overrides total_steps; no warm-up starts at the peak
-    s = learning_rate_schedule(OptimConfig(learning_rate=lr, warmup_steps=0, decay_steps=8, end_lr_ratio=0.5), 100)
+    s = jax.jit(learning_rate_schedule(OptimConfig(lr, warmup_steps=0, decay_steps=8, end_lr_ratio=0.5), 100))
     np.testing.assert_allclose(s(jnp.array([0, 8, 50])), [lr, 0.5 * lr, 0.5 * lr], rtol=1e-6)
 
 

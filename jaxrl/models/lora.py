@@ -207,15 +207,18 @@ def merge(base: Any, adapters: dict | None, cfg: LoraConfig, logical: Any) -> An
     return _with_axes(add, dense, logical)
 
 
+@jax.jit
+def _leaf_sums(base: Any) -> list[jax.Array]:
+    """Per leaf of dense_base(base), in path order: the sum and the sum of squares of its float32 values."""
+    return [s for w in jax.tree.leaves(dense_base(base)) for s in (jnp.sum(w), jnp.sum(w * w))]
+
+
 def fingerprint(base: Any) -> list[float]:
     """A cheap identity of the base weights, stored with LoRA checkpoints (which hold only adapters) so
     that a resume or an export on a different base is refused: per leaf, the sum and the sum of squares
-    of its float32 values (in path order)."""
-    out = []
-    for w in jax.tree.leaves(dense_base(base)):
-        w64 = jnp.asarray(w, jnp.float32)
-        out += [float(jnp.sum(w64)), float(jnp.sum(w64 * w64))]
-    return out
+    of its float32 values (in path order). One jitted program and one transfer (leaf by leaf, eager
+    sums would compile a reduction per leaf shape and wait on each)."""
+    return [float(x) for x in jax.device_get(_leaf_sums(base))]
 
 
 def same_fingerprint(a: list[float], b: list[float], rtol: float = 1e-5) -> bool:
