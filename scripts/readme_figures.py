@@ -80,12 +80,13 @@ def main(argv=None) -> dict:
     args = _parse(argv)
     root = (REPO / args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    commit = _commit()  # before the plot is copied into the working tree
     runs = {name: _train(name, root) for name in args.configs}
     if "grpo_arithmetic" in runs:
         shutil.copyfile(root / "grpo_arithmetic" / "progress.png", REPO / args.plot)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
+        "commit": commit,
         "cpus": os.cpu_count(),
         "runs": runs,
     }
