@@ -241,6 +241,29 @@ def mismatch_by_staleness(metrics: dict) -> dict:
     }
 
 
+def _epochs(grads_of: Callable, optimizer, carry: tuple, batch: dict, ppo_epochs: int, minibatches: int, split):
+    """`ppo_epochs` passes over the prepared batch, each taking one optimizer step per mini-batch: a
+    contiguous 1/minibatches of the rows (DAPO's and verl's mini-batches; `split` makes them), whose
+    advantages and `loss.prepare` saw the whole batch and whose normaliser `loss.weights` sees its own
+    mask; `grads_of` splits each into microbatches for gradient accumulation. carry: (params,
+    opt_state). -> (carry, (loss per epoch, mean gradient norm per epoch, stat sums per epoch))."""
+
+    def optimizer_step(carry, minibatch):
+        params, opt_state = carry
+        value, grads, sums = grads_of(params, minibatch)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, sums)
+
+    def epoch(carry, _):
+        if minibatches == 1:
+            return optimizer_step(carry, batch)
+        carry, (values_M, norms_M, sums_M) = lax.scan(optimizer_step, carry, split(batch))
+        return carry, (jnp.mean(values_M), jnp.mean(norms_M), _merged_over_minibatches(sums_M))
+
+    return lax.scan(epoch, carry, None, length=ppo_epochs)
+
+
 def _merged_over_minibatches(sums_M: dict) -> dict:
     """Stat sums of an epoch's mini-batches (leading axis M) -> the epoch's: sums add, min / max."""
     merged = {}
@@ -294,11 +317,7 @@ def make_update_step(
     multiple of `group_size` (any B when the batch carries `group_id_B`: groups by id) and completions
     `max_new_tokens` wide (a ValueError naming both otherwise, at trace time). Old log-probs (and the old
     policy's entropies, `old_entropy_BxT`) are recorded for the whole batch before anything else when
-    ppo_epochs > 1, minibatches > 1 or `loss.needs_old_logp`.
-    Each epoch takes `minibatches` optimizer steps, one per contiguous 1/minibatches of the prepared
-    batch's rows (DAPO's and verl's mini-batches): advantages and `loss.prepare` see the whole batch,
-    the normaliser `loss.weights` each mini-batch's own mask, and each mini-batch is split into
-    `microbatches` for gradient accumulation.
+    ppo_epochs > 1, minibatches > 1 or `loss.needs_old_logp`. Mini-batches: see `_epochs`.
     The reference forward (on `state.ref_params`) runs when `use_ref`, by default `loss.needs_ref`;
     `use_ref=True` without a KL term only adds the `kl` metric.
     LoRA (`merge` given: (base, adapters or None) -> params, `jaxrl.train.lora_state.merge_fn`): the
@@ -326,6 +345,10 @@ def make_update_step(
 
     grad_fn = grad_fn_for(logp_fn)
 
+    def split_minibatches(batch):  # each mini-batch normalised over its own live tokens
+        mbs = split_microbatches(batch, minibatches)
+        return dict(mbs, weights_BxT=jax.vmap(loss.weights, (0, None))(mbs["completion_mask_BxT"], max_new_tokens))
+
     def update_step(state: TrainState, batch: dict):
         batch = dict(batch)
         live_before_B = jnp.any(batch["completion_mask_BxT"] > 0, axis=1)
@@ -348,25 +371,8 @@ def make_update_step(
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
 
-        def optimizer_step(carry, minibatch):
-            params, opt_state = carry
-            value, grads, sums = grads_of(params, minibatch)
-            grad_norm = optax.tree.norm(grads)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, sums)
-
-        def split_minibatches(batch):  # each mini-batch normalised over its own live tokens
-            mbs = split_microbatches(batch, minibatches)
-            return dict(mbs, weights_BxT=jax.vmap(loss.weights, (0, None))(mbs["completion_mask_BxT"], max_new_tokens))
-
-        def epoch(carry, _):
-            if minibatches == 1:
-                return optimizer_step(carry, batch)
-            carry, (values_M, norms_M, sums_M) = lax.scan(optimizer_step, carry, split_minibatches(batch))
-            return carry, (jnp.mean(values_M), jnp.mean(norms_M), _merged_over_minibatches(sums_M))
-
-        (params, opt_state), (values, grad_norms, sums) = lax.scan(
-            epoch, (state.params, state.opt_state), None, length=ppo_epochs
+        (params, opt_state), (values, grad_norms, sums) = _epochs(
+            grads_of, optimizer, (state.params, state.opt_state), batch, ppo_epochs, minibatches, split_minibatches
         )
         metrics = {
             "loss": jnp.mean(values),
