@@ -13,10 +13,11 @@ import pytest
 from test_loss_parts import _close, _value_grad
 from test_preset_numbers import U, _tiny
 
-from jaxrl.losses import m2po, ratios
+from jaxrl.losses import m2po, masks, ratios
 from jaxrl.losses import objectives as obj
+from jaxrl.losses.compose import policy_token_loss
 from jaxrl.losses.objectives import ppo_clip
-from jaxrl.losses.presets import PRESETS, policy_token_loss
+from jaxrl.losses.presets import PRESETS
 
 LOG = math.log
 
@@ -73,7 +74,7 @@ def test_m2po_prepare_and_exact_under_microbatching():
     # tau .015: prefix 10 mean .0239 > .015 -> drop q >= .2025 too: token (3,0).
     np.testing.assert_array_equal(jax.jit(m2po.m2po_prepare(0.015, "all"))(batch)["m2po_keep_BxT"][3], [0, 1, 1])
 
-    token_loss = m2po.apply_keep_mask(policy_token_loss(ratios.token_log_ratio, ppo_clip(0.2)))
+    token_loss = masks.apply_keep_mask(policy_token_loss(ratios.token_log_ratio, ppo_clip(0.2)))
     weights = mask / mask.sum()
 
     @jax.jit
@@ -164,7 +165,7 @@ def test_apply_keep_mask_blocks_gradient_through_sequence_ratio():
         "advantages_B": jnp.array([1.0]),
         "keep": jnp.array([[1.0, 1.0, 0.0]]),
     }
-    tl = m2po.apply_keep_mask(policy_token_loss(ratios.sequence_log_ratio, ppo_clip(1.0)), key="keep")
+    tl = masks.apply_keep_mask(policy_token_loss(ratios.sequence_log_ratio, ppo_clip(1.0)), key="keep")
     loss, g, _ = _value_grad(lambda lp, _a, _m: tl(lp, batch), logp, None, None)
     _close(loss, [[-1.1051709, -1.1051709, 0.0]])
     _close(g, [[-2 * 1.1051709 / 3, -2 * 1.1051709 / 3, 0.0]])

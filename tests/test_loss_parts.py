@@ -17,8 +17,8 @@ from jaxrl.config import ConfigError
 from jaxrl.losses import advantages as adv_lib
 from jaxrl.losses import multi_reward, ratios
 from jaxrl.losses import objectives as obj
+from jaxrl.losses.compose import policy_token_loss
 from jaxrl.losses.objectives import ppo_clip
-from jaxrl.losses.presets import policy_token_loss
 
 ATOL = 1e-5
 LOG = math.log

@@ -445,8 +445,10 @@ def test_reward_shaping_needs_both_reward_combine_and_normaliser():
     but no normaliser is refused at build time (it used to fail later, inside the update)."""
     from jaxrl.losses import aggregation, ratios
     from jaxrl.losses.compose import compose
+    from jaxrl.losses.options import option_parts
 
     parts = dict(ratio=ratios.token_log_ratio, objective=lambda *a: None, weights=aggregation.seq_mean_token_mean)
     estimator = adv_lib.estimator(adv_lib.reward_sum(None), adv_lib.group_mean_std(1e-6))
+    options = option_parts(kl_reward_beta=0.1)
     with pytest.raises(ValueError, match="kl_reward_beta.*combines the rewards first"):
-        compose("x", estimator=estimator, reward_combine=adv_lib.reward_sum(None), kl_reward_beta=0.1, **parts)
+        compose("x", estimator=estimator, reward_combine=adv_lib.reward_sum(None), options=options, **parts)

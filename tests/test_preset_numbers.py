@@ -19,7 +19,7 @@ from test_presets import _close, _run
 from jaxrl import losses
 from jaxrl.config import Config, ConfigError, LossConfig, apply_overrides
 from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import aggregation, corrections, objectives, ratios
+from jaxrl.losses import aggregation, corrections, masks, objectives, ratios
 from jaxrl.losses import prepare as prep
 from jaxrl.losses.presets import PRESETS, make_loss, preset_parameters
 from jaxrl.train import steps as steps_lib
@@ -270,9 +270,9 @@ def test_top_entropy_keep_by_hand():
         "completion_mask_BxT": np.array([[1, 1, 1], [1, 1, 0]], np.float32),
         "old_entropy_BxT": np.array([[3.0, 1.0, 2.0], [2.0, 0.5, 9.0]], np.float32),
     }
-    _close(prep.top_entropy_keep(0.4)(batch)["entropy_keep_BxT"], [[1, 0, 1], [1, 0, 1]])
-    _close(prep.top_entropy_keep(0.2)(batch)["entropy_keep_BxT"], [[1, 0, 0], [0, 0, 1]])
-    _close(prep.top_entropy_keep(1.0)(batch)["entropy_keep_BxT"], 1.0)
+    _close(masks.top_entropy_keep(0.4)(batch)["entropy_keep_BxT"], [[1, 0, 1], [1, 0, 1]])
+    _close(masks.top_entropy_keep(0.2)(batch)["entropy_keep_BxT"], [[1, 0, 0], [0, 0, 1]])
+    _close(masks.top_entropy_keep(1.0)(batch)["entropy_keep_BxT"], 1.0)
 
 
 def _ppo_token_loss():

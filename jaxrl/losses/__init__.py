@@ -1,9 +1,11 @@
 """The loss algebra: advantage estimator x ratio level x objective x aggregation + regularisers
 + corrections, with batch-level `prepare` parts.
 
-See `compose.py` for the `Loss` contract used by the training step, `evaluate.py` for a loss evaluated
-on a batch exactly as the update step does (`evaluate_loss`), and `presets.py` for the registry of
-named compositions. This package never imports `jaxrl.models`.
+See `compose.py` for the `Loss` contract used by the training step and `compose`, `parts.py` for the
+parts' types and the shared labelled blocks, `options.py` for the options every preset takes (as parts,
+`option_parts`), `masks.py` for batch-level token masks, `evaluate.py` for a loss evaluated on a batch
+exactly as the update step does (`evaluate_loss`), and `presets.py` for the registry of named
+compositions. This package never imports `jaxrl.models`.
 """
 
 from jaxrl.losses.advantages import estimator, group_mean, group_mean_std, reward_sum
@@ -19,10 +21,13 @@ from jaxrl.losses.aggregation import (
     token_mean,
     weighted_sum,
 )
-from jaxrl.losses.compose import EXTRAS, Loss, compose, named, policy_token_loss, with_regularizers
+from jaxrl.losses.compose import Loss, compose, policy_token_loss, with_regularizers
 from jaxrl.losses.corrections import mis, tis
 from jaxrl.losses.evaluate import LossEvaluation, batch_advantages, evaluate_loss, prepare_batch, weighted_loss
+from jaxrl.losses.masks import apply_keep_mask
 from jaxrl.losses.objectives import ppo_clip
+from jaxrl.losses.options import EXTRAS, option_parts
+from jaxrl.losses.parts import LossPart, named
 from jaxrl.losses.prepare import chain, no_prepare
 from jaxrl.losses.presets import PRESETS, Preset, check_rollout, dr_grpo, grpo, make_loss
 from jaxrl.losses.ratios import token_log_ratio
@@ -41,6 +46,9 @@ __all__ = [
     "policy_token_loss",
     "with_regularizers",
     "EXTRAS",
+    "option_parts",
+    "LossPart",
+    "apply_keep_mask",
     "evaluate_loss",
     "LossEvaluation",
     "prepare_batch",

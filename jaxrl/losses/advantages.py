@@ -29,7 +29,8 @@ so std = 0 and its advantage is exactly 0 (never NaN), whatever ddof.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +39,23 @@ from jaxrl.config import ConfigError
 from jaxrl.losses import segments as seg
 from jaxrl.losses.segments import Groups, GroupsLike
 
-RewardCombine = Callable[[jax.Array], jax.Array]  # rewards_BxK -> r_B
-Normaliser = Callable[[jax.Array, GroupsLike], jax.Array]  # (r_B, groups) -> adv_B
-Estimator = Callable[[jax.Array, GroupsLike], jax.Array]  # (rewards_BxK, groups) -> adv_B
+
+class RewardCombine(Protocol):
+    """rewards_BxK -> r_B: one reward per row from the K reward functions' columns."""
+
+    def __call__(self, rewards_BxK: jax.Array, /) -> jax.Array: ...
+
+
+class Normaliser(Protocol):
+    """(r_B, groups) -> adv_B: the baseline / scale step of an estimator (groups: a static size or ids)."""
+
+    def __call__(self, r_B: jax.Array, groups: GroupsLike, /) -> jax.Array: ...
+
+
+class Estimator(Protocol):
+    """(rewards_BxK, groups) -> adv_B: the whole advantage step."""
+
+    def __call__(self, rewards_BxK: jax.Array, groups: GroupsLike, /) -> jax.Array: ...
 
 
 def _groups(r_B: jax.Array, groups: GroupsLike) -> Groups:

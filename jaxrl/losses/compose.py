@@ -40,7 +40,6 @@ Hyperparameters are static Python values closed over at build time; a change rec
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -49,8 +48,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import corrections, m2po, objectives, ratios, regularizers
+from jaxrl.losses import objectives, ratios, regularizers
 from jaxrl.losses import prepare as prep
+from jaxrl.losses.options import EXTRAS
+from jaxrl.losses.parts import LossPart, label
 from jaxrl.losses.prepare import no_prepare
 
 
@@ -64,23 +65,6 @@ class Loss(NamedTuple):
     parts: tuple = ()  # readable composition, e.g. ("reward_sum -> group_mean_std(1e-06)", ...)
     needs_ref: bool = False  # reads ref_logp_BxT: the run keeps reference params and runs their forward
     reward_shaping: tuple = ()  # (batch, max_new_tokens) -> bonus_B, added to the combined reward
-
-
-class _Labelled(functools.partial):
-    """A `functools.partial` that carries a readable part label."""
-
-    part: str
-
-
-def named(label: str, fn: Callable) -> Callable:
-    """`fn` with a readable part label (for `Loss.parts`), without mutating `fn` itself."""
-    wrapped = _Labelled(fn)
-    wrapped.part = label
-    return wrapped
-
-
-def label(fn: Callable) -> str:
-    return getattr(fn, "part", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _advantages_BxT(batch: dict, shape: tuple) -> jax.Array:
@@ -127,32 +111,37 @@ def policy_token_loss(
     return with_regularizers(token_loss, regularizer_parts)
 
 
-KL_ESTIMATORS = {"k1": regularizers.kl_k1, "k2": regularizers.kl_k2, "k3": regularizers.kl_k3}
+_OLD_FLAGS = (*EXTRAS, "kl_beta", "row_filters", "batch_parts", "keep_masks", "needs_old_logp")
 
 
-def kl_estimator_by_name(estimator: str | regularizers.KLEstimator, field: str = "kl_estimator"):
-    if callable(estimator):
-        return estimator
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"{field}: got {estimator!r}, expected one of {tuple(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[estimator]
+def _advantage_step(name: str, estimator, reward_combine, normaliser, shapers: tuple) -> tuple[Callable, list]:
+    """The estimator (shaped when there are shapers) and its labels."""
+    if estimator is None:
+        if reward_combine is None or normaliser is None:
+            raise ValueError(f"{name}: give `estimator`, or both `reward_combine` and `normaliser`")
+        estimator = adv_lib.estimator(reward_combine, normaliser)
+        labels = [f"{label(reward_combine)} -> {label(normaliser)}"]
+    else:
+        labels = [label(estimator)]
+    if shapers:
+        if reward_combine is None or normaliser is None:
+            raise ValueError(
+                f"{name}: reward shaping (overlong_buffer_frac, kl_reward_beta) needs an estimator that "
+                "combines the rewards first (reward_combine -> normaliser); this preset normalises each "
+                "reward function separately"
+            )
+        estimator = prep.shaped_estimator(reward_combine, normaliser)
+        labels += [f"reward += {label(s)}" for s in shapers]
+    return estimator, labels
 
 
-# The options every preset accepts (forwarded by each preset's **extras to `compose`); with their
-# defaults they are all off. `jaxrl.config.LossConfig.options` sets them from a config file or --set.
-EXTRAS = (
-    "kl_estimator",
-    "entropy_coef",
-    "kl_reward_beta",
-    "kl_reward_estimator",
-    "overlong_buffer_frac",
-    "mask_truncated",
-    "top_entropy_frac",
-    "tis_cap",
-    "mis_low",
-    "mis_high",
-    "is_level",
-)
+def _wrap(token_loss: Callable, wrappers: tuple, labels: list) -> Callable:
+    """Apply each TokenWrapper in order; a wrapped loss that carries a label is listed."""
+    for wrapper in wrappers:
+        token_loss = wrapper(token_loss)
+        if getattr(token_loss, "part", None):
+            labels.append(label(token_loss))
+    return token_loss
 
 
 def compose(
@@ -164,118 +153,48 @@ def compose(
     estimator: adv_lib.Estimator | None = None,
     reward_combine: adv_lib.RewardCombine | None = None,
     normaliser: adv_lib.Normaliser | None = None,
-    kl_beta: float = 0.0,
-    row_filters: Sequence[prep.RowKeep] = (),
-    batch_parts: Sequence[prep.Prepare] = (),
-    keep_masks: Sequence[tuple] = (),
-    needs_old_logp: bool = False,
-    # --- EXTRAS: options every preset takes (all off by default) ---
-    kl_estimator: str | regularizers.KLEstimator = "k3",
-    entropy_coef: float = 0.0,
-    kl_reward_beta: float = 0.0,
-    kl_reward_estimator: str | regularizers.KLEstimator = "k1",
-    overlong_buffer_frac: float = 0.0,
-    mask_truncated: bool = False,
-    top_entropy_frac: float = 1.0,
-    tis_cap: float = 0.0,
-    mis_low: float = 0.0,
-    mis_high: float = 0.0,
-    is_level: str = "token",
+    parts: Sequence[LossPart] = (),
+    options: Sequence[LossPart] = (),
+    **unknown,
 ) -> Loss:
-    """Build a Loss from parts. The advantage estimator is `estimator`, or `reward_combine` then
-    `normaliser` (the only form reward shaping can use: shaping adds to the combined reward).
+    """Build a Loss from parts: the advantage step (`estimator`, or `reward_combine` then `normaliser`,
+    the only form reward shaping can use: shaping adds to the combined reward), the ratio level, the
+    objective, the aggregation `weights`, and `LossPart`s: the preset's own `parts` (e.g. DAPO's row
+    filter, M2PO's batch mask) and `options` (`options.option_parts(...)`, the options every preset
+    takes). Options wrap the preset: their row filters run before the preset's (truncation first),
+    every other stage after the preset's. Order:
 
-    Preset-specific batch parts: `row_filters` (keep_B functions, applied with `prepare.drop_rows`),
-    `batch_parts` (prepare parts run after them, e.g. M2PO's mask) and `keep_masks` ((key, stat) pairs:
-    token masks added by a batch part, applied with `m2po.apply_keep_mask` around the whole token loss).
-
-    EXTRAS (options for any preset):
-      kl_estimator         "k1" | "k2" | "k3" for the kl_beta penalty in the loss (default k3)
-      entropy_coef         entropy bonus: loss -= coef * H_t
-      kl_reward_beta       KL in the reward: r_i -= beta * sum_t KL_t (kl_reward_estimator, default k1)
-      overlong_buffer_frac DAPO overlong shaping with L_c = frac * max_new_tokens (0 = off)
-      mask_truncated       drop truncated completions (truncated_B) from the loss and normalisers
-      top_entropy_frac     train only on this top fraction of tokens by (old) entropy (1 = off)
-      tis_cap              truncated IS on pi_old / pi_rollout at this cap (0 = off)
-      mis_low, mis_high    masked IS: drop where pi_old / pi_rollout leaves [low, high] (high 0 = off)
-      is_level             "token" | "sequence" for TIS / MIS
-    `needs_ref` is set when kl_beta or kl_reward_beta is non-zero (both read ref_logp_BxT).
-    Order: advantages (combined reward + shaping bonuses, normalised) -> prepare = row filters
-    (truncation first) -> batch parts -> top-entropy mask;
-    token loss = ratio -> objective -> MIS -> TIS -> + KL / entropy -> keep masks.
+        advantages  combined reward + shaping bonuses, normalised
+        prepare     row filters (`prepare.drop_rows`) -> prepare parts (batch parts, token masks)
+        token loss  ratio -> objective -> corrections (MIS, TIS) -> + regularisers (KL, entropy) -> masks
+    `needs_old_logp` / `needs_ref` are those of any part.
     """
-    corrections._check_level(is_level)
-    if mis_low and not mis_high:
-        raise ValueError(f"mis_low: got {mis_low!r} with mis_high=0 (off); set mis_high to enable masked IS")
-    if not 0 < top_entropy_frac <= 1:
-        raise ValueError(f"top_entropy_frac: got {top_entropy_frac!r}, expected a number in (0, 1] (1 = off)")
-    parts = []
-    if estimator is None:
-        if reward_combine is None or normaliser is None:
-            raise ValueError(f"{name}: give `estimator`, or both `reward_combine` and `normaliser`")
-        estimator = adv_lib.estimator(reward_combine, normaliser)
-        parts.append(f"{label(reward_combine)} -> {label(normaliser)}")
-    else:
-        parts.append(label(estimator))
-
-    prepare_parts = []
-    shapers = []
-    if overlong_buffer_frac:
-        shapers.append(prep.overlong_penalty(overlong_buffer_frac))
-    if kl_reward_beta:
-        shapers.append(prep.kl_reward(kl_reward_beta, kl_estimator_by_name(kl_reward_estimator, "kl_reward_estimator")))
-    if shapers:
-        if reward_combine is None or normaliser is None:
-            raise ValueError(
-                f"{name}: reward shaping (overlong_buffer_frac, kl_reward_beta) needs an estimator that "
-                "combines the rewards first (reward_combine -> normaliser); this preset normalises each "
-                "reward function separately"
-            )
-        estimator = prep.shaped_estimator(reward_combine, normaliser)
-        parts += [f"reward += {label(s)}" for s in shapers]
-    row_filters = ((named("mask_truncated", prep.not_truncated_rows),) if mask_truncated else ()) + tuple(row_filters)
-    for keep_fn in row_filters:
-        prepare_parts.append(prep.drop_rows(keep_fn))
-        parts.append(f"drop rows: {label(keep_fn)}")
-    prepare_parts += list(batch_parts)
-    parts += [label(p) for p in batch_parts]
-    keep_masks = list(keep_masks)
-    if top_entropy_frac != 1.0:
-        prepare_parts.append(prep.top_entropy_keep(top_entropy_frac))
-        keep_masks.append(("entropy_keep_BxT", "entropy_masked_BxT"))
-        needs_old_logp = True
-        parts.append(f"top_entropy_keep({top_entropy_frac})")
-
-    parts += [label(ratio), label(objective)]
+    if unknown:
+        key = next(iter(unknown))
+        hint = "options=option_parts(...) (jaxrl.losses.options)" if key in _OLD_FLAGS else "the parts of a loss"
+        raise TypeError(f"compose() got an unexpected keyword argument {key!r}: it takes {hint}")
+    merged = [*options, *parts]
+    staged = [*parts, *options]
+    rows = [f for p in merged for f in p.rows]
+    shapers = tuple(s for p in staged for s in p.shapers)
+    estimator, labels = _advantage_step(name, estimator, reward_combine, normaliser, shapers)
+    prepare_parts = [prep.drop_rows(f) for f in rows] + [q for p in staged for q in p.prepare]
+    labels += [f"drop rows: {label(f)}" for f in rows] + [label(q) for p in staged for q in p.prepare]
+    labels += [label(ratio), label(objective)]
     token_loss = policy_token_loss(ratio, objective)
-    if mis_high:
-        token_loss = corrections.mis(token_loss, mis_low, mis_high, is_level)
-        parts.append(label(token_loss))
-    if tis_cap:
-        token_loss = corrections.tis(token_loss, tis_cap, is_level)
-        parts.append(label(token_loss))
-    regs = []
-    if kl_beta:
-        est = kl_estimator_by_name(kl_estimator)
-        regs.append(regularizers.kl_penalty(kl_beta, est))
-        parts.append(f"kl_penalty({kl_beta}, {label(est)})")
-    else:
-        regularizers.kl_penalty(kl_beta)  # validates the value
-    if entropy_coef:
-        regs.append(regularizers.entropy_bonus(entropy_coef))
-        parts.append(f"entropy_bonus({entropy_coef})")
-    token_loss = with_regularizers(token_loss, regs)
-    for key, stat in keep_masks:
-        token_loss = m2po.apply_keep_mask(token_loss, key=key, stat=stat)
-    parts.append(label(weights))
+    token_loss = _wrap(token_loss, tuple(w for p in staged for w in p.corrections), labels)
+    regs = tuple(r for p in staged for r in p.regularizers)
+    labels += [label(r) for r in regs]
+    tail: list = []
+    token_loss = _wrap(with_regularizers(token_loss, regs), tuple(w for p in staged for w in p.masks), tail)
     return Loss(
         name=name,
         advantages=estimator,
         weights=weights,
         token_loss=token_loss,
         prepare=prep.chain(*prepare_parts),
-        needs_old_logp=needs_old_logp,
-        parts=tuple(parts),
-        needs_ref=bool(kl_beta) or bool(kl_reward_beta),
-        reward_shaping=tuple(shapers),
+        needs_old_logp=any(p.needs_old_logp for p in staged),
+        parts=(*labels, label(weights), *tail),
+        needs_ref=any(p.needs_ref for p in staged),
+        reward_shaping=shapers,
     )

@@ -4,7 +4,7 @@ Three policies meet in an update: the ROLLOUT policy that sampled the tokens (`r
 sampler's log-probs: another engine, lower precision, or stale weights), the OLD policy (the trainer's
 policy before this update, `old_logp_BxT`) and the CURRENT one being optimised. The staleness ratio
 current / old is the ratio level's business (`ratios.py`); the discrepancy old / rollout is kept apart
-here, as wrappers around a token loss (same pattern as `m2po.apply_keep_mask`):
+here, as wrappers around a token loss (same pattern as `masks.apply_keep_mask`):
 
     tis(token_loss, cap, level)         truncated IS: loss_t *= sg(min(pi_old / pi_rollout, cap))
     mis(token_loss, low, high, level)   masked IS: tokens (or whole rows) whose pi_old / pi_rollout
@@ -33,15 +33,29 @@ import jax.numpy as jnp
 LEVELS = ("token", "sequence")
 
 
-def _check_level(level: str) -> None:
+def check_level(level: str) -> None:
     if level not in LEVELS:
         raise ValueError(f"is_level: got {level!r}, expected one of {LEVELS}")
+
+
+def check_tis(cap: float, level: str = "token") -> None:
+    """ValueError naming is_level / tis_cap when `tis` would refuse them."""
+    check_level(level)
+    if not cap > 0:
+        raise ValueError(f"tis_cap: got {cap!r}, expected a positive number")
+
+
+def check_mis(low: float, high: float, level: str = "token") -> None:
+    """ValueError naming is_level / the mis bounds when `mis` would refuse them."""
+    check_level(level)
+    if not (low >= 0 and high > 0 and low <= high):
+        raise ValueError(f"mis bounds: got low={low!r}, high={high!r}; expected 0 <= low <= high, high > 0")
 
 
 def rollout_log_ratio(batch: dict, level: str = "token") -> jax.Array:
     """log(pi_old / pi_rollout) per token (level="token") or the row's sum broadcast along T
     (level="sequence"); 0 on masked tokens; no gradient."""
-    _check_level(level)
+    check_level(level)
     if "rollout_logp_BxT" not in batch:
         raise KeyError(
             "rollout-mismatch corrections (TIS / MIS) need batch['rollout_logp_BxT'] (the sampler's log-probs)"
@@ -63,9 +77,7 @@ def tis(token_loss: Callable, cap: float, level: str = "token") -> Callable:
     Sequence level: the weight is min(prod_t pi_old / pi_rollout, cap), computed in log space
     (min(sum_t log ratio, log cap)) so a long row cannot overflow.
     """
-    _check_level(level)
-    if not cap > 0:
-        raise ValueError(f"tis_cap: got {cap!r}, expected a positive number")
+    check_tis(cap, level)
     log_cap = math.log(cap)
 
     def wrapped(logp_BxT: jax.Array, batch: dict):
@@ -92,9 +104,7 @@ def mis(token_loss: Callable, low: float, high: float, level: str = "token") -> 
     Dropped tokens get loss 0 and NO gradient even through a ratio level that mixes a row's tokens
     (GSPO): their log-prob enters the inner loss through stop_gradient.
     """
-    _check_level(level)
-    if not (low >= 0 and high > 0 and low <= high):
-        raise ValueError(f"mis bounds: got low={low!r}, high={high!r}; expected 0 <= low <= high, high > 0")
+    check_mis(low, high, level)
     log_low = math.log(low) if low > 0 else -math.inf
     log_high = math.log(high)
 

@@ -3,14 +3,15 @@
 M2PO (Second-Moment Trust Policy Optimization, "Prosperity before Collapse: How Far Can Off-Policy
 RL Reach with Stale Data on LLMs?") drops the tokens with the largest (log rho)^2 until the second
 moment over the kept tokens, M2 = mean (log rho)^2, is <= tau (e.g. 0.04). Which tokens go depends
-on every token of the batch, so it cannot be decided inside one microbatch. Four pieces:
+on every token of the batch, so it cannot be decided inside one microbatch. The pieces:
 
     m2po_keep_mask(log_ratio_BxT, mask_BxT, tau, candidates) -> keep_BxT   the exact batch-level rule
     m2po_prepare(tau, token_set, ...) -> prepare(batch) -> batch   run ONCE on the whole update batch,
                                                                    before splitting: adds keep_BxT
-    apply_keep_mask(token_loss, key) -> token_loss                 per microbatch: drops those tokens
+    masks.apply_keep_mask(token_loss, key) -> token_loss           per microbatch: drops those tokens
     rollout_behaviour(token_loss) -> token_loss                    the ratio's behaviour policy is the
                                                                    rollout policy (see there)
+    m2po_part(tau, token_set) -> LossPart                          all of it, for `compose(parts=...)`
 
 so the microbatched loss and gradient equal the full-batch ones exactly.
 
@@ -38,6 +39,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxrl.losses.masks import token_mask
+from jaxrl.losses.parts import LossPart, named
+from jaxrl.losses.prepare import on_batch
 from jaxrl.losses.ratios import token_log_ratio
 
 
@@ -139,23 +143,14 @@ def rollout_behaviour(token_loss: Callable) -> Callable:
     return wrapped
 
 
-def apply_keep_mask(token_loss: Callable, key: str = "m2po_keep_BxT", stat: str = "m2po_masked_BxT") -> Callable:
-    """Wrap `token_loss(logp_BxT, batch) -> (loss_BxT, stats)` so tokens with batch[key] == 0 are dropped.
+def _rollout_behaviour_labelled(token_loss: Callable) -> Callable:
+    return named("behaviour = rollout policy (ratio pi_theta / pi_rollout)", rollout_behaviour(token_loss))
 
-    A dropped token gets loss exactly 0 and NO gradient by any path: its logp enters the inner loss
-    as stop_gradient(logp) (same value), so even a sequence-level ratio (GSPO / PNPO / GMPO) that
-    mixes it into other tokens' values passes it no gradient; the loss there is then zeroed (the KL
-    and entropy terms of that token too). The inner stats are unchanged (computed on every live
-    token), plus `stat` (1.0 on dropped live tokens) so the metrics report the dropped fraction.
-    Works for any batch-level token mask, not only M2PO's.
-    """
 
-    def wrapped(logp_BxT: jax.Array, batch: dict):
-        keep_BxT = batch[key] > 0
-        logp_in = jnp.where(keep_BxT, logp_BxT, jax.lax.stop_gradient(logp_BxT))
-        loss_BxT, stats = token_loss(logp_in, batch)
-        live_BxT = batch["completion_mask_BxT"] > 0
-        stats = dict(stats, **{stat: (live_BxT & ~keep_BxT).astype(jnp.float32)})
-        return jnp.where(keep_BxT, loss_BxT, 0.0), stats
-
-    return wrapped
+def m2po_part(tau: float = 0.04, token_set: str = "trust_region") -> LossPart:
+    """M2PO as one `LossPart`: the batch mask (`m2po_prepare`, on the whole batch, from the recorded
+    old log-probs: needs_old_logp), applied to the whole token loss (`masks.apply_keep_mask`, stat
+    m2po_masked_BxT), then the rollout policy as the ratio's behaviour policy (`rollout_behaviour`)."""
+    prepare = named(f"m2po_mask(tau={tau:g}, {token_set})", on_batch(m2po_prepare(tau, token_set)))
+    mask = token_mask(prepare, "m2po_keep_BxT", "m2po_masked_BxT", needs_old_logp=True)
+    return mask._replace(masks=(*mask.masks, _rollout_behaviour_labelled))

@@ -16,12 +16,17 @@ batch-level, so it is not an objective: see `jaxrl.losses.m2po`. Objectives that
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
-Objective = Callable[[jax.Array, jax.Array, jax.Array], tuple]
+
+class Objective(Protocol):
+    """(log_ratio_BxT, adv_BxT, mask_BxT) -> (loss_BxT, stats): the per-token loss to minimise. An
+    objective may also take the current log-probs as a keyword `logp_BxT` (CISPO's reported value)."""
+
+    def __call__(self, log_ratio_BxT: jax.Array, adv_BxT: jax.Array, mask_BxT: jax.Array, /) -> tuple: ...
 
 
 def ppo_clip(eps_low: float = 0.2, eps_high: float | None = None) -> Objective:

@@ -9,7 +9,7 @@ exact. A prepare part may
     gradient AND leaves every normaliser (it counts as removed): the MC-GRPO pivot (`mc_pivot_rows`),
     GD2PO's conflict mask (`gd2po_rows`), truncated completions (`not_truncated_rows`), groups with no
     signal (`informative_rows`);
-  - add token masks for `m2po.apply_keep_mask` (M2PO's m2po_keep_BxT, `top_entropy_keep`).
+  - add token masks for `masks.apply_keep_mask` (M2PO's m2po_keep_BxT, `masks.top_entropy_keep`).
 
 Reward shaping (`overlong_penalty`, `kl_reward`) is not a prepare part: it is part of the advantage
 step, which runs just before prepare on the same whole batch (`Loss.reward_shaping`, `shaped_estimator`,
@@ -26,6 +26,7 @@ contiguous groups of `group_size` rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +36,23 @@ from jaxrl.losses import multi_reward
 from jaxrl.losses import segments as seg
 from jaxrl.losses.regularizers import KLEstimator, kl_k1
 
-Prepare = Callable[[dict, int, int], dict]  # (batch, group_size, max_new_tokens) -> batch
-RowKeep = Callable[[dict, int], jax.Array]  # (batch, group_size) -> keep_B (float 0/1); groups: batch_groups
-Shaper = Callable[[dict, int], jax.Array]  # (batch, max_new_tokens) -> reward bonus_B
+
+class Prepare(Protocol):
+    """(batch, group_size, max_new_tokens) -> batch: a batch-level part, run once on the whole batch."""
+
+    def __call__(self, batch: dict, group_size: int, max_new_tokens: int, /) -> dict: ...
+
+
+class RowKeep(Protocol):
+    """(batch, group_size) -> keep_B (float 0/1): a row filter; groups from `segments.batch_groups`."""
+
+    def __call__(self, batch: dict, group_size: int, /) -> jax.Array: ...
+
+
+class Shaper(Protocol):
+    """(batch, max_new_tokens) -> bonus_B: reward shaping, added to the combined reward."""
+
+    def __call__(self, batch: dict, max_new_tokens: int, /) -> jax.Array: ...
 
 
 def no_prepare(batch: dict, group_size: int | None = None, max_new_tokens: int | None = None) -> dict:
@@ -193,40 +208,3 @@ def shaped_estimator(reward_combine: adv_lib.RewardCombine, normaliser: adv_lib.
         return jax.lax.stop_gradient(normaliser(r_B, groups))
 
     return advantages
-
-
-# ---------------------------------------------------------------------------------------------
-# Token masks
-
-
-def top_entropy_keep(
-    frac: float = 0.2, entropy_key: str = "old_entropy_BxT", out_key: str = "entropy_keep_BxT"
-) -> Prepare:
-    """Train only on the highest-entropy tokens (the "80/20" forking-token rule, top 20% by default).
-
-    keep_BxT = 1 on live tokens with H >= the k-th largest live entropy of the WHOLE batch,
-    k = ceil(frac * n_live); ties at the threshold are all kept (so the rule depends only on values,
-    never on row order or microbatching); masked tokens are 1 (they are masked anyway). H is the OLD
-    policy's entropy recorded for the batch (the Loss sets needs_old_logp). Apply it with
-    `m2po.apply_keep_mask(token_loss, out_key, "entropy_masked_BxT")`: dropped tokens keep their place
-    in the normaliser (our reading: the gradient of low-entropy tokens is removed, the loss scale is
-    not renormalised).
-    """
-    if not 0 < frac <= 1:
-        raise ValueError(f"top_entropy_frac: got {frac!r}, expected a number in (0, 1]")
-
-    def prepare(batch, group_size=None, max_new_tokens=None):
-        if entropy_key not in batch:
-            raise KeyError(
-                f"top_entropy_keep needs batch[{entropy_key!r}] (recorded when the Loss sets needs_old_logp)"
-            )
-        live_BxT = batch["completion_mask_BxT"] > 0
-        h_BxT = jax.lax.stop_gradient(batch[entropy_key]).astype(jnp.float32)
-        desc = -jnp.sort(-jnp.where(live_BxT, h_BxT, -jnp.inf).reshape(-1))  # live first, descending
-        n_live = jnp.sum(live_BxT)
-        k = jnp.maximum(jnp.ceil(frac * n_live.astype(jnp.float32)).astype(jnp.int32), 1)
-        threshold = jnp.where(n_live > 0, desc[jnp.minimum(k, desc.shape[0]) - 1], -jnp.inf)
-        keep_BxT = ~live_BxT | (h_BxT >= threshold)
-        return dict(batch, **{out_key: keep_BxT.astype(jnp.float32)})
-
-    return prepare

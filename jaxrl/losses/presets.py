@@ -10,7 +10,7 @@ trust-region family). `PRESETS[name]` is a `Preset`: callable like the factory
 Config: `jaxrl.config.LossConfig` carries the fields most presets share (eps_low, eps_high, kl_beta,
 adv_eps, reward_weights; a None means "the preset's paper default") and `options`, a string of
 `name=value` pairs for everything else (a preset's own parameters such as `tau` or `delta`, and the
-`compose.EXTRAS` every preset accepts such as `tis_cap` or `entropy_coef`). `make_loss` checks every
+`options.EXTRAS` every preset accepts such as `tis_cap` or `entropy_coef`). `make_loss` checks every
 name against the preset and raises `ConfigError` naming the field.
 """
 
@@ -21,7 +21,8 @@ import inspect
 from collections.abc import Callable
 
 from jaxrl.config import ConfigError, parse_loss_options
-from jaxrl.losses.compose import EXTRAS, Loss, compose, named, policy_token_loss, with_regularizers  # noqa: F401
+from jaxrl.losses.compose import Loss
+from jaxrl.losses.options import EXTRAS
 from jaxrl.losses.presets_grpo import (
     async_const_norm,
     bnpo,

@@ -5,7 +5,7 @@ Every preset is a short `compose(...)` call; each takes `kl_beta` (beta * KL_t i
 default), `reward_weights` (one weight per reward function; None = all 1), and, exactly when it divides
 by a group or batch std, `adv_eps` (added to every std it divides by) and `std_ddof` (1 = the unbiased
 std, the default, as TRL / verl; 0 = the population std; see `advantages.py`), and the options in
-`compose.EXTRAS` via **extras (TIS / MIS corrections, entropy bonus, KL in the reward, overlong
+`options.EXTRAS` via **extras (TIS / MIS corrections, entropy bonus, KL in the reward, overlong
 shaping, truncation masking, top-entropy masking), all off unless the paper uses them.
 Notation: G completions y_i per prompt with rewards r_i (r_ik for reward function k), A_i the advantage,
 rho_t = pi_theta(y_t) / pi_old(y_t), m_t the mask, |y_i| = sum_t m_t, sg = stop-gradient, B the number of
@@ -17,25 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import aggregation, multi_reward, objectives, ratios
+from jaxrl.losses import aggregation, multi_reward, parts, ratios
 from jaxrl.losses import prepare as prep
-from jaxrl.losses.compose import Loss, compose, named
-
-
-def _sum(reward_weights):
-    return named(
-        "reward_sum" if reward_weights is None else f"reward_sum{tuple(reward_weights)}",
-        adv_lib.reward_sum(reward_weights),
-    )
-
-
-def _std(adv_eps, std_ddof=1):
-    return named(f"group_mean_std(eps={adv_eps:g}, ddof={std_ddof})", adv_lib.group_mean_std(adv_eps, std_ddof))
-
-
-def _clip(eps_low, eps_high):
-    eps_high = eps_low if eps_high is None else eps_high
-    return named(f"ppo_clip({eps_low:g}, {eps_high:g})", objectives.ppo_clip(eps_low, eps_high))
+from jaxrl.losses.compose import Loss, compose
+from jaxrl.losses.options import option_parts
+from jaxrl.losses.parts import named
 
 
 def grpo(
@@ -63,13 +49,12 @@ def grpo(
     """
     return compose(
         "grpo",
-        reward_combine=_sum(reward_weights),
-        normaliser=_std(adv_eps, std_ddof),
+        reward_combine=parts.reward_sum(reward_weights),
+        normaliser=parts.group_mean_std(adv_eps, std_ddof),
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -90,13 +75,12 @@ def dr_grpo(
     """
     return compose(
         "dr_grpo",
-        reward_combine=_sum(reward_weights),
+        reward_combine=parts.reward_sum(reward_weights),
         normaliser=adv_lib.group_mean,
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_sum_norm,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -119,13 +103,12 @@ def bnpo(
     """
     return compose(
         "bnpo",
-        reward_combine=_sum(reward_weights),
-        normaliser=_std(adv_eps, std_ddof),
+        reward_combine=parts.reward_sum(reward_weights),
+        normaliser=parts.group_mean_std(adv_eps, std_ddof),
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -154,19 +137,17 @@ def dapo(
     shaping off; the paper's alternative, masking truncated samples, is the `mask_truncated` option.
     Shaping runs in `prepare` (inside the update step): it needs the completion lengths.
     """
-    reward_combine, normaliser = _sum(reward_weights), _std(adv_eps, std_ddof)
-    rows = (named("informative_groups", prep.informative_rows),) if drop_constant_groups else ()
+    reward_combine, normaliser = parts.reward_sum(reward_weights), parts.group_mean_std(adv_eps, std_ddof)
+    rows = (parts.row_filter(named("informative_groups", prep.informative_rows)),) if drop_constant_groups else ()
     return compose(
         "dapo",
         reward_combine=reward_combine,
         normaliser=normaliser,
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.token_mean,
-        kl_beta=kl_beta,
-        overlong_buffer_frac=overlong_buffer_frac,
-        row_filters=rows,
-        **extras,
+        parts=rows,
+        options=option_parts(kl_beta=kl_beta, overlong_buffer_frac=overlong_buffer_frac, **extras),
     )
 
 
@@ -192,13 +173,12 @@ def async_const_norm(
     """
     return compose(
         "async_const_norm",
-        reward_combine=_sum(reward_weights),
-        normaliser=_std(adv_eps, std_ddof),
+        reward_combine=parts.reward_sum(reward_weights),
+        normaliser=parts.group_mean_std(adv_eps, std_ddof),
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.constant_norm(k),
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -220,13 +200,12 @@ def rloo(
     """
     return compose(
         "rloo",
-        reward_combine=_sum(reward_weights),
+        reward_combine=parts.reward_sum(reward_weights),
         normaliser=adv_lib.rloo,
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_sum,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -257,14 +236,12 @@ def reinforce_pp(
     )
     return compose(
         "reinforce_pp",
-        reward_combine=_sum(reward_weights),
+        reward_combine=parts.reward_sum(reward_weights),
         normaliser=normaliser,
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.token_mean,
-        kl_beta=kl_beta,
-        kl_reward_beta=kl_reward_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, kl_reward_beta=kl_reward_beta, **extras),
     )
 
 
@@ -298,14 +275,13 @@ def mc_grpo(
     )
     return compose(
         "mc_grpo",
-        reward_combine=_sum(reward_weights),
+        reward_combine=parts.reward_sum(reward_weights),
         normaliser=normaliser,
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        row_filters=(named("mc_pivot", prep.mc_pivot_rows),),
-        **extras,
+        parts=(parts.row_filter(named("mc_pivot", prep.mc_pivot_rows)),),
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -336,10 +312,9 @@ def gdpo(
         "gdpo",
         estimator=est,
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -377,14 +352,13 @@ def gd2po(
         ),
     )
     conflict_rows = prep.gd2po_rows(conflict_threshold=conflict_threshold, weights=reward_weights, eps=adv_eps)
-    rows = (named(f"gd2po_conflict(>{conflict_threshold})", conflict_rows),)
+    rows = (parts.row_filter(named(f"gd2po_conflict(>{conflict_threshold})", conflict_rows)),)
     return compose(
         "gd2po",
         estimator=est,
         ratio=ratios.token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        row_filters=rows,
-        **extras,
+        parts=rows,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )

@@ -1,7 +1,7 @@
 """Presets that change the ratio level, the objective or the trust region (GRPO advantages unless said).
 
 Same conventions as `presets_grpo.py`: each is a short `compose(...)`, takes kl_beta, reward_weights
-and the `compose.EXTRAS` options, and adv_eps / std_ddof exactly when it divides by a std (GRPO
+and the `options.EXTRAS` options, and adv_eps / std_ddof exactly when it divides by a std (GRPO
 advantages: unbiased group std by default); rho_t = pi_theta(y_t) / pi_old(y_t), B live rows, |y_i| = sum_t m_t.
 """
 
@@ -10,15 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxrl.losses import advantages as adv_lib
-from jaxrl.losses import aggregation, objectives, ratios
+from jaxrl.losses import aggregation, objectives, parts, ratios
 from jaxrl.losses import m2po as m2po_lib
-from jaxrl.losses import prepare as prep
-from jaxrl.losses.compose import Loss, compose, named
-from jaxrl.losses.presets_grpo import _clip, _std, _sum
-
-
-def _grpo_adv(reward_weights, adv_eps, std_ddof) -> dict:
-    return dict(reward_combine=_sum(reward_weights), normaliser=_std(adv_eps, std_ddof))
+from jaxrl.losses.compose import Loss, compose
+from jaxrl.losses.options import option_parts
+from jaxrl.losses.parts import named
 
 
 def gspo(
@@ -39,12 +35,11 @@ def gspo(
     """
     return compose(
         "gspo",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.sequence_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -66,12 +61,11 @@ def gspo_token(
     """
     return compose(
         "gspo_token",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.sequence_token_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -102,12 +96,11 @@ def tbpo(
     obj = named(f"dual_clip({eps_low:g}, {eps_high:g}, c={c:g})", objectives.dual_clip(eps_low, eps_high, c))
     return compose(
         "tbpo",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.sequence_log_ratio,
         objective=obj,
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -130,12 +123,11 @@ def pnpo(
     """
     return compose(
         "pnpo",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.prefix_log_ratio,
-        objective=_clip(eps_low, eps_high),
+        objective=parts.ppo_clip(eps_low, eps_high),
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -158,12 +150,11 @@ def gmpo(
     eps_high = eps_low if eps_high is None else eps_high
     return compose(
         "gmpo",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.token_log_ratio,
         objective=named(f"gmpo(log-clip {eps_low:g}, {eps_high:g})", objectives.gmpo(eps_low, eps_high)),
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -198,12 +189,11 @@ def cispo(
     )
     return compose(
         "cispo",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.token_log_ratio,
         objective=obj,
         weights=aggregation.token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -226,12 +216,11 @@ def sapo(
     obj = named(f"sapo(tau_pos={tau_pos:g}, tau_neg={tau_neg:g})", objectives.sapo(tau_pos, tau_neg))
     return compose(
         "sapo",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.token_log_ratio,
         objective=obj,
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -256,13 +245,12 @@ def sao(
     obj = named(f"strict_double_side({eps_low:g}, {eps_high:g})", objectives.strict_double_side(eps_low, eps_high))
     return compose(
         "sao",
-        reward_combine=_sum(reward_weights),
+        reward_combine=parts.reward_sum(reward_weights),
         normaliser=adv_lib.batch_mean,
         ratio=ratios.token_log_ratio,
         objective=obj,
         weights=aggregation.token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -293,12 +281,11 @@ def mu_grpo(
     )
     return compose(
         "mu_grpo",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.token_log_ratio,
         objective=obj,
         weights=aggregation.seq_mean_token_mean,
-        kl_beta=kl_beta,
-        **extras,
+        options=option_parts(kl_beta=kl_beta, **extras),
     )
 
 
@@ -323,25 +310,17 @@ def m2po(
         J   = sum_{i,t} m_it M_it r_t A_i / sum_{i,t} m_it        (no clip; token_mean; GRPO advantages)
     The mask depends on every token of the batch, so it is computed in `prepare` on the whole batch
     (`m2po.m2po_prepare`, with r at the start of the update: pi_old / pi_rollout; the update step
-    records old log-probs first: needs_old_logp) and applied per microbatch (`m2po.apply_keep_mask`).
+    records old log-probs first: needs_old_logp) and applied per microbatch (`masks.apply_keep_mask`).
     The objective's ratio is pi_theta / pi_rollout (`m2po.rollout_behaviour`); without rollout
     log-probs in the batch, pi_rollout = pi_old. Masked tokens keep their place in the token count
     (our reading). Metric: m2po_masked (fraction of live tokens masked).
     """
-    batch_part = named(f"m2po_mask(tau={tau:g}, {token_set})", prep.on_batch(m2po_lib.m2po_prepare(tau, token_set)))
-    loss = compose(
+    return compose(
         "m2po",
-        **_grpo_adv(reward_weights, adv_eps, std_ddof),
+        **parts.grpo_advantages(reward_weights, adv_eps, std_ddof),
         ratio=ratios.token_log_ratio,
         objective=named("unclipped", objectives.unclipped()),
         weights=aggregation.token_mean,
-        kl_beta=kl_beta,
-        batch_parts=(batch_part,),
-        keep_masks=(("m2po_keep_BxT", "m2po_masked_BxT"),),
-        needs_old_logp=True,
-        **extras,
-    )
-    return loss._replace(
-        token_loss=m2po_lib.rollout_behaviour(loss.token_loss),
-        parts=loss.parts + ("behaviour = rollout policy (ratio pi_theta / pi_rollout)",),
+        parts=(m2po_lib.m2po_part(tau, token_set),),
+        options=option_parts(kl_beta=kl_beta, **extras),
     )

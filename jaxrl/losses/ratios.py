@@ -13,12 +13,16 @@ Selecting with `where` before any `exp` keeps both finite, and the gradient ther
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
-RatioFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+class RatioFn(Protocol):
+    """(logp_BxT, old_logp_BxT, mask_BxT) -> log_ratio_BxT: a ratio level."""
+
+    def __call__(self, logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array, /) -> jax.Array: ...
 
 
 def token_log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:

@@ -1,19 +1,28 @@
 """Regularisers: per-token KL estimators and parts that add to the per-token loss.
 
-A regulariser part is `(logp_BxT, batch) -> (extra_loss_BxT, stats)`; the composer in
-`presets.py` adds `extra_loss_BxT` to the objective's loss, so it is aggregated with the same
+A regulariser part is `(logp_BxT, batch) -> (extra_loss_BxT, stats)`; `compose` (compose.py)
+adds `extra_loss_BxT` to the objective's loss, so it is aggregated with the same
 weights (the GRPO placement: beta * KL inside the per-token sum, not in the reward).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
-KLEstimator = Callable[[jax.Array, jax.Array], jax.Array]  # (logp_BxT, ref_logp_BxT) -> kl_BxT
-Regularizer = Callable[[jax.Array, dict], tuple]
+
+class KLEstimator(Protocol):
+    """(logp_BxT, ref_logp_BxT) -> kl_BxT: a per-token KL estimate (gradient through logp only)."""
+
+    def __call__(self, logp_BxT: jax.Array, ref_logp_BxT: jax.Array, /) -> jax.Array: ...
+
+
+class Regularizer(Protocol):
+    """(logp_BxT, batch) -> (extra_loss_BxT, stats): a term added to the per-token loss."""
+
+    def __call__(self, logp_BxT: jax.Array, batch: dict, /) -> tuple[jax.Array, dict]: ...
 
 
 # The three estimators of KL(pi_theta || pi_ref) from samples y ~ pi (Schulman's k1/k2/k3 naming).
