@@ -62,7 +62,7 @@ def _static(params, cfg, prompts, n_samples, slots, max_new, eos, rng):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl.rollout.engine import left_pad
+    from jaxrl.rollout.engine_groups import left_pad
     from jaxrl.rollout.sampler import sample
 
     B = slots // G

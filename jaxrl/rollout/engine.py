@@ -48,10 +48,8 @@ counts["accepted"] say how many drafts were kept, counts["speculative_chunks"] h
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -59,6 +57,15 @@ import numpy as np
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from jaxrl.rollout import engine_speculative
 from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
+from jaxrl.rollout.engine_groups import (
+    Flight,
+    Group,
+    assemble_batch,
+    concat_groups,
+    first_version,
+    flight_group,
+    left_pad,
+)
 from jaxrl.rollout.engine_partial import release_slots, reprefill
 from jaxrl.rollout.engine_state import (
     EngineSpec,
@@ -71,41 +78,8 @@ from jaxrl.rollout.engine_state import (
 )
 from jaxrl.rollout.sampler import check_temperature
 
-
-class Group(NamedTuple):
-    """The samples of one prompt, in admission order: G from `collect`, k from `sample`."""
-
-    tag: Any  # what the caller paired with the prompt
-    prompt_P: np.ndarray  # int32, left-padded to the engine's prompt_len
-    prompt_mask_P: np.ndarray  # int32
-    tokens_GxT: np.ndarray  # int32; pad after each sample's last token
-    completion_mask_GxT: np.ndarray  # float32
-    logp_GxT: np.ndarray  # float32: log-prob under softmax(logits / temperature), 0 where masked
-    version_GxT: np.ndarray  # int32: version of the chunk that drew each token; -1 where masked
-    finished_G: np.ndarray  # bool: ended with EOS
-    truncated_G: np.ndarray  # bool: stopped at max_new_tokens without EOS
-    routing_GxSxLxK: np.ndarray | None  # MoE only: experts per slot S = P + T (see sampler.py)
-
-
-@dataclasses.dataclass
-class _Flight:
-    tag: Any
-    prompt_P: np.ndarray
-    mask_P: np.ndarray
-    slots_G: np.ndarray  # its samples' slots: G, or fewer for `sample`'s pieces
-    rows: dict  # member index -> that sample's readout row
-    sink: list | None  # where its Group goes once all samples are retired: a `sample` call's list; None: `_ready`
-    born: int = 0  # the version of the call that admitted it (its first token's version)
-
-
-def left_pad(tokens, prompt_len: int, pad_id: int):
-    """A 1-D sequence of real tokens -> (tokens_P, mask_P), left-padded."""
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    if not 0 < len(tokens) <= prompt_len:
-        raise ValueError(f"prompt: {len(tokens)} tokens, expected 1..prompt_len={prompt_len}")
-    out, mask = np.full(prompt_len, pad_id, np.int32), np.zeros(prompt_len, np.int32)
-    out[prompt_len - len(tokens) :], mask[prompt_len - len(tokens) :] = tokens, 1
-    return out, mask
+# Group, assemble_batch, concat_groups and left_pad live in engine_groups.py; imported from here too.
+__all__ = ["Engine", "Group", "assemble_batch", "concat_groups", "left_pad"]
 
 
 class Engine:
@@ -158,7 +132,7 @@ class Engine:
             self._decode_chunk = engine_speculative.toggle_chunk(self, self.tail_rows)
         self.state = init_state(self.spec.without_drafter(), rng)
         self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
-        self._flight: dict[int, _Flight] = {}
+        self._flight: dict[int, Flight] = {}
         self._ready: list[Group] = []  # complete, not yet returned
         self._next_id = 0
         self._restart: list = []  # (tag, prompt_P, mask_P) of groups to re-admit before new prompts
@@ -237,8 +211,8 @@ class Engine:
             return version - first > bound
 
         n_queued = len(self._restart)
-        restart = [g for g in self._ready if stale(_first_version(g))]
-        self._ready = [g for g in self._ready if not stale(_first_version(g))]
+        restart = [g for g in self._ready if stale(first_version(g))]
+        self._ready = [g for g in self._ready if not stale(first_version(g))]
         self._restart.extend((g.tag, g.prompt_P, g.prompt_mask_P) for g in restart)
         free_S = np.zeros(self.spec.slots, bool)
         for gid in [gid for gid, f in self._flight.items() if stale(f.born)]:
@@ -309,7 +283,7 @@ class Engine:
                 slots_n, free = free[:n], free[n:]
                 dest_N[a * G : a * G + n] = slots_n
                 self._owner_S[slots_n] = self._next_id
-                self._flight[self._next_id] = _Flight(tag, prompt_P, mask_P, slots_n, {}, sink, version)
+                self._flight[self._next_id] = Flight(tag, prompt_P, mask_P, slots_n, {}, sink, version)
                 self._next_id += 1
             pad = [chunk[0]] * (A - len(chunk))
             prompt_AxP = np.stack([c[1] for c in chunk + pad])
@@ -367,81 +341,5 @@ class Engine:
             flight.rows[member] = jax.tree.map(operator.itemgetter(r), out)  # row r; None (no MoE) stays None
             self._owner_S[slot] = -1
             if len(flight.rows) == len(flight.slots_G):
-                (self._ready if flight.sink is None else flight.sink).append(_group(flight))
+                (self._ready if flight.sink is None else flight.sink).append(flight_group(flight))
                 del self._flight[gid]
-
-
-def _first_version(group: Group) -> int:
-    """The version that drew the group's oldest token."""
-    drawn = group.version_GxT[group.version_GxT >= 0]
-    return int(drawn.min()) if drawn.size else 0
-
-
-def _group(flight: _Flight) -> Group:
-    rows = [flight.rows[g] for g in range(len(flight.slots_G))]
-
-    def col(name):
-        return np.stack([getattr(r, name) for r in rows])
-
-    routing = None if rows[0].routing_RxCxLxK is None else col("routing_RxCxLxK")
-    return Group(
-        flight.tag,
-        flight.prompt_P,
-        flight.mask_P,
-        col("tokens_RxT"),
-        col("completion_mask_RxT"),
-        col("logp_RxT"),
-        col("version_RxT"),
-        col("finished_R"),
-        col("truncated_R"),
-        routing,
-    )
-
-
-def concat_groups(parts: list[Group], tag, prompt_P, prompt_mask_P) -> Group:
-    """One Group of a prompt from samples drawn in several admissions (its rows in `parts` order)."""
-    if not parts:  # k = 0 samples asked for: the sample fields are None (`Engine.sample`'s contract)
-        return Group._make((tag, prompt_P, prompt_mask_P) + (None,) * 7)
-
-    def cat(name) -> np.ndarray:
-        return np.concatenate([getattr(p, name) for p in parts])
-
-    routing = None if parts[0].routing_GxSxLxK is None else cat("routing_GxSxLxK")
-    return Group(
-        tag,
-        prompt_P,
-        prompt_mask_P,
-        cat("tokens_GxT"),
-        cat("completion_mask_GxT"),
-        cat("logp_GxT"),
-        cat("version_GxT"),
-        cat("finished_G"),
-        cat("truncated_G"),
-        routing,
-    )
-
-
-def assemble_batch(groups: list[Group]) -> dict:
-    """Groups -> the trainer's batch contract (numpy; rows of group i are contiguous, group_id_B = i):
-    prompt_tokens_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT, rollout_logp_BxT,
-    truncated_B (float32, 1 = no EOS), group_id_B, version_BxT and, for MoE, routing_BxSxLxK."""
-    if not groups:
-        raise ValueError("assemble_batch: no groups")
-    sizes = [len(g.tokens_GxT) for g in groups]
-
-    def cat(f):
-        return np.concatenate([f(g) for g in groups])
-
-    batch = {
-        "prompt_tokens_BxP": cat(lambda g: np.repeat(g.prompt_P[None], len(g.tokens_GxT), 0)),
-        "prompt_mask_BxP": cat(lambda g: np.repeat(g.prompt_mask_P[None], len(g.tokens_GxT), 0)),
-        "tokens_BxT": cat(lambda g: g.tokens_GxT),
-        "completion_mask_BxT": cat(lambda g: g.completion_mask_GxT),
-        "rollout_logp_BxT": cat(lambda g: g.logp_GxT),
-        "version_BxT": cat(lambda g: g.version_GxT),
-        "truncated_B": cat(lambda g: (~g.finished_G).astype(np.float32)),
-        "group_id_B": np.repeat(np.arange(len(groups), dtype=np.int32), sizes),
-    }
-    if groups[0].routing_GxSxLxK is not None:
-        batch["routing_BxSxLxK"] = cat(lambda g: g.routing_GxSxLxK)
-    return batch

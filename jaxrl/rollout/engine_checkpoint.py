@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError
+from jaxrl.rollout.engine_groups import Flight, flight_group
 from jaxrl.rollout.engine_state import EngineState, SlotReadout, init_state
 
 # host["shape"] key -> the config field that sets it (named by the error when a resume changes it).
@@ -125,8 +126,6 @@ def _group_rows(g) -> list[SlotReadout]:
 def load_engine_state(engine, host: dict, arrays: dict | None) -> None:
     """Put a saved state into `engine` (built from the run's config). A ConfigError naming the field
     when the engine's shapes changed since the save; the in-flight samples cannot be carried over."""
-    from jaxrl.rollout.engine import _Flight, _group  # engine.py imports this module
-
     if arrays is None or "state" not in arrays:
         raise ConfigError(
             "rollout.engine: the checkpoint holds the engine's bookkeeping but not its arrays "
@@ -152,7 +151,7 @@ def load_engine_state(engine, host: dict, arrays: dict | None) -> None:
     engine._flight = {}
     for f in host["flights"]:
         rows = {int(m): row(i) for m, i in zip(f["members"], f["rows"])}
-        engine._flight[int(f["id"])] = _Flight(
+        engine._flight[int(f["id"])] = Flight(
             f["tag"],
             np.asarray(f["prompt_P"], np.int32),
             np.asarray(f["mask_P"], np.int32),
@@ -165,8 +164,8 @@ def load_engine_state(engine, host: dict, arrays: dict | None) -> None:
     for g in host["ready"]:
         rows = {m: row(i) for m, i in enumerate(g["rows"])}
         engine._ready.append(
-            _group(
-                _Flight(
+            flight_group(
+                Flight(
                     g["tag"],
                     np.asarray(g["prompt_P"], np.int32),
                     np.asarray(g["mask_P"], np.int32),

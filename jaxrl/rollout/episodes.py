@@ -49,7 +49,7 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -57,90 +57,14 @@ import numpy as np
 from jaxrl.config import ModelConfig
 from jaxrl.config_agent import AgentConfig
 from jaxrl.config_rollout import EngineConfig
-from jaxrl.rollout.engine import left_pad
+from jaxrl.rollout.engine_groups import left_pad
 from jaxrl.rollout.engine_state import EngineSpec, decode_chunk, host_slots, init_state, split_params
+from jaxrl.rollout.episode_records import Episode, EpisodeGroup, StepOutcome, env_step, episode_group, episode_keys
 from jaxrl.rollout.episode_state import place
 from jaxrl.rollout.sampler import check_temperature
 
-
-class EpisodeGroup(NamedTuple):
-    """The G episodes of one request (numpy). tokens hold model and observation tokens; loss_mask 1 on model tokens."""
-
-    tag: Any
-    prompt_P: np.ndarray  # int32, left-padded
-    prompt_mask_P: np.ndarray  # int32
-    tokens_GxT: np.ndarray  # int32; pad after the episode's last token
-    loss_mask_GxT: np.ndarray  # float32: 1 on model tokens (EOS / end of turn included), 0 on observations
-    logp_GxT: np.ndarray  # float32: log-prob under softmax(logits / temperature); 0 off the loss mask
-    version_GxT: np.ndarray  # int32; -1 off the loss mask
-    finished_G: np.ndarray  # bool: ended by the environment (done) or EOS
-    truncated_G: np.ndarray  # bool: ended by a limit (max_turns, the token budget)
-    return_G: np.ndarray  # float32: sum of the step rewards
-    shaping_G: np.ndarray  # float32: sum of info["shaping"]
-    turns_G: np.ndarray  # int32: model turns
-    tool_calls_G: np.ndarray  # int32
-    tool_errors_G: np.ndarray  # int32
-    env_errors_G: np.ndarray  # int32: steps that raised
-    obs_cut_G: np.ndarray  # int32: observations cut to agent.max_obs_tokens
-    success_G: np.ndarray  # bool: info["success"] of the last step, else return > 0
-    routing_GxCxLxK: np.ndarray | None = None  # MoE: experts per cache slot (C = P + T), for replay
-
-
-@dataclasses.dataclass
-class _Episode:
-    j: int
-    g: int
-    env: Any
-    prompt_P: np.ndarray
-    mask_P: np.ndarray
-    key: np.ndarray
-    tokens_T: np.ndarray
-    logp_T: np.ndarray
-    loss_T: np.ndarray
-    version_T: np.ndarray
-    n: int = 0  # tokens so far (model + observation)
-    turn_start: int = 0  # where the current turn began
-    turns: int = 0
-    ret: float = 0.0
-    shaping: float = 0.0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    env_errors: int = 0
-    obs_cut: int = 0
-    success: bool | None = None
-    finished: bool = False
-    truncated: bool = False
-    routing: np.ndarray | None = None
-
-
-class _StepOutcome(NamedTuple):
-    result: Any  # StepResult, or None when the step raised
-    obs_ids: list
-    error: BaseException | None
-    seconds: float
-
-
-def _env_step(env, tokenizer, action_ids, final: bool) -> _StepOutcome:
-    """Runs in a worker thread: decode the turn, step the environment, encode its observation."""
-    start = time.perf_counter()
-    try:
-        result = env.step(tokenizer.decode(action_ids))
-        seconds = time.perf_counter() - start
-        obs_ids = [] if final or result.done else list(tokenizer.encode(result.observation))
-        return _StepOutcome(result, obs_ids, None, seconds)
-    except Exception as err:  # an environment must not crash the run: the episode ends, counted
-        return _StepOutcome(None, [], err, time.perf_counter() - start)
-
-
-def episode_keys(seed, n_requests: int, group_size: int) -> np.ndarray:
-    """(n_requests * group_size, key) raw keys: row j*G+g = fold_in(fold_in(K, j), g), K = the seed folded."""
-    seed = [int(s) for s in np.atleast_1d(seed)]
-    base = jax.random.PRNGKey(seed[0])
-    for s in seed[1:]:
-        base = jax.random.fold_in(base, s)
-    j, g = np.divmod(np.arange(n_requests * group_size), group_size)
-    fold = jax.vmap(lambda a, b: jax.random.fold_in(jax.random.fold_in(base, a), b))
-    return np.asarray(fold(j.astype(np.uint32), g.astype(np.uint32)))
+# EpisodeGroup and episode_keys live in episode_records.py; imported from here too.
+__all__ = ["EpisodeEngine", "EpisodeGroup", "episode_keys"]
 
 
 class EpisodeEngine:
@@ -211,7 +135,7 @@ class EpisodeEngine:
     # ---- episodes
 
     def _start(self, requests: list, group_size: int, seed) -> list:
-        """One _Episode per (request j, member g), environments reset, in order j*G+g."""
+        """One Episode per (request j, member g), environments reset, in order j*G+g."""
         P, T, tok = self.spec.prompt_len, self.spec.max_new_tokens, self.tokenizer
         keys = episode_keys(seed, len(requests), group_size)
         seed = [int(s) for s in np.atleast_1d(seed)]
@@ -227,7 +151,7 @@ class EpisodeEngine:
                     )
                 prompt_P, mask_P = left_pad(ids, P, self.spec.pad_id)
                 episodes.append(
-                    _Episode(
+                    Episode(
                         j,
                         g,
                         env,
@@ -242,7 +166,7 @@ class EpisodeEngine:
                 )
         return episodes
 
-    def _end_turn(self, ep: _Episode, row: dict, pool, pending: dict) -> None:
+    def _end_turn(self, ep: Episode, row: dict, pool, pending: dict) -> None:
         """A slot's turn is over: take its buffers back, then submit the step or end the episode."""
         col = int(row["col"])
         ep.tokens_T, ep.logp_T, ep.loss_T, ep.version_T = row["tokens"], row["logp"], row["mask"], row["version"]
@@ -255,9 +179,9 @@ class EpisodeEngine:
             ep.truncated = True
             return
         final = last == self.spec.eos_id
-        pending[pool.submit(_env_step, ep.env, self.tokenizer, action.tolist(), final)] = (ep, final)
+        pending[pool.submit(env_step, ep.env, self.tokenizer, action.tolist(), final)] = (ep, final)
 
-    def _after_step(self, ep: _Episode, final: bool, out: _StepOutcome) -> bool:
+    def _after_step(self, ep: Episode, final: bool, out: StepOutcome) -> bool:
         """Apply a step's outcome -> whether the episode goes on (its observation appended)."""
         self.stats["env_steps"] += 1
         self.stats["env_seconds"] += out.seconds
@@ -371,7 +295,9 @@ class EpisodeEngine:
         )
         with cf.ThreadPoolExecutor(self.agent.env_workers) as pool:
             (self._overlapped if self.agent.overlap else self._synchronous)(run, episodes, pool)
-        return [_group(tag, episodes[j * group_size : (j + 1) * group_size]) for j, (tag, _) in enumerate(requests)]
+        return [
+            episode_group(tag, episodes[j * group_size : (j + 1) * group_size]) for j, (tag, _) in enumerate(requests)
+        ]
 
     def _overlapped(self, run: _Run, episodes: list, pool) -> None:
         ready, pending = deque(episodes), {}
@@ -413,31 +339,4 @@ class _Run:
     params: Any
     lparams: Any
     version: int
-    owner: list  # slot -> the _Episode in it, or None
-
-
-def _group(tag, eps: list) -> EpisodeGroup:
-    def col(f, dtype):
-        return np.array([f(e) for e in eps], dtype)
-
-    routing = None if eps[0].routing is None else np.stack([e.routing for e in eps])
-    return EpisodeGroup(
-        tag,
-        eps[0].prompt_P,
-        eps[0].mask_P,
-        np.stack([e.tokens_T for e in eps]),
-        np.stack([e.loss_T for e in eps]),
-        np.stack([e.logp_T for e in eps]),
-        np.stack([e.version_T for e in eps]),
-        col(lambda e: e.finished, bool),
-        col(lambda e: e.truncated, bool),
-        col(lambda e: e.ret, np.float32),
-        col(lambda e: e.shaping, np.float32),
-        col(lambda e: e.turns, np.int32),
-        col(lambda e: e.tool_calls, np.int32),
-        col(lambda e: e.tool_errors, np.int32),
-        col(lambda e: e.env_errors, np.int32),
-        col(lambda e: e.obs_cut, np.int32),
-        col(lambda e: e.ret > 0 if e.success is None else e.success, bool),
-        routing,
-    )
+    owner: list  # slot -> the Episode in it, or None

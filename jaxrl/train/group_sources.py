@@ -36,7 +36,8 @@ from jaxrl.config import Config, ConfigError
 from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
 from jaxrl.rollout.draft_vocab import task_draft_ids
-from jaxrl.rollout.engine import Engine, Group, assemble_batch
+from jaxrl.rollout.engine import Engine
+from jaxrl.rollout.engine_groups import Group, assemble_batch
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train.batching import decode_completions, next_prompts, prompt_width
 from jaxrl.train.group_filters import ScoredGroup, select_informative, selection_metrics

@@ -5,8 +5,8 @@ jitted pure functions. A run resumes from its newest checkpoint and continues ex
 uninterrupted run would (same state, RNG and data position); SIGTERM saves and exits cleanly.
 
 The loop is a sequence of named stages, each step:
-  build_run               (once) mesh, loss, model and task, state, restore, jitted steps, evaluator,
-                          checkpoint manager and the rollout source -> `Run`
+  build_run               (once) mesh, loss, the base policy (tokenizer, model, task: base_policy.py), state,
+                          restore, jitted steps, evaluator, checkpoint manager, rollout source -> `Run`
   produce_scored_groups   the rollout source: prompts from the stream -> completions -> scored groups
                           (host batch + metrics); the static sampler, or the slot engine
   assemble_batch          the host batch -> global arrays laid out by field name (scoring.py)
@@ -19,7 +19,6 @@ speculative drafters, draft store, speculation control); `EngineSource` the slot
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import pathlib
@@ -31,17 +30,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl.agents import is_agent_task, load_agent_task, load_suite
-from jaxrl.agents.formats import check_prompt_fits
+from jaxrl.agents import is_agent_task, load_suite
 from jaxrl.config import Config
 from jaxrl.data.stream import StreamState, from_arrays
-from jaxrl.data.tasks import load_task
-from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.losses import check_rollout, make_loss
-from jaxrl.models.transformer import init_params, param_logical_axes
+from jaxrl.models.transformer import param_logical_axes
 from jaxrl.sharding import (
     any_process,
     batch_sharding,
@@ -49,26 +44,24 @@ from jaxrl.sharding import (
     is_primary,
     layout_line,
     make_mesh,
-    param_shardings,
     process_rows,
-    put_global,
     replicated,
 )
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
 from jaxrl.train.agent_source import AgentSource, check_agent_config, make_agent_evaluator
+from jaxrl.train.base_policy import build_base
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.group_sources import EngineSource, StaticSource
 from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.metrics import MetricsLog, plot
-from jaxrl.train.pretrained import load_pretrained
 from jaxrl.train.report import emit
 from jaxrl.train.rollout_source import SamplerSource
 from jaxrl.train.run_summary import start_line, summary
 from jaxrl.train.scoring import RowLayout, assemble_batch
 from jaxrl.train.state import TrainState, init_state, make_optimizer, saved_part, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
-from jaxrl.train.warmstart import cache_root, load_or_train_base
+from jaxrl.train.warmstart import cache_root
 from jaxrl.train.workdir import RunRecord, open_run
 
 
@@ -169,7 +162,7 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     check_rollout(cfg.loss.preset, G)
     if is_agent_task(cfg.data.task):
         check_agent_config(cfg)
-    tokenizer, model_cfg, task, base_params, base_path, param_sh = _build(cfg, tc.progress, mesh, preset)
+    tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)
     if mesh.size > 1 and is_primary():
         print(layout_line(mesh, cfg.mesh.preset, param_sh, base_params), file=sys.stderr)
     optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs * tc.minibatches)
@@ -360,43 +353,6 @@ def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int,
     if stopping:
         print(f"jaxrl: SIGTERM received; saved step {step} to {run.workdir / 'checkpoints'}", file=sys.stderr)
     return still_pending, stopping
-
-
-def _build(cfg: Config, progress: bool, mesh, preset):
-    """Tokenizer, model config, task, the base params laid out by the preset, their shardings."""
-    agent = is_agent_task(cfg.data.task)  # an environment suite brings its alphabet and its records
-    tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if agent else CharTokenizer()
-    model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    if agent:  # a prompt that cannot fit is an error before the warm start, not after it
-        task = load_agent_task(cfg.data)
-        if not cfg.model.hf_path:
-            check_prompt_fits(cfg, tokenizer, load_suite(cfg.data.task), None)
-    elif jax.process_count() > 1:  # process 0 builds the dataset cache (if missing) before the others read it
-        from jax.experimental import multihost_utils
-
-        task = load_task(cfg.data) if is_primary() else None
-        multihost_utils.sync_global_devices("jaxrl: dataset ready")
-        task = task or load_task(cfg.data)
-    else:
-        task = load_task(cfg.data)
-    if cfg.model.hf_path:  # a pretrained checkpoint brings its tokenizer, architecture and weights
-        tokenizer, model_cfg, base_params, base_path, param_sh = load_pretrained(cfg.model, mesh, preset)
-        return tokenizer, model_cfg, task, base_params, base_path, param_sh
-    # eval_shape -> shardings: the cached base policy is restored straight into its sharded layout.
-    abstract_params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
-    param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract_params)
-    base_params, base_path = load_or_train_base(
-        cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet, progress=progress, shardings=param_sh
-    )
-    base_params = jax.tree.map(_placed, base_params, param_sh)
-    return tokenizer, model_cfg, task, base_params, base_path, param_sh
-
-
-def _placed(x, sharding):
-    """A host (or differently placed) array -> a global array laid out by `sharding`."""
-    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-        return x
-    return put_global(sharding, np.asarray(x))
 
 
 def _initial_state(base_params, optimizer, seed: int, param_sh, rep, *, with_ref: bool):

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxrl.data.rewards import score
-from jaxrl.rollout.engine import Engine, Group, concat_groups
+from jaxrl.rollout.engine import Engine
+from jaxrl.rollout.engine_groups import Group, concat_groups
 from jaxrl.train.allocation import allocate, allocation_metrics
 from jaxrl.train.batching import decode_completions
 from jaxrl.train.scoring import combined_reward
