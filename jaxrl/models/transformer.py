@@ -39,6 +39,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models.layers import KV, AttnOptions, Block, RMSNorm, ScaledParam, init_value, logical_param
 from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
 from jaxrl.models.moe import BlockGroup, MoESpec
+from jaxrl.models.remat import remat_block
 
 LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert")
 
@@ -207,26 +208,6 @@ class Transformer(nn.Module):
         return x_BxTxD, kv, moe
 
 
-# What each scanned block keeps for the backward: everything (none), only its input (full: the
-# whole block is recomputed), or its input and the outputs of the weight matmuls (dots: norms,
-# attention and activations are recomputed).
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def remat_block(block_cls, remat: str):
-    """`block_cls`, rematerialised under REMAT_POLICIES[remat] (unchanged for "none")."""
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
-    if remat == "none":
-        return block_cls
-    # prevent_cse=False: inside a scan XLA cannot merge the recomputation back into the forward anyway.
-    return nn.remat(block_cls, policy=REMAT_POLICIES[remat], prevent_cse=False)
-
-
 def head_weights(params, cfg: ModelConfig) -> jax.Array:
     """The LM head head_DxV (float32, as stored): `lm_head`, or the embedding's transpose when tied."""
     return params["embedding"].T if cfg.tie_embeddings else params["lm_head"]
@@ -342,7 +323,7 @@ def token_logprobs(
     `replay_BxSxLxK` (MoE; S = P + T): route every slot to these experts (the sampler's
     `routing_BxSxLxK`) instead of the router's top-k. `logits_chunk` > 0: the head and log-softmax
     run on that many (row, position) pairs at a time (`models.logprobs`: same values, far less memory in the
-    backward); `remat`: the blocks' rematerialisation (REMAT_POLICIES).
+    backward); `remat`: the blocks' rematerialisation (`models.remat`).
     """
     logp_BxT, entropy_BxT, _ = token_logprobs_moe(
         params,
