@@ -10,7 +10,7 @@ from harness import child_env, run_python
 SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxrl.models import moe
+from jaxrl.models import moe, moe_dispatch
 
 assert jax.device_count() == 8
 mesh = Mesh(np.array(jax.devices()), ("expert",))
@@ -28,15 +28,15 @@ for w in sharded:
     assert shapes == {(1,) + w.shape[1:]}, shapes
     assert len({s.device for s in w.addressable_shards}) == 8
 
-ep = jax.jit(lambda x, a, b, c: moe.dispatch_expert_parallel(x, a, b, c, experts, gates, mesh))
+ep = jax.jit(lambda x, a, b, c: moe_dispatch.dispatch_expert_parallel(x, a, b, c, experts, gates, mesh))
 y = ep(x, *sharded)
-want = moe.dispatch_naive(x, *ws, experts, gates)
+want = moe_dispatch.dispatch_naive(x, *ws, experts, gates)
 np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
-np.testing.assert_allclose(y, moe.dispatch_dropless(x, *ws, experts, gates), rtol=1e-5, atol=1e-5)
+np.testing.assert_allclose(y, moe_dispatch.dispatch_dropless(x, *ws, experts, gates), rtol=1e-5, atol=1e-5)
 
 r = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
 g_ep = jax.jit(jax.grad(lambda ws, x: jnp.sum(ep(x, *ws) * r), argnums=(0, 1)))(sharded, x)
-g_ref = jax.grad(lambda ws, x: jnp.sum(moe.dispatch_naive(x, *ws, experts, gates) * r), argnums=(0, 1))(ws, x)
+g_ref = jax.grad(lambda ws, x: jnp.sum(moe_dispatch.dispatch_naive(x, *ws, experts, gates) * r), argnums=(0, 1))(ws, x)
 for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 assert {s.data.shape for s in g_ep[0][0].addressable_shards} == {(1, D, F)}  # gradients stay expert-sharded
