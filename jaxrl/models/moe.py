@@ -8,10 +8,10 @@ Qwen3-MoE convention); `sigmoid` takes the top-k of sigmoid(logits) and renormal
 (DeepSeek-V3 style gates, without its bias-based balancing). `MoESpec.norm_topk=False` keeps the k
 scores as they are (Qwen2-MoE). Shared experts may be scaled per token by sigmoid(x @ w_Dx1)
 (`MoESpec.shared_gate`, Qwen2-MoE's shared_expert_gate). Dispatch (`MoESpec.dispatch`: dropless,
-capacity or naive) is in moe_dispatch.py.
-Expert parallelism: `dispatch_expert_parallel` is dropless dispatch with the experts split over a
-mesh axis and all_to_all exchanges; the MoE layer uses it for `dropless` when traced under a context
-mesh (`jax.set_mesh`, as the train loop's update step is) whose `MoESpec.expert_axis` axis is > 1.
+capacity or naive) is in moe_dispatch.py. Expert parallelism is part of the spec:
+`MoESpec.expert_parallel` (an `ExpertParallel`: a mesh and its expert axis, or None for one device)
+makes dropless dispatch `dispatch_expert_parallel` whenever it applies to the call's shapes. The
+layer reads no ambient mesh, so it behaves the same in the rollout and the update.
 Routing replay: given `replay_NxK`, those experts are used instead of the router's top-k; the gates
 are still the current router's scores at those experts (renormalised), so the router gets gradients.
 """
@@ -28,11 +28,11 @@ from jax import lax
 
 from jaxrl.models.layers import MLP, AttnOptions, Block, RMSNorm, attention_residual, logical_param
 from jaxrl.models.moe_dispatch import (
+    ExpertParallel,
     dispatch_capacity,
     dispatch_dropless,
     dispatch_expert_parallel,
     dispatch_naive,
-    expert_mesh,
 )
 
 ROUTERS = ("softmax", "sigmoid")
@@ -51,10 +51,10 @@ class MoESpec:
     dispatch: str = "dropless"
     capacity_factor: float = 1.25
     grouped_matmul: str = "auto"  # dropless only: ragged | blocked | auto (blocked on CPU, else ragged)
-    # dropless only: the mesh axis experts are split over. When the layer is traced under a mesh
-    # (`jax.set_mesh`) whose axis of this name has size > 1 and the tokens divide over it, dispatch is
-    # `dispatch_expert_parallel` (all_to_all); None, or no such mesh axis, keeps one-device dropless.
-    expert_axis: str | None = "expert"
+    # dropless only: the mesh and the mesh axis the experts are split over. Where it applies to a
+    # call's shapes (`ExpertParallel.applies`), dispatch is `dispatch_expert_parallel` (all_to_all);
+    # None keeps one-device dropless.
+    expert_parallel: ExpertParallel | None = None
     norm_topk: bool = True  # renormalise the k chosen router scores to sum to 1
     shared_gate: bool = False  # shared experts' output scaled by sigmoid(x @ w_shared_gate_Dx1)
     attn_opts: AttnOptions = AttnOptions()  # the attention variant of every block of the MoE decoder
@@ -133,13 +133,10 @@ class MoE(nn.Module):
             gmm = s.grouped_matmul
             if gmm == "auto":
                 gmm = "blocked" if jax.default_backend() == "cpu" else "ragged"
-            mesh = expert_mesh(s.expert_axis, E, B * T)
-            if mesh is not None:
-                assert s.expert_axis is not None  # expert_mesh is None without an expert axis
-                # Tokens over every mesh axis when they divide (the batch is split that way already).
-                token_axes = mesh.axis_names if (B * T) % mesh.size == 0 else (s.expert_axis,)
+            ep = s.expert_parallel
+            if ep is not None and ep.applies(E, B * T):
                 y_NxD = dispatch_expert_parallel(
-                    x_NxD, *ws, experts_NxK, gates_NxK, mesh, s.expert_axis, gmm, token_axes
+                    x_NxD, *ws, experts_NxK, gates_NxK, ep.mesh, ep.axis, gmm, ep.token_axes(B * T)
                 )
             else:
                 y_NxD = dispatch_dropless(x_NxD, *ws, experts_NxK, gates_NxK, gmm)

@@ -9,16 +9,20 @@ experts, K experts per token, C expert capacity, S = N*K token-slots.
             Slots over capacity are dropped (their share of the output is 0) and counted.
   naive     every expert on every token, weighted by the gates: the oracle for tests and benchmarks.
   expert parallel  dropless with the experts split over one axis of a mesh and all_to_all exchanges
-            (`dispatch_expert_parallel`); `expert_mesh` says when the MoE layer uses it.
+            (`dispatch_expert_parallel`). The MoE layer uses it when its spec carries an
+            `ExpertParallel` (the mesh and the axis) that applies to the call's shapes: the spec is
+            given explicitly, the same to the rollout and the update; no ambient mesh is read.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
 
 from jaxrl.models import grouped_mlp
@@ -109,18 +113,29 @@ def dispatch_capacity(
     return out_NxD, dropped / jnp.maximum(n_live, 1.0)
 
 
-def expert_mesh(axis: str | None, n_experts: int, n_tokens: int):
-    """The context mesh (`jax.set_mesh`) if its `axis` has size P > 1 and both the experts and the
-    tokens divide over P (else None: one-device dropless dispatch, e.g. a decode step's few tokens)."""
-    if axis is None:
-        return None
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis not in mesh.axis_names:
-        return None
-    n_dev = mesh.shape[axis]
-    if n_dev <= 1 or n_experts % n_dev or n_tokens % n_dev:
-        return None
-    return mesh
+class ExpertParallel(NamedTuple):
+    """Expert parallelism for dropless dispatch: the experts split over mesh axis `axis` of `mesh`
+    (P devices, E/P experts each), the tokens over the mesh's devices. A field of `MoESpec` (hashable,
+    as a Mesh is), so a layer is built with it; `sharding.expert_parallel(mesh, preset)` makes the
+    one a run gives both its rollout and its update."""
+
+    mesh: Mesh
+    axis: str = "expert"
+
+    def applies(self, n_experts: int, n_tokens: int) -> bool:
+        """Whether a call goes expert-parallel: the axis has P > 1 devices and both the experts and
+        the tokens divide over them (else one-device dropless, e.g. a decode step's few tokens)."""
+        if self.axis not in self.mesh.axis_names:
+            raise ValueError(
+                f"MoESpec.expert_parallel.axis: {self.axis!r} is not an axis of the mesh {self.mesh.axis_names}"
+            )
+        n_dev = self.mesh.shape[self.axis]
+        return n_dev > 1 and n_experts % n_dev == 0 and n_tokens % n_dev == 0
+
+    def token_axes(self, n_tokens: int) -> tuple[str, ...]:
+        """The mesh axes the tokens are split over: all of them when the tokens divide (the batch is
+        split that way already), else the expert axis alone."""
+        return tuple(self.mesh.axis_names) if n_tokens % self.mesh.size == 0 else (self.axis,)
 
 
 def dispatch_expert_parallel(
