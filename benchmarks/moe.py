@@ -90,7 +90,7 @@ def ep_worker(args) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxrl.models import moe
+    from jaxrl.models import moe, moe_dispatch
 
     assert jax.device_count() == EP_DEVICES, f"need {EP_DEVICES} devices, got {jax.devices()}"
     P = EP_DEVICES
@@ -118,10 +118,10 @@ def ep_worker(args) -> dict:
     )
 
     def ep_loss(ws, x, experts, gates, r):
-        return jnp.sum(moe.dispatch_expert_parallel(x, *ws, experts, gates, mesh, "expert", gmm) * r)
+        return jnp.sum(moe_dispatch.dispatch_expert_parallel(x, *ws, experts, gates, mesh, "expert", gmm) * r)
 
     def one_loss(ws, x, experts, gates, r):
-        return jnp.sum(moe.dispatch_dropless(x, *ws, experts, gates, gmm) * r)
+        return jnp.sum(moe_dispatch.dispatch_dropless(x, *ws, experts, gates, gmm) * r)
 
     dev0 = jax.devices()[0]
     one_args = jax.device_put((ws, x, experts, gates, r), dev0)
@@ -133,8 +133,10 @@ def ep_worker(args) -> dict:
     ep_s, ep_times = common.median_time(lambda: ep_step(*ep_args), args.repeats)
     one_s, one_times = common.median_time(lambda: one_step(*one_args), args.repeats)
     (v_ep, (gw_ep, gx_ep)), (v_one, (gw_one, gx_one)) = ep_step(*ep_args), one_step(*one_args)
-    y_ep = jax.jit(lambda *a: moe.dispatch_expert_parallel(*a, mesh, "expert", gmm))(x_ep, *ws_ep, experts_ep, gates_ep)
-    y_one = jax.jit(lambda *a: moe.dispatch_dropless(*a, gmm))(*jax.device_put((x, *ws, experts, gates), dev0))
+    y_ep = jax.jit(lambda *a: moe_dispatch.dispatch_expert_parallel(*a, mesh, "expert", gmm))(
+        x_ep, *ws_ep, experts_ep, gates_ep
+    )
+    y_one = jax.jit(lambda *a: moe_dispatch.dispatch_dropless(*a, gmm))(*jax.device_put((x, *ws, experts, gates), dev0))
     y_err = float(np.max(np.abs(np.asarray(y_ep) - np.asarray(y_one))))
     g_err = max(
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
@@ -201,7 +203,8 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl.models.moe import MoE, MoESpec, capacity
+    from jaxrl.models.moe import MoE, MoESpec
+    from jaxrl.models.moe_dispatch import capacity
 
     if args.small:
         args.experts, args.top_k, args.d_model, args.mlp, args.tokens = 4, 2, 32, 64, 256

@@ -182,7 +182,7 @@ class WarmStartConfig:
         _check(self.seed >= -1, f"{prefix}.seed", "-1 (train.seed) or a non-negative integer", self.seed)
 
 
-REMAT = ("none", "full", "dots")  # = jaxrl.models.transformer.REMAT_POLICIES (a test checks)
+REMAT = ("none", "full", "dots")  # = jaxrl.models.remat.REMAT_POLICIES (a test checks)
 
 
 @dataclasses.dataclass(frozen=True)

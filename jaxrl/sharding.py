@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.config import ConfigError, MeshConfig
+from jaxrl.models.moe_dispatch import ExpertParallel
 
 Rule = tuple  # (logical name, mesh axis | tuple of mesh axes)
 
@@ -143,6 +144,16 @@ def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_
         abstract_tree,
         is_leaf=_is_axes,
     )
+
+
+def expert_parallel(mesh: Mesh, preset: MeshPreset) -> ExpertParallel | None:
+    """The MoE layers' expert parallelism under `preset`: the one mesh axis its rules split the
+    `expert` parameter axis over, when that axis has more than one device; else None (one-device
+    dispatch). A run gives the same one to its rollout and its update, so both dispatch alike."""
+    axis = dict(preset.rules).get("expert")
+    if not isinstance(axis, str) or mesh.shape[axis] <= 1:
+        return None
+    return ExpertParallel(mesh, axis)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

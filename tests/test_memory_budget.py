@@ -7,7 +7,7 @@ from conftest import DEFAULT_CONFIG, TINY
 from jax import lax
 
 from jaxrl.config import REMAT, ConfigError, load_config
-from jaxrl.models.transformer import REMAT_POLICIES
+from jaxrl.models.remat import REMAT_POLICIES
 from jaxrl.train import loop
 from jaxrl.train.memory_budget import GIB, auto_jit, choose_microbatches
 

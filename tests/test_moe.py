@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, ModelConfig
-from jaxrl.models import decode, kv_cache, moe
+from jaxrl.models import decode, kv_cache, moe, moe_dispatch
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.sampler import sample
 
@@ -46,8 +46,8 @@ def _run(spec, params, x, mask, replay=None):
 
 
 _run_jit = jax.jit(_run, static_argnums=0)
-_capacity = jax.jit(moe.dispatch_capacity, static_argnums=7)
-_naive = jax.jit(moe.dispatch_naive)
+_capacity = jax.jit(moe_dispatch.dispatch_capacity, static_argnums=7)
+_naive = jax.jit(moe_dispatch.dispatch_naive)
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_dispatch_paths_equal_naive_loop_outputs_and_gradients(router, n_shared)
             capacity_factor=E / K,
             grouped_matmul="blocked" if dispatch == "blocked" else "ragged",
         )
-        assert dispatch != "capacity" or moe.capacity(B * T, K, E, E / K) == B * T
+        assert dispatch != "capacity" or moe_dispatch.capacity(B * T, K, E, E / K) == B * T
         (_, aux), grads = _fast(
             jax.value_and_grad(functools.partial(loss, spec), argnums=(0, 1), has_aux=True), params, x
         )
@@ -107,7 +107,7 @@ def test_capacity_drops_and_counts_hand_case():
     wg, wu = (jnp.asarray(rng.normal(size=(2, D, F)), jnp.float32) for _ in range(2))
     wd = jnp.asarray(rng.normal(size=(2, F, D)), jnp.float32)
     experts, gates = jnp.array([[0], [0], [0], [1]], jnp.int32), jnp.ones((4, 1), jnp.float32)
-    assert moe.capacity(4, 1, 2, 0.5) == 1
+    assert moe_dispatch.capacity(4, 1, 2, 0.5) == 1
     full = np.asarray(_naive(x, wg, wu, wd, experts, gates))
     y, dropped = _capacity(x, wg, wu, wd, experts, gates, jnp.ones(4, bool), 0.5)
     assert float(dropped) == 0.5
@@ -121,7 +121,7 @@ def test_capacity_drops_and_counts_hand_case():
     # second choice (expert 1) loses the one slot of expert 1 to token 1's first choice.
     experts2, gates2 = jnp.array([[0, 1], [1, 0]], jnp.int32), jnp.full((2, 2), 0.5, jnp.float32)
     y, dropped = _capacity(x[:2], wg, wu, wd, experts2, gates2, jnp.ones(2, bool), 0.5)
-    assert moe.capacity(2, 2, 2, 0.5) == 1 and float(dropped) == 0.5
+    assert moe_dispatch.capacity(2, 2, 2, 0.5) == 1 and float(dropped) == 0.5
     want = _naive(x[:2], wg, wu, wd, experts2[:, :1], gates2[:, :1])
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
@@ -387,7 +387,7 @@ def test_blocked_grouped_matmul_skewed_groups():
     experts = jnp.asarray(np.stack([first, np.where(first == 1, 3, 1)], 1), jnp.int32)
     experts = experts.at[0, 1].set(1)
     gates = jnp.asarray(rng.uniform(size=(n, 2)), jnp.float32)
-    blocked = jax.jit(functools.partial(moe.dispatch_dropless, grouped_matmul="blocked"))
+    blocked = jax.jit(functools.partial(moe_dispatch.dispatch_dropless, grouped_matmul="blocked"))
     np.testing.assert_allclose(
         blocked(x, wg, wu, wd, experts, gates), _naive(x, wg, wu, wd, experts, gates), rtol=1e-4, atol=1e-4
     )

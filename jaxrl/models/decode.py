@@ -29,6 +29,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models.kv_cache import Cache
 from jaxrl.models.layers import Block, RMSNorm, WindowKV
 from jaxrl.models.moe import MoEBlock
+from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.models.transformer import attn_options, moe_spec
 
 
@@ -68,15 +69,30 @@ def decode_step_layers(lparams, cfg: ModelConfig, token_B, cache: LayerCache, in
     return logits_BxV, cache
 
 
-def decode_step_layers_routed(lparams, cfg: ModelConfig, token_B, cache: LayerCache, index):
+def decode_step_layers_routed(
+    lparams, cfg: ModelConfig, token_B, cache: LayerCache, index, expert_parallel: ExpertParallel | None = None
+):
     """`decode_step_layers` plus the experts this token used, experts_BxLxK (None for a dense model)."""
-    logits_Bx1xV, cache, experts_Bx1xLxK = decode_layers(lparams, cfg, token_B[:, None], cache, index)
+    logits_Bx1xV, cache, experts_Bx1xLxK = decode_layers(
+        lparams, cfg, token_B[:, None], cache, index, expert_parallel=expert_parallel
+    )
     return logits_Bx1xV[:, 0], cache, None if experts_Bx1xLxK is None else experts_Bx1xLxK[:, 0]
 
 
-def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT, key_valid_BxS, index, n_layers: int):
+def _run_layers(
+    lparams,
+    cfg: ModelConfig,
+    tokens_BxT,
+    kv_layers,
+    positions_BxT,
+    key_valid_BxS,
+    index,
+    n_layers: int,
+    expert_parallel: ExpertParallel | None = None,
+):
     """Embed, the first n_layers blocks (each with its own kv entry), final norm, head ->
-    (logits_BxTxV, kv entries, experts_BxTxLxK or None)."""
+    (logits_BxTxV, kv entries, experts_BxTxLxK or None). `expert_parallel` (MoE): the experts' mesh
+    axis (`transformer.moe_spec`); every function below passes it on (None: one device)."""
     dtype = jnp.dtype(cfg.dtype)
     D, (B, T) = cfg.d_model, tokens_BxT.shape
     x_BxTxD = jnp.take(lparams["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(dtype)
@@ -85,9 +101,8 @@ def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT,
     layer = jnp.zeros((), jnp.int32)  # unused: each layer gets its own buffers
     kv_out, experts = list(kv_layers), []
     if cfg.n_experts:  # groups of moe_every-1 dense layers then an MoE layer (then the tail), as scanned
-        moe_block = MoEBlock(
-            D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps, moe_spec(cfg), dtype
-        )
+        spec = moe_spec(cfg, expert_parallel)
+        moe_block = MoEBlock(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps, spec, dtype)
         live_BxT = jnp.ones((B, T), bool)
         grouped = cfg.n_layers - cfg.dense_tail_layers  # layers in groups; the tail's dense layers follow
         for i in range(n_layers):
@@ -120,7 +135,15 @@ def _run_layers(lparams, cfg: ModelConfig, tokens_BxT, kv_layers, positions_BxT,
     return logits_BxTxV, kv_out, jnp.stack(experts, axis=2) if experts else None
 
 
-def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, index, n_layers: int | None = None):
+def decode_layers(
+    lparams,
+    cfg: ModelConfig,
+    tokens_BxT,
+    cache: LayerCache,
+    index,
+    n_layers: int | None = None,
+    expert_parallel: ExpertParallel | None = None,
+):
     """Append T tokens per row at cache slots index..index+T-1 (positions pos_B, pos_B+1, ..) and
     return (logits_BxTxV, cache, experts_BxTxLxK or None). Each token sees the valid cache slots and
     the tokens before it in this call: the sampler's decode step (T = 1). `n_layers` < cfg.n_layers
@@ -133,12 +156,20 @@ def decode_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, inde
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, T), bool), (0, index))
     positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
     logits_BxTxV, kv_out, experts = _run_layers(
-        lparams, cfg, tokens_BxT, cache.kv[:n_layers], positions_BxT, valid_BxS, index, n_layers
+        lparams, cfg, tokens_BxT, cache.kv[:n_layers], positions_BxT, valid_BxS, index, n_layers, expert_parallel
     )
     return logits_BxTxV, LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + T), experts
 
 
-def decode_rows(lparams, cfg: ModelConfig, token_B, cache: LayerCache, fill_B, advance_B):
+def decode_rows(
+    lparams,
+    cfg: ModelConfig,
+    token_B,
+    cache: LayerCache,
+    fill_B,
+    advance_B,
+    expert_parallel: ExpertParallel | None = None,
+):
     """One token per row, each fed at its own cache slot fill_B (position pos_B): the slot engine's
     step, whose rows fill at different rates. Like `decode_layers` (T = 1) the keys/values are
     written in place first and attention then reads slots 0..fill_B of the row, so a row at fill
@@ -149,7 +180,7 @@ def decode_rows(lparams, cfg: ModelConfig, token_B, cache: LayerCache, fill_B, a
     fill_B = jnp.asarray(fill_B, jnp.int32)
     valid_BxS = cache.valid_BxS.at[jnp.arange(B), fill_B].set(True)
     logits_Bx1xV, kv_out, experts_Bx1xLxK = _run_layers(
-        lparams, cfg, token_B[:, None], cache.kv, cache.pos_B[:, None], valid_BxS, fill_B, cfg.n_layers
+        lparams, cfg, token_B[:, None], cache.kv, cache.pos_B[:, None], valid_BxS, fill_B, cfg.n_layers, expert_parallel
     )
     experts_BxLxK = None if experts_Bx1xLxK is None else experts_Bx1xLxK[:, 0]
     return logits_Bx1xV[:, 0], LayerCache(tuple(kv_out), valid_BxS, cache.pos_B + advance_B), experts_BxLxK
@@ -166,7 +197,15 @@ def empty_window(cache: LayerCache, width: int, n_layers: int):
 
 
 def window_layers(
-    lparams, cfg: ModelConfig, tokens_BxT, cache: LayerCache, fill_B, window, index, n_layers: int | None = None
+    lparams,
+    cfg: ModelConfig,
+    tokens_BxT,
+    cache: LayerCache,
+    fill_B,
+    window,
+    index,
+    n_layers: int | None = None,
+    expert_parallel: ExpertParallel | None = None,
 ):
     """Run T tokens per row at window slots index..index+T-1 (positions pos_B + index + t) without
     writing the cache -> (logits_BxTxV, window, experts_BxTxLxK or None).
@@ -182,7 +221,7 @@ def window_layers(
     positions_BxT = cache.pos_B[:, None] + index + jnp.arange(T, dtype=jnp.int32)
     kv_layers = [WindowKV(k, v, wk, wv) for (k, v), (wk, wv) in zip(cache.kv[:n_layers], window)]
     logits_BxTxV, kv_out, experts = _run_layers(
-        lparams, cfg, tokens_BxT, kv_layers, positions_BxT, seen_BxS, index, n_layers
+        lparams, cfg, tokens_BxT, kv_layers, positions_BxT, seen_BxS, index, n_layers, expert_parallel
     )
     return logits_BxTxV, tuple((kv.win_k, kv.win_v) for kv in kv_out), experts
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.decode import LayerCache, _run_layers
+from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.models.prefix_attention import GroupKV
 
 
@@ -49,7 +50,9 @@ def grow_own(cache: GroupCache, own_len: int) -> GroupCache:
     return cache._replace(own=tuple((pad(k), pad(v)) for k, v in cache.own))
 
 
-def decode_group_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: GroupCache, index):
+def decode_group_layers(
+    lparams, cfg: ModelConfig, tokens_BxT, cache: GroupCache, index, expert_parallel: ExpertParallel | None = None
+):
     """Append T tokens per row at completion slots index..index+T-1 (positions pos_B, pos_B+1, ..):
     `decode.decode_layers` on a GroupCache. Each token sees its group's valid prefix slots, its row's
     completion slots before `index` and the tokens before it in this call.
@@ -59,7 +62,15 @@ def decode_group_layers(lparams, cfg: ModelConfig, tokens_BxT, cache: GroupCache
     positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
     kv_layers = [GroupKV(pk, pv, ok, ov) for (pk, pv), (ok, ov) in zip(cache.prefix, cache.own)]
     logits_BxTxV, kv_out, experts = _run_layers(
-        lparams, cfg, tokens_BxT, kv_layers, positions_BxT, cache.prefix_valid_GrpxP, index, cfg.n_layers
+        lparams,
+        cfg,
+        tokens_BxT,
+        kv_layers,
+        positions_BxT,
+        cache.prefix_valid_GrpxP,
+        index,
+        cfg.n_layers,
+        expert_parallel,
     )
     own = tuple((kv.own_k, kv.own_v) for kv in kv_out)
     return logits_BxTxV, cache._replace(own=own, pos_B=cache.pos_B + T), experts

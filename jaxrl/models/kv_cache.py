@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
+from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.models.transformer import _apply, positions_from_mask
 
 
@@ -41,9 +42,12 @@ def prefill(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache):
     return logits_BxV, cache
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def prefill_routed(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache):
-    """`prefill` plus the experts every prompt slot used, experts_LxBxPxK (None for a dense model)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "expert_parallel"))
+def prefill_routed(
+    params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache, expert_parallel: ExpertParallel | None = None
+):
+    """`prefill` plus the experts every prompt slot used, experts_LxBxPxK (None for a dense model).
+    `expert_parallel` (MoE): the experts' mesh axis, as the update is given (None: one device)."""
     mask_BxP = mask_BxP.astype(bool)
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, mask_BxP, (0, 0))
     logits_Bx1xV, (k, v), moe = _apply(
@@ -55,6 +59,7 @@ def prefill_routed(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache)
         0,
         (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd),
         num_logits=1,
+        expert_parallel=expert_parallel,
     )
     pos_B = jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32)
     return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, pos_B), None if moe is None else moe.experts_LxBxTxK

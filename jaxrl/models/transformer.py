@@ -39,6 +39,8 @@ from jaxrl.config import ModelConfig
 from jaxrl.models.layers import KV, AttnOptions, Block, RMSNorm, ScaledParam, init_value, logical_param
 from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
 from jaxrl.models.moe import BlockGroup, MoESpec
+from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.remat import remat_block
 
 LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert")
 
@@ -53,7 +55,8 @@ class MoEOut(NamedTuple):
     topk_LxBxTxK: jax.Array  # int32: the router's own top-k
 
 
-def moe_spec(cfg: ModelConfig) -> MoESpec:
+def moe_spec(cfg: ModelConfig, expert_parallel: ExpertParallel | None = None) -> MoESpec:
+    """The MoE layers' spec: `cfg`'s MoE fields, plus the run's expert parallelism (None: one device)."""
     return MoESpec(
         cfg.n_experts,
         cfg.experts_per_token,
@@ -65,6 +68,7 @@ def moe_spec(cfg: ModelConfig) -> MoESpec:
         norm_topk=cfg.router_norm_topk,
         shared_gate=cfg.shared_expert_gate,
         attn_opts=attn_options(cfg),
+        expert_parallel=expert_parallel,
     )
 
 
@@ -87,6 +91,7 @@ class Transformer(nn.Module):
 
     cfg: ModelConfig
     remat: str = "none"  # rematerialisation of each scanned block in the backward: a key of REMAT_POLICIES
+    expert_parallel: ExpertParallel | None = None  # MoE: the experts' mesh axis (`moe_spec`); None: one device
 
     @nn.compact
     def __call__(
@@ -183,7 +188,7 @@ class Transformer(nn.Module):
             cfg.mlp_dim,
             cfg.rope_theta,
             cfg.norm_eps,
-            moe_spec(cfg),
+            moe_spec(cfg, self.expert_parallel),
             cfg.moe_every - 1,
             dtype,
             name="blocks",
@@ -207,26 +212,6 @@ class Transformer(nn.Module):
         return x_BxTxD, kv, moe
 
 
-# What each scanned block keeps for the backward: everything (none), only its input (full: the
-# whole block is recomputed), or its input and the outputs of the weight matmuls (dots: norms,
-# attention and activations are recomputed).
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def remat_block(block_cls, remat: str):
-    """`block_cls`, rematerialised under REMAT_POLICIES[remat] (unchanged for "none")."""
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
-    if remat == "none":
-        return block_cls
-    # prevent_cse=False: inside a scan XLA cannot merge the recomputation back into the forward anyway.
-    return nn.remat(block_cls, policy=REMAT_POLICIES[remat], prevent_cse=False)
-
-
 def head_weights(params, cfg: ModelConfig) -> jax.Array:
     """The LM head head_DxV (float32, as stored): `lm_head`, or the embedding's transpose when tied."""
     return params["embedding"].T if cfg.tie_embeddings else params["lm_head"]
@@ -245,10 +230,11 @@ def _apply(
     moe_mask_BxT=None,
     return_hidden=False,
     remat="none",
+    expert_parallel: ExpertParallel | None = None,
 ) -> tuple[jax.Array, Any, MoEOut | None]:
     """-> (logits_BxTxV, or with return_hidden the normed hidden states, kv (as passed in: the
     stacked (k, v) or None), MoEOut or None)."""
-    return Transformer(cfg, remat).apply(  # pyright: ignore[reportReturnType]  (flax: apply has no mutable=False overload)
+    return Transformer(cfg, remat, expert_parallel).apply(  # pyright: ignore[reportReturnType]  (flax: apply has no mutable=False overload)
         {"params": params},
         tokens_BxT,
         positions_BxT,
@@ -314,14 +300,19 @@ def param_logical_axes(cfg: ModelConfig):
 # Full-sequence scoring
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def forward(params, cfg: ModelConfig, tokens_BxS: jax.Array, mask_BxS: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "expert_parallel"))
+def forward(
+    params, cfg: ModelConfig, tokens_BxS: jax.Array, mask_BxS: jax.Array, expert_parallel: ExpertParallel | None = None
+) -> jax.Array:
     """Causal logits_BxSxV (float32) over a left-padded batch; padded keys are invisible."""
-    logits_BxSxV, _, _ = _apply(params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS.astype(bool))
+    positions_BxS = positions_from_mask(mask_BxS)
+    logits_BxSxV, _, _ = _apply(
+        params, cfg, tokens_BxS, positions_BxS, mask_BxS.astype(bool), expert_parallel=expert_parallel
+    )
     return logits_BxSxV
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat"))
+@functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat", "expert_parallel"))
 def token_logprobs(
     params,
     cfg: ModelConfig,
@@ -333,6 +324,7 @@ def token_logprobs(
     replay_BxSxLxK=None,
     logits_chunk: int = 0,
     remat: str = "none",
+    expert_parallel: ExpertParallel | None = None,
 ):
     """Log-prob and entropy of softmax(logits / temperature) at each completion position.
 
@@ -342,7 +334,8 @@ def token_logprobs(
     `replay_BxSxLxK` (MoE; S = P + T): route every slot to these experts (the sampler's
     `routing_BxSxLxK`) instead of the router's top-k. `logits_chunk` > 0: the head and log-softmax
     run on that many (row, position) pairs at a time (`models.logprobs`: same values, far less memory in the
-    backward); `remat`: the blocks' rematerialisation (REMAT_POLICIES).
+    backward); `remat`: the blocks' rematerialisation (`models.remat`). `expert_parallel` (MoE): the
+    experts' mesh axis (`moe_dispatch.ExpertParallel`), the same the rollout is given; None: one device.
     """
     logp_BxT, entropy_BxT, _ = token_logprobs_moe(
         params,
@@ -355,11 +348,12 @@ def token_logprobs(
         replay_BxSxLxK,
         logits_chunk,
         remat,
+        expert_parallel,
     )
     return logp_BxT, entropy_BxT
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat"))
+@functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat", "expert_parallel"))
 def token_logprobs_moe(
     params,
     cfg: ModelConfig,
@@ -371,6 +365,7 @@ def token_logprobs_moe(
     replay_BxSxLxK=None,
     logits_chunk: int = 0,
     remat: str = "none",
+    expert_parallel: ExpertParallel | None = None,
 ):
     """`token_logprobs` plus the forward's MoEOut (None for a dense model); routing is over S = P + T."""
     T = tokens_BxT.shape[1]
@@ -392,6 +387,7 @@ def token_logprobs_moe(
         moe_mask_BxT=live_BxS,
         return_hidden=logits_chunk > 0,
         remat=remat,
+        expert_parallel=expert_parallel,
     )
     if logits_chunk > 0:  # out = final hidden states; the head runs chunk by chunk
         logp_BxT, entropy_BxT = chunked_token_logprobs(

@@ -41,6 +41,7 @@ from jaxrl.sharding import (
     any_process,
     batch_sharding,
     check_batch_divides,
+    expert_parallel,
     is_primary,
     layout_line,
     make_mesh,
@@ -188,6 +189,7 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
         prompt_groups=prompt_groups(cfg),
         logits_chunk=tc.logits_chunk,
         remat=tc.remat,
+        expert_parallel=expert_parallel(mesh, preset),  # the rollout's too (rollout_source), not an ambient mesh
     )
     # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
     update_fn = functools.partial(
@@ -294,7 +296,7 @@ def _lazily_jitted_update(update_for, tc, state_sh, rep, mesh) -> Callable:
     jitted = []
 
     def update(state, batch):
-        with jax.set_mesh(mesh):  # MoE dropless dispatch goes expert-parallel on a mesh `expert` axis > 1
+        with jax.set_mesh(mesh):  # nothing reads it now: MoE gets its expert axis explicitly (make_logp_fn)
             if not jitted:
                 shardings = (state_sh, {k: v.sharding for k, v in batch.items()})
 

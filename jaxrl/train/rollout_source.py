@@ -26,6 +26,7 @@ from jaxrl.rollout.speculative import sample_speculative
 from jaxrl.sharding import (
     batch_devices,
     batch_sharding,
+    expert_parallel,
     gather_rows,
     local_rows,
     named_shardings,
@@ -102,11 +103,14 @@ class SamplerSource:
         """The jitted rollout (speculative when enabled) and, with speculation on, the plain sampler
         for rollouts that cannot gain (speculate_now); both on the state's (sharded) params."""
         spec, rep = self.spec, replicated(mesh)
+        ep = expert_parallel(mesh, preset)  # MoE: the experts' mesh axis, as the update's (`make_logp_fn`)
 
         def rollout_fn(params, prompt_BxP, prompt_mask_BxP, rng, spec_in):
             """spec_in (speculative only): the acceptance priors and the reuse drafts; -> (SampleOutput, SpecStats)."""
             if not spec.enabled:
-                return sample(params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, **sample_kw), None
+                return sample(
+                    params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, **sample_kw, expert_parallel=ep
+                ), None
             return sample_speculative(
                 params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, spec=spec, **sample_kw, **spec_in
             )
@@ -125,7 +129,7 @@ class SamplerSource:
             out_shardings=(out_sh, rep if spec.enabled else None),
         )
         self._rollout_plain = jax.jit(
-            lambda p, t, m, r: sample(p, model_cfg, t, m, r, **sample_kw),
+            lambda p, t, m, r: sample(p, model_cfg, t, m, r, **sample_kw, expert_parallel=ep),
             in_shardings=(param_sh, self.prompt_sh, self.prompt_sh, rep),
             out_shardings=out_sh,
         )
