@@ -1,15 +1,13 @@
-"""benchmarks/agents.py runs end to end in --quick mode and prints its JSON line last."""
-
-import json
+"""benchmarks/agents.py runs end to end in --quick mode and prints its JSON line last (in this
+process: the benchmark needs no fresh interpreter, and its environment steps run on threads)."""
 
 import pytest
-from harness import REPO, child_env, run_python
+from harness import run_benchmark_here
 
 
 @pytest.mark.slow
-def test_quick_run_prints_the_speedup_json_last():
-    proc = run_python([str(REPO / "benchmarks" / "agents.py"), "--quick"], child_env(), timeout=300)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_quick_run_prints_the_speedup_json_last(capsys):
+    result = run_benchmark_here("agents.py", "--quick", capsys=capsys, min_lines=4)  # header, two modes, JSON
     assert result["benchmark"] == "agents" and result["config"] == "quick" and result["same_episodes"] is True
     assert (
         result["speedup_async_env"]

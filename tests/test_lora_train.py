@@ -246,7 +246,17 @@ def test_checkpoints_hold_adapters_and_the_bases_identity_only(lora_run, cache_e
     "source",
     [
         ["rollout.engine.enabled=true", "rollout.engine.slots=8", "rollout.engine.admission=fill"],
-        ["rollout.speculative.enabled=true", "rollout.speculative.drafter=int8"],
+        # Every rollout speculates (probe_every=1; no cost timing, the configured constants), and at
+        # this train.seed the adaptive control drafts on both steps: step 2's drafts come from the updated
+        # adapters' int8 view, which is what this case is for.
+        [
+            "rollout.speculative.enabled=true",
+            "rollout.speculative.drafter=int8",
+            "rollout.speculative.probe_every=1",
+            "rollout.speculative.calibrate=false",
+            "train.seed=4",
+            "warmstart.seed=0",  # the base policy the other runs here use (a cached warm start)
+        ],
     ],
     ids=["engine", "speculative_int8"],
 )
@@ -257,6 +267,8 @@ def test_the_engine_and_the_speculative_sampler_roll_out_the_merged_policy(sourc
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["grad_norm"] > 0 for r in rows[1:])  # the adapters moved before step 2 sampled
     assert all(r["mismatch_abs_logp"] < 1e-5 for r in rows[1:]), [r["mismatch_abs_logp"] for r in rows[1:]]
+    if cfg.rollout.speculative.enabled:  # the speculative sampler really drafted, after the update too
+        assert all(r["spec/speculated_frac"] > 0 for r in rows[1:]), [r.get("spec/speculated_frac") for r in rows]
 
 
 def _copy_without_newest(workdir: pathlib.Path, copy: pathlib.Path) -> pathlib.Path:

@@ -3,16 +3,19 @@ parameters under every preset as on one device, the parameters really are split,
 that does not fit the devices is a one-line error naming the field and both numbers.
 
 The 8-device work runs in a subprocess (`python tests/test_sharding.py worker`): XLA_FLAGS must be
-set before jax is imported, and pytest has imported it already.
+set before jax is imported, and pytest has imported it already. The must-fail `jaxrl train` runs go
+through the CLI's `main` in that same child, after the presets (a child each cost an interpreter
+start and a JAX import for one line of stderr).
 """
 
 import json
+import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import DEFAULT_CONFIG, REPO, TINY, jaxrl_cmd
+from conftest import DEFAULT_CONFIG, REPO, TINY
 from harness import child_env
 
 PRESETS = {"single": {}, "data": {}, "fsdp": {}, "fsdp_tensor": {"tensor": 2}, "fsdp_expert": {"expert": 2}}
@@ -121,7 +124,38 @@ def _worker() -> None:
         "shape": list(gate.shape),
         "shard_shape": list(gate_sh.shard_shape(gate.shape)),
     }
+    results["errors"] = {
+        "mesh": _train_error("mesh.preset=fsdp_tensor", "mesh.tensor=3"),
+        "batch": _train_error("mesh.preset=data", "rollout.group_size=3"),
+    }
     print("RESULT " + json.dumps(results))
+
+
+def _train_error(*sets: str) -> dict:
+    """`jaxrl train` of the tiny default config for one step with SETS, on these 8 devices: its exit
+    code and everything written to file descriptor 2 meanwhile (Python's and native code's stderr)."""
+    import os
+    import tempfile
+
+    from jaxrl import cli
+
+    args = [str(DEFAULT_CONFIG), *sum((["--set", t] for t in TINY), []), "--set", "train.steps=1"]
+    for s in sets:
+        args += ["--set", s]
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as err:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = cli.main(["train", *args, "--workdir", str(pathlib.Path(tmp) / "run")])
+        except BaseException as e:  # reported, so the other results still come back
+            code = f"raised {type(e).__name__}: {e}"
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        return {"code": code, "stderr": err.read()}
 
 
 def _checkpoint_roundtrip(state) -> dict:
@@ -230,34 +264,21 @@ def test_sharded_checkpoint_restores_into_the_same_layout(results):
     assert r["n_leaves"] > 10 and r["same_values"] and r["same_shardings"]
 
 
-def _train_error(cache_env, workdir, *sets: str) -> subprocess.CompletedProcess:
-    args = [str(DEFAULT_CONFIG), *sum((["--set", t] for t in TINY), []), "--set", "train.steps=1"]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.run(
-        jaxrl_cmd("train", *args, "--workdir", str(workdir)),
-        env=_env(cache_env),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 @pytest.mark.slow
-def test_mesh_that_does_not_fit_the_devices_is_a_one_line_error(cache_env, tmp_path):
-    proc = _train_error(cache_env, tmp_path, "mesh.preset=fsdp_tensor", "mesh.tensor=3")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
+def test_mesh_that_does_not_fit_the_devices_is_a_one_line_error(results):
+    r = results["errors"]["mesh"]
+    assert r["code"] == 2, r
+    assert r["stderr"].strip().splitlines() == [
         "jaxrl: error: mesh.tensor=3 does not divide the 8 devices (mesh.preset='fsdp_tensor' needs devices = "
         "fsdp * tensor)"
     ]
 
 
 @pytest.mark.slow
-def test_batch_that_does_not_divide_is_a_one_line_error(cache_env, tmp_path):
-    proc = _train_error(cache_env, tmp_path, "mesh.preset=data", "rollout.group_size=3")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
+def test_batch_that_does_not_divide_is_a_one_line_error(results):
+    r = results["errors"]["batch"]
+    assert r["code"] == 2, r
+    assert r["stderr"].strip().splitlines() == [
         "jaxrl: error: rollout.prompts_per_step*rollout.group_size: batch of 12 rows does not divide over the 8 "
         "devices of mesh axis 'data'"
     ]
