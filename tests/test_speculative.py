@@ -64,13 +64,25 @@ def _plain(params, cfg, rng, **kw):
     return sample(params, cfg, prompt, pmask, rng, **args)
 
 
-# One spec per drafter for the greedy, temperature-zero, log-prob and cost tests: the same static
-# arguments, so the programs compiled by one test are reused by the next (each costs seconds).
+# Two specs per drafter: a fixed draft length for the greedy test (greedy=True), the adaptive control
+# for the sampled tests (the cost, temperature-zero and log-prob tests, greedy=False). The same static
+# arguments, so the programs compiled by one test are reused by the next (each costs seconds); the
+# temperature, the costs and the acceptance prior are traced.
 W = 3  # drafted tokens per verify forward (self and reuse): a window of 4 < T, so rows take several
 
 
 def _fixed(drafter):
     return _spec(drafter, max_draft=W, adaptive=False, reuse_width=W)
+
+
+def _adaptive(drafter):
+    return _spec(drafter, max_draft=W, reuse_width=W)
+
+
+def _cheap():
+    """Costs and prior under which the adaptive control drafts: a verify step as dear as a plain one,
+    a drafted token 1/20 of one, acceptance 0.9 expected."""
+    return dict(costs=StepCosts(jnp.full((W,), 1.0, jnp.float32), jnp.float32(0.05)), acceptance_prior=jnp.float32(0.9))
 
 
 @pytest.mark.slow
@@ -117,7 +129,9 @@ def test_greedy_equals_plain_greedy(cfg, drafter):
 @pytest.mark.slow
 def test_costs_decide_whether_to_speculate():
     """With (measured) costs under which no draft length pays, the adaptive loop never speculates;
-    with cheap ones it does. Either way greedy tokens are the plain ones."""
+    with cheap ones it does. Either way the tokens are the plain greedy ones: the adaptive runs sample
+    at temperature 0 (the programs of the temperature-zero test below, whose tokens are the greedy
+    ones), the control-off run is greedy (the greedy test's program)."""
     params = _params(CFG, 3.0)
     plain = _plain(params, CFG, jax.random.PRNGKey(0), greedy=True)
     for verify, draft, speculates in ((4.0, 1.0, False), (1.0, 0.05, True)):
@@ -125,21 +139,21 @@ def test_costs_decide_whether_to_speculate():
         out, stats = _run(
             params,
             CFG,
-            _spec("early_exit", max_draft=W, reuse_width=W),
+            _adaptive("early_exit"),
             jax.random.PRNGKey(0),
-            greedy=True,
+            temperature=0.0,
             costs=costs,
             acceptance_prior=jnp.float32(0.9),
         )
         assert (int(stats.self_steps) > 0) == speculates
         np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
     # Reuse too: a reused draft is verified only while that is expected to beat a plain step, unless
-    # the control is off (that spec's program is the greedy test's).
+    # the control is off.
     draft = (plain.tokens_BxT, plain.length_B)
     for verify, adaptive, reuses in ((1.0, True, True), (8.0, True, False), (8.0, False, True)):
         costs = StepCosts(jnp.full((W,), verify, jnp.float32), jnp.float32(0.5))
-        spec = _spec("reuse", max_draft=W, reuse_width=W, adaptive=adaptive)
-        out, stats = _run(params, CFG, spec, jax.random.PRNGKey(0), draft=draft, greedy=True, costs=costs)
+        spec, how = (_adaptive("reuse"), dict(temperature=0.0)) if adaptive else (_fixed("reuse"), dict(greedy=True))
+        out, stats = _run(params, CFG, spec, jax.random.PRNGKey(0), draft=draft, costs=costs, **how)
         assert (int(stats.reuse_steps) > 0) == reuses, (verify, adaptive)
         np.testing.assert_array_equal(out.tokens_BxT, plain.tokens_BxT)
 
@@ -148,11 +162,13 @@ def test_costs_decide_whether_to_speculate():
 @pytest.mark.parametrize("drafter", ["early_exit", "reuse"])
 def test_temperature_zero_without_greedy_flag(drafter):
     """temperature=0 without greedy=True runs the rejection-sampling path against the T -> 0 limit
-    distribution (a point mass on the argmax): the plain greedy tokens, log-probs 0, nothing NaN."""
+    distribution (a point mass on the argmax): the plain greedy tokens, log-probs 0, nothing NaN. The
+    costs are cheap enough that the adaptive control drafts."""
     params = _params(CFG, 3.0)
     ref = _plain(params, CFG, jax.random.PRNGKey(0), greedy=True)
     draft = (ref.tokens_BxT, ref.length_B) if drafter == "reuse" else None
-    out, _ = _run(params, CFG, _fixed(drafter), jax.random.PRNGKey(5), draft, temperature=0.0)
+    out, stats = _run(params, CFG, _adaptive(drafter), jax.random.PRNGKey(5), draft, temperature=0.0, **_cheap())
+    assert int(stats.drafted) > 0
     np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
     np.testing.assert_array_equal(np.asarray(out.logp_BxT), np.zeros(out.logp_BxT.shape, np.float32))
 
@@ -166,7 +182,8 @@ def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     prompt, pmask = _prompts()
     for drafter in ("early_exit",):  # the int8 drafter's tokens are checked by the greedy and chi-square tests
         # The temperature is traced: on the dense model this is the program of the test above.
-        out, stats = _run(params, cfg, _fixed(drafter), jax.random.PRNGKey(3), temperature=0.7)
+        out, stats = _run(params, cfg, _adaptive(drafter), jax.random.PRNGKey(3), temperature=0.7, **_cheap())
+        assert int(stats.drafted) > 0
 
         def rows(x):
             return jnp.repeat(x, 2, axis=0)
@@ -407,9 +424,10 @@ def test_speculative_config_errors_name_the_field():
 def test_spec_rl_rule_accepts_drafts_the_old_policy_rated_like_the_new():
     """The approximate SPEC-RL rule accepts with min(1, p / q_old): given q_old = p (the drafts' own
     log-probs under this policy) every drafted token is accepted, where the exact point-mass rule
-    accepts each only with probability p(x) < 1."""
+    accepts each only with probability p(x) < 1. The drafts are a sample at temperature 1 (from the
+    sampled tests' program: the same distribution as the plain sampler's, log-probs recorded alike)."""
     params = _params(CFG, 2.0)
-    first = _plain(params, CFG, jax.random.PRNGKey(5))
+    first, _ = _run(params, CFG, _adaptive("early_exit"), jax.random.PRNGKey(5), **_cheap())
     draft = (first.tokens_BxT, first.length_B)
     prompt, pmask = _prompts()
     out, stats = sample_speculative(
