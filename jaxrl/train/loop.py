@@ -216,7 +216,7 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
         task,
         rows,
         source,
-        _lazily_jitted_update(update_fn, tc, state_sh, rep, mesh),
+        _lazily_jitted_update(update_fn, tc, state_sh, rep),
         evaluate,
         ckpt.BackgroundSaver(manager),
         log,
@@ -289,33 +289,32 @@ def _restore(manager, state: TrainState, loss, record: RunRecord, lora):
     return start, state, from_arrays(host["stream"]), host
 
 
-def _lazily_jitted_update(update_for, tc, state_sh, rep, mesh) -> Callable:
+def _lazily_jitted_update(update_for, tc, state_sh, rep) -> Callable:
     """(state, batch) -> (state, metrics), jitted at the first batch with the batch's shardings
     (chosen by field name); the state is donated. update_for(microbatches=n) builds the step; with
     train.microbatches=0 the count is chosen then from the memory budget and logged as `microbatches`."""
     jitted = []
 
     def update(state, batch):
-        with jax.set_mesh(mesh):  # nothing reads it now: MoE gets its expert axis explicitly (make_logp_fn)
-            if not jitted:
-                shardings = (state_sh, {k: v.sharding for k, v in batch.items()})
+        if not jitted:
+            shardings = (state_sh, {k: v.sharding for k, v in batch.items()})
 
-                def jit_for(n):
-                    return jax.jit(
-                        update_for(microbatches=n),
-                        in_shardings=shardings,
-                        out_shardings=(state_sh, rep),
-                        donate_argnums=0,
-                    )
-
-                rows = batch["completion_mask_BxT"].shape[0] // tc.minibatches  # per optimizer step
-                jitted.append(
-                    auto_jit(jit_for, (state, batch), rows, tc.memory_budget_gib)
-                    if tc.microbatches == 0
-                    else (jit_for(tc.microbatches), None)
+            def jit_for(n):
+                return jax.jit(
+                    update_for(microbatches=n),
+                    in_shardings=shardings,
+                    out_shardings=(state_sh, rep),
+                    donate_argnums=0,
                 )
-            step, auto = jitted[0]
-            state, metrics = step(state, batch)
+
+            rows = batch["completion_mask_BxT"].shape[0] // tc.minibatches  # per optimizer step
+            jitted.append(
+                auto_jit(jit_for, (state, batch), rows, tc.memory_budget_gib)
+                if tc.microbatches == 0
+                else (jit_for(tc.microbatches), None)
+            )
+        step, auto = jitted[0]
+        state, metrics = step(state, batch)
         return state, metrics if auto is None else dict(metrics, microbatches=auto)
 
     return update
