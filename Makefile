@@ -38,10 +38,10 @@ train: $(VENV)/.installed
 CRASH_RERUN := --reruns 1 --only-rerun '^a worker crash$$' -rfER
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -n 2 --durations=15 $(CRASH_RERUN) tests
+	$(PY) -m pytest -n 2 --dist worksteal --durations=15 $(CRASH_RERUN) tests
 
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -n 2 -m "not slow" $(CRASH_RERUN) tests
+	$(PY) -m pytest -n 2 --dist worksteal -m "not slow" $(CRASH_RERUN) tests
 
 lint: $(VENV)/.installed-lint
 	$(VENV)/bin/ruff check .

@@ -6,7 +6,7 @@ import sys
 
 from harness import child_env, compile_policy
 
-os.environ.update(compile_policy())  # before anything imports jax: see harness.py
+os.environ.update(compile_policy(os.environ.get("XLA_FLAGS", "")))  # before anything imports jax: see harness.py
 
 import jax  # noqa: E402
 import pytest
@@ -42,8 +42,13 @@ def cache_env(tmp_path_factory):
     env = child_env()
     env["JAXRL_DATA_DIR"] = str(root / "tfds")
     env["JAXRL_CACHE_DIR"] = str(root / "warmstart")
-    # Subprocess runs compile the same functions; a shared persistent cache compiles them once.
-    env["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla_cache")
+    # Subprocess runs compile the same functions; a persistent cache shared by both pytest workers and
+    # all their children compiles each once. (An entry read while another process is still writing it
+    # fails to decompress, and JAX then compiles the program itself.)
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's directory, above each worker's own
+    env["JAX_COMPILATION_CACHE_DIR"] = str(shared / "xla_cache")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
 

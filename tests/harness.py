@@ -1,13 +1,15 @@
 """The tests' one policy for compiling cheaply, and one way to run a child Python.
 
 Tiny models spend their test time compiling, not running, so every test process (pytest's workers and
-each child they start) compiles with JAX_DISABLE_MOST_OPTIMIZATIONS=1: XLA's backend optimisation level
-0 and no expensive LLVM passes. The programs mean the same thing and compile in about half the time.
-Set JAXRL_TEST_OPTIMIZED=1 to run the suite with XLA's full optimisation instead.
+each child they start) compiles with JAX_DISABLE_MOST_OPTIMIZATIONS=1 (XLA's backend optimisation level
+0, no expensive LLVM passes), XLA:CPU's classic fusion emitters instead of its MLIR ones, and no Python
+tracebacks in the IR's op locations. The programs mean the same thing and compile in about a third of
+the time (the whole suite: 1196 s -> 643 s on 2 cores). Set JAXRL_TEST_OPTIMIZED=1 to run the suite
+with XLA's defaults instead.
 
-Children also share one persistent compilation cache per pytest worker (conftest's `cache_env`), so a
-program that several child runs compile is compiled once. This module imports no JAX: conftest sets the
-policy before anything imports it.
+Both pytest workers and all their children share one persistent compilation cache (conftest's
+`cache_env`), so a program that several child runs compile is compiled once. This module imports no
+JAX: conftest sets the policy before anything imports it.
 """
 
 import json
@@ -19,11 +21,23 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def compile_policy() -> dict[str, str]:
-    """The environment variables that make compiles cheap (empty under JAXRL_TEST_OPTIMIZED=1)."""
+# XLA:CPU's MLIR fusion emitters cost about a third of a tiny program's compile; the classic emitters
+# compile the same fusions faster (test_steps 26 -> 14 CPU-s, test_loss_groups 57 -> 36).
+CHEAP_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+
+
+def compile_policy(xla_flags: str = "") -> dict[str, str]:
+    """The environment variables that make compiles cheap, given the XLA_FLAGS already set (whose other
+    flags are kept); empty under JAXRL_TEST_OPTIMIZED=1."""
     if os.environ.get("JAXRL_TEST_OPTIMIZED") == "1":
         return {}
-    return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    names = {flag.split("=")[0] for flag in CHEAP_XLA_FLAGS}
+    kept = [flag for flag in xla_flags.split() if flag.split("=")[0] not in names]
+    return {
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+        "XLA_FLAGS": " ".join(kept + list(CHEAP_XLA_FLAGS)),
+        "JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0",  # no Python stack per op in the IR: a cheaper lowering
+    }
 
 
 def child_env(base: dict | None = None, devices: int | None = None, **extra: str) -> dict[str, str]:
@@ -31,11 +45,11 @@ def child_env(base: dict | None = None, devices: int | None = None, **extra: str
     `devices` fake CPU devices or none of the parent's XLA_FLAGS (a parent may have forced 8)."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(compile_policy())
     env.pop("XLA_FLAGS", None)
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
         env["JAX_PLATFORMS"] = "cpu"
+    env.update(compile_policy(env.get("XLA_FLAGS", "")))
     env.update(extra)
     return env
 
