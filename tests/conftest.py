@@ -7,6 +7,10 @@ import sys
 from harness import child_env, compile_policy
 
 os.environ.update(compile_policy(os.environ.get("XLA_FLAGS", "")))  # before anything imports jax: see harness.py
+# torch (the HF reference models, the PyTorch peers) on one OpenMP thread in every test process and child:
+# its models here are tiny, and with two pytest workers on two cores a second thread only spins
+# (test_hf.py 59 -> 48 CPU-s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import pytest
