@@ -159,25 +159,31 @@ def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, 
 
 @pytest.mark.slow
 def test_direct_api_staggered_admission_and_versions():
-    """Device functions by hand: prompt 0 admitted, 2 steps at version 3; prompt 1 admitted, 3 steps
+    """Device functions by hand: prompt 2 admitted, 2 steps at version 3; prompt 3 admitted, 3 steps
     at version 4; the rest at version 5. Each token records its chunk's version, and both samples
     equal the greedy tokens (full forwards) although they were admitted 2 steps apart."""
     prompt, mask = _prompts()
+    # The decode program of the S6 engine tests (compiled once, seconds): their spec (with the EOS
+    # that prompts 2-4's greedy completions never emit, so every sample runs all T tokens), the
+    # per-layer params and an explicit stop_at, as the Engine passes them. (Unsplit params and
+    # stop_at=None: tests/test_engine_chunks.py.)
+    eos = _eos(CFG)
+    tokens_NxT, logp_NxT = _greedy_by_forward(CFG)  # the greedy sampler's (tests/test_sampler.py's oracle)
+    assert not np.any(tokens_NxT[2:] == eos)
     spec = es.EngineSpec(
-        CFG, slots=6, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=NEVER, pad_id=PAD, greedy=True
+        CFG, slots=6, prompt_len=P, max_new_tokens=T, group_size=G, eos_id=eos, pad_id=PAD, greedy=True
     )
-    params = _params()
+    params, lparams = _params(), es.split_params(_params(), CFG)
     state = es.init_state(spec, jax.random.PRNGKey(0))
     # Two prompts per prefill call; the second is padding (dest 6 = S: dropped).
-    state = es.admit(params, spec, state, prompt[[0, 0]], mask[[0, 0]], np.asarray([4, 1, 6, 6], np.int32))
-    state = es.decode_chunk(params, spec, state, 2, 3, 1.0)
-    state = es.admit(params, spec, state, prompt[[1, 2]], mask[[1, 2]], np.asarray([0, 5, 2, 3], np.int32))
-    state = es.decode_chunk(params, spec, state, 3, 4, 1.0)
-    state = es.decode_chunk(params, spec, state, 100, 5, 1.0)  # stops once every slot is done
+    state = es.admit(params, spec, state, prompt[[2, 2]], mask[[2, 2]], np.asarray([4, 1, 6, 6], np.int32))
+    state = es.decode_chunk(lparams, spec, state, 2, 3, 1.0, 6)
+    state = es.admit(params, spec, state, prompt[[3, 4]], mask[[3, 4]], np.asarray([0, 5, 2, 3], np.int32))
+    state = es.decode_chunk(lparams, spec, state, 3, 4, 1.0, 6)
+    state = es.decode_chunk(lparams, spec, state, 100, 5, 1.0, 6)  # stops once every slot is done
     out = jax.device_get(es.read_slots(spec, state, np.asarray([4, 1, 0, 5, 2, 3], np.int32)))
-    tokens_NxT, logp_NxT = _greedy_by_forward(CFG)  # the greedy sampler's (tests/test_sampler.py's oracle)
-    np.testing.assert_array_equal(out.tokens_RxT, np.repeat(tokens_NxT, G, 0)[:6])
-    np.testing.assert_allclose(out.logp_RxT, np.repeat(logp_NxT, G, 0)[:6], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(out.tokens_RxT, np.repeat(tokens_NxT[2:], G, 0))
+    np.testing.assert_allclose(out.logp_RxT, np.repeat(logp_NxT[2:], G, 0), atol=1e-5, rtol=0)
     first, second = [3, 3, 4, 4, 4, 5], [4, 4, 4, 5, 5, 5]  # T = 6 tokens each
     np.testing.assert_array_equal(out.version_RxT, [first, first, second, second, second, second])
     assert np.all(out.truncated_R) and not np.any(out.finished_R) and np.all(out.length_R == T)

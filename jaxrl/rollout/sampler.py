@@ -210,7 +210,7 @@ def prefill_groups(
     )
 
     def rep(x):
-        return jnp.repeat(x, group_size, axis=0, total_repeat_length=x.shape[0] * group_size)
+        return jnp.repeat(x, group_size, axis=0)
 
     cache = LayerCache(jax.tree.map(rep, cache.kv), rep(cache.valid_BxS), rep(cache.pos_B))
     return cache, layer_params(params, cfg), routing_NxSxLxK, last_N
