@@ -81,6 +81,9 @@ def test_bench_small_shape():
     cfg.validate()
 
 
+# The model, data and warm start of checkpoint.py --small's default run: the variants run's child
+# generates the data set and trains the warm start once, into the session's caches (in_process_cache),
+# and the checkpoint benchmark's run reads both.
 TINY_RUN = [
     "model.d_model=32",
     "model.n_layers=1",
@@ -88,11 +91,11 @@ TINY_RUN = [
     "model.n_kv_heads=1",
     "model.head_dim=16",
     "model.mlp_dim=64",
-    "data.num_train=600",
-    "data.num_test=60",
+    "data.num_train=200",
+    "data.num_test=20",
     "rollout.prompts_per_step=4",
-    "warmstart.steps=10",
-    "warmstart.batch_size=16",
+    "warmstart.steps=2",
+    "warmstart.batch_size=8",
 ]
 
 
@@ -158,7 +161,11 @@ def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, in_process_cac
 
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
         monkeypatch.setenv(name, in_process_cache[name])  # the training child shares this worker's cache
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    # and compiles as every test child does (harness.child_env): the tests' XLA flags, none forced
+    if "XLA_FLAGS" in in_process_cache:
+        monkeypatch.setenv("XLA_FLAGS", in_process_cache["XLA_FLAGS"])
+    else:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
     args = [
         "--presets",
         "grpo",
@@ -193,7 +200,7 @@ def test_variants_script_tiny_then_reuses_finished_runs(tmp_path, in_process_cac
 
 
 @pytest.mark.slow
-def test_checkpoint_benchmark_small_reports_block_fractions(capsys):
+def test_checkpoint_benchmark_small_reports_block_fractions(in_process_cache, capsys):
     result = run_benchmark_here("checkpoint.py", "--small", capsys=capsys)
     run, state = result["default_run"], result["bench_small"]
     assert run["saves"] == run["steps"] == 3, run  # a save after every step of the real loop

@@ -43,9 +43,14 @@ B, P, T, G = 4, 3, 4, 2
 SINGLE = MeshConfig()  # one device
 
 
-@functools.cache  # the update does not donate the state (see update_fn): tests share one build
 def build(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig = SINGLE):
-    """As `loop.build_run` does: -> (base params, LoraRun, state, its shardings, optimizer, param_sh)."""
+    """As `loop.build_run` does: -> (base params, LoraRun, state, its shardings, optimizer, param_sh).
+    The update does not donate the state (see update_fn): tests share one build per (cfg, lcfg, mesh)."""
+    return _build(cfg, lcfg, mesh_cfg)  # one cache key whether mesh_cfg is passed or defaulted
+
+
+@functools.cache
+def _build(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig):
     mesh, preset = make_mesh(mesh_cfg)
     params = init_params(cfg, jax.random.key(0))
     logical = param_logical_axes(cfg)
@@ -87,18 +92,21 @@ def update_fn(cfg: ModelConfig, run, optimizer, kl_beta: float):
     return jax.jit(step)
 
 
-@functools.cache
 def jitted_update(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig = SINGLE):
     """update_fn (KL term on) for build(cfg, lcfg, mesh_cfg), compiled once for the tests that share it."""
-    _, run, _, _, optimizer, _ = build(cfg, lcfg, mesh_cfg)
-    return update_fn(cfg, run, optimizer, kl_beta=0.1)
+    return _jitted(cfg, lcfg, mesh_cfg)[0]
+
+
+def jitted_policy(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig = SINGLE):
+    """lora_state.policy_fn for build(cfg, lcfg, mesh_cfg), compiled once for the tests that share it."""
+    return _jitted(cfg, lcfg, mesh_cfg)[1]
 
 
 @functools.cache
-def jitted_policy(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig = SINGLE):
-    """lora_state.policy_fn for build(cfg, lcfg, mesh_cfg), compiled once for the tests that share it."""
-    _, run, _, state_sh, _, param_sh = build(cfg, lcfg, mesh_cfg)
-    return lora_state.policy_fn(run, state_sh, param_sh)
+def _jitted(cfg: ModelConfig, lcfg: LoraConfig, mesh_cfg: MeshConfig):
+    """(update, policy) for build(cfg, lcfg, mesh_cfg); jitted lazily, so each compiles only if called."""
+    _, run, _, state_sh, optimizer, param_sh = build(cfg, lcfg, mesh_cfg)
+    return update_fn(cfg, run, optimizer, kl_beta=0.1), lora_state.policy_fn(run, state_sh, param_sh)
 
 
 def _host(tree):
@@ -260,9 +268,14 @@ def test_checkpoints_hold_adapters_and_the_bases_identity_only(lora_run, cache_e
     ],
     ids=["engine", "speculative_int8"],
 )
-def test_the_engine_and_the_speculative_sampler_roll_out_the_merged_policy(source, tmp_path, in_process_cache):
-    overrides = [o for o in OVERRIDES if not o.startswith(("train.steps", "loss.kl_beta"))]
-    cfg = load_config(DEFAULT_CONFIG, [*overrides, "train.steps=2", "checkpoint.every=0", *source])
+def test_the_engine_and_the_speculative_sampler_roll_out_the_merged_policy(
+    source, tmp_path, in_process_cache, persistent_compile_cache
+):
+    # Two steps, but lora_run's learning-rate schedule (decay over its 3 steps) and KL term: the
+    # speculative run's update is lora_run's program, compiled once through the persistent cache (the
+    # engine's batch has its own layout, so its update is its own program either way).
+    extra = [f"optim.decay_steps={STEPS}", "train.steps=2", "checkpoint.every=0"]
+    cfg = load_config(DEFAULT_CONFIG, [*OVERRIDES, *extra, *source])
     rows = loop.train(cfg, tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["grad_norm"] > 0 for r in rows[1:])  # the adapters moved before step 2 sampled
