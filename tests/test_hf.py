@@ -146,16 +146,6 @@ def build(root, name):
     return d, ref
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """torch on one thread for this module: these models are tiny, and a second intra-op thread only
-    spins (this file's CPU time 76 -> 48 s on 2 busy cores). The worker's setting is restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
