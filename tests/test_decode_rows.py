@@ -10,6 +10,7 @@ import pytest
 
 from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
+from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, decode_layers, decode_rows
 from jaxrl.rollout.engine_state import EngineSpec, decode_chunk, init_state
 from jaxrl.rollout.sampler import prefill_groups
@@ -64,7 +65,7 @@ def test_rows_advance_at_their_own_rate():
     _, ref_cache, _ = _setup()
     for b in range(3):
         row = LayerCache(
-            tuple((k[b : b + 1], v[b : b + 1]) for k, v in ref_cache.kv),
+            tuple(LayerKV(k[b : b + 1], v[b : b + 1]) for k, v in ref_cache.kv),
             ref_cache.valid_BxS[b : b + 1],
             ref_cache.pos_B[b : b + 1],
         )

@@ -8,6 +8,7 @@ import pytest
 
 from jaxrl.config import ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
+from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, commit_window, decode_layers, empty_window, window_layers
 from jaxrl.rollout.calibrate import constant_costs, measure_step_costs
 from jaxrl.rollout.sampler import prefill_groups
@@ -72,7 +73,9 @@ def test_commit_keeps_a_different_number_of_tokens_per_row():
     )
     for b in range(3):
         row = LayerCache(
-            tuple((k[b : b + 1], v[b : b + 1]) for k, v in cache.kv), cache.valid_BxS[b : b + 1], cache.pos_B[b : b + 1]
+            tuple(LayerKV(k[b : b + 1], v[b : b + 1]) for k, v in cache.kv),
+            cache.valid_BxS[b : b + 1],
+            cache.pos_B[b : b + 1],
         )
         tokens = jnp.concatenate([fed_Bx4[b, : int(keep_B[b])], next_B[b : b + 1]])[None]
         ref, _, _ = _decode_layers(lparams, CFG, tokens, row, P - 1)

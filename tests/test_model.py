@@ -11,6 +11,8 @@ import pytest
 from jaxrl.config import ModelConfig
 from jaxrl.models import kv_cache
 from jaxrl.models import transformer as tf
+from jaxrl.models.cache_kinds import StackedKV
+from jaxrl.models.decoder import layer_module, run_decoder
 from jaxrl.models.layers import apply_rope
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -53,14 +55,13 @@ def test_shapes_and_dtypes():
 def test_init_params_distribution():
     """init_params draws all noise at once; each param must still get its own std, layers differ."""
     params = _params()
-    boxed = jax.eval_shape(
-        tf.Transformer(CFG).init,
-        jax.random.PRNGKey(1),
-        jnp.zeros((1, 1), jnp.int32),
-        jnp.zeros((1, 1), jnp.int32),
-        jnp.ones((1, 1), bool),
-    )["params"]
-    assert jax.tree.structure(params) == jax.tree.structure(tf.nn.meta.unbox(boxed))
+    # The stacked blocks are the layer module's own params with a leading layers axis.
+    carry = (jnp.zeros((1, 1, 32)), None, jnp.zeros((), jnp.int32))
+    one_1x1 = jnp.ones((1, 1), jnp.int32)
+    boxed = jax.eval_shape(layer_module(CFG, False).init, jax.random.PRNGKey(1), carry, one_1x1, one_1x1, 0)["params"]
+    want = jax.tree.map(lambda x: (CFG.n_layers, *x.shape), tf.nn.meta.unbox(boxed))
+    assert jax.tree.map(jnp.shape, params["blocks"]) == want
+    assert set(params) == {"embedding", "blocks", "final_norm"} | (set() if CFG.tie_embeddings else {"lm_head"})
     np.testing.assert_array_equal(params["blocks"]["attn_norm"]["scale"], 1.0)
     for w, std in [
         (params["blocks"]["attn"]["q"], 32**-0.5),
@@ -196,6 +197,15 @@ def test_token_logprobs_gradient_reaches_every_param():
         assert np.all(np.isfinite(np.asarray(g))) and float(jnp.max(jnp.abs(g))) > 0, path
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
+def _decode_step(params, cfg, token_B, cache: kv_cache.Cache, index):
+    """One token per row at stacked-cache slot `index` (the scanned layers, no per-layer split)."""
+    valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((token_B.shape[0], 1), bool), (0, index))
+    stacked = StackedKV(cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd)
+    logits_Bx1xV, kv, _ = run_decoder(params, cfg, token_B[:, None], cache.pos_B[:, None], valid_BxS, index, stacked)
+    return logits_Bx1xV[:, 0], kv_cache.Cache(kv.k_LxBxSxKxHd, kv.v_LxBxSxKxHd, valid_BxS, cache.pos_B + 1)
+
+
 @pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, n_kv_heads=1)])
 def test_prefill_then_decode_matches_forward(cfg):
     params = _params(cfg)
@@ -206,11 +216,11 @@ def test_prefill_then_decode_matches_forward(cfg):
         params, cfg, jnp.concatenate([prompt, gen], 1), jnp.concatenate([pmask, jnp.ones((2, T), jnp.int32)], 1)
     )
     cache = kv_cache.init_cache(cfg, 2, P + T + 2)  # spare slots must stay invisible
-    logits, cache = kv_cache.prefill(params, cfg, prompt, pmask, cache)
+    logits, cache, _ = kv_cache.prefill(params, cfg, prompt, pmask, cache)
     np.testing.assert_allclose(logits, full[:, P - 1], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(cache.pos_B, [2, 5])
     for t in range(T):
-        logits, cache = kv_cache.decode_step(params, cfg, gen[:, t], cache, jnp.int32(P + t))
+        logits, cache = _decode_step(params, cfg, gen[:, t], cache, jnp.int32(P + t))
         np.testing.assert_allclose(logits, full[:, P + t], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(cache.pos_B, [2 + T, 5 + T])
     np.testing.assert_array_equal(cache.valid_BxS[:, P:], [[1] * T + [0, 0]] * 2)

@@ -14,6 +14,7 @@ import pytest
 from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.models import decode, kv_cache, moe, moe_dispatch
 from jaxrl.models import transformer as tf
+from jaxrl.models.decoder import run_decoder
 from jaxrl.rollout.sampler import sample
 
 D, F, E, K = 8, 16, 4, 2
@@ -220,7 +221,7 @@ def _mparams(cfg=MCFG):
 def _mforward(params, seq_BxS, mask_BxS):
     """MCFG's scanned forward -> (logits, aux, routing). One program for both tests below: they feed it
     the same shapes (6 rows of 9 tokens), so a worker that runs both compiles it once."""
-    return tf._apply(params, MCFG, seq_BxS, tf.positions_from_mask(mask_BxS), mask_BxS.astype(bool))
+    return run_decoder(params, MCFG, seq_BxS, tf.positions_from_mask(mask_BxS), mask_BxS.astype(bool))
 
 
 def test_moe_model_params_and_axes():
@@ -237,7 +238,7 @@ def test_moe_model_params_and_axes():
 
 @pytest.mark.slow
 def test_moe_forward_equals_prefill_and_decode_paths():
-    """Scanned forward == prefill + decode_step_layers (the sampler's unrolled loop), logits and
+    """Scanned forward == prefill + decode_layers (the sampler's unrolled loop), logits and
     experts, on a left-padded batch (6 rows: the routing test's forward shape)."""
     params, P, Tg, B = _mparams(), 5, 4, 6
     rng = np.random.default_rng(5)
@@ -251,7 +252,7 @@ def test_moe_forward_equals_prefill_and_decode_paths():
     cache = kv_cache.init_cache(MCFG, B, P + Tg)
 
     def prefill(p, t, m, c):
-        return kv_cache.prefill_routed(p, MCFG, t, m, c)
+        return kv_cache.prefill(p, MCFG, t, m, c)
 
     last, cache, pre_experts = _fast(prefill, params, prompt, pmask, cache)
     np.testing.assert_allclose(last, logits[:, P - 1], atol=1e-5)
@@ -260,11 +261,11 @@ def test_moe_forward_equals_prefill_and_decode_paths():
     live_BxP = np.asarray(pmask, bool)
     np.testing.assert_array_equal(np.asarray(pre_experts)[:, live_BxP], experts[:, :, :P][:, live_BxP])
     lparams, lcache = decode.layer_params(params, MCFG), decode.to_layer_cache(cache)
-    step = jax.jit(lambda lp, tok, c, i: decode.decode_step_layers_routed(lp, MCFG, tok, c, i))
+    step = jax.jit(lambda lp, tok, c, i: decode.decode_layers(lp, MCFG, tok[:, None], c, i))
     for t in range(Tg):
         lg2, lcache, ex = step(lparams, gen[:, t], lcache, jnp.int32(P + t))
-        np.testing.assert_allclose(lg2, logits[:, P + t], atol=1e-5)
-        np.testing.assert_array_equal(ex[:, 0], experts[0, :, P + t])
+        np.testing.assert_allclose(lg2[:, 0], logits[:, P + t], atol=1e-5)
+        np.testing.assert_array_equal(ex[:, 0, 0], experts[0, :, P + t])
 
 
 class _ZeroLoss:

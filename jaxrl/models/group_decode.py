@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.decode import LayerCache, _run_layers
+from jaxrl.models.cache_kinds import GroupKV
+from jaxrl.models.decode import LayerCache
+from jaxrl.models.decoder import run_decoder
 from jaxrl.models.moe_dispatch import ExpertParallel
-from jaxrl.models.prefix_attention import GroupKV
 
 
 class GroupCache(NamedTuple):
@@ -61,19 +62,19 @@ def decode_group_layers(
     index = jnp.asarray(index, jnp.int32)
     positions_BxT = cache.pos_B[:, None] + jnp.arange(T, dtype=jnp.int32)
     kv_layers = [GroupKV(pk, pv, ok, ov) for (pk, pv), (ok, ov) in zip(cache.prefix, cache.own)]
-    logits_BxTxV, kv_out, experts = _run_layers(
+    logits_BxTxV, kv_out, moe = run_decoder(
         lparams,
         cfg,
         tokens_BxT,
-        kv_layers,
         positions_BxT,
         cache.prefix_valid_GrpxP,
         index,
-        cfg.n_layers,
-        expert_parallel,
+        kv_layers,
+        expert_parallel=expert_parallel,
     )
     own = tuple((kv.own_k, kv.own_v) for kv in kv_out)
-    return logits_BxTxV, cache._replace(own=own, pos_B=cache.pos_B + T), experts
+    experts_BxTxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
+    return logits_BxTxV, cache._replace(own=own, pos_B=cache.pos_B + T), experts_BxTxLxK
 
 
 def segment_ends(steps: int, segments: int) -> tuple:

@@ -1,5 +1,5 @@
-"""The stacked KV cache of the scanned decoder: its layout, prefill of a left-padded prompt, and one
-decode step (`jaxrl.models.decode` runs the per-layer loops the sampler uses)."""
+"""The stacked KV cache of the scanned decoder: its layout and the prefill of a left-padded prompt
+(`decode` splits it into per-layer buffers for the decode loops)."""
 
 import functools
 from typing import NamedTuple
@@ -9,13 +9,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
+from jaxrl.models.cache_kinds import StackedKV
+from jaxrl.models.decoder import positions_from_mask, run_decoder
 from jaxrl.models.moe_dispatch import ExpertParallel
-from jaxrl.models.transformer import _apply, positions_from_mask
 
 
 class Cache(NamedTuple):
     """Preallocated per-layer keys/values. A slot index means the same step for every row: prefill
-    fills slots 0..P-1 (left padding marked invalid) and each decode_step writes the one slot its
+    fills slots 0..P-1 (left padding marked invalid) and each later step writes the slots its
     caller names, for all rows at once. Slot order is attention order; position ids live in pos_B."""
 
     k_LxBxSxKxHd: jax.Array
@@ -34,49 +35,27 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
     )
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def prefill(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache):
-    """Fill slots 0..P-1 of an empty cache with a left-padded prompt; return the last slot's logits
-    (the next-token distribution: with left padding the last slot is every row's last real token)."""
-    logits_BxV, cache, _ = prefill_routed(params, cfg, tokens_BxP, mask_BxP, cache)
-    return logits_BxV, cache
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "expert_parallel"))
-def prefill_routed(
+def prefill(
     params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache, expert_parallel: ExpertParallel | None = None
 ):
-    """`prefill` plus the experts every prompt slot used, experts_LxBxPxK (None for a dense model).
+    """Fill slots 0..P-1 of an empty cache with a left-padded prompt -> (the last slot's logits_BxV
+    (the next-token distribution: with left padding the last slot is every row's last real token),
+    the cache, and for an MoE model the experts every prompt slot used, experts_LxBxPxK, else None).
     `expert_parallel` (MoE): the experts' mesh axis, as the update is given (None: one device)."""
     mask_BxP = mask_BxP.astype(bool)
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, mask_BxP, (0, 0))
-    logits_Bx1xV, (k, v), moe = _apply(
+    logits_Bx1xV, kv, moe = run_decoder(
         params,
         cfg,
-        tokens_BxP.astype(jnp.int32),
+        tokens_BxP,
         positions_from_mask(mask_BxP),
         valid_BxS,
         0,
-        (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd),
+        StackedKV(cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd),
         num_logits=1,
         expert_parallel=expert_parallel,
     )
     pos_B = jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32)
-    return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, pos_B), None if moe is None else moe.experts_LxBxTxK
-
-
-@functools.partial(jax.jit, static_argnames="cfg")
-def decode_step(params, cfg: ModelConfig, token_B, cache: Cache, index):
-    """Append one token per row at cache slot `index` (a traced scalar) and return its logits_BxV."""
-    B = token_B.shape[0]
-    valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, jnp.ones((B, 1), bool), (0, index))
-    logits_Bx1xV, (k, v), _ = _apply(
-        params,
-        cfg,
-        token_B[:, None].astype(jnp.int32),
-        cache.pos_B[:, None],
-        valid_BxS,
-        index,
-        (cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd),
-    )
-    return logits_Bx1xV[:, 0], Cache(k, v, valid_BxS, cache.pos_B + 1)
+    experts = None if moe is None else moe.experts_LxBxTxK
+    return logits_Bx1xV[:, 0], Cache(kv.k_LxBxSxKxHd, kv.v_LxBxSxKxHd, valid_BxS, pos_B), experts

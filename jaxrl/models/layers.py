@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -21,31 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxrl.models.prefix_attention import MASKED_SCORE, GroupKV, attend_group, write_own
-
-# (k_LxBxSxKxHd, v_LxBxSxKxHd): the whole stacked cache travels through every block so each layer
-# updates its slice of the one buffer in place instead of the model restacking L copies per step.
-# Or (k_BxKxSxHd, v_BxKxSxHd): ONE layer's own buffers, kv-head-major, for decode loops that unroll
-# the layers (`decode.decode_step_layers`): attention then reads the cache where it lies, with
-# no per-layer slice or transpose copy (on CPU those copies cost as much as the decode matmuls).
-KV = tuple[jax.Array, jax.Array]
-
-
-class WindowKV(NamedTuple):
-    """One layer's cache, read only, plus a small window that this call's keys/values are written
-    to (`decode.window_layers`): the cache slots marked by `key_valid_BxS` come first, then the
-    window slots up to each query's own (`index` is the window slot of the first query)."""
-
-    k_BxKxSxHd: jax.Array
-    v_BxKxSxHd: jax.Array
-    win_k: jax.Array  # k_BxKxWxHd
-    win_v: jax.Array
-
-
-# Finite, so a fully masked query row (a left-padding slot) gets a uniform softmax instead of NaN;
-# such rows are padding whose outputs nobody reads, but NaN would poison gradients.
-_MASKED = MASKED_SCORE
-
+from jaxrl.models.attention import attend
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
 _TRUNC_STD = 0.87962566103423978
@@ -134,16 +110,10 @@ def apply_rope(
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; the one code path for full forward, prefill and decode.
-
-    Queries occupy key slots `index .. index+T-1`. Without a cache the keys are this call's own
-    tokens (S = T, index = 0); with a cache, this call's K/V are first written at slot `index` of
-    layer `layer`, then the queries attend over all S cache slots. Either way a key is visible iff
-    its slot is not after the query's slot (causal) and `key_valid_BxS` marks it real (not padding).
-    `layer` is traced: blocks run under `nn.scan`. With a `GroupKV` (prompt prefix stored once per
-    group, `prefix_attention`), `index` is the slot in each row's own completion buffer and
-    `key_valid_BxS` marks the valid prefix slots of each group, [B/G, P].
-    """
+    """Grouped-query attention: projections, optional q/k norms and biases, RoPE, then `attention.attend`
+    over whatever cache kind `kv` is (`cache_kinds`: None, StackedKV, LayerKV, WindowKV, GroupKV).
+    Queries occupy key slots `index .. index+T-1`; `layer` (traced under the scan) picks a StackedKV's
+    layer. Returns (out_BxTxD, kv updated)."""
 
     n_heads: int
     n_kv_heads: int
@@ -155,7 +125,7 @@ class Attention(nn.Module):
     eps: float = 1e-6  # of the q/k norms (opts.qk_norm)
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, key_valid_BxS, index, kv: KV | None, layer):
+    def __call__(self, x_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer):
         D, H, K, Hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         B, T, _ = x_BxTxD.shape
         # std = fan_in^-1/2 keeps activations O(1) at init.
@@ -181,124 +151,8 @@ class Attention(nn.Module):
         q_BxTxHxHd = apply_rope(q_BxTxHxHd, positions_BxT, self.rope_theta, llama3) * jnp.asarray(Hd**-0.5, self.dtype)
         k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta, llama3)
 
-        if isinstance(kv, WindowKV):
-            win = tuple(
-                lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), (0, 0, index, 0))
-                for buf, new in zip((kv.win_k, kv.win_v), (k_BxTxKxHd, v_BxTxKxHd))
-            )
-            o_BxTxHxHd = _attend_window(
-                q_BxTxHxHd,
-                kv.k_BxKxSxHd.astype(self.dtype),
-                kv.v_BxKxSxHd.astype(self.dtype),
-                key_valid_BxS,
-                win[0].astype(self.dtype),
-                win[1].astype(self.dtype),
-                index,
-                self.dtype,
-            )
-            return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv._replace(win_k=win[0], win_v=win[1])
-        if isinstance(kv, GroupKV):  # the sampler's shared-prefix cache; key_valid marks the prefix
-            own = tuple(write_own(buf, new, index) for buf, new in zip((kv.own_k, kv.own_v), (k_BxTxKxHd, v_BxTxKxHd)))
-            kv = kv._replace(own_k=own[0], own_v=own[1])
-            o_BxTxHxHd = attend_group(q_BxTxHxHd, kv, key_valid_BxS, index, self.dtype)
-            return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
-        if kv is not None and kv[0].ndim == 4:  # LayerKV: this layer's own kv-head-major buffers
-            k_buf, v_buf = kv
-            k_buf = _write_layer_kv(k_buf, k_BxTxKxHd.swapaxes(1, 2).astype(k_buf.dtype), index)
-            v_buf = _write_layer_kv(v_buf, v_BxTxKxHd.swapaxes(1, 2).astype(v_buf.dtype), index)
-            o_BxTxHxHd = _attend_kv_head_major(
-                q_BxTxHxHd, k_buf.astype(self.dtype), v_buf.astype(self.dtype), key_valid_BxS, index, self.dtype
-            )
-            return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), (k_buf, v_buf)
-        if kv is None:
-            k_BxSxKxHd, v_BxSxKxHd = k_BxTxKxHd, v_BxTxKxHd
-        else:
-            k_all, v_all = kv
-            start = (layer, 0, index, 0, 0)
-            k_all = lax.dynamic_update_slice(k_all, k_BxTxKxHd[None].astype(k_all.dtype), start)
-            v_all = lax.dynamic_update_slice(v_all, v_BxTxKxHd[None].astype(v_all.dtype), start)
-            kv = (k_all, v_all)
-            k_BxSxKxHd = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(self.dtype)
-            v_BxSxKxHd = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(self.dtype)
-        S = k_BxSxKxHd.shape[1]
-
-        # Group query heads by the kv head they share: head h reads kv head h // R.
-        q_BxTxKxRxHd = q_BxTxHxHd.reshape(B, T, K, H // K, Hd)
-        s_BxKxRxTxS = jnp.einsum("btkrd,bskd->bkrts", q_BxTxKxRxHd, k_BxSxKxHd, preferred_element_type=jnp.float32)
-        q_slot_T = index + jnp.arange(T)
-        causal_TxS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
-        allowed_BxTxS = causal_TxS[None] & key_valid_BxS.astype(bool)[:, None, :]
-        s_BxKxRxTxS = jnp.where(allowed_BxTxS[:, None, None], s_BxKxRxTxS, _MASKED)
-        p_BxKxRxTxS = jax.nn.softmax(s_BxKxRxTxS, axis=-1).astype(self.dtype)
-        o_BxTxKxRxHd = jnp.einsum("bkrts,bskd->btkrd", p_BxKxRxTxS, v_BxSxKxHd)
-        o_BxTxHxHd = o_BxTxKxRxHd.reshape(B, T, H, Hd)
+        o_BxTxHxHd, kv = attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, self.dtype)
         return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
-
-
-def _write_layer_kv(buf_BxKxSxHd, new_BxKxTxHd, index):
-    """Write T new keys (or values) of every row at cache slots index..index+T-1: `index` a scalar
-    (every row at the same slots) or index_B (each row at its own, as the slot engine decodes).
-    Either way an in-place update that attention then reads, so XLA copies no cache buffer."""
-    if jnp.ndim(index) == 0:
-        return lax.dynamic_update_slice(buf_BxKxSxHd, new_BxKxTxHd, (0, 0, index, 0))
-    write = jax.vmap(lambda buf_KxSxHd, new_KxTxHd, i: lax.dynamic_update_slice(buf_KxSxHd, new_KxTxHd, (0, i, 0)))
-    return write(buf_BxKxSxHd, new_BxKxTxHd, index)
-
-
-def _attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, index, dtype):
-    """Attention of queries at slots index.. (a scalar, or index_B: each row's own) over a
-    kv-head-major cache; same math as the einsum
-    path in `Attention`, laid out for XLA:CPU decode: the scores are computed keys-major (S x TR per
-    (b, k), softmax over S) and both contractions are explicit `dot_general`s, so XLA neither
-    transposes the cache nor picks a strided GEMM. Measured ~1.5x faster than the einsum form at
-    B=64, S=192 (the cache is read twice per layer per step; nothing else in decode grows with S)."""
-    B, T, H, Hd = q_BxTxHxHd.shape
-    K, S = k_BxKxSxHd.shape[1], k_BxKxSxHd.shape[2]
-    R = H // K
-    q_BxKxQxHd = q_BxTxHxHd.reshape(B, T, K, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * R, Hd)
-    batch = ((0, 1), (0, 1))
-    s_BxKxSxQ = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-    q_slot_T = jnp.asarray(index)[..., None] + jnp.arange(T)  # (T,) or, per row, (B, T)
-    causal_SxT = jnp.arange(S)[:, None] <= q_slot_T[..., None, :]  # (S, T) or (B, S, T)
-    allowed_BxSxT = causal_SxT & key_valid_BxS.astype(bool)[:, :, None]
-    s_BxKxSxTxR = jnp.where(allowed_BxSxT[:, None, :, :, None], s_BxKxSxQ.reshape(B, K, S, T, R), _MASKED)
-    s_BxKxSxQ = s_BxKxSxTxR.reshape(B, K, S, T * R)
-    # Softmax over S, normalised after the value contraction (on the small output): the max and the
-    # sum reduce a transposed view, since XLA:CPU reduces a minor axis far faster than axis 2.
-    max_BxKxQ = jnp.max(s_BxKxSxQ.swapaxes(2, 3), axis=-1)
-    e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
-    sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1)
-    o_BxKxQxHd = lax.dot_general(
-        e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch), preferred_element_type=jnp.float32
-    )
-    o_BxKxQxHd = (o_BxKxQxHd / sum_BxKxQ[..., None]).astype(dtype)
-    return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
-
-
-def _attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxHd, wv_BxKxWxHd, index, dtype):
-    """Attention over the cache slots marked in cache_seen_BxS, then window slots 0..index+t for
-    the query t (one softmax over both parts, laid out as `_attend_kv_head_major`)."""
-    B, T, H, Hd = q_BxTxHxHd.shape
-    K, W = k_BxKxSxHd.shape[1], wk_BxKxWxHd.shape[2]
-    R = H // K
-    q_BxKxQxHd = q_BxTxHxHd.reshape(B, T, K, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * R, Hd)
-    batch = ((0, 1), (0, 1))
-    cache_scores = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-    s_BxKxSxQ = jnp.where(cache_seen_BxS[:, None, :, None], cache_scores, _MASKED)
-    causal_WxT = jnp.arange(W)[:, None] <= index + jnp.arange(T)[None, :]
-    # The window is a few slots: a fused multiply-reduce beats B*K tiny GEMMs on XLA:CPU.
-    window_scores = jnp.sum(wk_BxKxWxHd[:, :, :, None, :].astype(jnp.float32) * q_BxKxQxHd[:, :, None], axis=-1)
-    s_BxKxWxQ = jnp.where(jnp.repeat(causal_WxT, R, axis=1)[None, None], window_scores, _MASKED)
-    max_BxKxQ = jnp.maximum(jnp.max(s_BxKxSxQ.swapaxes(2, 3), axis=-1), jnp.max(s_BxKxWxQ.swapaxes(2, 3), axis=-1))
-    e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
-    e_BxKxWxQ = jnp.exp(s_BxKxWxQ - max_BxKxQ[:, :, None, :])
-    sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1) + jnp.sum(e_BxKxWxQ.swapaxes(2, 3), axis=-1)
-    cache_mix = lax.dot_general(
-        e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch), preferred_element_type=jnp.float32
-    )
-    window_mix = jnp.sum(e_BxKxWxQ[..., None] * wv_BxKxWxHd[:, :, :, None, :].astype(jnp.float32), axis=2)
-    o_BxKxQxHd = ((cache_mix + window_mix) / sum_BxKxQ[..., None]).astype(dtype)
-    return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
 
 
 class MLP(nn.Module):

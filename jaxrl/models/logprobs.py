@@ -26,7 +26,7 @@ from jax import lax
 
 def logprob_and_entropy(logits_NxV: jax.Array, tokens_N: jax.Array, temperature) -> tuple[jax.Array, jax.Array]:
     """(log-prob of tokens_N, entropy) under softmax(logits / temperature), over the last axis; also
-    the unchunked path's reduction (`transformer.token_logprobs_moe`), so both do the same arithmetic."""
+    the unchunked path's reduction (`transformer.token_logprobs`), so both do the same arithmetic."""
     logp_all_NxV = jax.nn.log_softmax(logits_NxV / temperature, axis=-1)
     logp_N = jnp.take_along_axis(logp_all_NxV, tokens_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
     entropy_N = -jnp.sum(jnp.exp(logp_all_NxV) * logp_all_NxV, axis=-1)

@@ -16,27 +16,14 @@ order.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxrl.models.cache_kinds import GroupKV
 
 # A masked score: finite, so a fully masked part (a prompt of one real token has no valid prefix
 # slot) gives max -1e30 and its weight e^(-1e30 - m) is exactly 0 once combined with the own part.
 MASKED_SCORE = -1e30
-
-
-class GroupKV(NamedTuple):
-    """One layer's shared-prefix cache. The prefix is read only; the own buffers get this call's
-    keys/values at slots index..index+T-1. Which prefix slots are real (not left padding) travels as
-    the attention's `key_valid` argument, [Grp, P]. The own buffers are group-major too, so the
-    rows' scores line up with the prefix part's query columns without any transpose."""
-
-    prefix_k: jax.Array  # k_GrpxKxPxHd, Grp = B / G groups
-    prefix_v: jax.Array
-    own_k: jax.Array  # k_GrpxKxGxCxHd: row i*G + g is [i, :, g], C completion slots
-    own_v: jax.Array
 
 
 def write_own(buf_GrpxKxGxCxHd, new_BxTxKxHd, index):
@@ -53,7 +40,7 @@ def attend_group(q_BxTxHxHd, kv: GroupKV, prefix_valid_GrpxP, index, dtype):
     """Attention of T queries per row at own slots index..index+T-1 (a scalar: every row at the same
     slots) over its group's valid prefix slots and its own slots up to the query's.
 
-    Keys-major scores and explicit `dot_general`s, as `layers._attend_kv_head_major` (XLA:CPU then
+    Keys-major scores and explicit `dot_general`s, as `attention.attend_kv_head_major` (XLA:CPU then
     neither transposes a cache nor picks a strided GEMM); one max and one sum over both parts."""
     B, T, H, Hd = q_BxTxHxHd.shape
     Grp, K, P, _ = kv.prefix_k.shape

@@ -1,12 +1,11 @@
-"""Rematerialisation of the decoder's scanned blocks: what each block keeps for the backward.
+"""Rematerialisation of the decoder's scanned units: what each unit keeps for the backward.
 
-`remat_block(Block, "dots")` is the block class to scan (`transformer.Transformer(cfg, remat)`);
-`train.remat` in the config names the policy.
+`remat_fn(unit, "dots")` is the scan body `decoder.run_decoder(..., remat=...)` runs; `train.remat`
+in the config names the policy.
 """
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 
 # What each scanned block keeps for the backward: everything (none), only its input (full: the
@@ -19,11 +18,11 @@ REMAT_POLICIES = {
 }
 
 
-def remat_block(block_cls, remat: str):
-    """`block_cls`, rematerialised under REMAT_POLICIES[remat] (unchanged for "none")."""
+def remat_fn(fn, remat: str):
+    """`fn` (a scan body), rematerialised under REMAT_POLICIES[remat] (unchanged for "none")."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
     if remat == "none":
-        return block_cls
+        return fn
     # prevent_cse=False: inside a scan XLA cannot merge the recomputation back into the forward anyway.
-    return nn.remat(block_cls, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=False)

@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import ModelConfig
+from jaxrl.models.cache_kinds import StackedKV
+from jaxrl.models.decoder import head_weights, positions_from_mask, run_decoder
 from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
-from jaxrl.models.transformer import _apply, head_weights, positions_from_mask
 
 
 def group_prompts(prompt_BxP: jax.Array, group_size: int) -> jax.Array:
@@ -71,14 +72,14 @@ def token_logprobs_shared(
     # 1. Each distinct prompt once: its K/V for every layer, and the logits predicting completion token 0.
     # (With logits_chunk, `out` is the final normed hidden states and the head runs chunk by chunk.)
     hidden = logits_chunk > 0
-    first_Nx1xX, (k_LxNxPxKxHd, v_LxNxPxKxHd), _ = _apply(
+    first_Nx1xX, (k_LxNxPxKxHd, v_LxNxPxKxHd), _ = run_decoder(
         params,
         cfg,
         prompt_NxP,
         positions_from_mask(pmask_NxP),
         pmask_NxP,
         0,
-        (empty, empty),
+        StackedKV(empty, empty),
         num_logits=1,
         return_hidden=hidden,
         remat=remat,
@@ -93,14 +94,14 @@ def token_logprobs_shared(
         n_real_B = jnp.repeat(jnp.sum(pmask_NxP, axis=1, dtype=jnp.int32), G)
         positions_BxT1 = n_real_B[:, None] + jnp.arange(T - 1, dtype=jnp.int32)
         key_valid_BxS = jnp.concatenate([jnp.repeat(pmask_NxP, G, axis=0), jnp.ones((B, T - 1), bool)], axis=1)
-        rest_BxT1xX, _, _ = _apply(
+        rest_BxT1xX, _, _ = run_decoder(
             params,
             cfg,
-            tokens_BxT[:, :-1].astype(jnp.int32),
+            tokens_BxT[:, :-1],
             positions_BxT1,
             key_valid_BxS,
             P,
-            (per_row(k_LxNxPxKxHd), per_row(v_LxNxPxKxHd)),
+            StackedKV(per_row(k_LxNxPxKxHd), per_row(v_LxNxPxKxHd)),
             return_hidden=hidden,
             remat=remat,
         )

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl.config import ModelConfig, SpeculativeConfig
+from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, empty_window, layer_params, window_layers
 from jaxrl.rollout.drafters import draft_view
 
@@ -76,7 +77,10 @@ def measure_step_costs(
     drafter = spec.fallback if spec.drafter == "reuse" else spec.drafter
     lparams = layer_params(params, cfg)
     dtype = jnp.dtype(cfg.dtype)
-    kv = tuple((jnp.zeros((n_rows, cfg.n_kv_heads, cache_len, cfg.head_dim), dtype),) * 2 for _ in range(cfg.n_layers))
+    kv = tuple(
+        LayerKV(*(jnp.zeros((n_rows, cfg.n_kv_heads, cache_len, cfg.head_dim), dtype),) * 2)
+        for _ in range(cfg.n_layers)
+    )
     cache = LayerCache(kv, jnp.ones((n_rows, cache_len), bool), jnp.zeros((n_rows,), jnp.int32))
     fill_N = jnp.full((n_rows,), cache_len // 2, jnp.int32)  # a half-full cache: the rollout's average
     K = widest_draft(spec)

@@ -25,8 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.decode import LayerCache, _run_layers, layer_params
-from jaxrl.models.transformer import positions_from_mask
+from jaxrl.models.cache_kinds import LayerKV
+from jaxrl.models.decode import LayerCache, layer_params
+from jaxrl.models.decoder import positions_from_mask, run_decoder
 from jaxrl.rollout.engine_state import EngineSpec, EngineState
 
 
@@ -56,16 +57,17 @@ def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_m
     # Cache slot j holds the input fed there: prompt token j (j < P), completion token j - P after.
     seq_SxC = jnp.concatenate([jnp.asarray(prompt_SxP, jnp.int32), state.tokens_SxT], axis=1)
     written_SxC = fed_mask(spec, state, prompt_mask_SxP)
-    fresh = tuple((jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in state.cache.kv)
-    _, kv_new, experts_SxCxLxK = _run_layers(
-        layer_params(params, cfg), cfg, seq_SxC, fresh, positions_from_mask(written_SxC), written_SxC, 0, cfg.n_layers
+    fresh = tuple(LayerKV(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in state.cache.kv)
+    _, kv_new, moe = run_decoder(
+        layer_params(params, cfg), cfg, seq_SxC, positions_from_mask(written_SxC), written_SxC, 0, fresh
     )
+    experts_SxCxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
     take_SxC = written_SxC & jnp.asarray(redo_S, bool)[:, None]
 
     def pick(new, old):
         return jnp.where(take_SxC[:, None, :, None], new.astype(old.dtype), old)
 
-    kv = tuple((pick(nk, k), pick(nv, v)) for (nk, nv), (k, v) in zip(kv_new, state.cache.kv))
+    kv = tuple(LayerKV(pick(nk, k), pick(nv, v)) for (nk, nv), (k, v) in zip(kv_new, state.cache.kv))
     routing = state.routing_SxCxLxK
     if experts_SxCxLxK is not None:
         assert routing is not None  # a MoE engine's state carries its routing

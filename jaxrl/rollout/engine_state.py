@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl.config import ModelConfig
+from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, decode_rows, layer_params
 from jaxrl.rollout.sampler import choose_tokens, first_argmax, prefill_groups, scaled_logits, truncate_logits
 
@@ -138,7 +139,7 @@ def init_state(spec: EngineSpec, rng) -> EngineState:
         return jnp.zeros((S, cfg.n_kv_heads, C, cfg.head_dim), dtype)
 
     cache = LayerCache(
-        tuple((buf(), buf()) for _ in range(cfg.n_layers)), jnp.zeros((S, C), bool), jnp.zeros((S,), jnp.int32)
+        tuple(LayerKV(buf(), buf()) for _ in range(cfg.n_layers)), jnp.zeros((S, C), bool), jnp.zeros((S,), jnp.int32)
     )
     routing = None
     if cfg.n_experts:
@@ -173,7 +174,7 @@ def _admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask
     def put(old, new):
         return old.at[dest_N].set(new.astype(old.dtype), mode="drop")
 
-    kv = tuple((put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, cache.kv))
+    kv = tuple(LayerKV(put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, cache.kv))
     new_cache = LayerCache(kv, put(state.cache.valid_BxS, cache.valid_BxS), put(state.cache.pos_B, cache.pos_B))
     last, col, done, eos, tokens, logp, mask, version = _blank_rows(spec, N, False)
     return state._replace(

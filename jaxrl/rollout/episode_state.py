@@ -29,8 +29,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.decode import LayerCache, _run_layers, layer_params
-from jaxrl.models.transformer import positions_from_mask
+from jaxrl.models.cache_kinds import LayerKV
+from jaxrl.models.decode import LayerCache, layer_params
+from jaxrl.models.decoder import positions_from_mask, run_decoder
 from jaxrl.rollout.engine_state import EngineSpec, EngineState
 
 
@@ -44,10 +45,11 @@ def _history_cache(params, spec: EngineSpec, prompt_RxP, prompt_mask_RxP, tokens
     real_RxC = jnp.concatenate([prompt_mask_RxP.astype(bool), jnp.ones((R, C - P), bool)], axis=1)
     written_RxC = real_RxC & (jnp.arange(C) < fill_R[:, None])
     dtype = jnp.dtype(cfg.dtype)
-    fresh = tuple((jnp.zeros((R, cfg.n_kv_heads, C, cfg.head_dim), dtype),) * 2 for _ in range(cfg.n_layers))
-    _, kv, experts_RxCxLxK = _run_layers(
-        layer_params(params, cfg), cfg, seq_RxC, fresh, positions_from_mask(written_RxC), written_RxC, 0, cfg.n_layers
+    fresh = tuple(LayerKV(*(jnp.zeros((R, cfg.n_kv_heads, C, cfg.head_dim), dtype),) * 2) for _ in range(cfg.n_layers))
+    _, kv, moe = run_decoder(
+        layer_params(params, cfg), cfg, seq_RxC, positions_from_mask(written_RxC), written_RxC, 0, fresh
     )
+    experts_RxCxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
     if experts_RxCxLxK is not None:
         experts_RxCxLxK = jnp.where(written_RxC[:, :, None, None], experts_RxCxLxK, 0)
     # As `admit` leaves a slot: the prompt's padding invalid, every slot from P-1 on readable up to the fill level.
@@ -89,7 +91,7 @@ def place(
         return old.at[slot_R].set(jnp.asarray(new).astype(old.dtype), mode="drop")
 
     cache = LayerCache(
-        tuple((put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, kv)),
+        tuple(LayerKV(put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, kv)),
         put(state.cache.valid_BxS, valid_RxC),
         put(state.cache.pos_B, pos_R),
     )

@@ -41,7 +41,7 @@ from jaxrl.models.group_decode import (
     grow_own,
     segment_ends,
 )
-from jaxrl.models.kv_cache import init_cache, prefill_routed
+from jaxrl.models.kv_cache import init_cache, prefill
 from jaxrl.models.moe_dispatch import ExpertParallel
 
 
@@ -179,11 +179,11 @@ def _prefill_prompts(
         routing_NxSxLxK = jnp.zeros((B * G, routing_len, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
     if P > 1:
         prefix_BxP1, prefix_mask_BxP1 = prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1]
-        _, cache, experts_LxBxPxK = prefill_routed(params, cfg, prefix_BxP1, prefix_mask_BxP1, cache, expert_parallel)
+        _, cache, experts_LxBxPxK = prefill(params, cfg, prefix_BxP1, prefix_mask_BxP1, cache, expert_parallel)
         if routing_NxSxLxK is not None:  # cfg.n_experts
             experts_NxPxLxK = jnp.repeat(jnp.transpose(experts_LxBxPxK, (1, 2, 0, 3)), G, axis=0)
             routing_NxSxLxK = lax.dynamic_update_slice(routing_NxSxLxK, experts_NxPxLxK, (0, 0, 0, 0))
-    # The loop runs on per-layer params and cache buffers (see transformer.decode_step_layers):
+    # The loop runs on per-layer params and cache buffers (`decode`):
     # both are split once here instead of sliced out of the stacked arrays at every step.
     return to_layer_cache(cache), routing_NxSxLxK, jnp.repeat(prompt_BxP[:, -1].astype(jnp.int32), G, axis=0)
 

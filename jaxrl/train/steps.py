@@ -33,7 +33,7 @@ from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.moe import routing_mismatch
 from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.models.shared_prefix import token_logprobs_shared
-from jaxrl.models.transformer import token_logprobs, token_logprobs_moe
+from jaxrl.models.transformer import token_logprobs
 from jaxrl.train.state import TrainState
 
 # (params, batch) -> (logp_BxT, entropy_BxT) or, for MoE, (logp_BxT, entropy_BxT, extras dict).
@@ -96,7 +96,7 @@ def make_logp_fn(
 
     def moe_logp_fn(params, batch):
         routing = batch.get("routing_BxSxLxK")
-        logp_BxT, entropy_BxT, moe = token_logprobs_moe(
+        logp_BxT, entropy_BxT, moe = token_logprobs(
             params,
             model_cfg,
             batch["prompt_tokens_BxP"],
@@ -108,6 +108,7 @@ def make_logp_fn(
             logits_chunk,
             remat,
             expert_parallel,
+            return_moe=True,
         )
         extras = {
             "penalty": model_cfg.moe_aux_coef * moe.aux_loss + model_cfg.moe_z_coef * moe.z_loss,

@@ -1,0 +1,165 @@
+"""Grouped-query attention over each kind of cache (`cache_kinds`): write this call's keys/values
+where the kind keeps them, then attend. `attend` picks the code by the cache's type.
+
+The kernels for the unrolled decode kinds (LayerKV, WindowKV here; GroupKV in `prefix_attention`)
+are laid out for XLA:CPU: scores keys-major, both contractions explicit `dot_general`s and the
+softmax normalised after the value contraction, so XLA neither transposes a cache nor picks a
+strided GEMM. The no-cache and stacked kinds use the plain einsum form (`attend_slots`), which is
+what the backward of training differentiates.
+
+Shape letters as in layers.py: B batch, T query tokens, S key slots, K kv heads, R query heads per
+kv head, Hd head dim, W window slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl.models.cache_kinds import GroupKV, LayerKV, StackedKV, WindowKV
+from jaxrl.models.prefix_attention import MASKED_SCORE, attend_group, write_own
+
+
+def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype):
+    """-> (o_BxTxHxHd, kv updated). Queries occupy key slots index..index+T-1 (`index` a scalar, or
+    for a LayerKV also index_B: each row's own slots); a key is visible iff its slot is not after
+    the query's (causal) and `key_valid_BxS` marks it real. `layer` (traced) picks a StackedKV's
+    layer. With a GroupKV, `index` is the slot in each row's own completion buffer and
+    `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]."""
+    kind = type(kv)
+    if kind not in _ATTEND:
+        names = ", ".join(k.__name__ for k in _ATTEND)
+        raise TypeError(f"attention: a cache entry of type {kind.__name__}; expected one of {names}")
+    return _ATTEND[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype)
+
+
+def _no_cache(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype):
+    return attend_slots(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, index, dtype), None
+
+
+def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, index, layer, dtype):
+    start = (layer, 0, index, 0, 0)
+    k_all = lax.dynamic_update_slice(kv.k_LxBxSxKxHd, k_BxTxKxHd[None].astype(kv.k_LxBxSxKxHd.dtype), start)
+    v_all = lax.dynamic_update_slice(kv.v_LxBxSxKxHd, v_BxTxKxHd[None].astype(kv.v_LxBxSxKxHd.dtype), start)
+    k_BxSxKxHd = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(dtype)
+    v_BxSxKxHd = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(dtype)
+    o_BxTxHxHd = attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype)
+    return o_BxTxHxHd, StackedKV(k_all, v_all)
+
+
+def _layer(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: LayerKV, key_valid_BxS, index, layer, dtype):
+    k_buf = write_layer_kv(kv.k_BxKxSxHd, k_BxTxKxHd.swapaxes(1, 2).astype(kv.k_BxKxSxHd.dtype), index)
+    v_buf = write_layer_kv(kv.v_BxKxSxHd, v_BxTxKxHd.swapaxes(1, 2).astype(kv.v_BxKxSxHd.dtype), index)
+    o_BxTxHxHd = attend_kv_head_major(q_BxTxHxHd, k_buf.astype(dtype), v_buf.astype(dtype), key_valid_BxS, index, dtype)
+    return o_BxTxHxHd, LayerKV(k_buf, v_buf)
+
+
+def _window(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: WindowKV, key_valid_BxS, index, layer, dtype):
+    win = tuple(
+        lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), (0, 0, index, 0))
+        for buf, new in zip((kv.win_k, kv.win_v), (k_BxTxKxHd, v_BxTxKxHd))
+    )
+    o_BxTxHxHd = attend_window(
+        q_BxTxHxHd,
+        kv.k_BxKxSxHd.astype(dtype),
+        kv.v_BxKxSxHd.astype(dtype),
+        key_valid_BxS,
+        win[0].astype(dtype),
+        win[1].astype(dtype),
+        index,
+        dtype,
+    )
+    return o_BxTxHxHd, kv._replace(win_k=win[0], win_v=win[1])
+
+
+def _group(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: GroupKV, key_valid_BxS, index, layer, dtype):
+    own = tuple(write_own(buf, new, index) for buf, new in zip((kv.own_k, kv.own_v), (k_BxTxKxHd, v_BxTxKxHd)))
+    kv = kv._replace(own_k=own[0], own_v=own[1])
+    return attend_group(q_BxTxHxHd, kv, key_valid_BxS, index, dtype), kv
+
+
+_ATTEND = {type(None): _no_cache, StackedKV: _stacked, LayerKV: _layer, WindowKV: _window, GroupKV: _group}
+
+
+def attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype):
+    """Queries at slots index.. over keys laid out slot-major (this call's own, or one layer of a
+    stacked cache): the einsum form, softmax in float32."""
+    B, T, H, Hd = q_BxTxHxHd.shape
+    K, S = k_BxSxKxHd.shape[2], k_BxSxKxHd.shape[1]
+    # Group query heads by the kv head they share: head h reads kv head h // R.
+    q_BxTxKxRxHd = q_BxTxHxHd.reshape(B, T, K, H // K, Hd)
+    s_BxKxRxTxS = jnp.einsum("btkrd,bskd->bkrts", q_BxTxKxRxHd, k_BxSxKxHd, preferred_element_type=jnp.float32)
+    q_slot_T = index + jnp.arange(T)
+    causal_TxS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
+    allowed_BxTxS = causal_TxS[None] & key_valid_BxS.astype(bool)[:, None, :]
+    s_BxKxRxTxS = jnp.where(allowed_BxTxS[:, None, None], s_BxKxRxTxS, MASKED_SCORE)
+    p_BxKxRxTxS = jax.nn.softmax(s_BxKxRxTxS, axis=-1).astype(dtype)
+    o_BxTxKxRxHd = jnp.einsum("bkrts,bskd->btkrd", p_BxKxRxTxS, v_BxSxKxHd)
+    return o_BxTxKxRxHd.reshape(B, T, H, Hd)
+
+
+def write_layer_kv(buf_BxKxSxHd, new_BxKxTxHd, index):
+    """Write T new keys (or values) of every row at cache slots index..index+T-1: `index` a scalar
+    (every row at the same slots) or index_B (each row at its own, as the slot engine decodes).
+    Either way an in-place update that attention then reads, so XLA copies no cache buffer."""
+    if jnp.ndim(index) == 0:
+        return lax.dynamic_update_slice(buf_BxKxSxHd, new_BxKxTxHd, (0, 0, index, 0))
+    write = jax.vmap(lambda buf_KxSxHd, new_KxTxHd, i: lax.dynamic_update_slice(buf_KxSxHd, new_KxTxHd, (0, i, 0)))
+    return write(buf_BxKxSxHd, new_BxKxTxHd, index)
+
+
+def attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, index, dtype):
+    """Attention of queries at slots index.. (a scalar, or index_B: each row's own) over a
+    kv-head-major cache; same math as
+    `attend_slots`, laid out for XLA:CPU decode: the scores are computed keys-major (S x TR per
+    (b, k), softmax over S) and both contractions are explicit `dot_general`s, so XLA neither
+    transposes the cache nor picks a strided GEMM. Measured ~1.5x faster than the einsum form at
+    B=64, S=192 (the cache is read twice per layer per step; nothing else in decode grows with S)."""
+    B, T, H, Hd = q_BxTxHxHd.shape
+    K, S = k_BxKxSxHd.shape[1], k_BxKxSxHd.shape[2]
+    R = H // K
+    q_BxKxQxHd = q_BxTxHxHd.reshape(B, T, K, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * R, Hd)
+    batch = ((0, 1), (0, 1))
+    s_BxKxSxQ = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+    q_slot_T = jnp.asarray(index)[..., None] + jnp.arange(T)  # (T,) or, per row, (B, T)
+    causal_SxT = jnp.arange(S)[:, None] <= q_slot_T[..., None, :]  # (S, T) or (B, S, T)
+    allowed_BxSxT = causal_SxT & key_valid_BxS.astype(bool)[:, :, None]
+    s_BxKxSxTxR = jnp.where(allowed_BxSxT[:, None, :, :, None], s_BxKxSxQ.reshape(B, K, S, T, R), MASKED_SCORE)
+    s_BxKxSxQ = s_BxKxSxTxR.reshape(B, K, S, T * R)
+    # Softmax over S, normalised after the value contraction (on the small output): the max and the
+    # sum reduce a transposed view, since XLA:CPU reduces a minor axis far faster than axis 2.
+    max_BxKxQ = jnp.max(s_BxKxSxQ.swapaxes(2, 3), axis=-1)
+    e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
+    sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1)
+    o_BxKxQxHd = lax.dot_general(
+        e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch), preferred_element_type=jnp.float32
+    )
+    o_BxKxQxHd = (o_BxKxQxHd / sum_BxKxQ[..., None]).astype(dtype)
+    return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
+
+
+def attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxHd, wv_BxKxWxHd, index, dtype):
+    """Attention over the cache slots marked in cache_seen_BxS, then window slots 0..index+t for
+    the query t (one softmax over both parts, laid out as `attend_kv_head_major`)."""
+    B, T, H, Hd = q_BxTxHxHd.shape
+    K, W = k_BxKxSxHd.shape[1], wk_BxKxWxHd.shape[2]
+    R = H // K
+    q_BxKxQxHd = q_BxTxHxHd.reshape(B, T, K, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * R, Hd)
+    batch = ((0, 1), (0, 1))
+    cache_scores = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+    s_BxKxSxQ = jnp.where(cache_seen_BxS[:, None, :, None], cache_scores, MASKED_SCORE)
+    causal_WxT = jnp.arange(W)[:, None] <= index + jnp.arange(T)[None, :]
+    # The window is a few slots: a fused multiply-reduce beats B*K tiny GEMMs on XLA:CPU.
+    window_scores = jnp.sum(wk_BxKxWxHd[:, :, :, None, :].astype(jnp.float32) * q_BxKxQxHd[:, :, None], axis=-1)
+    s_BxKxWxQ = jnp.where(jnp.repeat(causal_WxT, R, axis=1)[None, None], window_scores, MASKED_SCORE)
+    max_BxKxQ = jnp.maximum(jnp.max(s_BxKxSxQ.swapaxes(2, 3), axis=-1), jnp.max(s_BxKxWxQ.swapaxes(2, 3), axis=-1))
+    e_BxKxSxQ = jnp.exp(s_BxKxSxQ - max_BxKxQ[:, :, None, :])
+    e_BxKxWxQ = jnp.exp(s_BxKxWxQ - max_BxKxQ[:, :, None, :])
+    sum_BxKxQ = jnp.sum(e_BxKxSxQ.swapaxes(2, 3), axis=-1) + jnp.sum(e_BxKxWxQ.swapaxes(2, 3), axis=-1)
+    cache_mix = lax.dot_general(
+        e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch), preferred_element_type=jnp.float32
+    )
+    window_mix = jnp.sum(e_BxKxWxQ[..., None] * wv_BxKxWxHd[:, :, :, None, :].astype(jnp.float32), axis=2)
+    o_BxKxQxHd = ((cache_mix + window_mix) / sum_BxKxQ[..., None]).astype(dtype)
+    return o_BxKxQxHd.reshape(B, K, T, R, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Hd)
