@@ -14,7 +14,7 @@ gradients match it to float32 reordering.
 
 `hidden_BxTxD` is the final-normed hidden state at the positions that predict `tokens_BxT`;
 `head_DxV` the LM head (the embedding's transpose for tied models), cast to the hidden's dtype, with
-the matmul accumulated and everything after it computed in float32 (as `transformer.Transformer`).
+the matmul accumulated and everything after it computed in float32 (as `decoder.run_decoder`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward: a router, load-balancing losses, the MoE layer and MoE blocks.
+"""Mixture-of-experts feed-forward: a router, load-balancing losses, the MoE layer and the MoE block
+(`decoder.layer_plan` places MoE blocks among the dense ones).
 
 Shape letters (this file): N tokens (B*T flattened), D model width, F expert mlp width, E experts,
 K experts per token (the router's top-k; not the kv heads of layers.py), S = N*K token-slots.
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl.models.layers import MLP, AttnOptions, Block, RMSNorm, attention_residual, logical_param
+from jaxrl.models.layers import MLP, AttnOptions, RMSNorm, attention_residual, logical_param
 from jaxrl.models.moe_dispatch import (
     ExpertParallel,
     dispatch_capacity,
@@ -189,50 +190,6 @@ class MoEBlock(nn.Module):
         K = self.spec.experts_per_token
         st = st._replace(experts_NxK=st.experts_NxK.reshape(B, T, K), topk_NxK=st.topk_NxK.reshape(B, T, K))
         return (x_BxTxD + y_BxTxD, kv, layer + 1), st
-
-
-class BlockGroup(nn.Module):
-    """`n_dense` dense blocks then one MoE block: the scan body of an MoE decoder (every
-    (n_dense+1)-th layer is MoE). Params: `dense_0`.. and `moe`."""
-
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    rope_theta: float
-    eps: float
-    spec: MoESpec
-    n_dense: int
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT):
-        for j in range(self.n_dense):
-            carry, _ = Block(
-                self.d_model,
-                self.n_heads,
-                self.n_kv_heads,
-                self.head_dim,
-                self.mlp_dim,
-                self.rope_theta,
-                self.eps,
-                self.dtype,
-                self.spec.attn_opts,
-                name=f"dense_{j}",
-            )(carry, positions_BxT, key_valid_BxS, index)
-        block = MoEBlock(
-            self.d_model,
-            self.n_heads,
-            self.n_kv_heads,
-            self.head_dim,
-            self.rope_theta,
-            self.eps,
-            self.spec,
-            self.dtype,
-            name="moe",
-        )
-        return block(carry, replay_BxTxK, positions_BxT, key_valid_BxS, index, mask_BxT)
 
 
 def routing_mismatch(recorded_BxSxLxK, own_LxBxSxK, first_slot: int, n: int) -> jax.Array:
