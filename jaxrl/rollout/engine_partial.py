@@ -58,7 +58,15 @@ def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_m
     written_SxC = fed_mask(spec, state, prompt_mask_SxP)
     fresh = tuple((jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in state.cache.kv)
     _, kv_new, experts_SxCxLxK = _run_layers(
-        layer_params(params, cfg), cfg, seq_SxC, fresh, positions_from_mask(written_SxC), written_SxC, 0, cfg.n_layers
+        layer_params(params, cfg),
+        cfg,
+        seq_SxC,
+        fresh,
+        positions_from_mask(written_SxC),
+        written_SxC,
+        0,
+        cfg.n_layers,
+        spec.expert_parallel,
     )
     take_SxC = written_SxC & jnp.asarray(redo_S, bool)[:, None]
 

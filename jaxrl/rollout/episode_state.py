@@ -46,7 +46,15 @@ def _history_cache(params, spec: EngineSpec, prompt_RxP, prompt_mask_RxP, tokens
     dtype = jnp.dtype(cfg.dtype)
     fresh = tuple((jnp.zeros((R, cfg.n_kv_heads, C, cfg.head_dim), dtype),) * 2 for _ in range(cfg.n_layers))
     _, kv, experts_RxCxLxK = _run_layers(
-        layer_params(params, cfg), cfg, seq_RxC, fresh, positions_from_mask(written_RxC), written_RxC, 0, cfg.n_layers
+        layer_params(params, cfg),
+        cfg,
+        seq_RxC,
+        fresh,
+        positions_from_mask(written_RxC),
+        written_RxC,
+        0,
+        cfg.n_layers,
+        spec.expert_parallel,
     )
     if experts_RxCxLxK is not None:
         experts_RxCxLxK = jnp.where(written_RxC[:, :, None, None], experts_RxCxLxK, 0)
