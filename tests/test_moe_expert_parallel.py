@@ -1,8 +1,9 @@
 """Expert-parallel dropless dispatch (shard_map + all_to_all) on 8 fake CPU devices, in a subprocess
-(the device count must be set before jax is imported: harness.child_env): equals the single-device naive loop, outputs
-and gradients, with every expert weight really split one expert per device; and a tiny MoE model's update steps
-under the fsdp_expert preset equal one device's. Both checks run in ONE child: starting a Python that imports
-jax and jaxrl on 8 fake devices costs seconds, and nothing here needs two processes."""
+(the device count must be set before jax is imported: harness.child_env): equals the single-device naive loop,
+outputs and gradients, with every expert weight really split one expert per device; and a tiny MoE model's update
+steps and rollouts (plain, speculative, slot engine) under the fsdp_expert preset equal one device's. All checks run
+in ONE child: starting a Python that imports jax and jaxrl on 8 fake devices costs seconds, and nothing here needs
+two processes."""
 
 import pytest
 from harness import child_env, run_python
@@ -141,6 +142,103 @@ assert got.completion_mask_BxT.sum() > n_prompts * G2  # rows drew more than one
 print("rollout OK")
 """
 
+SPEC_SCRIPT = r"""
+import dataclasses, inspect
+from jaxrl.config import SpeculativeConfig
+from jaxrl.models import moe
+from jaxrl.rollout.speculative import sample_speculative
+
+# From here on, every MoE layer traced expert-parallel passes through this spy; the functions on the stack
+# when it is called say which forward of which path went expert-parallel (a path that lost the axis calls
+# one-device dropless dispatch instead, and is missing from the record).
+ep_sites = []
+_dispatch = moe.dispatch_expert_parallel
+def _spy(*args, **kwargs):
+    ep_sites.append({f.function for f in inspect.stack()})
+    return _dispatch(*args, **kwargs)
+moe.dispatch_expert_parallel = _spy
+def expect_ep_in(*names):
+    missing = [n for n in names if not any(n in s for s in ep_sites)]
+    assert not missing, ("not expert-parallel:", missing)
+    ep_sites.clear()
+
+# The loop's speculative rollout (SamplerSource, early-exit drafts always taken) under fsdp_expert: the
+# prefill, the drafter's and the verify forwards are expert-parallel and it draws what one device draws.
+spec = SpeculativeConfig(enabled=True, draft_layers=1, max_draft=3, adaptive=False, calibrate=False)
+spec_cfg = Config(data=DataConfig(max_prompt_len=P), rollout=dataclasses.replace(rollout_cfg, speculative=spec))
+prior = np.float32(spec.initial_acceptance)
+want, want_stats = sample_speculative(
+    base, cfg, prompt_NxP, pmask_NxP, key, spec=spec, group_size=G2, max_new_tokens=T, temperature=1.0, eos_id=2,
+    pad_id=0, acceptance_prior=prior, reuse_acceptance_prior=prior,
+)
+assert not ep_sites  # one device: nothing expert-parallel
+source = SamplerSource(spec_cfg, cfg, tok, mesh, preset, param_sh, params, key, {}, None)
+got, metrics = source.produce(params, prompt_NxP, pmask_NxP, key, 1)
+expect_ep_in("_prefill_prompts", "_self_draft", "_verify")
+assert int(want_stats.self_steps) > 0 and metrics["spec/speculated_frac"] == 1.0, metrics
+np.testing.assert_array_equal(got.tokens_BxT, want.tokens_BxT)
+np.testing.assert_array_equal(np.asarray(got.routing_BxSxLxK), want.routing_BxSxLxK)
+np.testing.assert_allclose(got.logp_BxT, want.logp_BxT, atol=1e-5, rtol=0)
+assert metrics["spec/acceptance_estimate"] == float(want_stats.acceptance)
+print("speculative OK", flush=True)
+"""
+
+ENGINE_SCRIPT = r"""
+import functools
+from jaxrl.config import EngineConfig
+from jaxrl.rollout import engine_partial, engine_speculative, engine_state, episode_state
+from jaxrl.rollout.engine import Engine, assemble_batch
+from jaxrl.train.evaluate import make_chunk_sampler
+
+# The slot engine, greedy: 6 groups of 2 through 8 slots draw what one device draws.
+ep = expert_parallel(mesh, preset)
+items = [(i, prompt_NxP[i][pmask_NxP[i] > 0]) for i in range(6)]
+def run_engine(p, ep):
+    engine = Engine(
+        cfg, EngineConfig(slots=8, chunk=2, admit_groups=4), group_size=2, prompt_len=P, max_new_tokens=T,
+        temperature=1.0, eos_id=2, pad_id=0, rng=jax.random.key(3), greedy=True, expert_parallel=ep,
+    )
+    return engine, assemble_batch(sorted(engine.collect(p, 0, items, n_groups=6), key=lambda g: g.tag))
+
+_, want = run_engine(base, None)
+assert not ep_sites
+engine, got = run_engine(params, ep)
+expect_ep_in("_admit", "_decode_step")
+for name in ("tokens_BxT", "completion_mask_BxT", "version_BxT", "routing_BxSxLxK"):
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+np.testing.assert_allclose(got["rollout_logp_BxT"], want["rollout_logp_BxT"], atol=1e-5, rtol=0)
+assert len(got["tokens_BxT"]) == 12 and got["completion_mask_BxT"].sum() > 12  # slots reused; several steps each
+
+# The engine's other kernels, traced only (compiling them on 8 devices costs seconds each; their model
+# forwards, `window_layers` and `run_decoder`, are compared with one device's above and in SPEC_SCRIPT):
+# speculative tail chunks (4 of 8 slots), episode placement (multi-turn) and re-prefill (partial rollouts).
+lparams = engine_state.split_params(params, cfg)
+spec_S = engine_speculative.speculative_spec(
+    engine.spec, SpeculativeConfig(enabled=True, draft_layers=1, max_draft=3, max_active_rows=4)
+)
+flat = engine_state.EngineSpec(cfg, 8, P, T, 1, 2, 0, greedy=True, slot_keys=True, expert_parallel=ep)
+def blank(spec):
+    return jax.eval_shape(functools.partial(engine_state.init_state, spec), key)
+R, rows = 4, np.arange(4, dtype=np.int32)
+tok_RxT, f_RxT = np.zeros((R, T), np.int32), np.zeros((R, T), np.float32)
+traced = [
+    engine_speculative.speculative_rows_chunk.trace(lparams, spec_S, blank(spec_S), rows, 2, 0, 1.0),
+    episode_state.place.trace(
+        params, flat, blank(flat), rows, prompt_NxP[:R], pmask_NxP[:R], tok_RxT, f_RxT, f_RxT, tok_RxT, rows,
+        jax.random.split(key, R),
+    ),
+    engine_partial.reprefill.trace(params, flat, blank(flat), prompt_NxP, pmask_NxP, np.ones(8, bool)),
+]
+assert all("all_to_all" in str(x.jaxpr) for x in traced)
+expect_ep_in("_draft", "_speculative_step", "_history_cache", "reprefill")
+
+# The evaluator's sampler (greedy, its own jit of the sampler) takes the axis too.
+sampler = make_chunk_sampler(run_cfg, cfg, tok, group_size=1, greedy=True, expert_parallel=ep)
+assert "all_to_all" in str(sampler.trace(params, prompt_BxP=prompt_NxP, prompt_mask_BxP=pmask_NxP, rng=key).jaxpr)
+expect_ep_in("shared_step")
+print("engine OK", flush=True)
+"""
+
 
 @pytest.mark.slow
 def test_expert_parallel_dispatch_and_moe_model_under_fsdp_expert_on_8_fake_devices():
@@ -149,9 +247,14 @@ def test_expert_parallel_dispatch_and_moe_model_under_fsdp_expert_on_8_fake_devi
     dropless dispatch becomes expert-parallel (an all-to-all in the compiled step) and the losses and
     parameters equal one device's; a context mesh alone (`jax.set_mesh`) no longer changes the layer.
     ROLLOUT_SCRIPT: the loop's rollout under the same preset gets the same axis, is expert-parallel too,
-    and draws one device's tokens, routing and log-probs."""
-    proc = run_python(["-c", SCRIPT + MODEL_SCRIPT + ROLLOUT_SCRIPT], child_env(devices=8), check=False)
+    and draws one device's tokens, routing and log-probs. SPEC_SCRIPT: the same for the loop's speculative
+    rollout (prefill, drafts, verify forwards). ENGINE_SCRIPT: the slot engine (admission, decode steps) is
+    expert-parallel and draws one device's tokens; its speculative chunks, episode placement, re-prefill and
+    the evaluator's sampler trace expert-parallel forwards (a spy on the dispatch names each call site)."""
+    scripts = SCRIPT + MODEL_SCRIPT + ROLLOUT_SCRIPT + SPEC_SCRIPT + ENGINE_SCRIPT
+    proc = run_python(["-c", scripts], child_env(devices=8), check=False)
     out = proc.stdout.splitlines()
-    assert proc.returncode == 0 and "dispatch OK" in out and "model OK" in out and out[-1] == "rollout OK", (
+    done = ("dispatch OK", "model OK", "rollout OK", "speculative OK")
+    assert proc.returncode == 0 and all(d in out for d in done) and out[-1] == "engine OK", (
         proc.stdout[-2000:] + proc.stderr[-3000:]
     )

@@ -56,16 +56,21 @@ def split_records(cfg: Config, task, prompts: int | None) -> list[dict]:
     return [task.test[i] for i in range(prompts or n)]
 
 
-def greedy_metrics(cfg: Config, policy: Policy, records: list[dict], verifier, out_sharding) -> dict:
-    """The trainer's held-out evaluator over these records: greedy accuracy, format, response length."""
-    evaluate = make_evaluator(cfg, policy.model_cfg, policy.tokenizer, records, verifier, out_sharding=out_sharding)
+def greedy_metrics(cfg: Config, policy: Policy, records: list[dict], verifier, out_sharding, ep=None) -> dict:
+    """The trainer's held-out evaluator over these records: greedy accuracy, format, response length.
+    ep (MoE): the experts' mesh axis (`sharding.expert_parallel`)."""
+    evaluate = make_evaluator(
+        cfg, policy.model_cfg, policy.tokenizer, records, verifier, out_sharding=out_sharding, expert_parallel=ep
+    )
     with tqdm(total=len(records), desc="greedy", unit="prompt", disable=not cfg.train.progress) as bar:
         found = evaluate(policy.params, on_chunk=bar.update)
     return {f"greedy/{k.split('/', 1)[1]}": v for k, v in found.items()}
 
 
-def sampled_metrics(cfg: Config, policy: Policy, records: list[dict], verifier, req: EvalRequest, out_sharding) -> dict:
-    """pass@k and maj@k from K samples per prompt, and the samples' format and length."""
+def sampled_metrics(
+    cfg: Config, policy: Policy, records: list[dict], verifier, req: EvalRequest, out_sharding, ep=None
+) -> dict:
+    """pass@k and maj@k from K samples per prompt, and the samples' format and length (ep: as greedy_metrics)."""
     K, B = req.samples, len(records)
     temperature = cfg.rollout.temperature if req.temperature is None else req.temperature
     _, tok_BxP, mask_BxP = encode_records(cfg, policy.tokenizer, records, "test prompts")
@@ -73,7 +78,7 @@ def sampled_metrics(cfg: Config, policy: Policy, records: list[dict], verifier, 
     chunk = min(B, max(1, max(EVAL_CHUNK, cfg.rollout.prompts_per_step * cfg.rollout.group_size) // K))
     sampler = make_chunk_sampler(
         cfg, policy.model_cfg, policy.tokenizer, group_size=K, greedy=False, temperature=temperature,
-        out_sharding=out_sharding,
+        out_sharding=out_sharding, expert_parallel=ep,
     )  # fmt: skip
     rng = jax.random.key(req.seed)
     with tqdm(total=B, desc=f"sampling {K} per prompt", unit="prompt", disable=not cfg.train.progress) as bar:
@@ -111,7 +116,7 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
     """Score the located policy on the config's test split; write the JSON report. -> (report, its path)."""
     from jaxrl.agents import is_agent_task
     from jaxrl.data.tasks import load_task
-    from jaxrl.sharding import make_mesh, replicated
+    from jaxrl.sharding import expert_parallel, make_mesh, replicated
 
     check_request(req)
     if is_agent_task(cfg.data.task):
@@ -125,9 +130,9 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
     mesh, preset = make_mesh(cfg.mesh)
     policy = load_policy(cfg, located, mesh, preset, task, cfg.train.progress)
     kept, _, _ = encode_records(cfg, policy.tokenizer, records, "test prompts")
-    rep = replicated(mesh)
-    metrics = greedy_metrics(cfg, policy, kept, task.verifier, rep)
-    metrics.update(sampled_metrics(cfg, policy, kept, task.verifier, req, rep))
+    rep, ep = replicated(mesh), expert_parallel(mesh, preset)  # MoE: experts split as training splits them
+    metrics = greedy_metrics(cfg, policy, kept, task.verifier, rep, ep)
+    metrics.update(sampled_metrics(cfg, policy, kept, task.verifier, req, rep, ep))
     report = {
         "config": req.config_path,
         "source": {"kind": located.kind, "path": None if located.path is None else str(located.path)},

@@ -55,6 +55,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout import engine_speculative
 from jaxrl.rollout.engine_checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine_groups import (
@@ -102,7 +103,10 @@ class Engine:
         greedy: bool = False,
         speculative: SpeculativeConfig | None = None,
         draft_ids=None,
+        expert_parallel: ExpertParallel | None = None,
     ):
+        """expert_parallel (MoE): the experts' mesh axis (`sharding.expert_parallel`), the one the
+        update is given; every engine forward dispatches with it (None: one device)."""
         engine_cfg.validate()
         if engine_cfg.slots < group_size:
             raise ConfigError(
@@ -112,7 +116,17 @@ class Engine:
         check_temperature(temperature)
         self.ecfg, self.temperature = engine_cfg, float(temperature)
         self.spec = EngineSpec(
-            model_cfg, engine_cfg.slots, prompt_len, max_new_tokens, group_size, eos_id, pad_id, top_k, top_p, greedy
+            model_cfg,
+            engine_cfg.slots,
+            prompt_len,
+            max_new_tokens,
+            group_size,
+            eos_id,
+            pad_id,
+            top_k,
+            top_p,
+            greedy,
+            expert_parallel=expert_parallel,
         )
         self.counts = {
             "chunks": 0,
@@ -140,9 +154,19 @@ class Engine:
 
     @classmethod
     def from_config(
-        cls, cfg, *, prompt_len: int, eos_id: int, pad_id: int, rng, greedy: bool = False, draft_ids=None
+        cls,
+        cfg,
+        *,
+        prompt_len: int,
+        eos_id: int,
+        pad_id: int,
+        rng,
+        greedy: bool = False,
+        draft_ids=None,
+        expert_parallel: ExpertParallel | None = None,
     ) -> Engine:
-        """The engine a run's `Config` describes (model, rollout.* and rollout.engine.*)."""
+        """The engine a run's `Config` describes (model, rollout.* and rollout.engine.*); MoE: with
+        the run's `expert_parallel(mesh, preset)`."""
         rc = cfg.rollout
         return cls(
             cfg.model,
@@ -159,6 +183,7 @@ class Engine:
             greedy=greedy,
             speculative=rc.speculative,
             draft_ids=draft_ids,
+            expert_parallel=expert_parallel,
         )
 
     def to_state(self) -> tuple[dict, dict]:

@@ -59,7 +59,14 @@ def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_m
     written_SxC = fed_mask(spec, state, prompt_mask_SxP)
     fresh = tuple(LayerKV(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in state.cache.kv)
     _, kv_new, moe = run_decoder(
-        layer_params(params, cfg), cfg, seq_SxC, positions_from_mask(written_SxC), written_SxC, 0, fresh
+        layer_params(params, cfg),
+        cfg,
+        seq_SxC,
+        positions_from_mask(written_SxC),
+        written_SxC,
+        0,
+        fresh,
+        expert_parallel=spec.expert_parallel,
     )
     experts_SxCxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
     take_SxC = written_SxC & jnp.asarray(redo_S, bool)[:, None]

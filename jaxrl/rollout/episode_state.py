@@ -47,7 +47,14 @@ def _history_cache(params, spec: EngineSpec, prompt_RxP, prompt_mask_RxP, tokens
     dtype = jnp.dtype(cfg.dtype)
     fresh = tuple(LayerKV(*(jnp.zeros((R, cfg.n_kv_heads, C, cfg.head_dim), dtype),) * 2) for _ in range(cfg.n_layers))
     _, kv, moe = run_decoder(
-        layer_params(params, cfg), cfg, seq_RxC, positions_from_mask(written_RxC), written_RxC, 0, fresh
+        layer_params(params, cfg),
+        cfg,
+        seq_RxC,
+        positions_from_mask(written_RxC),
+        written_RxC,
+        0,
+        fresh,
+        expert_parallel=spec.expert_parallel,
     )
     experts_RxCxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
     if experts_RxCxLxK is not None:

@@ -57,6 +57,7 @@ import numpy as np
 from jaxrl.config import ModelConfig
 from jaxrl.config_agent import AgentConfig
 from jaxrl.config_rollout import EngineConfig
+from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout.engine_groups import left_pad
 from jaxrl.rollout.engine_state import EngineSpec, decode_chunk, host_slots, init_state, split_params
 from jaxrl.rollout.episode_records import Episode, EpisodeGroup, StepOutcome, env_step, episode_group, episode_keys
@@ -88,7 +89,9 @@ class EpisodeEngine:
         speculative=None,
         park_batch: int = 4,
         place_rows: int = 4,
+        expert_parallel: ExpertParallel | None = None,
     ):
+        """expert_parallel (MoE): the experts' mesh axis, as the update's (None: one device)."""
         engine_cfg.validate()
         agent_cfg.validate()
         if speculative is not None and speculative.enabled:
@@ -121,6 +124,7 @@ class EpisodeEngine:
             greedy,
             stop_ids=(eot[0],),
             slot_keys=True,
+            expert_parallel=expert_parallel,
         )
         self.stats = dict(
             chunks=0,

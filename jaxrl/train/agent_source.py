@@ -64,9 +64,12 @@ def check_agent_config(cfg: Config) -> None:
         )
 
 
-def make_episode_engine(cfg: Config, model_cfg, tokenizer, suite, *, greedy: bool = False) -> EpisodeEngine:
+def make_episode_engine(
+    cfg: Config, model_cfg, tokenizer, suite, *, greedy: bool = False, expert_parallel=None
+) -> EpisodeEngine:
     """The episode engine a run's config describes (rollout.*, rollout.engine.slots/chunk, agent.*); its
-    tool format follows the tokenizer (jaxrl.agents.formats: Hermes for a Hugging Face checkpoint)."""
+    tool format follows the tokenizer (jaxrl.agents.formats: Hermes for a Hugging Face checkpoint).
+    expert_parallel (MoE): the run's `sharding.expert_parallel(mesh, preset)`, as the update's."""
     rc = cfg.rollout
     fmt, end_of_turn = episode_format(cfg, tokenizer, suite)
     check_prompt_fits(cfg, tokenizer, suite, fmt)
@@ -83,6 +86,7 @@ def make_episode_engine(cfg: Config, model_cfg, tokenizer, suite, *, greedy: boo
         top_k=0 if greedy else rc.top_k,
         top_p=1.0 if greedy else rc.top_p,
         greedy=greedy,
+        expert_parallel=expert_parallel,
     )
 
 
@@ -155,11 +159,11 @@ def timing_metrics(stats: dict, before: dict) -> dict:
 class AgentSource:
     """The step's episode groups, scored by their environments (see the module docstring)."""
 
-    def __init__(self, cfg: Config, model_cfg, tokenizer, task, suite, host: dict):
+    def __init__(self, cfg: Config, model_cfg, tokenizer, task, suite, host: dict, expert_parallel=None):
         del host  # nothing to restore: no episode outlives its step
         check_agent_config(cfg)
         self.cfg, self.task = cfg, task
-        self.engine = make_episode_engine(cfg, model_cfg, tokenizer, suite)
+        self.engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, expert_parallel=expert_parallel)
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
         """`rng` is unused: the episodes' environment seeds and token keys come from (train.seed, step,
@@ -203,11 +207,11 @@ class AgentSource:
         return {}
 
 
-def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list[dict]):
+def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list[dict], expert_parallel=None):
     """evaluate(params) -> eval/accuracy (greedy episodes' success rate on the test records), eval/return,
     eval/turns, eval/tool_calls, eval/response_len (model tokens per episode). Environment seeds are
     fixed, so a slippery environment plays the same dice at every evaluation."""
-    engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, greedy=True)
+    engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, greedy=True, expert_parallel=expert_parallel)
 
     def evaluate(params) -> dict:
         # seed (train.seed, 0): training steps use (train.seed, step >= 1)

@@ -16,6 +16,7 @@ import numpy as np
 from jaxrl.config import Config, ConfigError, ModelConfig
 from jaxrl.data.rewards import score
 from jaxrl.data.tokenizer import encode_prompts
+from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout.sampler import sample
 from jaxrl.train.batching import decode_completions, prompt_width
 
@@ -60,9 +61,11 @@ def make_chunk_sampler(
     greedy: bool,
     temperature: float = 1.0,
     out_sharding=None,
+    expert_parallel: ExpertParallel | None = None,
 ) -> Callable:
     """jit(sample): (params, prompt_BxP, prompt_mask_BxP, rng) -> SampleOutput with G rows per prompt,
-    drawn as the rollout draws them (rollout.max_new_tokens, top_k, top_p; greedy ignores the last two)."""
+    drawn as the rollout draws them (rollout.max_new_tokens, top_k, top_p; greedy ignores the last two;
+    MoE: `expert_parallel`, the run's `sharding.expert_parallel(mesh, preset)`, as the rollout's)."""
     rc = cfg.rollout
     return jax.jit(
         functools.partial(
@@ -76,6 +79,7 @@ def make_chunk_sampler(
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
             greedy=greedy,
+            expert_parallel=expert_parallel,
         ),
         **({} if out_sharding is None else {"out_shardings": out_sharding}),
     )
@@ -106,15 +110,25 @@ def sample_in_chunks(sampler: Callable, params, tok_BxP, mask_BxP, chunk: int, r
     return np.concatenate(tokens)[:rows], np.concatenate(finished)[:rows], np.concatenate(lengths)[:rows]
 
 
-def make_evaluator(cfg: Config, model_cfg: ModelConfig, tokenizer, records: list[dict], verifier, out_sharding=None):
+def make_evaluator(
+    cfg: Config,
+    model_cfg: ModelConfig,
+    tokenizer,
+    records: list[dict],
+    verifier,
+    out_sharding=None,
+    expert_parallel: ExpertParallel | None = None,
+):
     """Returns evaluate(params, on_chunk=None) -> {'eval/accuracy', 'eval/format', 'eval/response_len'}.
 
     `out_sharding` (e.g. replicated over the mesh): where the completions land, so that every process
     of a multi-process run can read them whatever the params' layout. `on_chunk(n)`: called after each
-    chunk of n prompts (a progress bar)."""
+    chunk of n prompts (a progress bar). `expert_parallel` (MoE): the experts' mesh axis, as the rollout's."""
     records, tok_BxP, mask_BxP = encode_records(cfg, tokenizer, records)
     chunk = min(EVAL_CHUNK, len(records))
-    greedy = make_chunk_sampler(cfg, model_cfg, tokenizer, group_size=1, greedy=True, out_sharding=out_sharding)
+    greedy = make_chunk_sampler(
+        cfg, model_cfg, tokenizer, group_size=1, greedy=True, out_sharding=out_sharding, expert_parallel=expert_parallel
+    )
     key = jax.random.key(0)  # unused by greedy decoding, but part of the signature
 
     def evaluate(params, on_chunk=None) -> dict:

@@ -241,14 +241,15 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
     engine or the static sampler, each with its held-out evaluation. policy_rng: the params the
     rollout uses (for shapes and step costs) and the state's RNG."""
     mesh, preset, param_sh, rep = layout
+    ep = expert_parallel(mesh, preset)  # MoE: every rollout and evaluation forward takes the update's axis
     if is_agent_task(cfg.data.task):  # multi-turn episodes (jaxrl.train.agent_source)
         suite = load_suite(cfg.data.task)
         return (
-            AgentSource(cfg, model_cfg, tokenizer, task, suite, host),
-            make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test)),
+            AgentSource(cfg, model_cfg, tokenizer, task, suite, host, ep),
+            make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test), ep),
         )
     if cfg.rollout.engine.enabled:
-        source = EngineSource(cfg, model_cfg, tokenizer, task, host)
+        source = EngineSource(cfg, model_cfg, tokenizer, task, host, ep)
     else:
         source = StaticSource(
             cfg,
@@ -268,7 +269,8 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
             tokenizer,
             rows,
         )
-    evaluate = make_evaluator(cfg, model_cfg, tokenizer, eval_records(cfg, task.test), task.verifier, out_sharding=rep)
+    records = eval_records(cfg, task.test)
+    evaluate = make_evaluator(cfg, model_cfg, tokenizer, records, task.verifier, out_sharding=rep, expert_parallel=ep)
     return source, evaluate
 
 

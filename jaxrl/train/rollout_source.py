@@ -112,7 +112,15 @@ class SamplerSource:
                     params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, **sample_kw, expert_parallel=ep
                 ), None
             return sample_speculative(
-                params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, spec=spec, **sample_kw, **spec_in
+                params,
+                model_cfg,
+                prompt_BxP,
+                prompt_mask_BxP,
+                rng,
+                spec=spec,
+                **sample_kw,
+                **spec_in,
+                expert_parallel=ep,
             )
 
         prompts_spec = jax.ShapeDtypeStruct((self.n_prompts, width), jnp.int32)
