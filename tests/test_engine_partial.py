@@ -10,11 +10,13 @@ import pytest
 from test_engine import CFG, MOE, NEVER, PAD, G, P, T, _eos, _items, _params, _plain, _prompts
 
 from jaxrl import config as C
-from jaxrl.config import ConfigError, EngineConfig
+from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
+from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.rollout import engine_state as es
 from jaxrl.rollout.engine import Engine, assemble_batch, left_pad
 from jaxrl.rollout.engine_partial import fed_mask, release_slots, reprefill
+from jaxrl.rollout.engine_speculative import speculative_spec
 
 
 def _engine(max_staleness=-1, reprefill=False, slots=6, chunk=1, eos=None, greedy=True, seed=0, temperature=1.0):
@@ -199,6 +201,31 @@ def test_reprefill_equals_a_clean_prefill_under_the_new_params(cfg, greedy):
     np.testing.assert_array_equal(np.asarray(state.version_SxT)[1:3], [[0] * K + [1] * (T - K)] * 2)
     _, under_a, _, _ = _after_k_under_a(greedy, redo=False, cfg=cfg)
     np.testing.assert_array_equal(np.asarray(state.logp_SxT)[1:3, :K], np.asarray(under_a.logp_SxT)[1:3, :K])
+
+
+def test_reprefill_on_a_speculative_engine_writes_the_plain_engines_keys():
+    """A speculative engine's cache has room for the verify window past P + T; re-prefill fills the
+    fed slots as the plain engine's does and leaves that room alone (it used to fail on the shapes)."""
+    spec, state, prompt_SxP, mask_SxP = _after_k_under_a()
+    spec_s = speculative_spec(spec, SpeculativeConfig(enabled=True, draft_layers=1, max_draft=2))
+    room = spec_s.cache_len - spec.cache_len
+    assert room > 0
+
+    def widen(x_SxKvxCxHd):  # the plain state's buffers with the speculative engine's room, zeroed
+        return jnp.pad(x_SxKvxCxHd, ((0, 0), (0, 0), (0, room), (0, 0)))
+
+    assert state.routing_SxCxLxK is None  # CFG is dense: no routing record to widen
+    wide = jax.tree.map(jnp.copy, state)  # reprefill donates its state: each call gets its own
+    kv = tuple(LayerKV(widen(k), widen(v)) for k, v in wide.cache.kv)
+    wide = wide._replace(cache=wide.cache._replace(kv=kv, valid_BxS=jnp.pad(wide.cache.valid_BxS, ((0, 0), (0, room)))))
+    redo_S = np.asarray([0, 1, 1, 0], bool)
+    got = reprefill(_params(), spec_s, wide, prompt_SxP, mask_SxP, redo_S)
+    want = reprefill(_params(), spec, state, prompt_SxP, mask_SxP, redo_S)
+    C = spec.cache_len
+    for got_kv, want_kv in zip(got.cache.kv, want.cache.kv):
+        for buf, ref in zip(got_kv, want_kv):
+            np.testing.assert_allclose(np.asarray(buf)[:, :, :C], np.asarray(ref), atol=1e-5, rtol=0)
+            np.testing.assert_array_equal(np.asarray(buf)[:, :, C:], 0.0)
 
 
 def test_without_reprefill_the_cache_keeps_the_old_params_keys():

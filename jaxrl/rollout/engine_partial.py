@@ -56,6 +56,8 @@ def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_m
         raise ValueError(f"prompt_SxP: shape {prompt_SxP.shape}, expected (slots, prompt_len)={(S, spec.prompt_len)}")
     # Cache slot j holds the input fed there: prompt token j (j < P), completion token j - P after.
     seq_SxC = jnp.concatenate([jnp.asarray(prompt_SxP, jnp.int32), state.tokens_SxT], axis=1)
+    # A speculative engine's cache has room past P + T for the verify window: slots no input reaches.
+    seq_SxC = jnp.pad(seq_SxC, ((0, 0), (0, spec.cache_len - seq_SxC.shape[1])))
     written_SxC = fed_mask(spec, state, prompt_mask_SxP)
     fresh = tuple(LayerKV(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in state.cache.kv)
     _, kv_new, moe = run_decoder(
