@@ -268,6 +268,47 @@ def test_moe_forward_equals_prefill_and_decode_paths():
         np.testing.assert_array_equal(ex[:, 0, 0], experts[0, :, P + t])
 
 
+@pytest.mark.slow
+def test_one_forward_per_layer_layout_equals_scanned_and_replays_routing():
+    """`run_decoder` on per-layer params (the decode loops' layout, here without a cache) gives the
+    scanned layout's logits, experts and MoE losses (an MoE group then a dense tail layer); routing
+    replay is an input of both: each then uses the replayed experts, and the logits agree again."""
+    cfg = dataclasses.replace(MCFG, n_layers=3, dense_tail_layers=1)
+    params = tf.init_params(cfg, jax.random.PRNGKey(2))
+    lparams = decode.layer_params(params, cfg)
+    assert isinstance(lparams["blocks"], tuple) and len(lparams["tail"]) == 1
+    rng = np.random.default_rng(8)
+    seq_BxS = jnp.asarray(rng.integers(1, 29, (3, 7)), jnp.int32)
+    mask_BxS = jnp.asarray(np.arange(7)[None] >= np.array([[2], [0], [4]]))
+    run = jax.jit(run_decoder, static_argnames="cfg")
+    args = (seq_BxS, tf.positions_from_mask(mask_BxS), mask_BxS)
+    scanned, _, s_moe = run(params, cfg, *args, moe_mask_BxT=mask_BxS)
+    unrolled, kv, u_moe = run(lparams, cfg, *args, moe_mask_BxT=mask_BxS)
+    assert kv == (None, None, None) and s_moe is not None and u_moe is not None
+    np.testing.assert_allclose(unrolled, scanned, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(u_moe.experts_LxBxTxK, s_moe.experts_LxBxTxK)
+    np.testing.assert_allclose(u_moe.aux_loss, s_moe.aux_loss, rtol=1e-6)
+    replay_LxBxSxK = jnp.asarray(np.argsort(rng.random((1, 3, 7, 4)), axis=-1)[..., :2], jnp.int32)
+    assert np.any(np.asarray(replay_LxBxSxK) != np.asarray(s_moe.experts_LxBxTxK))
+    s_rep, _, s_rep_moe = run(params, cfg, *args, replay_LxBxTxK=replay_LxBxSxK, moe_mask_BxT=mask_BxS)
+    u_rep, _, u_rep_moe = run(lparams, cfg, *args, replay_LxBxTxK=replay_LxBxSxK, moe_mask_BxT=mask_BxS)
+    for out in (s_rep_moe, u_rep_moe):
+        np.testing.assert_array_equal(out.experts_LxBxTxK, replay_LxBxSxK)
+    np.testing.assert_allclose(u_rep, s_rep, atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(s_rep) - np.asarray(scanned)).max() > 1e-3  # the replay changed the forward
+
+
+def test_one_forward_names_the_cache_kinds_it_takes():
+    """A per-layer cache entry must be a typed kind: a bare (k, v) tuple is refused by name."""
+    params = decode.layer_params(_mparams(), MCFG)
+    k_BxKxSxHd = jnp.zeros((1, 2, 4, 8))
+    tokens_1x1 = jnp.ones((1, 1), jnp.int32)
+    with pytest.raises(TypeError, match="type tuple; expected one of .*LayerKV"):
+        run_decoder(params, MCFG, tokens_1x1, tokens_1x1, jnp.ones((1, 4), bool), 0, [(k_BxKxSxHd, k_BxKxSxHd)] * 2)
+    with pytest.raises(ValueError, match="n_layers=1 needs per-layer params"):
+        run_decoder(_mparams(), MCFG, tokens_1x1, tokens_1x1, jnp.ones((1, 1), bool), n_layers=1)
+
+
 class _ZeroLoss:
     """A loss whose token part is 0: what remains of the update's loss is the MoE router penalty."""
 

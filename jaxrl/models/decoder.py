@@ -159,9 +159,11 @@ def _scanned(params, cfg: ModelConfig, x_BxTxD, kv, call: _Call, replay_LxBxTxK,
     return x_BxTxD, kv, stats
 
 
-def _unrolled(lparams, cfg: ModelConfig, x_BxTxD, kv_layers: Sequence[Any], call: _Call, replay_LxBxTxK, n_layers, ep):
-    """The first n_layers layers one by one, layer i on its own params and kv_layers[i]."""
-    kv_out, stats = list(kv_layers), []
+def _unrolled(lparams, cfg: ModelConfig, x_BxTxD, kv_layers: Sequence[Any] | None, call: _Call, replay_LxBxTxK, n_layers, ep):
+    """The first n_layers layers one by one, layer i on its own params and kv_layers[i] (None: no cache)."""
+    kv_out, stats = [None] * n_layers if kv_layers is None else list(kv_layers), []
+    if len(kv_out) < n_layers:
+        raise ValueError(f"run_decoder: kv has {len(kv_out)} per-layer entries, {n_layers} layers run")
     no_layer = jnp.zeros((), jnp.int32)  # each layer has its own cache entry: no stacked slice to pick
     for i, s in enumerate(layer_plan(cfg)[:n_layers]):
         p = lparams[s.stack][s.unit]
