@@ -159,7 +159,9 @@ def _scanned(params, cfg: ModelConfig, x_BxTxD, kv, call: _Call, replay_LxBxTxK,
     return x_BxTxD, kv, stats
 
 
-def _unrolled(lparams, cfg: ModelConfig, x_BxTxD, kv_layers: Sequence[Any] | None, call: _Call, replay_LxBxTxK, n_layers, ep):
+def _unrolled(
+    lparams, cfg: ModelConfig, x_BxTxD, kv_layers: Sequence[Any] | None, call: _Call, replay_LxBxTxK, n_layers, ep
+):
     """The first n_layers layers one by one, layer i on its own params and kv_layers[i] (None: no cache)."""
     kv_out, stats = [None] * n_layers if kv_layers is None else list(kv_layers), []
     if len(kv_out) < n_layers:
