@@ -27,7 +27,7 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import LayerKV, WindowKV
-from jaxrl.models.decoder import MoEOut, layer_params, run_decoder
+from jaxrl.models.decoder import MoEOut, layer_params, positions_from_mask, run_decoder
 from jaxrl.models.kv_cache import Cache
 from jaxrl.models.moe_dispatch import ExpertParallel
 
@@ -37,6 +37,7 @@ __all__ = [
     "decode_layers",
     "decode_rows",
     "empty_window",
+    "fill_layers",
     "layer_params",
     "to_layer_cache",
     "window_layers",
@@ -60,6 +61,28 @@ def to_layer_cache(cache: Cache) -> LayerCache:
 
 def _experts_BxTxLxK(moe: MoEOut | None):
     return None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
+
+
+def fill_layers(params, cfg: ModelConfig, seq_BxT, written_BxC, expert_parallel: ExpertParallel | None = None):
+    """Whole histories prefilled on the decode layout: row b's token t fed at slot t of fresh
+    per-layer buffers of C slots (C >= T; slots past T get padding), positions counted over the
+    slots marked in written_BxC, which are also the only keys anyone sees. -> (kv: a LayerKV per
+    layer, experts_BxCxLxK or None). The slot engine's re-prefill and episode placement."""
+    B, C = written_BxC.shape
+    seq_BxC = jnp.pad(seq_BxT.astype(jnp.int32), ((0, 0), (0, C - seq_BxT.shape[1])))
+    buf = jnp.zeros((B, cfg.n_kv_heads, C, cfg.head_dim), jnp.dtype(cfg.dtype))
+    fresh = tuple(LayerKV(buf, buf) for _ in range(cfg.n_layers))
+    _, kv, moe = run_decoder(
+        layer_params(params, cfg),
+        cfg,
+        seq_BxC,
+        positions_from_mask(written_BxC),
+        written_BxC,
+        0,
+        fresh,
+        expert_parallel=expert_parallel,
+    )
+    return kv, _experts_BxTxLxK(moe)
 
 
 def decode_layers(

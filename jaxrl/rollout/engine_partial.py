@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.cache_kinds import LayerKV
-from jaxrl.models.decode import LayerCache, layer_params
-from jaxrl.models.decoder import positions_from_mask, run_decoder
+from jaxrl.models.decode import LayerCache, fill_layers
 from jaxrl.rollout.engine_state import EngineSpec, EngineState
 
 
@@ -55,22 +54,10 @@ def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_m
     if prompt_SxP.shape != (S, spec.prompt_len):
         raise ValueError(f"prompt_SxP: shape {prompt_SxP.shape}, expected (slots, prompt_len)={(S, spec.prompt_len)}")
     # Cache slot j holds the input fed there: prompt token j (j < P), completion token j - P after.
-    seq_SxC = jnp.concatenate([jnp.asarray(prompt_SxP, jnp.int32), state.tokens_SxT], axis=1)
-    # A speculative engine's cache has room past P + T for the verify window: slots no input reaches.
-    seq_SxC = jnp.pad(seq_SxC, ((0, 0), (0, spec.cache_len - seq_SxC.shape[1])))
+    # (A speculative engine's cache has room past P + T for the verify window: slots no input reaches.)
+    seq_SxT = jnp.concatenate([jnp.asarray(prompt_SxP, jnp.int32), state.tokens_SxT], axis=1)
     written_SxC = fed_mask(spec, state, prompt_mask_SxP)
-    fresh = tuple(LayerKV(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in state.cache.kv)
-    _, kv_new, moe = run_decoder(
-        layer_params(params, cfg),
-        cfg,
-        seq_SxC,
-        positions_from_mask(written_SxC),
-        written_SxC,
-        0,
-        fresh,
-        expert_parallel=spec.expert_parallel,
-    )
-    experts_SxCxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
+    kv_new, experts_SxCxLxK = fill_layers(params, cfg, seq_SxT, written_SxC, spec.expert_parallel)
     take_SxC = written_SxC & jnp.asarray(redo_S, bool)[:, None]
 
     def pick(new, old):

@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.cache_kinds import LayerKV
-from jaxrl.models.decode import LayerCache, layer_params
-from jaxrl.models.decoder import positions_from_mask, run_decoder
+from jaxrl.models.decode import LayerCache, fill_layers
 from jaxrl.rollout.engine_state import EngineSpec, EngineState
 
 
@@ -44,19 +43,7 @@ def _history_cache(params, spec: EngineSpec, prompt_RxP, prompt_mask_RxP, tokens
     fill_R = P - 1 + n_R  # the slot `last` is fed at; everything before it is in the cache
     real_RxC = jnp.concatenate([prompt_mask_RxP.astype(bool), jnp.ones((R, C - P), bool)], axis=1)
     written_RxC = real_RxC & (jnp.arange(C) < fill_R[:, None])
-    dtype = jnp.dtype(cfg.dtype)
-    fresh = tuple(LayerKV(*(jnp.zeros((R, cfg.n_kv_heads, C, cfg.head_dim), dtype),) * 2) for _ in range(cfg.n_layers))
-    _, kv, moe = run_decoder(
-        layer_params(params, cfg),
-        cfg,
-        seq_RxC,
-        positions_from_mask(written_RxC),
-        written_RxC,
-        0,
-        fresh,
-        expert_parallel=spec.expert_parallel,
-    )
-    experts_RxCxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
+    kv, experts_RxCxLxK = fill_layers(params, cfg, seq_RxC, written_RxC, spec.expert_parallel)
     if experts_RxCxLxK is not None:
         experts_RxCxLxK = jnp.where(written_RxC[:, :, None, None], experts_RxCxLxK, 0)
     # As `admit` leaves a slot: the prompt's padding invalid, every slot from P-1 on readable up to the fill level.
