@@ -192,6 +192,8 @@ def test_bad_options_name_the_field():
         (dict(is_level="row"), "is_level"),
         (dict(kl_beta=0.1, kl_estimator="k9"), "kl_estimator"),
         (dict(kl_reward_beta=0.1, kl_reward_estimator="k9"), "kl_reward_estimator"),
+        (dict(kl_estimator="k9"), "kl_estimator"),  # named even with its beta 0 (off)
+        (dict(kl_reward_estimator="k9"), "kl_reward_estimator"),
         (dict(tis_cap=-1.0), "tis_cap"),
         (dict(overlong_buffer_frac=1.5), "overlong_buffer_frac"),
         (dict(kl_reward_beta=-1.0), "kl_reward_beta"),

@@ -118,6 +118,8 @@ def option_parts(
     (overlong, then KL in the reward), truncation, top-entropy mask, MIS then TIS on the policy term,
     KL penalty, entropy bonus. Every value is checked here; a bad one is a ValueError naming it."""
     corrections.check_level(is_level)
+    kl_estimator_by_name(kl_estimator)  # a misspelt estimator is an error even while its beta is 0
+    kl_estimator_by_name(kl_reward_estimator, "kl_reward_estimator")
     if mis_low and not mis_high:
         raise ValueError(f"mis_low: got {mis_low!r} with mis_high=0 (off); set mis_high to enable masked IS")
     if not 0 < top_entropy_frac <= 1:
