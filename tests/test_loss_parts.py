@@ -201,6 +201,23 @@ def test_gd2po_our_reading_by_hand():
         multi_reward.gd2po(conflict_threshold=-1.0)
 
 
+def test_gd2po_exactly_opposed_rewards_do_not_conflict_by_rounding():
+    """Two equal-weight rewards that exactly disagree give a_i = z_i0 + z_i1 = 0 for every rollout:
+    by the definition no reward pushes against a zero advantage (conflict 0, consensus 1). In float32
+    the sum is +-1 ulp, whose sign used to count one reward as against (conflict 0.5, consensus 0.5),
+    and flip with which rows shared the batch."""
+    r_B = jnp.array([0.1, 0.7, 0.3, 0.45, 0.2, 0.9, 0.35, 0.05])
+    for scale in (3.0, 0.7, 10.0):
+        parts = _adv(multi_reward.gd2po_parts, jnp.stack([r_B, -scale * r_B], 1), 2)
+        np.testing.assert_array_equal(parts["conflict_B"], 0.0)
+        np.testing.assert_array_equal(parts["consensus_B"], 1.0)
+        np.testing.assert_array_equal(parts["keep_B"], 1.0)
+    # A real disagreement is untouched: the by-hand case's conflicts stay 1/3.
+    _close(
+        _adv(functools.partial(multi_reward.gd2po_parts, weights=(1.0, 0.5)), GD2PO_R, 3)["conflict_B"][:3], [1 / 3] * 3
+    )
+
+
 # ============================================================================= ratio levels
 
 # One row, T = 4, last column padding with a garbage log-prob (exp would overflow).

@@ -93,6 +93,14 @@ def _check_gd2po(batch_eps: float, conflict_threshold: float, consensus_power: f
         raise ValueError(f"batch_eps: got {batch_eps!r}, expected a positive number")
 
 
+_CANCEL_RTOL = 1e-5  # ~100 float32 ulps of the summed terms' scale: far above rounding, far below signal
+
+
+def _sign_beyond(x, tol):
+    """sign(x), with |x| <= tol counted as 0."""
+    return jnp.where(jnp.abs(x) <= tol, 0.0, jnp.sign(x))
+
+
 def gd2po_parts(
     rewards_BxK: jax.Array,
     groups: GroupsLike,
@@ -111,7 +119,8 @@ def gd2po_parts(
 
       conflict_i  = sum_k |w_k| [sign(w_k z_ik) == -sign(a_i) != 0] / sum_k |w_k|
                     the weighted share of reward functions pushing AGAINST the combined advantage
-                    (a z_ik of 0 neither agrees nor disagrees; a_i == 0 gives conflict 0).
+                    (a z_ik of 0 neither agrees nor disagrees; a_i == 0 gives conflict 0; "0"
+                    up to rounding: |z_ik| <= 1e-5 and |a_i| <= 1e-5 * sum_k |w_k z_ik|).
       keep_i      = conflict_i <= conflict_threshold      (masked when the share EXCEEDS it)
       consensus_g = 1 - mean_{i in g} conflict_i          in [0, 1]; 1 when no rollout conflicts
       A_i         = keep_i * consensus_g ** consensus_power * A_i^GDPO
@@ -133,9 +142,13 @@ def gd2po_parts(
     w_K = _weights_K(weights, z_BxK.shape[1])
     a_B = z_BxK @ w_K
     adv_B = batch_whiten(a_B, g, batch_eps, _check_ddof(ddof))
-    against_BxK = jnp.sign(z_BxK * w_K[None, :]) == -jnp.sign(a_B)[:, None]
-    against_BxK = against_BxK & (jnp.sign(a_B)[:, None] != 0)
     abs_w_K = jnp.abs(w_K)
+    # Signs with a dead band at rounding level: a z_ik at its group's mean, or an a_i whose terms
+    # cancel (equal-weight rewards that exactly disagree), is 0 up to float error, and its sign would
+    # otherwise be rounding noise that flips with the batch's composition.
+    sign_a_B = _sign_beyond(a_B, _CANCEL_RTOL * (jnp.abs(z_BxK) @ abs_w_K))
+    against_BxK = _sign_beyond(z_BxK * w_K[None, :], _CANCEL_RTOL * abs_w_K[None, :]) == -sign_a_B[:, None]
+    against_BxK = against_BxK & (sign_a_B[:, None] != 0)
     conflict_B = (against_BxK.astype(jnp.float32) @ abs_w_K) / jnp.maximum(jnp.sum(abs_w_K), 1e-12)
     keep_B = (conflict_B <= conflict_threshold).astype(jnp.float32)
     consensus_B = 1.0 - seg.mean_B(conflict_B, g)  # over the group's live rows
