@@ -1,5 +1,5 @@
 """Multi-turn rollouts with a 20 ms environment step: environment steps overlapped with decoding vs
-a turn-synchronous loop (jaxrl.rollout.episodes, agent.overlap true / false).
+a turn-synchronous loop (jaxrl.rollout.episodes.driver, agent.overlap true / false).
 
 Workload: the `tiny` shape (common.tiny(), random weights) over a 16-character alphabet with its
 final-norm scale zeroed, so every next token is uniform over the 19-token vocab: the end-of-turn
@@ -78,8 +78,8 @@ class SleepyEnv:
 
 def _mode(overlap: bool, params, cfg, tok, args, requests) -> tuple[dict, list]:
     from jaxrl.config import EngineConfig
-    from jaxrl.config_agent import AgentConfig
-    from jaxrl.rollout.episodes import EpisodeEngine
+    from jaxrl.config.agent import AgentConfig
+    from jaxrl.rollout.episodes.driver import EpisodeEngine
 
     agent = AgentConfig(max_turns=args.turns, max_obs_tokens=8, env_workers=args.episodes, overlap=overlap)
     engine = EpisodeEngine(

@@ -62,7 +62,7 @@ def _static(params, cfg, prompts, n_samples, slots, max_new, eos, rng):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl.rollout.engine_groups import left_pad
+    from jaxrl.rollout.engine.groups import left_pad
     from jaxrl.rollout.sampler import sample
 
     B = slots // G
@@ -91,7 +91,7 @@ def _engine(params, cfg, prompts, n_samples, slots, chunk, max_new, eos, rng, sp
     """(tokens generated, seconds) for n_samples through a fresh `Engine` with `slots` slots
     (`speculative`: a SpeculativeConfig; the engine's counts are copied into `counts`)."""
     from jaxrl.config import EngineConfig
-    from jaxrl.rollout.engine import Engine
+    from jaxrl.rollout.engine.driver import Engine
 
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=max(1, slots // G // 4))
     n_groups = n_samples // G
@@ -197,7 +197,7 @@ def _longtail_policy():
     from jaxrl.config import load_config
     from jaxrl.data.tasks import load_task
     from jaxrl.data.tokenizer import CharTokenizer
-    from jaxrl.train.warmstart import load_or_train_base
+    from jaxrl.policy.warmstart import load_or_train_base
 
     cfg = load_config(
         os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "grpo_longtail.py"), []

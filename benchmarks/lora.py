@@ -60,7 +60,7 @@ def state_bytes(cfg, rank: int, optimizer) -> dict:
     """Train-state bytes of full fine-tuning and of LoRA with each base dtype, from shapes only."""
     import jax
 
-    from jaxrl.config_lora import BASE_DTYPES, LoraConfig
+    from jaxrl.config.lora import BASE_DTYPES, LoraConfig
 
     out = {}
     for dtype in BASE_DTYPES:
@@ -100,7 +100,7 @@ def time_updates(cfg, args, optimizer) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxrl.config_lora import LoraConfig
+    from jaxrl.config.lora import LoraConfig
     from jaxrl.train.steps import make_logp_fn
 
     lcfg = LoraConfig(rank=args.rank, base_dtype=args.base_dtype)

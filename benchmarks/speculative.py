@@ -99,7 +99,7 @@ def measure(name, params, cfg, prompt, pmask, kw, spec, repeats, drafts=None, co
     import numpy as np
 
     from jaxrl.rollout.sampler import sample
-    from jaxrl.rollout.speculative import sample_speculative, worth_speculating
+    from jaxrl.rollout.speculative.sample import sample_speculative, worth_speculating
 
     planned = None
     if spec is not None and costs is not None:
@@ -182,7 +182,7 @@ def drafter_suite(params, cfg, prompt, pmask, kw, repeats, draft_layers, max_dra
     import numpy as np
 
     from jaxrl.config import SpeculativeConfig
-    from jaxrl.rollout.calibrate import measure_step_costs
+    from jaxrl.rollout.speculative.calibrate import measure_step_costs
 
     big = 1 << 20  # never switch off for batch size here: part 2 measures that
     rows, cache_len = prompt.shape[0] * kw["group_size"], prompt.shape[1] + 2 * kw["max_new_tokens"] + 1

@@ -63,7 +63,7 @@ def task_token_ids(tok, n_problems: int = 256, seed: int = 3) -> tuple:
     import random
 
     from jaxrl.data.long_addition import _random_problem, format_prompt, solution
-    from jaxrl.rollout.draft_vocab import frequent_ids
+    from jaxrl.rollout.speculative.draft_vocab import frequent_ids
 
     rnd = random.Random(seed)
     seqs = [
@@ -78,7 +78,7 @@ def _engine(cfg, tok, slots: int, group: int, new_tokens: int, spec, seed: int, 
     import jax
 
     from jaxrl.config import EngineConfig
-    from jaxrl.rollout.engine import Engine
+    from jaxrl.rollout.engine.driver import Engine
 
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=8, admit_groups=slots // group)
     return Engine(
@@ -221,7 +221,7 @@ def tail_part(root: pathlib.Path, small: bool, repeats: int, policy_steps: int, 
     from jaxrl.config import SpeculativeConfig
     from jaxrl.data.tokenizer import CharTokenizer
     from jaxrl.models.transformer import init_params
-    from jaxrl.rollout.calibrate import calibrated_tail_rows, costs_to_json, tail_gain
+    from jaxrl.rollout.speculative.calibrate import calibrated_tail_rows, costs_to_json, tail_gain
 
     tok = CharTokenizer()
     if small:

@@ -8,7 +8,7 @@ digits: the tool call is the skill. The warm start imitates a fallible teacher t
 wrong guess instead of calling the tool 60% of the time, so the base policy calls the tool only
 sometimes; GRPO on whole episodes (StarPO: the trajectory reward, group-normalised advantages; Wang
 et al. 2025, RAGEN, arXiv:2504.20073) learns from the reward alone to call it every time.
-Environment steps run in a thread pool while other slots keep decoding (jaxrl.rollout.episodes).
+Environment steps run in a thread pool while other slots keep decoding (jaxrl.rollout.episodes.driver).
 """
 
 from jaxrl.config import (

@@ -11,7 +11,7 @@ import dataclasses
 import pathlib
 
 from jaxrl.config import Config, load_config
-from jaxrl.config_lora import LoraConfig
+from jaxrl.config.lora import LoraConfig
 
 LORA_LR = 1e-3
 

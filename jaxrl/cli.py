@@ -9,7 +9,7 @@ import pathlib
 import sys
 
 from jaxrl.config import ConfigError, load_config
-from jaxrl.errors import RunError
+from jaxrl.config.errors import RunError
 
 
 class UserError(Exception):
@@ -242,7 +242,7 @@ def _one_line(e: Exception) -> str:
 
 def _convert(args) -> int:
     """`jaxrl convert`: check the direction, convert, and say what was written where."""
-    from jaxrl.train import pretrained
+    from jaxrl.policy import pretrained
 
     if (
         bool(args.from_hf) == bool(args.from_)

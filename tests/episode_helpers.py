@@ -11,10 +11,10 @@ import numpy as np
 
 from jaxrl.agents.env import StepResult
 from jaxrl.config import EngineConfig, ModelConfig
-from jaxrl.config_agent import AgentConfig
+from jaxrl.config.agent import AgentConfig
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models import transformer as tf
-from jaxrl.rollout.episodes import EpisodeEngine
+from jaxrl.rollout.episodes.driver import EpisodeEngine
 from jaxrl.rollout.sampler import sample
 
 # 18 tokens: the end of turn "]" and EOS each get ~1/18 of a random model's mass.

@@ -1,4 +1,4 @@
-"""Credit for multi-turn episodes (jaxrl.train.agent_source): the batch the update gets, StarPO-S
+"""Credit for multi-turn episodes (jaxrl.sources.agents): the batch the update gets, StarPO-S
 filtering, and the loss contract on masks with holes (observation tokens between model turns).
 
 Every loss preset must give observation tokens exactly zero gradient and must not read their
@@ -12,8 +12,8 @@ import pytest
 
 from jaxrl.losses import batch_advantages
 from jaxrl.losses.presets import PRESETS
-from jaxrl.train.agent_source import episode_batch, episode_metrics, episode_rewards, keep_most_varied
-from jaxrl.train.report import grad_norm_spike
+from jaxrl.runlog.report import grad_norm_spike
+from jaxrl.sources.agents import episode_batch, episode_metrics, episode_rewards, keep_most_varied
 
 T = 8
 

@@ -16,7 +16,7 @@ from jaxrl.agents.warmstart import agent_task_records, episode_targets, suite_fi
 from jaxrl.config import AgentConfig, Config, ConfigError, DataConfig, ModelConfig, RolloutConfig, WarmStartConfig
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params
-from jaxrl.train.warmstart import cache_key, make_sft_step, sft_loss, train_base
+from jaxrl.policy.warmstart import cache_key, make_sft_step, sft_loss, train_base
 
 TOK = CharTokenizer(AGENT_ALPHABET)
 SUITE = load_suite("agent_gridworld")
@@ -171,8 +171,8 @@ def test_cache_key_of_an_agent_task_names_the_suite_and_the_teacher(monkeypatch)
     key = cache_key(_agent_cfg(), MODEL, TOK.alphabet)
     assert key != cache_key(_agent_cfg(teacher_error=0.4), MODEL, TOK.alphabet)
     other_task = dataclasses.replace(_agent_cfg(), data=dataclasses.replace(_agent_cfg().data, task="agent_calculator"))
-    monkeypatch.setattr("jaxrl.train.warmstart.suite_fingerprint", lambda suite: "same")
-    monkeypatch.setattr("jaxrl.train.warmstart.load_suite", lambda task: SUITE)
+    monkeypatch.setattr("jaxrl.policy.warmstart.suite_fingerprint", lambda suite: "same")
+    monkeypatch.setattr("jaxrl.policy.warmstart.load_suite", lambda task: SUITE)
     assert cache_key(other_task, MODEL, TOK.alphabet) != cache_key(_agent_cfg(), MODEL, TOK.alphabet)  # data.task
     monkeypatch.undo()
     # The environment's behaviour is in the key: a different teacher (here: one that never moves
@@ -180,5 +180,5 @@ def test_cache_key_of_an_agent_task_names_the_suite_and_the_teacher(monkeypatch)
     before = suite_fingerprint(SUITE)
     monkeypatch.setattr("jaxrl.agents.gridworld.best_move", lambda rows, pos: "up")
     assert suite_fingerprint(SUITE) != before
-    monkeypatch.setattr("jaxrl.train.warmstart.suite_fingerprint", lambda suite: "changed")
+    monkeypatch.setattr("jaxrl.policy.warmstart.suite_fingerprint", lambda suite: "changed")
     assert cache_key(_agent_cfg(), MODEL, TOK.alphabet) != key

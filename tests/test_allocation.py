@@ -1,11 +1,11 @@
-"""VIGOR's allocation rule (jaxrl.train.allocation), pure host functions, against hand-worked
+"""VIGOR's allocation rule (jaxrl.sources.allocation), pure host functions, against hand-worked
 allocations; the engine side is tests/test_engine_sample.py and tests/test_engine_vigor.py."""
 
 import itertools
 
 import pytest
 
-from jaxrl.train.allocation import allocate, allocation_metrics, plan_round, prior_variance, variance_score
+from jaxrl.sources.allocation import allocate, allocation_metrics, plan_round, prior_variance, variance_score
 
 
 def test_one_round_goes_to_the_high_variance_prompts():

@@ -12,7 +12,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, decode_layers, decode_rows
-from jaxrl.rollout.engine_state import EngineSpec, decode_chunk, init_state
+from jaxrl.rollout.engine.state import EngineSpec, decode_chunk, init_state
 from jaxrl.rollout.sampler import prefill_groups
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)

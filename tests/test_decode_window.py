@@ -10,8 +10,8 @@ from jaxrl.config import ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, commit_window, decode_layers, empty_window, window_layers
-from jaxrl.rollout.calibrate import constant_costs, measure_step_costs
 from jaxrl.rollout.sampler import prefill_groups
+from jaxrl.rollout.speculative.calibrate import constant_costs, measure_step_costs
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 P, S = 5, 16

@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.rollout import engine as engine_mod
-from jaxrl.rollout import engine_state as es
-from jaxrl.rollout.engine import assemble_batch
+from jaxrl.rollout.engine import driver as engine_mod
+from jaxrl.rollout.engine import state as es
+from jaxrl.rollout.engine.driver import assemble_batch
 from tests.test_engine import (
     CFG,
     NEVER,

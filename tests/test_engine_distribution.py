@@ -14,8 +14,9 @@ from chi_square import chi_square_pvalue
 
 from jaxrl.config import EngineConfig, ModelConfig
 from jaxrl.models import transformer as tf
-from jaxrl.rollout import acceptance, engine_state
-from jaxrl.rollout.engine import Engine
+from jaxrl.rollout.engine import state as engine_state
+from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.speculative import acceptance
 
 SMALL = ModelConfig(vocab_size=5, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=32)
 EOS, PAD, P, T, G = 1, 0, 4, 3, 4

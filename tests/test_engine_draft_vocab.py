@@ -1,4 +1,4 @@
-"""The engine's early-exit drafter with a reduced-vocabulary head (jaxrl/rollout/draft_vocab.py,
+"""The engine's early-exit drafter with a reduced-vocabulary head (jaxrl/rollout/speculative/draft_vocab.py,
 `rollout.speculative.draft_vocab`): the sampled distribution against enumeration (chi-square) with
 much of the target's mass outside the drafter's ids, greedy tokens identical to `sampler.sample`,
 the id ranking, and the config errors. Models and helpers: tests/test_engine*.py."""
@@ -13,8 +13,8 @@ from chi_square import chi_square_pvalue
 
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
-from jaxrl.rollout import draft_vocab
-from jaxrl.rollout.engine import Engine, assemble_batch
+from jaxrl.rollout.engine.driver import Engine, assemble_batch
+from jaxrl.rollout.speculative import draft_vocab
 
 SUBSET = (3, 1)  # td.SMALL's drafter sees tokens 3 and EOS=1 only; 0, 2 and 4 are never drafted
 
@@ -173,8 +173,8 @@ def test_training_source_ranks_the_draft_ids_over_the_task(in_process_cache):
     from jaxrl.data.tasks import load_task
     from jaxrl.data.tokenizer import CharTokenizer
     from jaxrl.models import transformer as tf
-    from jaxrl.rollout.engine_speculative import SpeculativeEngineSpec
-    from jaxrl.train.group_sources import EngineSource
+    from jaxrl.rollout.speculative.engine import SpeculativeEngineSpec
+    from jaxrl.sources.groups import EngineSource
 
     on = [
         "rollout.engine.enabled=true",

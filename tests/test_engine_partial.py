@@ -1,5 +1,5 @@
 """Partial rollouts on the slot engine: the staleness bound (groups restarted whole from their
-prompt) and the re-prefill of carried samples under new params (jaxrl.rollout.engine_partial)."""
+prompt) and the re-prefill of carried samples under new params (jaxrl.rollout.engine.partial)."""
 
 import functools
 
@@ -13,10 +13,10 @@ from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.models.cache_kinds import LayerKV
-from jaxrl.rollout import engine_state as es
-from jaxrl.rollout.engine import Engine, assemble_batch, left_pad
-from jaxrl.rollout.engine_partial import fed_mask, release_slots, reprefill
-from jaxrl.rollout.engine_speculative import speculative_spec
+from jaxrl.rollout.engine import state as es
+from jaxrl.rollout.engine.driver import Engine, assemble_batch, left_pad
+from jaxrl.rollout.engine.partial import fed_mask, release_slots, reprefill
+from jaxrl.rollout.speculative.engine import speculative_spec
 
 
 def _engine(max_staleness=-1, reprefill=False, slots=6, chunk=1, eos=None, greedy=True, seed=0, temperature=1.0):

@@ -17,9 +17,9 @@ from jaxrl.config import ConfigError, load_config
 from jaxrl.data.stream import StreamState
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.policy.warmstart import load_or_train_base
+from jaxrl.sources.groups import EngineSource
 from jaxrl.train import checkpoint as ckpt
-from jaxrl.train.group_sources import EngineSource
-from jaxrl.train.warmstart import load_or_train_base
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
 
@@ -121,7 +121,7 @@ def test_engine_state_of_another_shape_is_a_config_error(in_process_cache):
 def test_engine_state_without_drafting_does_not_load_into_a_drafting_engine():
     # Speculation lengthens each slot's cache by max_draft: the error names the switch, not the model.
     from jaxrl.config import EngineConfig, ModelConfig, SpeculativeConfig
-    from jaxrl.rollout.engine import Engine
+    from jaxrl.rollout.engine.driver import Engine
 
     model = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 

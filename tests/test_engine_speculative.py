@@ -1,4 +1,4 @@
-"""The engine with self-speculative early-exit drafting (jaxrl/rollout/engine_speculative.py): greedy
+"""The engine with self-speculative early-exit drafting (jaxrl/rollout/speculative/engine.py): greedy
 tokens identical to the plain engine and `sampler.sample` whatever the admission pattern, the sampled
 distribution against enumeration (chi-square) with drafts both accepted and rejected, recorded
 log-probs equal the trainer's recomputation, EOS inside an accepted draft ends the sample, and the
@@ -17,10 +17,11 @@ from chi_square import chi_square_pvalue
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
-from jaxrl.rollout import acceptance, engine_speculative
-from jaxrl.rollout.engine import Engine, assemble_batch
-from jaxrl.rollout.engine_speculative import SpeculativeEngineSpec
+from jaxrl.rollout.engine.driver import Engine, assemble_batch
 from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.speculative import acceptance
+from jaxrl.rollout.speculative import engine as engine_speculative
+from jaxrl.rollout.speculative.engine import SpeculativeEngineSpec
 
 K = 3  # drafted tokens per step: a verify window of 4
 

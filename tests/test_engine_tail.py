@@ -14,9 +14,9 @@ import test_engine_distribution as td
 from chi_square import chi_square_pvalue
 
 from jaxrl.config import EngineConfig, SpeculativeConfig
-from jaxrl.rollout.calibrate import StepCosts, expected_tokens, tail_gain, tail_threshold
-from jaxrl.rollout.engine import Engine, assemble_batch
-from jaxrl.rollout.engine_speculative import chunk_kind
+from jaxrl.rollout.engine.driver import Engine, assemble_batch
+from jaxrl.rollout.speculative.calibrate import StepCosts, expected_tokens, tail_gain, tail_threshold
+from jaxrl.rollout.speculative.engine import chunk_kind
 
 
 def _costs(verify_k4, draft):
@@ -176,8 +176,8 @@ def test_rows_chunk_over_every_slot_in_order_equals_the_full_chunk():
     speculative_chunk's state (tokens, log-probs, cache, fill levels and the advanced RNG key) and counts,
     sampled at temperature 1, 3 steps over 4 slots of which 2 decode. A write-back that dropped the
     chunk's RNG (the next chunk would reuse its noise) or misplaced a row fails here."""
-    from jaxrl.rollout.engine_speculative import speculative_chunk, speculative_rows_chunk, speculative_spec
-    from jaxrl.rollout.engine_state import EngineSpec, admit, init_state
+    from jaxrl.rollout.engine.state import EngineSpec, admit, init_state
+    from jaxrl.rollout.speculative.engine import speculative_chunk, speculative_rows_chunk, speculative_spec
 
     spec = speculative_spec(EngineSpec(te.CFG, 4, te.P, te.T, te.G, te.NEVER, te.PAD), _toggle(4))
     params = te._params(te.CFG)

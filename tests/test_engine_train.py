@@ -17,8 +17,8 @@ from jaxrl.data.stream import StreamState
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params
-from jaxrl.train.group_sources import EngineSource, PromptFeed, engine_metrics
-from jaxrl.train.warmstart import load_or_train_base
+from jaxrl.policy.warmstart import load_or_train_base
+from jaxrl.sources.groups import EngineSource, PromptFeed, engine_metrics
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
 
@@ -85,7 +85,7 @@ def test_fill_admission_carries_samples_into_the_next_step_with_their_versions(i
 
 
 def test_engine_metrics_staleness_by_hand():
-    from jaxrl.rollout.engine import Group
+    from jaxrl.rollout.engine.driver import Group
 
     class Counts:
         counts = {"chunks": 7, "prefill_calls": 3}

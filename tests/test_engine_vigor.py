@@ -1,5 +1,5 @@
 """`rollout.engine.allocation=vigor` in the training loop's EngineSource: a step's B samples are
-allocated to its prompts by reward variance (jaxrl.train.vigor), the batch has exactly B rows,
+allocated to its prompts by reward variance (jaxrl.sources.vigor), the batch has exactly B rows,
 one group id per prompt, groups of unequal size, and a GRPO run trains with it."""
 
 import dataclasses
@@ -13,7 +13,7 @@ from jaxrl import config as C
 from jaxrl.config import ConfigError
 from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
-from jaxrl.train.group_sources import EngineSource, PromptFeed
+from jaxrl.sources.groups import EngineSource, PromptFeed
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
 

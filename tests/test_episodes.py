@@ -1,4 +1,4 @@
-"""Multi-turn episodes on the slot engine (jaxrl.rollout.episodes): greedy equality with a reference
+"""Multi-turn episodes on the slot engine (jaxrl.rollout.episodes.driver): greedy equality with a reference
 host loop over the plain sampler, recorded log-probs against the trainer's recomputation, and
 episodes that do not depend on how long environment steps take."""
 
@@ -8,7 +8,7 @@ import pytest
 from episode_helpers import CFG, MOE, RECORDS, TOK, CountEnv, P, T, engine, params, reference_episode, requests
 
 from jaxrl.models import transformer as tf
-from jaxrl.rollout.episodes import EpisodeGroup
+from jaxrl.rollout.episodes.driver import EpisodeGroup
 from jaxrl.rollout.sampler import sample
 
 EOT_GREEDY = "1"  # with params(), greedy episodes of RECORDS take 3, 1, 2, 1, 1 turns (checked below)
@@ -141,8 +141,8 @@ def test_an_end_of_turn_token_ends_decoding_without_eos_and_place_starts_like_th
     stop id ends the slot (done) with eos_S False, its column recorded; other slots go on."""
     import jax
 
-    from jaxrl.rollout import engine_state as es
-    from jaxrl.rollout.episode_state import place
+    from jaxrl.rollout.engine import state as es
+    from jaxrl.rollout.episodes.state import place
 
     eot = TOK.encode(EOT_GREEDY)[0]
     prompt, mask = np.zeros((2, P), np.int32), np.zeros((2, P), np.int32)

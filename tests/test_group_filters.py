@@ -1,5 +1,5 @@
-"""Which groups and prompts a step uses: DAPO dynamic sampling (jaxrl/train/group_filters.py) and
-the Beta / Thompson online difficulty filter (jaxrl/train/prompt_filter.py), by hand and through
+"""Which groups and prompts a step uses: DAPO dynamic sampling (jaxrl/sources/filters.py) and
+the Beta / Thompson online difficulty filter (jaxrl/sources/prompt_filter.py), by hand and through
 EngineSource on the TINY config."""
 
 import dataclasses
@@ -16,11 +16,11 @@ from jaxrl.data.stream import StreamState
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params
+from jaxrl.sources import prompt_filter as prompt_filter_module
+from jaxrl.sources.filters import ScoredGroup, informative, select_informative
+from jaxrl.sources.groups import EngineSource
+from jaxrl.sources.prompt_filter import BetaPromptFilter
 from jaxrl.train import checkpoint as ckpt
-from jaxrl.train import prompt_filter as prompt_filter_module
-from jaxrl.train.group_filters import ScoredGroup, informative, select_informative
-from jaxrl.train.group_sources import EngineSource
-from jaxrl.train.prompt_filter import BetaPromptFilter
 
 # ---------------------------------------------------------------------------------------------
 # Dynamic sampling, by hand

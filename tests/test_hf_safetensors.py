@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxrl.cli import main
+from jaxrl.config.errors import CheckpointError
 from jaxrl.models import safetensors_io
-from jaxrl.models.safetensors_io import CheckpointError
 
 A = np.arange(6, dtype=np.float32).reshape(2, 3)  # 24 bytes at [0, 24)
 B = np.array([1.0, -2.0, 0.5, 3.0], ml_dtypes.bfloat16)  # 8 bytes at [24, 32)

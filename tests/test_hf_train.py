@@ -157,7 +157,7 @@ def test_convert_from_hf_then_train_start_loads_the_same_model(stand_in, tmp_pat
 
     from jaxrl.config import ModelConfig
     from jaxrl.models import hf
-    from jaxrl.train.pretrained import load_model
+    from jaxrl.policy.pretrained import load_model
 
     d, _ = stand_in
     assert main(["convert", "--from-hf", str(d), "--to", str(tmp_path / "conv")]) == 0
@@ -181,7 +181,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jaxrl.config import MeshConfig
 from jaxrl.models import hf
 from jaxrl.models.transformer import forward
-from jaxrl.train.pretrained import _shardings_fn
+from jaxrl.policy.pretrained import _shardings_fn
 from jaxrl.sharding import expert_parallel, make_mesh
 
 assert jax.device_count() == 8

@@ -71,7 +71,7 @@ def test_find_cycle_reports_a_loop_and_passes_a_tree():
 
 def test_jaxrl_module_level_imports_have_no_cycle():
     graph = _import_graph()
-    assert graph["jaxrl.config"] >= {"jaxrl.config_load", "jaxrl.config_checks"}  # the scan sees imports
+    assert graph["jaxrl.config"] >= {"jaxrl.config.load", "jaxrl.config.checks"}  # the scan sees imports
     assert _find_cycle(graph) is None
 
 
@@ -82,7 +82,7 @@ def test_config_modules_import_in_either_order_without_lazy_reexports():
     try:
         for name in saved:
             del sys.modules[name]
-        config_load = importlib.import_module("jaxrl.config_load")
+        config_load = importlib.import_module("jaxrl.config.load")
         assert "jaxrl.config" not in sys.modules  # the loader does not need the run's Config
         config = importlib.import_module("jaxrl.config")
         assert "__getattr__" not in vars(config)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jaxrl.config import Config, ConfigError, ModelConfig
-from jaxrl.config_load import apply_overrides
-from jaxrl.config_lora import LoraConfig
+from jaxrl.config.load import apply_overrides
+from jaxrl.config.lora import LoraConfig
 from jaxrl.models import lora
 from jaxrl.models.transformer import forward, init_params, param_logical_axes
 

@@ -1,4 +1,4 @@
-"""Exporting and evaluating a LoRA run (jaxrl.train.lora_run, jaxrl.models.peft_export).
+"""Exporting and evaluating a LoRA run (jaxrl.policy.lora_run, jaxrl.models.peft_export).
 
 The runs are written as the trainer writes them (checkpoint.save of a TrainState whose params are the
 adapters, the base left out, the JSON item's "lora" pointer; RunRecord's config.json), with random
@@ -27,11 +27,12 @@ from conftest import DEFAULT_CONFIG, TINY  # noqa: E402
 
 from jaxrl import cli  # noqa: E402
 from jaxrl.config import CheckpointConfig, Config, ConfigError, ModelConfig, OptimConfig, load_config  # noqa: E402
-from jaxrl.config_lora import LoraConfig  # noqa: E402
+from jaxrl.config.lora import LoraConfig  # noqa: E402
 from jaxrl.models import lora, peft_export, safetensors_io  # noqa: E402
 from jaxrl.models.transformer import forward, param_logical_axes  # noqa: E402
-from jaxrl.train import checkpoint, lora_run  # noqa: E402
-from jaxrl.train.pretrained import convert_to_hf, load_model  # noqa: E402
+from jaxrl.policy import lora_run  # noqa: E402
+from jaxrl.policy.pretrained import convert_to_hf, load_model  # noqa: E402
+from jaxrl.train import checkpoint  # noqa: E402
 from jaxrl.train.state import init_state, make_optimizer  # noqa: E402
 from jaxrl.train.workdir import RunRecord  # noqa: E402
 
@@ -173,7 +174,7 @@ def warmstart_run(cache_env, tmp_path_factory):
     """A LoRA run on the cached warm start of a tiny character model (the base trained for 2 steps)."""
     from jaxrl.data.tasks import load_task
     from jaxrl.data.tokenizer import CharTokenizer
-    from jaxrl.train.warmstart import load_or_train_base
+    from jaxrl.policy.warmstart import load_or_train_base
 
     tmp = tmp_path_factory.mktemp("lora_warmstart")
     cfg = load_config(DEFAULT_CONFIG, [*TINY, "warmstart.steps=2", "model.lora.rank=2", "model.lora.alpha=4",

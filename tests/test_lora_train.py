@@ -27,14 +27,14 @@ from harness import child_env, run_python
 
 from jaxrl import losses
 from jaxrl.config import ConfigError, MeshConfig, ModelConfig, OptimConfig, load_config
-from jaxrl.config_lora import LoraConfig
+from jaxrl.config.lora import LoraConfig
 from jaxrl.models import lora
 from jaxrl.models.transformer import forward, init_params, param_logical_axes
+from jaxrl.policy.warmstart import cache_key
 from jaxrl.sharding import make_mesh, param_shardings, replicated
 from jaxrl.train import loop, lora_state
 from jaxrl.train.state import make_optimizer
 from jaxrl.train.steps import make_logp_fn, make_update_step
-from jaxrl.train.warmstart import cache_key
 
 DENSE = ModelConfig(vocab_size=19, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=24)
 MOE = dataclasses.replace(DENSE, n_experts=3, moe_every=2, experts_per_token=2, n_shared_experts=1)

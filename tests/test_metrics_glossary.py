@@ -21,8 +21,8 @@ from conftest import REPO
 
 from jaxrl.config import LossConfig
 from jaxrl.losses import PRESETS, make_loss, reduce_stats
-from jaxrl.train import report
-from jaxrl.train.group_sources import engine_metrics
+from jaxrl.runlog import report
+from jaxrl.sources.groups import engine_metrics
 
 SLASH_KEY = re.compile(r'"([a-z_]+/[a-z_0-9@]+)"')
 # Slash strings of jaxrl/ that are not metrics.jsonl keys: `jaxrl eval`'s own report and the progress bar.
@@ -49,7 +49,7 @@ def f_string_keys() -> set[str]:
         if not (rel := p.relative_to(REPO).as_posix()).startswith(NOT_ROW_FILES + ("jaxrl/data/",))
         and F_STRING_KEY.search(p.read_text())
     }
-    assert builders == {"jaxrl/train/group_sources.py"}, f"metric names built by f-string in {builders}: add them here"
+    assert builders == {"jaxrl/sources/groups.py"}, f"metric names built by f-string in {builders}: add them here"
 
     class EveryCounter(dict):  # engine_metrics reports each counter it finds: offer it all of them
         def __contains__(self, key):

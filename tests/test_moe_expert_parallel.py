@@ -116,7 +116,7 @@ ROLLOUT_SCRIPT = r"""
 import types
 from jaxrl.config import Config, DataConfig, RolloutConfig
 from jaxrl.rollout.sampler import sample
-from jaxrl.train.rollout_source import SamplerSource
+from jaxrl.sources.sampler import SamplerSource
 
 # The train loop's rollout (SamplerSource) under fsdp_expert, no context mesh anywhere: it takes the same
 # expert axis as the update above, so its MoE layers are expert-parallel too, and it draws what one device draws.
@@ -146,7 +146,7 @@ SPEC_SCRIPT = r"""
 import dataclasses, inspect
 from jaxrl.config import SpeculativeConfig
 from jaxrl.models import moe
-from jaxrl.rollout.speculative import sample_speculative
+from jaxrl.rollout.speculative.sample import sample_speculative
 
 # From here on, every MoE layer traced expert-parallel passes through this spy; the functions on the stack
 # when it is called say which forward of which path went expert-parallel (a path that lost the axis calls
@@ -186,8 +186,11 @@ print("speculative OK", flush=True)
 ENGINE_SCRIPT = r"""
 import functools
 from jaxrl.config import EngineConfig
-from jaxrl.rollout import engine_partial, engine_speculative, engine_state, episode_state
-from jaxrl.rollout.engine import Engine, assemble_batch
+from jaxrl.rollout.engine import partial as engine_partial
+from jaxrl.rollout.speculative import engine as engine_speculative
+from jaxrl.rollout.engine import state as engine_state
+from jaxrl.rollout.episodes import state as episode_state
+from jaxrl.rollout.engine.driver import Engine, assemble_batch
 from jaxrl.train.evaluate import make_chunk_sampler
 
 # The slot engine, greedy: 6 groups of 2 through 8 slots draw what one device draws.

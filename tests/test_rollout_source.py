@@ -1,4 +1,4 @@
-"""The rollout side of the loop (jaxrl.train.rollout_source, jaxrl.train.speculation): the speculation
+"""The rollout side of the loop (jaxrl.sources.sampler, jaxrl.rollout.speculative.control): the speculation
 control is explicit host state with a pure update, it is written under the checkpoint keys existing
 runs hold, and a SamplerSource rebuilt from its own checkpoint_state() draws what the original would."""
 
@@ -14,12 +14,8 @@ from conftest import DEFAULT_CONFIG, TINY
 from jaxrl.config import load_config
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params, param_logical_axes
-from jaxrl.rollout.calibrate import StepCosts, costs_from_json
-from jaxrl.rollout.speculative import SpecStats
-from jaxrl.sharding import make_mesh, param_shardings
-from jaxrl.train.batching import prompt_width
-from jaxrl.train.rollout_source import SamplerSource
-from jaxrl.train.speculation import (
+from jaxrl.rollout.speculative.calibrate import StepCosts, costs_from_json
+from jaxrl.rollout.speculative.control import (
     SpecControl,
     can_ever_pay,
     control_state,
@@ -28,6 +24,9 @@ from jaxrl.train.speculation import (
     stays_off,
     updated,
 )
+from jaxrl.rollout.speculative.sample import SpecStats
+from jaxrl.sharding import make_mesh, param_shardings
+from jaxrl.sources.sampler import SamplerSource
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
 
@@ -106,7 +105,7 @@ def reuse_setup():
     params = init_params(model_cfg, jax.random.key(3))
     param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), params)
     params = jax.device_put(params, param_sh)
-    P, n = prompt_width(cfg.data), cfg.rollout.prompts_per_step
+    P, n = cfg.data.max_prompt_len, cfg.rollout.prompts_per_step
     prompt_BxP = np.asarray(jax.random.randint(jax.random.key(4), (n, P), 3, tokenizer.vocab_size), np.int32)
 
     def build(host):

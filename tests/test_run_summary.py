@@ -3,7 +3,7 @@ summary's status, step count and newest evaluation (tests/test_resume.py checks 
 
 import pathlib
 
-from jaxrl.train.run_summary import last_eval, start_line, summary
+from jaxrl.runlog.summary import last_eval, start_line, summary
 
 RUN = pathlib.Path("runs/x")
 

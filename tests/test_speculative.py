@@ -13,13 +13,13 @@ from chi_square import chi_square_pvalue
 
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
-from jaxrl.rollout import acceptance
-from jaxrl.rollout.calibrate import StepCosts, constant_costs
-from jaxrl.rollout.drafters import dequantize, quantize_int8
-from jaxrl.rollout.reuse import DraftStore
 from jaxrl.rollout.sampler import sample
-from jaxrl.rollout.speculative import choose_draft_length as _choose_draft_length
-from jaxrl.rollout.speculative import sample_speculative, worth_speculating
+from jaxrl.rollout.speculative import acceptance
+from jaxrl.rollout.speculative.calibrate import StepCosts, constant_costs
+from jaxrl.rollout.speculative.drafters import dequantize, quantize_int8
+from jaxrl.rollout.speculative.reuse import DraftStore
+from jaxrl.rollout.speculative.sample import choose_draft_length as _choose_draft_length
+from jaxrl.rollout.speculative.sample import sample_speculative, worth_speculating
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 MOE = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=32)

@@ -11,7 +11,7 @@ import pytest
 from preset_configs import config_path, overrides
 
 from jaxrl.config import load_config
-from jaxrl.rollout import calibrate
+from jaxrl.rollout.speculative import calibrate
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
 
@@ -115,7 +115,7 @@ def test_speculative_reruns_and_resumes_match(
 
 
 def test_draft_store_round_trip():
-    from jaxrl.rollout.reuse import DraftStore
+    from jaxrl.rollout.speculative.reuse import DraftStore
 
     store = DraftStore(max_prompts=3)
     rng = np.random.default_rng(0)

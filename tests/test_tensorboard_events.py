@@ -1,4 +1,4 @@
-"""The TensorBoard events a run writes (jaxrl/train/tb_events.py, no torch import) read back with
+"""The TensorBoard events a run writes (jaxrl/runlog/tb_events.py, no torch import) read back with
 tensorboardX's own protobuf classes and CRC-32C, and hold what tensorboardX's SummaryWriter would write."""
 
 import math
@@ -9,7 +9,7 @@ from tensorboardX import SummaryWriter
 from tensorboardX.crc32c import crc32c as reference_crc32c
 from tensorboardX.proto.event_pb2 import Event
 
-from jaxrl.train.metrics import MetricsLog
+from jaxrl.runlog.metrics import MetricsLog
 
 
 def _masked(crc: int) -> int:

@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl.config import Config, ConfigError, TrainConfig, WarmStartConfig
 from jaxrl.data.tokenizer import CharTokenizer
-from jaxrl.train.warmstart import cache_key, warmstart_seed
+from jaxrl.policy.warmstart import cache_key, warmstart_seed
 
 TOK = CharTokenizer()
 

@@ -18,7 +18,6 @@ import numpy as np
 from jaxrl.agents.tools import HermesFormat
 from jaxrl.config import ConfigError
 from jaxrl.data.hf_tokenizer import HFTokenizer
-from jaxrl.train.batching import prompt_width
 
 
 def check_model_format(cfg, suite) -> None:
@@ -57,9 +56,9 @@ def check_prompt_fits(cfg, tokenizer, suite, fmt) -> None:
     data.max_prompt_len (one-line error with the length needed); checked before any rollout."""
     record = suite.records("train", 1, cfg.data.seed)[0]
     text = suite.make(cfg.agent, fmt).reset(record, np.random.default_rng(0))
-    bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", True) else []  # as jaxrl.rollout.episodes does
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", True) else []  # as jaxrl.rollout.episodes.driver does
     n = len(bos) + len(tokenizer.encode(text))
-    if n > prompt_width(cfg.data):
+    if n > cfg.data.max_prompt_len:
         raise ConfigError(
             f"data.max_prompt_len={cfg.data.max_prompt_len}: the rendered prompt of "
             f"{cfg.data.task} record {record['id']!r} is {n} tokens; set data.max_prompt_len >= {n}"

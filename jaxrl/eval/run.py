@@ -25,7 +25,7 @@ from jaxrl.config import Config
 from jaxrl.data.rewards import score
 from jaxrl.eval.metrics import FINAL_ANSWERS, ks_up_to, sample_metrics
 from jaxrl.eval.sources import EvalError, Located, Policy, load_policy, locate, run_model
-from jaxrl.train.batching import decode_completions
+from jaxrl.sources.prompts import decode_completions
 from jaxrl.train.evaluate import EVAL_CHUNK, encode_records, make_chunk_sampler, make_evaluator, sample_in_chunks
 
 

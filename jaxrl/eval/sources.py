@@ -12,7 +12,7 @@ is read as the config's model (its tokenizer: model.hf_path's, else the characte
 run's config.json is next to it, a model.* field that differs from the config is an error naming it.
 Only the params are read from the checkpoint (orbax partial restore), not the optimizer state.
 A LoRA run's checkpoint holds adapters only: its policy is the base rebuilt as training builds it,
-merged with them (jaxrl.train.lora_run).
+merged with them (jaxrl.policy.lora_run).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def run_model(cfg: Config, located: Located, overrides: Sequence[str] = ()) -> C
     is an error naming the field; without a config.json (or for --hf / the initial policy) `cfg` as is."""
     if located.run_dir is None:
         return cfg
-    from jaxrl.train.workdir import config_changes, read_run_config
+    from jaxrl.config.saved import config_changes, read_run_config
 
     saved = read_run_config(located.run_dir)
     if saved is None:
@@ -143,7 +143,7 @@ def run_model(cfg: Config, located: Located, overrides: Sequence[str] = ()) -> C
         )
     if not differ:
         return cfg
-    from jaxrl.config_load import override
+    from jaxrl.config.load import override
 
     model = cfg.model
     for k, (old, _) in differ.items():  # nested fields too (model.lora.rank)
@@ -169,7 +169,7 @@ def config_model(cfg: Config):
     """(tokenizer, model_cfg) of the config's policy: model.hf_path's, else the character tokenizer."""
     if cfg.model.hf_path:
         from jaxrl.data.hf_tokenizer import load_tokenizer
-        from jaxrl.train.pretrained import checkpoint_config
+        from jaxrl.policy.pretrained import checkpoint_config
 
         return load_tokenizer(pathlib.Path(cfg.model.hf_path).expanduser()), checkpoint_config(cfg.model)
     from jaxrl.data.tokenizer import CharTokenizer
@@ -183,7 +183,7 @@ def restore_params(step_dir: pathlib.Path, model_cfg, mesh, preset):
     """The params of a saved TrainState (orbax partial restore: the optimizer state stays on disk)."""
     import orbax.checkpoint as ocp
 
-    from jaxrl.train.checkpoint import _first_line
+    from jaxrl.config.errors import first_line
 
     abstract, shardings = _param_shardings(model_cfg, mesh, preset)
     target = {
@@ -198,7 +198,7 @@ def restore_params(step_dir: pathlib.Path, model_cfg, mesh, preset):
         )
     except Exception as e:  # orbax / tensorstore: a damaged checkpoint, or another model's
         raise EvalError(
-            f"{step_dir}: its params do not restore as the config's model ({_first_line(e)}); "
+            f"{step_dir}: its params do not restore as the config's model ({first_line(e)}); "
             "is this the run's config (model.* and --set)?"
         ) from None
     return restored["params"]
@@ -206,7 +206,7 @@ def restore_params(step_dir: pathlib.Path, model_cfg, mesh, preset):
 
 def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: bool) -> Policy:
     """The tokenizer, model config and params of the located source, placed by the mesh preset."""
-    from jaxrl.train.pretrained import load_pretrained
+    from jaxrl.policy.pretrained import load_pretrained
 
     if located.kind == "hf" or (located.kind == "initial" and cfg.model.hf_path):
         model = dataclasses.replace(cfg.model, hf_path=str(located.path or cfg.model.hf_path))
@@ -220,7 +220,7 @@ def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: boo
             tokenizer, model_cfg, restore_params(located.step_dir, model_cfg, mesh, preset), str(located.step_dir)
         )
     from jaxrl.data.tokenizer import CharTokenizer
-    from jaxrl.train.warmstart import load_or_train_base
+    from jaxrl.policy.warmstart import load_or_train_base
 
     assert isinstance(tokenizer, CharTokenizer)  # model.hf_path's policy returned above
     _, shardings = _param_shardings(model_cfg, mesh, preset)
@@ -233,7 +233,7 @@ def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: boo
 def _lora_policy(cfg: Config, located: Located, mesh, preset, tokenizer) -> Policy:
     """A LoRA checkpoint's merged policy: the base rebuilt from the run's own config (its warm-start key
     depends on data.*, warmstart.*, ...) when its config.json is there, else from `cfg`."""
-    from jaxrl.train import lora_run
+    from jaxrl.policy import lora_run
 
     assert located.step_dir is not None
     run_cfg = lora_run.run_config(located.run_dir) if located.run_dir is not None else cfg

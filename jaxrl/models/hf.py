@@ -29,13 +29,13 @@ import jax
 import numpy as np
 
 from jaxrl.config import ModelConfig
+from jaxrl.config.errors import CheckpointError
 from jaxrl.models import safetensors_io
 from jaxrl.models.hf_config import (
     hf_config,
     model_config,
     read_config,
 )
-from jaxrl.models.safetensors_io import CheckpointError
 
 # Tensors a checkpoint may hold that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -18,7 +18,7 @@ import pathlib
 from typing import Any
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.safetensors_io import CheckpointError
+from jaxrl.config.errors import CheckpointError
 
 # HF architecture (config.json "architectures"[0]) -> family
 ARCHITECTURES = {

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.config_lora import LoraConfig
+from jaxrl.config.lora import LoraConfig
 
 STACK_AXES = ("layers", "expert")  # leading dims of stacked weights: one independent matrix per entry
 

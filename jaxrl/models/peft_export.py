@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, ModelConfig
-from jaxrl.config_lora import LoraConfig
+from jaxrl.config.lora import LoraConfig
 from jaxrl.models import hf, safetensors_io
 
 CONFIG = "adapter_config.json"

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from jaxrl.config import ConfigError
+from jaxrl.config.errors import CheckpointError
 
 DTYPES = {
     "F64": np.dtype(np.float64),
@@ -46,10 +46,6 @@ NAMES = {v: k for k, v in DTYPES.items()}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint file or tensor is missing, malformed or does not fit the model; names which."""
 
 
 def _header(raw: np.ndarray, path: pathlib.Path) -> tuple[dict, int]:

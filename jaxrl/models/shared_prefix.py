@@ -4,7 +4,7 @@
                                                   temperature, group_size=G)
 
 Rows g*G .. g*G+G-1 must hold the SAME left-padded prompt (tokens and mask): the caller guarantees
-it (the static sampler's batches, `jaxrl.train.scoring.score_groups`); nothing here checks it.
+it (the static sampler's batches, `jaxrl.sources.scoring.score_groups`); nothing here checks it.
 Same results as `transformer.token_logprobs` (float32 reordering aside) at 1/G of the prompt's
 layer work, forward and backward:
 

@@ -24,20 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxrl.config import CheckpointConfig, ConfigError
-from jaxrl.errors import RunError
+from jaxrl.config import CheckpointConfig
+from jaxrl.config.errors import CheckpointError, ConfigError, NonFiniteError, first_line
 from jaxrl.sharding import any_process, is_primary
+from jaxrl.sources.base import ARRAYS
 
 
 def make_manager(workdir: pathlib.Path, cfg: CheckpointConfig) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
     return ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints", options=options)
-
-
-# A key of the host dict given to `save` whose value (a pytree of numpy arrays: a rollout source's
-# device state, copied to the host) is saved as its own orbax item, next to the train state, and
-# given back under the same key by `restore_latest`. Checkpoints without the item restore as before.
-ARRAYS = "rollout_arrays"
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, host: dict, *, force: bool = False) -> bool:
@@ -107,14 +102,6 @@ class BackgroundSaver:
             self.manager.close()
 
 
-class CheckpointError(RunError):
-    """No checkpoint of the run can be restored; one line naming the directory and the newest's error."""
-
-
-class NonFiniteError(RunError):
-    """The run produced non-finite values; it stops rather than save them. One line naming the step."""
-
-
 UNREADABLE = "checkpoints.unreadable"  # next to checkpoints/: orbax neither lists nor rotates it
 
 
@@ -130,14 +117,6 @@ def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> 
     return step, restored["state"], host
 
 
-def _first_line(e: BaseException) -> str:
-    """The root cause's first line: orbax wraps tensorstore's one-line reason in a page of spec."""
-    while (cause := e.__cause__ or e.__context__) is not None:
-        e = cause
-    line = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {line[:300]}"
-
-
 def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> tuple[int, Any, dict] | None:
     """(step, state, host) of the newest checkpoint that restores, placed like `abstract_state`; None if
     there is none. A newer one that fails (a truncated file) is moved aside to `checkpoints.unreadable/`
@@ -148,7 +127,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> tuple
         try:
             result, error = _restore(manager, step, abstract_state), None
         except Exception as e:  # tensorstore, orbax and JSON errors alike
-            result, error = None, _first_line(e)
+            result, error = None, first_line(e)
         if any_process(error is not None):  # every process restores the same step, or none does
             failed.append((step, error or "failed on another process"))
             continue

@@ -18,7 +18,7 @@ from jaxrl.data.rewards import score
 from jaxrl.data.tokenizer import encode_prompts
 from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout.sampler import sample
-from jaxrl.train.batching import decode_completions, prompt_width
+from jaxrl.sources.prompts import decode_completions
 
 EVAL_CHUNK = 100  # prompts per jitted call; the last chunk is padded so the shape never changes
 
@@ -41,7 +41,7 @@ def encode_records(cfg: Config, tokenizer, records: list[dict], what: str = "eva
         cfg.data.max_prompt_len,
         skip_long=cfg.data.skip_long_prompts,
         record_ids=[r["id"] for r in records],
-        pad_to=prompt_width(cfg.data),
+        pad_to=cfg.data.max_prompt_len,
     )
     if not kept:
         raise ConfigError(

@@ -37,6 +37,11 @@ from jaxrl.config import Config
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.losses import check_rollout, make_loss
 from jaxrl.models.transformer import param_logical_axes
+from jaxrl.policy.base import build_base
+from jaxrl.policy.warmstart import cache_root
+from jaxrl.runlog.metrics import MetricsLog, plot
+from jaxrl.runlog.report import emit
+from jaxrl.runlog.summary import start_line, summary
 from jaxrl.sharding import (
     any_process,
     batch_sharding,
@@ -48,21 +53,16 @@ from jaxrl.sharding import (
     process_rows,
     replicated,
 )
+from jaxrl.sources.agents import AgentSource, check_agent_config, make_agent_evaluator
+from jaxrl.sources.groups import EngineSource, StaticSource
+from jaxrl.sources.sampler import SamplerSource
+from jaxrl.sources.scoring import RowLayout, assemble_batch
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
-from jaxrl.train.agent_source import AgentSource, check_agent_config, make_agent_evaluator
-from jaxrl.train.base_policy import build_base
 from jaxrl.train.evaluate import eval_records, make_evaluator
-from jaxrl.train.group_sources import EngineSource, StaticSource
 from jaxrl.train.memory_budget import auto_jit
-from jaxrl.train.metrics import MetricsLog, plot
-from jaxrl.train.report import emit
-from jaxrl.train.rollout_source import SamplerSource
-from jaxrl.train.run_summary import start_line, summary
-from jaxrl.train.scoring import RowLayout, assemble_batch
 from jaxrl.train.state import TrainState, init_state, make_optimizer, saved_part, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
-from jaxrl.train.warmstart import cache_root
 from jaxrl.train.workdir import RunRecord, open_run
 
 
@@ -242,7 +242,7 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
     rollout uses (for shapes and step costs) and the state's RNG."""
     mesh, preset, param_sh, rep = layout
     ep = expert_parallel(mesh, preset)  # MoE: every rollout and evaluation forward takes the update's axis
-    if is_agent_task(cfg.data.task):  # multi-turn episodes (jaxrl.train.agent_source)
+    if is_agent_task(cfg.data.task):  # multi-turn episodes (jaxrl.sources.agents)
         suite = load_suite(cfg.data.task)
         return (
             AgentSource(cfg, model_cfg, tokenizer, task, suite, host, ep),

@@ -23,7 +23,7 @@ import jax
 import optax
 
 from jaxrl.config import ConfigError
-from jaxrl.config_lora import LoraConfig
+from jaxrl.config.lora import LoraConfig
 from jaxrl.models import lora
 from jaxrl.sharding import param_shardings
 from jaxrl.train.state import TrainState, init_state, state_shardings

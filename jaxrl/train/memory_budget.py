@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl.config_checks import ConfigError
+from jaxrl.config.errors import ConfigError
 
 GIB = 2**30
 

@@ -28,47 +28,18 @@ import pathlib
 import socket
 import sys
 from collections.abc import Iterator
-from typing import Any
 
-from jaxrl.config import Config, ConfigError, to_dict
+from jaxrl.config import Config, to_dict
+from jaxrl.config.errors import WorkdirError
+from jaxrl.config.saved import CONFIG, config_changes, read_run_config
 
-CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
 LOCK = "jaxrl.lock"
-RUN_SECTIONS = frozenset({"model", "data", "rollout", "loss", "optim", "train"})  # in every jaxrl config.json
 # Nothing the run computes depends on these: they may change on any rerun (and are recorded).
 FREE_FIELDS = frozenset(
     {"train.progress", "train.log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save"}
 )
 FIXED_PREFIX = "model."  # the checkpoints hold this model: its fields never change within a run
-
-
-class WorkdirError(ConfigError):
-    """`--workdir` cannot be used as given; one line naming the directory and why."""
-
-
-def read_run_config(workdir: pathlib.Path) -> dict | None:
-    """The run's saved config (a dict), None if there is no config.json; a torn or foreign file is a
-    WorkdirError naming it."""
-    path = pathlib.Path(workdir) / CONFIG
-    if not path.is_file():
-        return None
-    try:
-        saved = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise WorkdirError(
-            f"{path}: not valid JSON ({e}); it records the run's settings: restore it from a "
-            "copy, or use a new --workdir"
-        ) from None
-    if not isinstance(saved, dict) or not RUN_SECTIONS <= saved.keys():
-        hint = ""
-        if isinstance(saved, dict) and ("model_type" in saved or "architectures" in saved):
-            hint = " (a Hugging Face checkpoint: to start from it, --set model.hf_path=DIR)"
-        raise WorkdirError(
-            f"{str(workdir)!r} is not a jaxrl run directory: its {CONFIG} has no "
-            f"{'/'.join(sorted(RUN_SECTIONS))} sections{hint}; use a new or empty directory"
-        )
-    return saved
 
 
 def check_directory(workdir: pathlib.Path) -> None:
@@ -98,25 +69,6 @@ def check_directory(workdir: pathlib.Path) -> None:
 def _ignorable(entry: pathlib.Path) -> bool:
     """Our lock file, or an empty checkpoints/ (an Orbax manager opened on a new workdir makes one)."""
     return entry.name == LOCK or (entry.name == "checkpoints" and entry.is_dir() and not any(entry.iterdir()))
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def config_changes(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """field -> (saved, new) for every field that differs. A field the saved file lacks (written by an
-    older jaxrl) counts as its default; a field jaxrl no longer has is ignored."""
-    new = _flatten(json.loads(json.dumps(to_dict(cfg))))  # tuples -> lists, as the file has them
-    default = _flatten(json.loads(json.dumps(to_dict(Config()))))
-    old = _flatten(json.loads(json.dumps(saved)))
-    return {k: (old.get(k, default.get(k)), v) for k, v in new.items() if old.get(k, default.get(k)) != v}
 
 
 def _describe(changes: dict) -> str:

@@ -1,0 +1,51 @@
+"""The run's configuration: frozen dataclasses per section, loading a config file, `--set` overrides,
+validation, and the project's errors. `from jaxrl.config import Config, ConfigError` is the usual import."""
+
+from jaxrl.config.agent import AgentConfig
+from jaxrl.config.errors import CheckpointError, ConfigError, NonFiniteError, RunError
+from jaxrl.config.load import apply_overrides, check_types, load_file, override, to_dict
+from jaxrl.config.lora import LoraConfig
+from jaxrl.config.model import ModelConfig
+from jaxrl.config.rollout import EngineConfig, RolloutConfig, SpeculativeConfig
+from jaxrl.config.schema import (
+    REMAT,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LossConfig,
+    MeshConfig,
+    OptimConfig,
+    TrainConfig,
+    WarmStartConfig,
+    load_config,
+    parse_loss_options,
+)
+
+__all__ = [
+    "REMAT",
+    "AgentConfig",
+    "CheckpointConfig",
+    "CheckpointError",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EngineConfig",
+    "LoraConfig",
+    "LossConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "NonFiniteError",
+    "OptimConfig",
+    "RolloutConfig",
+    "RunError",
+    "SpeculativeConfig",
+    "TrainConfig",
+    "WarmStartConfig",
+    "apply_overrides",
+    "check_types",
+    "load_config",
+    "load_file",
+    "override",
+    "parse_loss_options",
+    "to_dict",
+]

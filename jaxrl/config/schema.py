@@ -1,0 +1,318 @@
+"""Frozen run configuration: dataclasses, config-file loading, `--set a.b=v` overrides, validation.
+
+A config file is a Python file under `configs/` defining `get_config() -> Config`. Every user mistake
+(unknown field, wrong type, out-of-range value, missing file) raises `ConfigError` with one line that
+names the field or file and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+from jaxrl.config.agent import AgentConfig
+from jaxrl.config.checks import _check, _check_finite_floats, _check_learning_rate
+from jaxrl.config.errors import ConfigError
+from jaxrl.config.load import load_file
+from jaxrl.config.model import ModelConfig
+from jaxrl.config.rollout import RolloutConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The prompt source. `task` is an embedded TFDS task; its builder caches under `data_dir`."""
+
+    task: str = "arithmetic"
+    digits: int = 2
+    operations: str = "+"
+    num_train: int = 8000
+    num_test: int = 500
+    max_prompt_len: int = 16
+    skip_long_prompts: bool = False
+    data_dir: str = ""  # "" -> $JAXRL_DATA_DIR or ~/.cache/jaxrl/tfds
+    seed: int = 0
+    # task="math_jsonl" (jaxrl.data.math_jsonl): local GSM8K-style JSONL files and the prompt format.
+    train_file: str = ""
+    test_file: str = ""  # "" -> the last num_test lines of train_file are held out
+    prompt_template: str = "{question}"
+
+    def validate(self, prefix: str = "data") -> None:
+        tasks = ("arithmetic", "countdown", "long_addition", "math_jsonl", "agent_calculator", "agent_gridworld")
+        _check(self.task in tasks, f"{prefix}.task", " or ".join(map(repr, tasks)), self.task)
+        _check(
+            self.task != "math_jsonl" or bool(self.train_file),
+            f"{prefix}.train_file",
+            "a JSONL file when task='math_jsonl'",
+            self.train_file,
+        )
+        _check(
+            "{question}" in self.prompt_template,
+            f"{prefix}.prompt_template",
+            "a string containing '{question}'",
+            self.prompt_template,
+        )
+        max_digits = 8 if self.task == "long_addition" else 6  # long_addition: its longest-solution tail
+        _check(1 <= self.digits <= max_digits, f"{prefix}.digits", f"an integer in [1, {max_digits}]", self.digits)
+        ops = "+-*/" if self.task == "countdown" else "+-*"  # countdown divides (exactly); the others do not
+        _check(
+            len(self.operations) > 0 and set(self.operations) <= set(ops),
+            f"{prefix}.operations",
+            f"a non-empty string over {ops!r}" + ("" if self.task == "countdown" else " ('/' only for countdown)"),
+            self.operations,
+        )
+        _check(self.num_train > 0, f"{prefix}.num_train", "a positive integer", self.num_train)
+        _check(self.num_test > 0, f"{prefix}.num_test", "a positive integer", self.num_test)
+        _check(self.max_prompt_len > 0, f"{prefix}.max_prompt_len", "a positive integer", self.max_prompt_len)
+
+
+def parse_loss_options(text: str, field: str = "loss.options") -> dict:
+    """`"tau=0.04, is_level=sequence, mask_truncated=true"` -> {"tau": 0.04, "is_level": "sequence", ...}.
+
+    Values: numbers, true/false, none, or a bare word (kept as a string). Syntax only; which names a
+    preset accepts is checked by `jaxrl.losses.make_loss`.
+    """
+    out = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        name, sep, raw = (x.strip() for x in item.partition("="))
+        if not sep or not name.isidentifier() or not raw:
+            raise ConfigError(f"{field}: got {text!r}, expected comma-separated name=value pairs (e.g. 'tau=0.04')")
+        if name in out:
+            raise ConfigError(f"{field}: {name!r} is given twice in {text!r}")
+        low = raw.lower()
+        if low in ("true", "false"):
+            value: Any = low == "true"
+        elif low in ("none", "null"):
+            value = None
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out[name] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The loss preset (see `jaxrl variants` / jaxrl.losses.presets) and its hyperparameters.
+
+    eps_low / eps_high / adv_eps: None means the preset's paper default (e.g. DAPO's 0.28, GSPO's
+    4e-4); a value is an error for a preset without that parameter. `options`: comma-separated
+    name=value pairs for the preset's other parameters and the options every preset takes, e.g.
+    "tau=0.02" (m2po), "tis_cap=2, is_level=sequence", "entropy_coef=0.001" (see `jaxrl variants`).
+    reward_weights: one weight per reward function, i.e. per column of rewards_BxK (the arithmetic
+    task's are (correctness, format); its configs set them); None weighs every column 1, for any K.
+    """
+
+    preset: str = "grpo"
+    eps_low: float | None = None
+    eps_high: float | None = None
+    kl_beta: float = 0.0
+    adv_eps: float | None = None
+    reward_weights: tuple | None = None  # one per reward function (rewards_BxK column); None = all 1
+    options: str = ""
+
+    def validate(self, prefix: str = "loss") -> None:
+        _check(
+            self.eps_low is None or self.eps_low >= 0,
+            f"{prefix}.eps_low",
+            "None or a non-negative number",
+            self.eps_low,
+        )
+        _check(
+            self.eps_high is None or self.eps_high >= 0,
+            f"{prefix}.eps_high",
+            "None or a non-negative number",
+            self.eps_high,
+        )
+        _check(self.kl_beta >= 0, f"{prefix}.kl_beta", "a non-negative number", self.kl_beta)
+        _check(self.adv_eps is None or self.adv_eps > 0, f"{prefix}.adv_eps", "None or a positive number", self.adv_eps)
+        _check(
+            self.reward_weights is None or len(self.reward_weights) > 0,
+            f"{prefix}.reward_weights",
+            "None (all 1) or one weight per reward function",
+            self.reward_weights,
+        )
+        parse_loss_options(self.options, f"{prefix}.options")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 3e-4
+    warmup_steps: int = 5
+    decay_steps: int = 0  # 0 -> train.steps * train.ppo_epochs * train.minibatches (optimizer updates)
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.99
+    grad_clip: float = 1.0
+
+    def validate(self, prefix: str = "optim") -> None:
+        _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
+        _check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "a non-negative integer", self.warmup_steps)
+        _check(self.decay_steps >= 0, f"{prefix}.decay_steps", "a non-negative integer", self.decay_steps)
+        _check(0 <= self.end_lr_ratio <= 1, f"{prefix}.end_lr_ratio", "a number in [0, 1]", self.end_lr_ratio)
+        _check(self.weight_decay >= 0, f"{prefix}.weight_decay", "a non-negative number", self.weight_decay)
+        _check(0 <= self.b1 < 1, f"{prefix}.b1", "a number in [0, 1)", self.b1)
+        _check(0 <= self.b2 < 1, f"{prefix}.b2", "a number in [0, 1)", self.b2)
+        _check(self.grad_clip > 0, f"{prefix}.grad_clip", "a positive number", self.grad_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start that makes the base policy; cached on disk under `cache_dir`."""
+
+    steps: int = 300
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    teacher_error: float = 0.0  # share of demonstrations from a fallible teacher (jaxrl.data.teachers)
+    cache_dir: str = ""  # "" -> $JAXRL_CACHE_DIR or ~/.cache/jaxrl/warmstart
+    seed: int = -1  # -1: train.seed. Set it to share one base policy between runs of different train.seed
+
+    def validate(self, prefix: str = "warmstart") -> None:
+        _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer (0 = random init)", self.steps)
+        _check(self.batch_size > 0, f"{prefix}.batch_size", "a positive integer", self.batch_size)
+        _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
+        _check(0 <= self.teacher_error <= 1, f"{prefix}.teacher_error", "a number in [0, 1]", self.teacher_error)
+        _check(self.seed >= -1, f"{prefix}.seed", "-1 (train.seed) or a non-negative integer", self.seed)
+
+
+REMAT = ("none", "full", "dots")  # = jaxrl.models.remat.REMAT_POLICIES (a test checks)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    ppo_epochs: int = 1
+    # Optimizer steps per epoch over the rollout batch, each on 1/minibatches of its rows (DAPO's and
+    # verl's mini-batches): with more than one, the later steps are off-policy and ratio clipping acts.
+    minibatches: int = 1
+    microbatches: int = 1  # per optimizer step; 0: the fewest that fit memory_budget_gib (jaxrl.train.memory_budget)
+    memory_budget_gib: float = 2.0  # XLA temporaries of the compiled update, for microbatches=0
+    # The update forward's memory options (jaxrl.models.transformer.token_logprobs): the LM head and
+    # log-softmax on logits_chunk (row, position) pairs at a time (0: all at once), and what each
+    # layer keeps for the backward (remat: none | full | dots).
+    logits_chunk: int = 0
+    remat: str = "none"
+    eval_every: int = 20
+    eval_prompts: int = 200
+    log_every: int = 1
+    progress: bool = True
+    # MoE only: the update forward uses the experts the sampler chose for every token (R3 / ESRL).
+    routing_replay: bool = True
+    # Dense models: the update forwards each group's prompt once for its G rows (same results, less
+    # work), wherever the batch's rows are guaranteed to be contiguous groups with one prompt: the
+    # static sampler's rollouts, with microbatches of whole groups. Elsewhere (the slot engine, agent
+    # episodes, MoE) the update runs the one-pass forward whatever this says (loop.prompt_groups).
+    share_prefix: bool = True
+
+    def validate(self, prefix: str = "train") -> None:
+        _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)
+        _check(self.ppo_epochs > 0, f"{prefix}.ppo_epochs", "a positive integer", self.ppo_epochs)
+        _check(self.minibatches > 0, f"{prefix}.minibatches", "a positive integer", self.minibatches)
+        _check(
+            self.microbatches >= 0,
+            f"{prefix}.microbatches",
+            "0 (auto, from memory_budget_gib) or a positive integer",
+            self.microbatches,
+        )
+        _check(
+            self.memory_budget_gib > 0,
+            f"{prefix}.memory_budget_gib",
+            "a positive number of GiB",
+            self.memory_budget_gib,
+        )
+        _check(
+            self.logits_chunk >= 0, f"{prefix}.logits_chunk", "0 (unchunked) or a positive integer", self.logits_chunk
+        )
+        _check(self.remat in REMAT, f"{prefix}.remat", " or ".join(map(repr, REMAT)), self.remat)
+        _check(
+            self.eval_every >= 0,
+            f"{prefix}.eval_every",
+            "a non-negative integer (0 = only at the end)",
+            self.eval_every,
+        )
+        _check(self.eval_prompts > 0, f"{prefix}.eval_prompts", "a positive integer", self.eval_prompts)
+        _check(self.log_every > 0, f"{prefix}.log_every", "a positive integer", self.log_every)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10
+    keep: int = 3
+    async_save: bool = True
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        _check(self.every >= 0, f"{prefix}.every", "a non-negative integer (0 = only at the end)", self.every)
+        _check(self.keep > 0, f"{prefix}.keep", "a positive integer", self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """How devices are laid out (jaxrl.sharding.PRESETS). `single`: one device; `data`: batch over
+    all devices, params replicated; `fsdp`: batch and params' embed axis over all devices;
+    `fsdp_tensor`: (fsdp, tensor) with mlp/heads/vocab over `tensor`; `fsdp_expert`: (fsdp, expert)
+    with experts over `expert`. fsdp is the devices left over: devices / tensor (or / expert)."""
+
+    preset: str = "single"
+    tensor: int = 1  # size of the tensor axis (fsdp_tensor only)
+    expert: int = 1  # size of the expert axis (fsdp_expert only)
+
+    def validate(self, prefix: str = "mesh") -> None:
+        presets = ("single", "data", "fsdp", "fsdp_tensor", "fsdp_expert")
+        _check(self.preset in presets, f"{prefix}.preset", " or ".join(map(repr, presets)), self.preset)
+        for name, owner in (("tensor", "fsdp_tensor"), ("expert", "fsdp_expert")):
+            v = getattr(self, name)
+            _check(v > 0, f"{prefix}.{name}", "a positive integer", v)
+            _check(
+                v == 1 or self.preset == owner,
+                f"{prefix}.{name}",
+                f"1 unless mesh.preset={owner!r} (preset is {self.preset!r})",
+                v,
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    agent: AgentConfig = AgentConfig()
+
+    def validate(self) -> Config:
+        for f in dataclasses.fields(self):
+            _check_finite_floats(getattr(self, f.name), f.name)
+            getattr(self, f.name).validate(f.name)
+        b = self.rollout.prompts_per_step * self.rollout.group_size
+        _check(
+            b % self.train.minibatches == 0,
+            "train.minibatches",
+            f"a divisor of the rollout batch prompts_per_step*group_size={b}",
+            self.train.minibatches,
+        )
+        rows = b // self.train.minibatches
+        _check(
+            self.train.microbatches == 0 or rows % self.train.microbatches == 0,
+            "train.microbatches",
+            f"a divisor of the rows per optimizer step, prompts_per_step*group_size/train.minibatches={rows}",
+            self.train.microbatches,
+        )
+        return self
+
+
+def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) -> Config:
+    """Load `get_config()` from a config file, apply `--set` overrides, check types and ranges."""
+    return load_file(path, Config, overrides).validate()

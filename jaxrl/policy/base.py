@@ -1,0 +1,58 @@
+"""The base policy a run starts from (`loop.build_run`'s first stage): the tokenizer, the model config,
+the task, and the base params laid out by the mesh preset: a pretrained checkpoint (model.hf_path), or
+the cached warm-started policy (trained once per task and model, jaxrl.policy.warmstart)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxrl.agents import is_agent_task, load_agent_task, load_suite
+from jaxrl.agents.formats import check_prompt_fits
+from jaxrl.config import Config
+from jaxrl.data.tasks import load_task
+from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.models.transformer import init_params, param_logical_axes
+from jaxrl.policy.pretrained import load_pretrained
+from jaxrl.policy.warmstart import load_or_train_base
+from jaxrl.sharding import is_primary, param_shardings, put_global
+
+
+def build_base(cfg: Config, progress: bool, mesh, preset):
+    """-> (tokenizer, model config, task, the base params laid out by the preset, the base's path, their
+    shardings)."""
+    agent = is_agent_task(cfg.data.task)  # an environment suite brings its alphabet and its records
+    tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if agent else CharTokenizer()
+    model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    if agent:  # a prompt that cannot fit is an error before the warm start, not after it
+        task = load_agent_task(cfg.data)
+        if not cfg.model.hf_path:
+            check_prompt_fits(cfg, tokenizer, load_suite(cfg.data.task), None)
+    elif jax.process_count() > 1:  # process 0 builds the dataset cache (if missing) before the others read it
+        from jax.experimental import multihost_utils
+
+        task = load_task(cfg.data) if is_primary() else None
+        multihost_utils.sync_global_devices("jaxrl: dataset ready")
+        task = task or load_task(cfg.data)
+    else:
+        task = load_task(cfg.data)
+    if cfg.model.hf_path:  # a pretrained checkpoint brings its tokenizer, architecture and weights
+        tokenizer, model_cfg, base_params, base_path, param_sh = load_pretrained(cfg.model, mesh, preset)
+        return tokenizer, model_cfg, task, base_params, base_path, param_sh
+    # eval_shape -> shardings: the cached base policy is restored straight into its sharded layout.
+    abstract_params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract_params)
+    base_params, base_path = load_or_train_base(
+        cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet, progress=progress, shardings=param_sh
+    )
+    base_params = jax.tree.map(_placed, base_params, param_sh)
+    return tokenizer, model_cfg, task, base_params, base_path, param_sh
+
+
+def _placed(x, sharding):
+    """A host (or differently placed) array -> a global array laid out by `sharding`."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return put_global(sharding, np.asarray(x))

@@ -1,0 +1,370 @@
+"""The decode engine's host driver: samples with lifecycles over S slots (`engine_state.py` is the
+jitted device side).
+
+    engine = Engine.from_config(cfg, prompt_len=P, eos_id=..., pad_id=..., rng=key)
+    groups = engine.collect(params, version, prompts, n_groups)   # prompts: iterable of (tag, tokens)
+    batch  = assemble_batch(groups)                                # the trainer's batch contract
+
+`collect` alternates, until n_groups groups are complete: admit prompts into free slots (each
+prompt's G samples share one prefill; `admit_groups` prompts per prefill call), run one chunk of
+at most `chunk` decode steps over all slots, retire the samples that finished (EOS or max_new_tokens)
+and free their slots. A chunk ends early once no slot is decoding and, under `exact` while
+another group may still be admitted, once G slots are free (so they need not idle for the rest of
+the chunk). A group is returned once all G of its samples are retired.
+
+Admission (`rollout.engine.admission`):
+  exact  admit only the groups this collect still needs; every sample finishes inside the collect
+         that admitted it, so each token's version is that collect's version (synchronous RL).
+  fill   keep every free slot busy while prompts remain; samples still decoding when the collect
+         has its groups stay in their slots and continue in the next collect (drawn then under that
+         call's version: `version_BxT` says which tokens came from which), and groups that complete
+         beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
+         a new iterable: samples in flight carry their own prompts and tags.
+`sample(params, version, [(tag, tokens, k), ...])` draws k samples of each prompt (any k, also more
+samples of a prompt already drawn: it is prefilled again) and decodes them to the end: the
+allocation policies (jaxrl.sources.allocation) build groups of unequal size from several calls.
+
+A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it,
+unless `reprefill` is set: then, when a collect's version differs from the previous collect's, the
+caches of the samples carried over are recomputed under the new params before they continue
+(`engine_partial.reprefill`). Their drawn tokens keep their recorded log-probs and versions.
+
+Bounded staleness (`max_staleness` >= 0): a collect at version v returns no sample whose first token
+was drawn before version v - max_staleness. At the start of a collect, every group that would break
+the bound (in flight, or complete and waiting to be returned) is dropped and restarted whole from its
+prompt, ahead of new prompts: all G samples of a group are redrawn together, so they stay samples of
+one policy mix and comparable within the group. (A group's samples are admitted together, so they
+share their first token's version.) -1: no bound.
+`to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
+
+Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): once at
+most `rollout.speculative.max_active_rows` slots are decoding (the tail; `tail_rows`), each decode
+step drafts `max_draft` tokens for each of those slots with the policy's first `draft_layers` blocks
+and verifies them with one policy forward over just those rows (`engine_speculative.py`); while more
+slots decode, chunks are plain (a verify of many rows is compute-bound and costs more than it saves).
+Same distribution, same recorded fields, several tokens per step in the tail; counts["drafted"] /
+counts["accepted"] say how many drafts were kept, counts["speculative_chunks"] how many chunks speculated.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator
+
+import jax
+import numpy as np
+
+from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.rollout.engine.checkpoint import engine_to_state, load_engine_state
+from jaxrl.rollout.engine.groups import (
+    Flight,
+    Group,
+    assemble_batch,
+    concat_groups,
+    first_version,
+    flight_group,
+    left_pad,
+)
+from jaxrl.rollout.engine.partial import release_slots, reprefill
+from jaxrl.rollout.engine.state import (
+    EngineSpec,
+    admit,
+    decode_chunk,
+    host_slots,
+    init_state,
+    read_host_slots,
+    split_params,
+)
+from jaxrl.rollout.sampler import check_temperature
+from jaxrl.rollout.speculative import engine as engine_speculative
+
+# Group, assemble_batch, concat_groups and left_pad live in engine_groups.py; imported from here too.
+__all__ = ["Engine", "Group", "assemble_batch", "concat_groups", "left_pad"]
+
+
+class Engine:
+    """Host side of the engine; `state` is the device state (`engine_state.EngineState`)."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        engine_cfg: EngineConfig,
+        *,
+        group_size: int,
+        prompt_len: int,
+        max_new_tokens: int,
+        temperature: float,
+        eos_id: int,
+        pad_id: int,
+        rng,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        speculative: SpeculativeConfig | None = None,
+        draft_ids=None,
+        expert_parallel: ExpertParallel | None = None,
+    ):
+        """expert_parallel (MoE): the experts' mesh axis (`sharding.expert_parallel`), the one the
+        update is given; every engine forward dispatches with it (None: one device)."""
+        engine_cfg.validate()
+        if engine_cfg.slots < group_size:
+            raise ConfigError(
+                f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
+                f"group_size={group_size} (a group is admitted into free slots at once)"
+            )
+        check_temperature(temperature)
+        self.ecfg, self.temperature = engine_cfg, float(temperature)
+        self.spec = EngineSpec(
+            model_cfg,
+            engine_cfg.slots,
+            prompt_len,
+            max_new_tokens,
+            group_size,
+            eos_id,
+            pad_id,
+            top_k,
+            top_p,
+            greedy,
+            expert_parallel=expert_parallel,
+        )
+        self.counts = {
+            "chunks": 0,
+            "prefill_calls": 0,
+            "admitted_groups": 0,
+            "restarted_groups": 0,
+            "restarted_samples": 0,
+            "reprefilled_samples": 0,
+        }
+        # The chunk kernel and the weights it takes (split into layers once per collect, or stacked).
+        self._decode_chunk, self._chunk_params = decode_chunk, split_params
+        self.tail_rows = 0  # slots decoding at or below which chunks speculate (0: never)
+        if speculative is not None and speculative.enabled:  # early-exit drafting: engine_speculative.py
+            # draft_ids: ranked token ids for a reduced draft head (rollout.speculative.draft_vocab)
+            self.spec = engine_speculative.speculative_spec(self.spec, speculative, draft_ids)
+            self.tail_rows = engine_speculative.tail_rows(speculative, engine_cfg.slots)
+            self._decode_chunk = engine_speculative.toggle_chunk(self, self.tail_rows)
+        self.state = init_state(self.spec.without_drafter(), rng)
+        self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
+        self._flight: dict[int, Flight] = {}
+        self._ready: list[Group] = []  # complete, not yet returned
+        self._next_id = 0
+        self._restart: list = []  # (tag, prompt_P, mask_P) of groups to re-admit before new prompts
+        self._version: int | None = None  # the previous collect's version
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg,
+        *,
+        prompt_len: int,
+        eos_id: int,
+        pad_id: int,
+        rng,
+        greedy: bool = False,
+        draft_ids=None,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> Engine:
+        """The engine a run's `Config` describes (model, rollout.* and rollout.engine.*); MoE: with
+        the run's `expert_parallel(mesh, preset)`."""
+        rc = cfg.rollout
+        return cls(
+            cfg.model,
+            rc.engine,
+            group_size=rc.group_size,
+            prompt_len=prompt_len,
+            max_new_tokens=rc.max_new_tokens,
+            temperature=rc.temperature,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            rng=rng,
+            top_k=rc.top_k,
+            top_p=rc.top_p,
+            greedy=greedy,
+            speculative=rc.speculative,
+            draft_ids=draft_ids,
+            expert_parallel=expert_parallel,
+        )
+
+    def to_state(self) -> tuple[dict, dict]:
+        """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (engine_checkpoint.py)."""
+        return engine_to_state(self)
+
+    def load_state(self, host: dict, arrays: dict) -> None:
+        """Continue from `to_state()`'s output: samples in flight, ready groups, counters, RNG."""
+        load_engine_state(self, host, arrays)
+
+    @property
+    def version(self) -> int | None:
+        """The version of the latest collect (None before the first)."""
+        return self._version
+
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self._flight)
+
+    def collect(self, params, version: int, prompts: Iterable, n_groups: int) -> list[Group]:
+        """The next n_groups complete groups (fewer only when `prompts` runs out and nothing is left
+        in flight). `prompts` yields (tag, tokens) pairs: tokens a 1-D sequence of real tokens."""
+        prompts = iter(prompts)
+        self._restart_stale(version)
+        self._reprefill_carried(params, version)
+        self._version = version
+        lparams = self._chunk_params(params, self.spec.cfg)  # once per collect, not once per chunk
+        while len(self._ready) < n_groups:
+            more = self._admit_free(params, prompts, n_groups, version)
+            if not self._flight:  # prompts ran out and every admitted group is back
+                break
+            # While another group may still be admitted, the chunk ends as soon as G slots are free.
+            stop_at = self.spec.group_size if more else self.spec.slots
+            self.state = self._decode_chunk(
+                lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature, stop_at
+            )
+            self.counts["chunks"] += 1
+            self._retire()
+        out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
+        return out
+
+    def _restart_stale(self, version: int) -> None:
+        """Drop the groups whose first token is more than max_staleness versions older than
+        `version` (in flight: their slots are released) and queue them for re-admission."""
+        bound = self.ecfg.max_staleness
+        if bound < 0:
+            return
+
+        def stale(first):
+            return version - first > bound
+
+        n_queued = len(self._restart)
+        restart = [g for g in self._ready if stale(first_version(g))]
+        self._ready = [g for g in self._ready if not stale(first_version(g))]
+        self._restart.extend((g.tag, g.prompt_P, g.prompt_mask_P) for g in restart)
+        free_S = np.zeros(self.spec.slots, bool)
+        for gid in [gid for gid, f in self._flight.items() if stale(f.born)]:
+            flight = self._flight.pop(gid)
+            mine = self._owner_S == gid  # members already retired left their slots (maybe to others)
+            free_S |= mine
+            self._owner_S[mine] = -1
+            self._restart.append((flight.tag, flight.prompt_P, flight.mask_P))
+        if free_S.any():
+            self.state = release_slots(self.spec, self.state, free_S)
+        n_restarted = len(self._restart) - n_queued
+        self.counts["restarted_groups"] += n_restarted
+        self.counts["restarted_samples"] += n_restarted * self.spec.group_size
+
+    def _reprefill_carried(self, params, version: int) -> None:
+        """reprefill: at a version change, recompute the caches of the samples still decoding."""
+        if not self.ecfg.reprefill or version == self._version or not self._flight:
+            return
+        S, P = self.spec.slots, self.spec.prompt_len
+        prompt_SxP, mask_SxP = np.full((S, P), self.spec.pad_id, np.int32), np.zeros((S, P), np.int32)
+        for gid, flight in self._flight.items():
+            mine = self._owner_S == gid
+            prompt_SxP[mine], mask_SxP[mine] = flight.prompt_P, flight.mask_P
+        redo_S = self._owner_S >= 0
+        self.state = reprefill(params, self.spec, self.state, prompt_SxP, mask_SxP, redo_S)
+        self.counts["reprefilled_samples"] += int(redo_S.sum())
+
+    def _next_prompt(self, prompts: Iterator):
+        """(tag, prompt_P, mask_P): a restarted group first, else the next prompt (None: none left)."""
+        if self._restart:
+            return self._restart.pop(0)
+        item = next(prompts, None)
+        if item is None:
+            return None
+        tag, tokens = item
+        return (tag, *left_pad(tokens, self.spec.prompt_len, self.spec.pad_id))
+
+    def _admit_free(self, params, prompts: Iterator, n_groups: int, version: int) -> bool:
+        """Admit prompts into free slots as far as the admission policy allows (flights born at
+        `version`). -> whether the next chunk should end as soon as G slots are free (`exact`, with
+        prompts and room left)."""
+        G = self.spec.group_size
+        free = np.flatnonzero(self._owner_S < 0)
+        room = len(free) // G
+        if self.ecfg.admission == "exact":
+            room = min(room, n_groups - len(self._ready) - len(self._flight))
+        batch, exhausted = [], False
+        for _ in range(max(room, 0)):
+            item = self._next_prompt(prompts)
+            if item is None:
+                exhausted = True
+                break
+            batch.append(item)
+        self._admit_rows(params, [(tag, prompt_P, mask_P, G, None) for tag, prompt_P, mask_P in batch], free, version)
+        # Only `exact` ends chunks early: there chunk boundaries are invisible in what a collect
+        # returns, while under `fill` they decide which samples a collect leaves in flight.
+        return self.ecfg.admission == "exact" and not exhausted and n_groups - len(self._ready) - len(self._flight) > 0
+
+    def _admit_rows(self, params, rows: list, free: np.ndarray, version: int) -> None:
+        """Admit rows (tag, prompt_P, mask_P, n <= G samples, sink or None) into the free slots `free` (enough
+        for all), `admit_groups` rows per prefill call; each row becomes one flight of n samples, born
+        at `version`."""
+        G, A, S = self.spec.group_size, self.ecfg.admit_groups, self.spec.slots
+        for start in range(0, len(rows), A):
+            chunk = rows[start : start + A]
+            dest_N = np.full(A * G, S, np.int32)  # S: dropped (padding prompts, or a row's unused samples)
+            for a, (tag, prompt_P, mask_P, n, sink) in enumerate(chunk):
+                slots_n, free = free[:n], free[n:]
+                dest_N[a * G : a * G + n] = slots_n
+                self._owner_S[slots_n] = self._next_id
+                self._flight[self._next_id] = Flight(tag, prompt_P, mask_P, slots_n, {}, sink, version)
+                self._next_id += 1
+            pad = [chunk[0]] * (A - len(chunk))
+            prompt_AxP = np.stack([c[1] for c in chunk + pad])
+            mask_AxP = np.stack([c[2] for c in chunk + pad])
+            self.state = admit(params, self.spec, self.state, prompt_AxP, mask_AxP, dest_N)
+            self.counts["prefill_calls"] += 1
+            self.counts["admitted_groups"] += len(chunk)
+
+    def sample(self, params, version: int, requests: list) -> list[Group]:
+        """`requests`: (tag, tokens, k) triples -> one Group of k samples per request, in order (k = 0:
+        an empty Group), decoded to the end. A request is admitted in pieces of at most G samples
+        (one prefill each), as free slots allow; asking again for a prompt already sampled prefills it
+        again. Every sample is drawn by the same kernels as `collect`'s, with its own noise (its
+        slot and decode steps), so samples from different calls are independent draws of the policy.
+        Flights of an earlier `collect` still decoding (admission=fill) keep decoding meanwhile."""
+        G = self.spec.group_size
+        prompts = [left_pad(tokens, self.spec.prompt_len, self.spec.pad_id) for _, tokens, _ in requests]
+        # piece j: (request i, n samples); its flight's tag is (j, i)
+        pieces = [(i, min(G, k - start)) for i, (_, _, k) in enumerate(requests) for start in range(0, k, G)]
+        done: list[Group] = []
+        next_j = 0
+        lparams = self._chunk_params(params, self.spec.cfg)  # once per call, not once per chunk
+        while len(done) < len(pieces):
+            free, rows = np.flatnonzero(self._owner_S < 0), []
+            room = len(free)
+            while next_j < len(pieces) and pieces[next_j][1] <= room:
+                i, n = pieces[next_j]
+                rows.append(((next_j, i), *prompts[i], n, done))
+                room -= n
+                next_j += 1
+            self._admit_rows(params, rows, free, version)
+            self.state = self._decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
+            self.counts["chunks"] += 1
+            self._retire()
+        by_piece = sorted(done, key=lambda g: g.tag[0])
+        return [
+            concat_groups([g for g in by_piece if g.tag[1] == i], tag, *prompts[i])
+            for i, (tag, _, _) in enumerate(requests)
+        ]
+
+    def _retire(self) -> None:
+        """Read the finished samples out, free their slots, move complete flights to their sink."""
+        # One round trip per chunk: every slot's fields come back (the arrays are small), the
+        # finished ones are kept.
+        host = host_slots(self.state)
+        slots = np.flatnonzero(host.done_S & (self._owner_S >= 0))
+        if not len(slots):
+            return
+        out = read_host_slots(self.spec, host, np.arange(self.spec.slots))
+        for slot in slots:
+            r = slot
+            gid = int(self._owner_S[slot])
+            flight = self._flight[gid]
+            member = int(np.flatnonzero(flight.slots_G == slot)[0])
+            flight.rows[member] = jax.tree.map(operator.itemgetter(r), out)  # row r; None (no MoE) stays None
+            self._owner_S[slot] = -1
+            if len(flight.rows) == len(flight.slots_G):
+                (self._ready if flight.sink is None else flight.sink).append(flight_group(flight))
+                del self._flight[gid]

@@ -1,0 +1,100 @@
+"""From a step's completions to the update's batch: score them (host), then lay the batch out.
+
+`score_groups` is host work: decode and verify this process's completion rows, gather what the
+metrics need from every process, and return the host batch (this process's rows, by field name)
+with the step's reward/length metrics. `assemble_batch` puts the host batch on the devices, each
+field laid out by its name (jaxrl.sharding.named_sharding).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxrl.data.rewards import score
+from jaxrl.sharding import all_processes_sum, gather_rows, named_sharding, put_rows
+from jaxrl.sources.prompts import decode_completions
+from jaxrl.sources.sampler import Rollout
+
+
+class RowLayout(NamedTuple):
+    """Where a step's B completion rows live: their sharding and the rows this process holds."""
+
+    sharding: jax.sharding.NamedSharding
+    mine: slice  # process_rows(sharding, n)
+    n: int  # B = prompts_per_step * group_size
+
+
+class ScoredGroups(NamedTuple):
+    host_batch: dict  # this process's rows of every update field but routing, by name
+    metrics: dict  # the step's reward / length metrics over all rows, in logged order
+    n_tokens: float  # completion tokens over all rows (for rollout/tokens_per_s)
+
+
+def score_groups(
+    rollout: Rollout,
+    records: list,
+    prompt_BxP,
+    prompt_mask_BxP,
+    n_skipped: int,
+    *,
+    tokenizer,
+    verifier,
+    rows: RowLayout,
+    group_size: int,
+    reward_weights,
+) -> ScoredGroups:
+    """Score this process's rows of `rollout` (row i*G + g answers records[i]); host metrics see all rows."""
+    G = group_size
+    texts = decode_completions(tokenizer, rollout.tokens_BxT)
+    my_rewards_BxK, n_failed = score(
+        verifier, texts, list(rollout.finished_B), [r for r in records for _ in range(G)][rows.mine]
+    )
+    rewards_BxK = gather_rows(rows.sharding, my_rewards_BxK, rows.n)
+    mask_BxT = gather_rows(rows.sharding, rollout.completion_mask_BxT, rows.n)
+    finished_B = gather_rows(rows.sharding, rollout.finished_B, rows.n)
+    n_failed = int(all_processes_sum(n_failed))
+    host_batch = {
+        "prompt_tokens_BxP": np.repeat(prompt_BxP, G, 0)[rows.mine],
+        "prompt_mask_BxP": np.repeat(prompt_mask_BxP, G, 0)[rows.mine],
+        "tokens_BxT": rollout.tokens_BxT,
+        "completion_mask_BxT": rollout.completion_mask_BxT,
+        "rollout_logp_BxT": rollout.logp_BxT,
+        "rewards_BxK": my_rewards_BxK,
+        "truncated_B": (~rollout.finished_B).astype(np.float32),
+    }
+    metrics = reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed, n_skipped, reward_weights)
+    return ScoredGroups(host_batch, metrics, float(mask_BxT.sum()))
+
+
+def reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed: int, n_skipped: int, reward_weights) -> dict:
+    """The step's reward / length metrics over all of its rows, in logged order."""
+    r_B = combined_reward(rewards_BxK, reward_weights)
+    return {
+        "reward/mean": float(r_B.mean()),
+        "reward/std": float(r_B.std()),
+        "reward/correctness": float(rewards_BxK[:, 0].mean()),
+        "reward/format": float(rewards_BxK[:, 1].mean()) if rewards_BxK.shape[1] > 1 else None,
+        "reward/failed": int(n_failed),
+        "data/skipped_prompts": int(n_skipped),
+        "response_len/mean": float(mask_BxT.sum(1).mean()),
+        "response/truncated": float((~finished_B).mean()),
+    }
+
+
+def assemble_batch(host_batch: dict, routing_BxSxLxK, mesh, preset, n_rows: int) -> dict:
+    """The update's batch: global arrays, each field laid out by its name. `routing_BxSxLxK` (MoE,
+    else None) is a global array already laid out by its name: replayed in the update."""
+    batch = {k: put_rows(named_sharding(mesh, preset, k), v, n_rows) for k, v in host_batch.items()}
+    if routing_BxSxLxK is not None:
+        batch["routing_BxSxLxK"] = routing_BxSxLxK
+    return batch
+
+
+def combined_reward(rewards_BxK: np.ndarray, reward_weights) -> np.ndarray:
+    """r_B = sum_k w_k r_ik for the reward/mean metric, as the loss combines them (None: all weights 1)."""
+    if reward_weights is None:
+        return rewards_BxK.sum(axis=1)
+    return rewards_BxK @ np.asarray(reward_weights, np.float32)
