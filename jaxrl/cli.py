@@ -242,7 +242,7 @@ def _one_line(e: Exception) -> str:
 
 def _convert(args) -> int:
     """`jaxrl convert`: check the direction, convert, and say what was written where."""
-    from jaxrl.policy import pretrained
+    from jaxrl.policy import convert
 
     if (
         bool(args.from_hf) == bool(args.from_)
@@ -253,19 +253,19 @@ def _convert(args) -> int:
     if args.peft_adapter and args.from_hf:
         raise UserError("convert: --peft-adapter goes with --from RUN --to-hf DIR (a LoRA run's export)")
     if args.from_hf:
-        model = pretrained.convert_from_hf(args.from_hf, args.to)
+        model = convert.convert_from_hf(args.from_hf, args.to)
         print(
-            f"jaxrl: converted {args.from_hf} ({pretrained.describe(model)}) to {args.to}; "
+            f"jaxrl: converted {args.from_hf} ({convert.describe(model)}) to {args.to}; "
             f"train from it with --set model.hf_path={args.to}",
             file=sys.stderr,
         )
     else:
-        model = pretrained.convert_to_hf(
+        model = convert.convert_to_hf(
             args.from_, args.to_hf, args.dtype, args.max_shard_mb * 2**20, peft_dir=args.peft_adapter
         )
         if not args.peft_adapter:
             print(
-                f"jaxrl: wrote {args.from_} ({pretrained.describe(model)}) to {args.to_hf} as a Hugging "
+                f"jaxrl: wrote {args.from_} ({convert.describe(model)}) to {args.to_hf} as a Hugging "
                 f"Face checkpoint ({args.dtype}); load it with AutoModelForCausalLM.from_pretrained",
                 file=sys.stderr,
             )

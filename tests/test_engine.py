@@ -14,7 +14,8 @@ from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine import state as es
-from jaxrl.rollout.engine.driver import Engine, assemble_batch, left_pad
+from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.engine.groups import assemble_batch, left_pad
 from jaxrl.rollout.sampler import sample
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)

@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl.rollout.engine import driver as engine_mod
 from jaxrl.rollout.engine import state as es
-from jaxrl.rollout.engine.driver import assemble_batch
+from jaxrl.rollout.engine.groups import assemble_batch
 from tests.test_engine import (
     CFG,
     NEVER,

@@ -13,7 +13,8 @@ from chi_square import chi_square_pvalue
 
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
-from jaxrl.rollout.engine.driver import Engine, assemble_batch
+from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.engine.groups import assemble_batch
 from jaxrl.rollout.speculative import draft_vocab
 
 SUBSET = (3, 1)  # td.SMALL's drafter sees tokens 3 and EOS=1 only; 0, 2 and 4 are never drafted

@@ -14,7 +14,8 @@ from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.rollout.engine import state as es
-from jaxrl.rollout.engine.driver import Engine, assemble_batch, left_pad
+from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.engine.groups import assemble_batch, left_pad
 from jaxrl.rollout.engine.partial import fed_mask, release_slots, reprefill
 from jaxrl.rollout.speculative.engine import speculative_spec
 

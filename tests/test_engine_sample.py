@@ -12,7 +12,8 @@ from test_engine import CFG, LENGTHS, _engine, _eos, _items, _params
 
 from jaxrl.config import EngineConfig
 from jaxrl.models import transformer as tf
-from jaxrl.rollout.engine.driver import Engine, assemble_batch, concat_groups
+from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.engine.groups import assemble_batch, concat_groups
 
 
 def test_more_greedy_samples_of_a_scored_prompt_equal_its_first_ones():

@@ -17,7 +17,8 @@ from chi_square import chi_square_pvalue
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
-from jaxrl.rollout.engine.driver import Engine, assemble_batch
+from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.engine.groups import assemble_batch
 from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative import engine as engine_speculative

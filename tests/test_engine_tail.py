@@ -14,7 +14,8 @@ import test_engine_distribution as td
 from chi_square import chi_square_pvalue
 
 from jaxrl.config import EngineConfig, SpeculativeConfig
-from jaxrl.rollout.engine.driver import Engine, assemble_batch
+from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.engine.groups import assemble_batch
 from jaxrl.rollout.speculative.calibrate import StepCosts, expected_tokens, tail_gain, tail_threshold
 from jaxrl.rollout.speculative.engine import chunk_kind
 

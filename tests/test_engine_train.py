@@ -85,7 +85,7 @@ def test_fill_admission_carries_samples_into_the_next_step_with_their_versions(i
 
 
 def test_engine_metrics_staleness_by_hand():
-    from jaxrl.rollout.engine.driver import Group
+    from jaxrl.rollout.engine.groups import Group
 
     class Counts:
         counts = {"chunks": 7, "prefill_calls": 3}

@@ -8,7 +8,7 @@ import pytest
 from episode_helpers import CFG, MOE, RECORDS, TOK, CountEnv, P, T, engine, params, reference_episode, requests
 
 from jaxrl.models import transformer as tf
-from jaxrl.rollout.episodes.driver import EpisodeGroup
+from jaxrl.rollout.episodes.records import EpisodeGroup
 from jaxrl.rollout.sampler import sample
 
 EOT_GREEDY = "1"  # with params(), greedy episodes of RECORDS take 3, 1, 2, 1, 1 turns (checked below)

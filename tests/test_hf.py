@@ -415,7 +415,7 @@ def test_export_keeps_the_checkpoint_context_length_and_rope_scaling(models, tmp
     """A Llama 3 checkpoint made for 4096 positions, run at max_seq_len 32: export (directly, and through
     `convert --from-hf` then `--to-hf`) writes 4096 and the same llama3 rope fields back."""
     from jaxrl.config import ModelConfig
-    from jaxrl.policy.pretrained import convert_from_hf, convert_to_hf
+    from jaxrl.policy.convert import convert_from_hf, convert_to_hf
 
     d = tmp_path / "llama4k"
     shutil.copytree(models["llama"][0], d)

@@ -31,7 +31,8 @@ from jaxrl.config.lora import LoraConfig  # noqa: E402
 from jaxrl.models import lora, peft_export, safetensors_io  # noqa: E402
 from jaxrl.models.transformer import forward, param_logical_axes  # noqa: E402
 from jaxrl.policy import lora_run  # noqa: E402
-from jaxrl.policy.pretrained import convert_to_hf, load_model  # noqa: E402
+from jaxrl.policy.convert import convert_to_hf  # noqa: E402
+from jaxrl.policy.pretrained import load_model  # noqa: E402
 from jaxrl.train import checkpoint  # noqa: E402
 from jaxrl.train.state import init_state, make_optimizer  # noqa: E402
 from jaxrl.train.workdir import RunRecord  # noqa: E402

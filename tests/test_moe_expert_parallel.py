@@ -190,7 +190,8 @@ from jaxrl.rollout.engine import partial as engine_partial
 from jaxrl.rollout.speculative import engine as engine_speculative
 from jaxrl.rollout.engine import state as engine_state
 from jaxrl.rollout.episodes import state as episode_state
-from jaxrl.rollout.engine.driver import Engine, assemble_batch
+from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.engine.groups import assemble_batch
 from jaxrl.train.evaluate import make_chunk_sampler
 
 # The slot engine, greedy: 6 groups of 2 through 8 slots draw what one device draws.

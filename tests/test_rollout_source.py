@@ -24,7 +24,7 @@ from jaxrl.rollout.speculative.control import (
     stays_off,
     updated,
 )
-from jaxrl.rollout.speculative.sample import SpecStats
+from jaxrl.rollout.speculative.steps import SpecStats
 from jaxrl.sharding import make_mesh, param_shardings
 from jaxrl.sources.sampler import SamplerSource
 

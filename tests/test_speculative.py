@@ -18,8 +18,8 @@ from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative.calibrate import StepCosts, constant_costs
 from jaxrl.rollout.speculative.drafters import dequantize, quantize_int8
 from jaxrl.rollout.speculative.reuse import DraftStore
-from jaxrl.rollout.speculative.sample import choose_draft_length as _choose_draft_length
 from jaxrl.rollout.speculative.sample import sample_speculative, worth_speculating
+from jaxrl.rollout.speculative.steps import choose_draft_length as _choose_draft_length
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 MOE = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=32)

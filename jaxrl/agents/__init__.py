@@ -24,14 +24,3 @@ def load_suite(task: str):
         raise ConfigError(f"data.task: got {task!r}, expected an environment: {' or '.join(map(repr, SUITES))}")
     module, attr = SUITES[task].split(":")
     return getattr(importlib.import_module(module), attr)
-
-
-def load_agent_task(data_cfg):
-    """TaskData of an environment suite: its train / test records (generated in memory, deterministic
-    in data.seed); episodes are scored by their environments, so there is no verifier."""
-    from jaxrl.agents.warmstart import agent_task_records
-    from jaxrl.data.tasks import RecordSource, TaskData
-
-    train, test = agent_task_records(data_cfg)
-    name = data_cfg.task
-    return TaskData(name, RecordSource(f"{name}/train", train), RecordSource(f"{name}/test", test), None, "")

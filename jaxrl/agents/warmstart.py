@@ -107,3 +107,13 @@ def suite_fingerprint(suite) -> str:
         "episodes": episodes,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_agent_task(data_cfg):
+    """TaskData of an environment suite: its train / test records (generated in memory, deterministic
+    in data.seed); episodes are scored by their environments, so there is no verifier."""
+    from jaxrl.data.tasks import RecordSource, TaskData
+
+    train, test = agent_task_records(data_cfg)
+    name = data_cfg.task
+    return TaskData(name, RecordSource(f"{name}/train", train), RecordSource(f"{name}/test", test), None, "")

@@ -9,8 +9,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxrl.agents import is_agent_task, load_agent_task, load_suite
+from jaxrl.agents import is_agent_task, load_suite
 from jaxrl.agents.formats import check_prompt_fits
+from jaxrl.agents.warmstart import load_agent_task
 from jaxrl.config import Config
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer

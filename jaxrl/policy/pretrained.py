@@ -1,4 +1,4 @@
-"""Starting a run from a pretrained checkpoint (`model.hf_path`), and `jaxrl convert`.
+"""Starting a run from a pretrained checkpoint (`model.hf_path`).
 
 `model.hf_path` names either a Hugging Face checkpoint directory (config.json + safetensors +
 tokenizer.json) or the output of `jaxrl convert --from-hf` (the same tokenizer files, model_config.json
@@ -7,22 +7,15 @@ max_seq_len, MoE dispatch and loss coefficients) from the run's config. Either w
 placed straight into the mesh preset's shardings. The model config carries the checkpoint's own context
 length (`hf_max_position_embeddings`) and RoPE scaling, so exporting a run trained at 1,024 tokens
 writes the checkpoint's max_position_embeddings back, and it never holds the path (`hf_path` is ""):
-the jitted functions that take it as a static argument compile once per architecture.
-
-    jaxrl convert --from-hf HF_DIR --to OUT          # -> Orbax params + model_config.json + tokenizer files
-    jaxrl convert --from RUN_OR_OUT --to-hf HF_DIR   # a converted dir, or a run's latest checkpoint -> HF
-"""
+the jitted functions that take it as a static argument compile once per architecture."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
-import shutil
-import warnings
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl.config import ConfigError, ModelConfig
@@ -91,113 +84,3 @@ def load_pretrained(model: ModelConfig, mesh, preset):
             f"vocab_size={cfg.vocab_size}"
         )
     return tokenizer, cfg, params, pathlib.Path(model.hf_path), shardings_fn(cfg)
-
-
-def _copy_side_files(src: pathlib.Path, dst: pathlib.Path) -> None:
-    for name in SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
-
-
-def convert_from_hf(src, dst) -> ModelConfig:
-    """A HF checkpoint directory -> Orbax params + model_config.json + its tokenizer files."""
-    src, dst = pathlib.Path(src), pathlib.Path(dst)
-    cfg, params = hf.load(src)  # max_seq_len: the checkpoint's; a run replaces it with its own
-    if (dst / "params").exists():
-        raise ConfigError(f"--to {str(dst)!r}: already holds converted params; choose a new directory")
-    dst.mkdir(parents=True, exist_ok=True)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save((dst / "params").absolute(), params)
-    ckptr.wait_until_finished()
-    (dst / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    _copy_side_files(src, dst)
-    if (src / "config.json").is_file():
-        shutil.copyfile(src / "config.json", dst / "config.json")
-    return cfg
-
-
-def _run_params(run: pathlib.Path):
-    """(model_cfg, params, source dir of tokenizer files or None) of a run's newest checkpoint; a LoRA
-    run's params are its merged policy (the base rebuilt, jaxrl.policy.lora_run)."""
-    from jaxrl.config.saved import read_run_config
-    from jaxrl.data.tokenizer import CharTokenizer
-    from jaxrl.policy import lora_run
-
-    if lora_run.is_lora_run(run):
-        policy = lora_run.run_policy(run)
-        return policy.model_cfg, jax.tree.map(np.asarray, policy.merged()), policy.tokenizer_dir
-    run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
-    assert run_cfg is not None  # the caller found config.json
-    model = ModelConfig.from_dict(run_cfg["model"])
-    side = None
-    if model.hf_path:
-        cfg = checkpoint_config(model)
-        side = pathlib.Path(model.hf_path)
-    else:
-        cfg = model if model.vocab_size else dataclasses.replace(model, vocab_size=CharTokenizer().vocab_size)
-    manager = ocp.CheckpointManager((run / "checkpoints").absolute())
-    step = manager.latest_step()
-    if step is None:
-        raise ConfigError(f"--from {str(run)!r}: the run has no finished checkpoint")
-    with warnings.catch_warnings():  # restored on the host for export: no topology to mismatch
-        warnings.filterwarnings("ignore", message="Sharding info not provided when restoring")
-        restored = ocp.PyTreeCheckpointer().restore((run / "checkpoints" / str(step) / "state").absolute())
-    params = restored["params"] if isinstance(restored, dict) else restored[1]
-    return cfg, jax.tree.map(np.asarray, params), side
-
-
-def convert_to_hf(src, dst, dtype: str = "float32", max_shard_bytes: int = 0, peft_dir=None) -> ModelConfig:
-    """A converted directory, or a run directory's newest checkpoint -> a HF checkpoint directory.
-    With `peft_dir` (a LoRA run only): `dst` gets the frozen base policy and `peft_dir` the adapters as
-    a PEFT adapter directory whose base is `dst` (jaxrl.models.peft_export)."""
-    src, dst = pathlib.Path(src), pathlib.Path(dst)
-    if peft_dir is not None:
-        return _convert_to_peft(src, dst, pathlib.Path(peft_dir), dtype, max_shard_bytes)
-    if (src / MODEL_CONFIG).is_file():
-        cfg, params = load_model(ModelConfig(hf_path=str(src)))
-        side = src
-    elif (src / "checkpoints").is_dir() and (src / "config.json").is_file():
-        cfg, params, side = _run_params(src)
-    else:
-        raise ConfigError(
-            f"--from {str(src)!r}: expected a `jaxrl convert --from-hf` output ({MODEL_CONFIG}) or a "
-            "run directory (config.json + checkpoints/)"
-        )
-    _save_hf(dst, params, cfg, side, dtype, max_shard_bytes)
-    return cfg
-
-
-def _save_hf(dst: pathlib.Path, params, cfg: ModelConfig, side, dtype: str, max_shard_bytes: int) -> None:
-    extra = {}
-    if side is not None and (side / "config.json").is_file():
-        original = json.loads((side / "config.json").read_text())
-        extra = {k: original.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    hf.save(dst, params, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes, **extra)
-    if side is not None:
-        _copy_side_files(side, dst)
-
-
-def _convert_to_peft(src: pathlib.Path, dst: pathlib.Path, peft_dir: pathlib.Path, dtype: str, max_shard_bytes: int):
-    """A LoRA run -> its base policy as a HF checkpoint (`dst`) + its adapters as a PEFT directory."""
-    from jaxrl.models import peft_export
-    from jaxrl.policy import lora_run
-
-    if not ((src / "checkpoints").is_dir() and (src / "config.json").is_file() and lora_run.is_lora_run(src)):
-        raise ConfigError(
-            f"--peft-adapter: --from {str(src)!r} is not a LoRA run (a run directory with model.lora.rank > 0); "
-            "drop --peft-adapter to export its weights"
-        )
-    policy = lora_run.run_policy(src)
-    tensors = peft_export.peft_tensors(policy.adapters, policy.model_cfg, policy.lcfg.rank)  # fails before writing
-    base = jax.tree.map(np.asarray, policy.dense_base())
-    _save_hf(dst, base, policy.model_cfg, policy.tokenizer_dir, dtype, max_shard_bytes)
-    peft_export.save_adapter(peft_dir, tensors, policy.model_cfg, policy.lcfg, dst)
-    return policy.model_cfg
-
-
-def describe(cfg: ModelConfig) -> str:
-    """One phrase for a converted model: its size and shape."""
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
-    moe = f", {cfg.n_experts} experts" if cfg.n_experts else ""
-    return f"{n / 1e6:.2f} M parameters, {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}{moe}"

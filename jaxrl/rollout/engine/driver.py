@@ -60,7 +60,6 @@ from jaxrl.rollout.engine.checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine.groups import (
     Flight,
     Group,
-    assemble_batch,
     concat_groups,
     first_version,
     flight_group,
@@ -78,9 +77,6 @@ from jaxrl.rollout.engine.state import (
 )
 from jaxrl.rollout.sampler import check_temperature
 from jaxrl.rollout.speculative import engine as engine_speculative
-
-# Group, assemble_batch, concat_groups and left_pad live in engine_groups.py; imported from here too.
-__all__ = ["Engine", "Group", "assemble_batch", "concat_groups", "left_pad"]
 
 
 class Engine:

@@ -60,12 +60,9 @@ from jaxrl.config.rollout import EngineConfig
 from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout.engine.groups import left_pad
 from jaxrl.rollout.engine.state import EngineSpec, decode_chunk, host_slots, init_state, split_params
-from jaxrl.rollout.episodes.records import Episode, EpisodeGroup, StepOutcome, env_step, episode_group, episode_keys
+from jaxrl.rollout.episodes.records import Episode, StepOutcome, env_step, episode_group, episode_keys
 from jaxrl.rollout.episodes.state import place
 from jaxrl.rollout.sampler import check_temperature
-
-# EpisodeGroup and episode_keys live in episode_records.py; imported from here too.
-__all__ = ["EpisodeEngine", "EpisodeGroup", "episode_keys"]
 
 
 class EpisodeEngine:

@@ -27,7 +27,8 @@ from jaxrl.rollout.speculative.calibrate import (
     costs_to_json,
     widest_draft,
 )
-from jaxrl.rollout.speculative.sample import SpecStats, worth_speculating
+from jaxrl.rollout.speculative.sample import worth_speculating
+from jaxrl.rollout.speculative.steps import SpecStats
 from jaxrl.sharding import is_primary
 
 

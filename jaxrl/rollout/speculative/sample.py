@@ -44,13 +44,10 @@ from jaxrl.rollout.speculative.drafters import draft_view
 from jaxrl.rollout.speculative.steps import (
     SpecContext,
     SpecState,
-    SpecStats,
     choose_draft_length,
     initial_state,
     loop_step,
 )
-
-__all__ = ["SpecStats", "choose_draft_length", "sample_speculative", "worth_speculating"]
 
 
 def worth_speculating(
