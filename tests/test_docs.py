@@ -99,6 +99,10 @@ def makefile_targets() -> set[str]:
     return set(re.findall(r"^([\w.-]+):", (REPO / "Makefile").read_text(), re.MULTILINE))
 
 
+def makefile_default(name: str) -> str:
+    return re.findall(rf"^{name}\s*\?=\s*(\S+)", (REPO / "Makefile").read_text(), re.MULTILINE)[0]
+
+
 def _overrides(args: list[str]) -> list[str]:
     return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--set"]
 
@@ -132,8 +136,8 @@ def command_problems(argv: list[str]) -> list[str]:
         targets = [a for a in argv[1:] if "=" not in a and not a.startswith("-")]
         problems += [f"make {t}: no such Makefile target" for t in targets if t not in makefile_targets()]
         assigned = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
-        if "CONFIG" in assigned or "ARGS" in assigned:
-            config = assigned.get("CONFIG", "configs/grpo_arithmetic.py")
+        if "train" in targets or "CONFIG" in assigned or "ARGS" in assigned:
+            config = assigned.get("CONFIG") or makefile_default("CONFIG")
             problems.append(_config_problem(config, _overrides(shlex.split(assigned.get("ARGS", "")))))
     elif prog.startswith("scripts/"):
         configs = [i for i, a in enumerate(argv) if re.match(r"configs/.*\.py$", a)]
