@@ -2,6 +2,9 @@
 
 - a ```python block runs in a fresh namespace (a `get_config()` it defines must return a `Config`); a block
   right after `<!-- docs-test: compile -->` uses names only a trained run has: it compiles and its imports run;
+  one after `<!-- docs-test: file NAME -->` is a file the reader saves as NAME (a config of their own): it is
+  written to a temporary directory, loaded with `load_config` when it defines `get_config`, and the page's
+  commands that name NAME use it;
 - in a ```bash / ```sh block, a `jaxrl ...` (or `.venv/bin/jaxrl ...`) command parses with the real parser
   (`jaxrl.cli.build_parser`), and `train` / `eval` load their CONFIG with the line's `--set` overrides
   (`jaxrl.config.load_config`); `make X` names a Makefile target and its CONFIG= / ARGS= load the same way;
@@ -19,6 +22,7 @@ Other fences (```text) are not checked; an indented code block is refused, so no
 
 import ast
 import os
+import pathlib
 import re
 import shlex
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ from jaxrl.config import Config, ConfigError, load_config
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 COMPILE_ONLY = "<!-- docs-test: compile -->"
+AS_FILE = re.compile(r"<!-- docs-test: file (\S+) -->")
 SHELLS = ("bash", "sh", "shell", "console")
 LANGS = ("python", "text", *SHELLS)
 REPO_PATH = re.compile(r"(?<![\w./~-])((?:jaxrl|configs|scripts|benchmarks|tests|docs)/[\w./+-]*)")
@@ -45,6 +50,11 @@ class Block:
     lang: str
     text: str
     compile_only: bool
+    file: str | None  # the name the reader saves it under (<!-- docs-test: file NAME -->)
+
+    @property
+    def page(self):
+        return REPO / self.where.rsplit(":", 1)[0]
 
 
 def _rel(page) -> str:
@@ -56,10 +66,12 @@ def split_page(page) -> tuple[list[Block], list[tuple[int, str]]]:
     blocks, prose, fence, previous = [], [], None, ""
     for n, line in enumerate(page.read_text().splitlines(), 1):
         if fence is None and line.startswith("```"):
-            fence = (n, line[3:].strip(), [], previous.strip() == COMPILE_ONLY)
+            fence = (n, line[3:].strip(), [], previous.strip())
         elif fence is not None and line.startswith("```"):
-            start, lang, body, compile_only = fence
-            blocks.append(Block(f"{_rel(page)}:{start}", lang, "\n".join(body) + "\n", compile_only))
+            start, lang, body, marker = fence
+            as_file = AS_FILE.fullmatch(marker)
+            text = "\n".join(body) + "\n"
+            blocks.append(Block(f"{_rel(page)}:{start}", lang, text, marker == COMPILE_ONLY, as_file and as_file[1]))
             fence = None
         elif fence is not None:
             fence[2].append(line)
@@ -107,18 +119,30 @@ def _overrides(args: list[str]) -> list[str]:
     return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--set"]
 
 
-def _config_problem(config: str, overrides: list[str]) -> str | None:
-    if not (REPO / config).is_file():
+def page_files(page, directory) -> dict[str, pathlib.Path]:
+    """The page's `docs-test: file` blocks, saved under their names in `directory`."""
+    files = {}
+    for block in split_page(page)[0]:
+        if block.file:
+            files[block.file] = directory / block.file
+            files[block.file].write_text(block.text)
+    return files
+
+
+def _config_problem(config: str, overrides: list[str], files: dict) -> str | None:
+    path = files.get(config, REPO / config)
+    if not path.is_file():
         return f"{config} does not exist"
     try:
-        load_config(REPO / config, overrides)
+        load_config(path, overrides)
     except ConfigError as e:
         return f"config {config} with --set {overrides}: {e}"
     return None
 
 
-def command_problems(argv: list[str]) -> list[str]:
-    """What is wrong with one documented command ([] when it would start)."""
+def command_problems(argv: list[str], files: dict | None = None) -> list[str]:
+    """What is wrong with one documented command ([] when it would start); `files`: the page's own."""
+    files = files or {}
     problems = [
         f"{t} does not exist" for t in argv if re.match(r"(scripts|benchmarks|configs)/", t) and not (REPO / t).exists()
     ]
@@ -131,18 +155,18 @@ def command_problems(argv: list[str]) -> list[str]:
         except SystemExit:
             return [*problems, f"`jaxrl` refuses the arguments {argv[1:]}"]
         if args.command in ("train", "eval"):
-            problems.append(_config_problem(args.config, args.overrides))
+            problems.append(_config_problem(args.config, args.overrides, files))
     elif prog == "make":
         targets = [a for a in argv[1:] if "=" not in a and not a.startswith("-")]
         problems += [f"make {t}: no such Makefile target" for t in targets if t not in makefile_targets()]
         assigned = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
         if "train" in targets or "CONFIG" in assigned or "ARGS" in assigned:
             config = assigned.get("CONFIG") or makefile_default("CONFIG")
-            problems.append(_config_problem(config, _overrides(shlex.split(assigned.get("ARGS", "")))))
+            problems.append(_config_problem(config, _overrides(shlex.split(assigned.get("ARGS", ""))), files))
     elif prog.startswith("scripts/"):
         configs = [i for i, a in enumerate(argv) if re.match(r"configs/.*\.py$", a)]
         if configs:
-            problems.append(_config_problem(argv[configs[0]], _overrides(argv[configs[0] :])))
+            problems.append(_config_problem(argv[configs[0]], _overrides(argv[configs[0] :]), files))
     return list(dict.fromkeys(p for p in problems if p))
 
 
@@ -184,9 +208,13 @@ SHELL = [b for b in all_blocks() if b.lang in SHELLS]
 @pytest.mark.parametrize(
     "block", [pytest.param(b, marks=[pytest.mark.slow] * ("import jax" in b.text)) for b in PYTHON], ids=_ids(PYTHON)
 )
-def test_python_block_runs(block):
+def test_python_block_runs(block, tmp_path):
     code = compile(block.text, block.where, "exec")
     namespace = {"__name__": "docs_example"}
+    if block.file and "def get_config(" in block.text:
+        cfg = load_config(page_files(block.page, tmp_path)[block.file])
+        assert isinstance(cfg, Config), f"{block.where}: get_config() returns no Config"
+        return
     if block.compile_only:
         for node in ast.parse(block.text).body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -198,10 +226,11 @@ def test_python_block_runs(block):
 
 
 @pytest.mark.parametrize("block", SHELL, ids=_ids(SHELL))
-def test_shell_block_commands_would_start(block):
+def test_shell_block_commands_would_start(block, tmp_path):
     commands = shell_commands(block.text)
     assert commands, f"{block.where}: a shell block with no command"
-    problems = [f"{' '.join(c)}: {p}" for c in commands for p in command_problems(c)]
+    files = page_files(block.page, tmp_path)
+    problems = [f"{' '.join(c)}: {p}" for c in commands for p in command_problems(c, files)]
     assert not problems, f"{block.where}:\n" + "\n".join(problems)
 
 
@@ -265,3 +294,11 @@ def test_the_checks_catch_a_mistake(tmp_path):
     assert len(link_problems(page, "[gone](nope.md) [no heading](page.md#not-a-heading)")) == 2
     assert path_problems("see `jaxrl/train/loop.py` and configs/<preset>_arithmetic.py") == []
     assert path_problems("see `jaxrl/train/nope.py`.") == ["jaxrl/train/nope.py does not exist"]
+    mine = "from jaxrl.config import Config\n\n\ndef get_config():\n    return Config()\n"
+    page.write_text(f"<!-- docs-test: file my_config.py -->\n```python\n{mine}```\n")
+    (saved := tmp_path / "saved").mkdir()
+    files = page_files(page, saved)
+    assert files == {"my_config.py": saved / "my_config.py"} and split_page(page)[0][0].file == "my_config.py"
+    assert command_problems(shlex.split("jaxrl train my_config.py --set train.steps=3"), files) == []
+    assert "unknown field" in " ".join(command_problems(shlex.split("jaxrl eval my_config.py --set x.y=1"), files))
+    assert "does not exist" in " ".join(command_problems(shlex.split("jaxrl train my_config.py")))
