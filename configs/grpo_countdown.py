@@ -15,7 +15,7 @@ only sharpens the sampled policy towards its greedy answer and held-out greedy a
 (37.8% -> 36.4%); a higher learning rate (5e-4) destabilises it (down to 11.6%). Four times the
 prompts per step (64 x 8 samples, averaging out the gradient noise Adam would otherwise follow) for
 400 steps at the default 1e-4 moves the greedy answer itself: 37.8% -> 46.8% (seed 0) and 35.4% ->
-41.4% (seed 1); 200 steps gave +5.2 and +2.2 (README, "Other embedded tasks").
+41.4% (seed 1); 200 steps gave +5.2 and +2.2 (docs/runs.md, "Countdown").
 GRPO: Shao et al. 2024, DeepSeekMath, arXiv:2402.03300.
 """
 

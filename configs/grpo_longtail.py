@@ -5,7 +5,7 @@ rollout runs for the longest sample while most rows sit finished. The base polic
 warm start on worked solutions (jaxrl.data.long_addition) from a fallible teacher that forgets every
 carry 60% of the time (writes `+0` where a carry is due): it writes the format but prefers dropping
 carries (~20% greedy held-out accuracy), and GRPO learns from the correctness reward to carry (~45%
-after 100 steps; README "The long-tail task"). The reward is correctness of the final answer only
+after 100 steps; docs/runs.md "The long-tail task"). The reward is correctness of the final answer only
 (format is logged, not rewarded; see grpo_arithmetic.py for why a small format bonus is amplified by
 per-group std normalisation).
 """

@@ -1,4 +1,4 @@
-"""GRPO on GSM8K from a local Qwen2.5-0.5B-Instruct checkpoint (a GPU/TPU recipe; see README).
+"""GRPO on GSM8K from a local Qwen2.5-0.5B-Instruct checkpoint (a GPU/TPU recipe; see docs/huggingface.md).
 
 Nothing is downloaded. Point the run at local files, with environment variables or --set:
   model.hf_path     $JAXRL_HF_PATH      a Hugging Face checkpoint dir (config.json, *.safetensors,

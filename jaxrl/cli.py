@@ -16,7 +16,8 @@ class UserError(Exception):
     """A mistake in what the user asked for (bad data, bad workdir); printed as one line."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `jaxrl` command line's parser (tests/test_docs.py checks the documented commands with it)."""
     p = argparse.ArgumentParser(prog="jaxrl", description="JAX-native RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train (or resume) a run from a config file")
@@ -279,7 +280,7 @@ def _convert(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
             cfg = load_config(args.config, args.overrides)

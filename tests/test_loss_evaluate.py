@@ -183,18 +183,18 @@ def test_update_runs_a_reference_forward_only_when_the_loss_needs_it():
 
 
 def _readme_example() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "losses.md").read_text()
     blocks = re.findall(r"<!-- loss-evaluation example -->\n```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 1, "README.md: the loss-evaluation example block is missing"
+    assert len(blocks) == 1, "docs/losses.md: the loss-evaluation example block is missing"
     return blocks[0]
 
 
 @pytest.mark.slow
 def test_readme_loss_evaluation_example_runs(capsys):
     namespace = {}
-    exec(compile(_readme_example(), "README.md example", "exec"), namespace)
+    exec(compile(_readme_example(), "docs/losses.md example", "exec"), namespace)
     ev, grad_BxT = namespace["ev"], namespace["grad_BxT"]
-    # the README's hand values: A = [.5, -.5, 0, 0], w = 1/(B L_max) = 1/12, ratio 1
+    # the page's hand values: A = [.5, -.5, 0, 0], w = 1/(B L_max) = 1/12, ratio 1
     np.testing.assert_allclose(ev.batch["advantages_B"], [0.5, -0.5, 0, 0])
     np.testing.assert_allclose(float(ev.loss), (2 * -0.5 + 3 * 0.5) / 12, rtol=1e-6)
     want = np.array([[-1, -1, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]]) * 0.5 / 12

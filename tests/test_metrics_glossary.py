@@ -1,4 +1,4 @@
-"""README's "Metrics" section gives every key a run's metrics.jsonl can hold one table row (and no other):
+"""docs/metrics.md gives every key a run's metrics.jsonl can hold one table row (and no other):
 a new metric without a glossary line fails here. No training: the keys come from the code itself.
 
 - slash keys ("reward/mean", "engine/dyn_dropped", ...): every such string literal in jaxrl/, as
@@ -114,11 +114,8 @@ def loop_keys() -> set[str]:
 
 
 def glossary() -> list[str]:
-    """The keys README.md's Metrics section gives a line: the first cell of each table row."""
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("\n## Metrics\n")
-    end = readme.find("\n## ", start + 1)
-    return re.findall(r"^\| `([^`]+)` \|", readme[start : end if end >= 0 else len(readme)], re.MULTILINE)
+    """The keys docs/metrics.md gives a line: the first cell of each table row."""
+    return re.findall(r"^\| `([^`]+)` \|", (REPO / "docs" / "metrics.md").read_text(), re.MULTILINE)
 
 
 def test_every_metric_key_has_a_glossary_line():
@@ -127,6 +124,6 @@ def test_every_metric_key_has_a_glossary_line():
     assert {"reward/mean", "engine/staleness_2+", "engine/drafted", "ratio_min", "is_weight_max"} <= keys
     assert {"mismatch_abs_logp_fresh", "kl", "clip_frac", "step_seconds", "clipped_dual", "gate"} <= keys
     lines = glossary()
-    assert not (missing := sorted(keys - set(lines))), f"README.md's Metrics section has no line for {missing}"
-    assert not (stale := sorted(set(lines) - keys)), f"README.md's Metrics section explains no such metric: {stale}"
-    assert len(lines) == len(set(lines)), "a key with two lines in README.md's Metrics section"
+    assert not (missing := sorted(keys - set(lines))), f"docs/metrics.md has no line for {missing}"
+    assert not (stale := sorted(set(lines) - keys)), f"docs/metrics.md explains no such metric: {stale}"
+    assert len(lines) == len(set(lines)), "a key with two lines in docs/metrics.md"
