@@ -143,7 +143,8 @@ def _add_eval_parser(sub) -> None:
         "--out",
         default=None,
         metavar="FILE",
-        help="the JSON report (default: <workdir>/eval/step_<N>.json, else ./eval.json)",
+        help="the JSON report (default: <run>/eval/step_<N>.json for --workdir or a --checkpoint inside a run, "
+        "else runs/eval/<config stem>_<hf|checkpoint|initial>[_<dir name>][_step_<N>].json)",
     )
     e.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
