@@ -224,6 +224,6 @@ def test_launchers_warn_about_a_relative_workdir_and_a_config_the_workers_may_no
     train, warnings = tpu(str(tmp_path / "outside.py"))
     assert train[5] == str(tmp_path / "outside.py") and len(warnings) == 1
     assert warnings[0].startswith(f"launch_tpu_pod.sh: warning: config {tmp_path / 'outside.py'} is outside")
-    slurm = subprocess.run(["bash", "scripts/launch_slurm.sh", "--workdir", "runs/a", "--dry-run", "configs/changed.py"],
-                           capture_output=True, text=True, timeout=30, cwd=repo)  # fmt: skip
+    argv = ["bash", "scripts/launch_slurm.sh", "--workdir", "runs/a", "--dry-run", "configs/changed.py"]
+    slurm = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=repo)
     assert slurm.returncode == 0 and slurm.stderr.startswith("launch_slurm.sh: warning: --workdir runs/a is relative")
