@@ -227,3 +227,33 @@ def test_launchers_warn_about_a_relative_workdir_and_a_config_the_workers_may_no
     argv = ["bash", "scripts/launch_slurm.sh", "--workdir", "runs/a", "--dry-run", "configs/changed.py"]
     slurm = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=repo)
     assert slurm.returncode == 0 and slurm.stderr.startswith("launch_slurm.sh: warning: --workdir runs/a is relative")
+
+
+def test_make_stand_in_builds_what_the_recipe_loads(tmp_path, capsys):
+    """scripts/make_stand_in.py: a checkpoint jaxrl loads (tokenizer, chat template, weights) and a
+    printed command whose config and overrides load; docs/huggingface.md gives the hf extra's hint as
+    the errors do."""
+    pytest.importorskip("tokenizers")
+    import importlib.util
+
+    from jaxrl.config import load_config
+    from jaxrl.data.hf_tokenizer import HF_EXTRA, load_tokenizer
+    from jaxrl.models import hf
+
+    spec = importlib.util.spec_from_file_location("make_stand_in", SCRIPTS / "make_stand_in.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([str(tmp_path / "si")]) == 0
+    (line,) = capsys.readouterr().out.splitlines()  # stdout: the command only
+    argv = shlex.split(line)
+    assert argv[:3] == ["jaxrl", "train", "configs/qwen2.5_0.5b_gsm8k_grpo.py"]
+    cfg = load_config(REPO / argv[2], [w for prev, w in zip(argv, argv[1:]) if prev == "--set"])
+    tok = load_tokenizer(cfg.model.hf_path)
+    chat = tok.apply_chat_template([{"role": "user", "content": "2+2?"}])
+    assert (tok.eos_id, tok.pad_id) == (2, 0) and chat.endswith("2+2?<|im_end|>\n<|im_start|>assistant\n")
+    model_cfg, _ = hf.load(cfg.model.hf_path)
+    assert model_cfg.vocab_size >= tok.tokenizer.get_vocab_size()
+    assert sum(1 for _ in open(cfg.data.train_file)) == 64 and cfg.train.steps == 3
+    assert module.main([str(tmp_path / "si")]) == 2  # never over an existing stand-in
+    assert HF_EXTRA in (REPO / "docs" / "huggingface.md").read_text()
