@@ -69,6 +69,7 @@ from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.workdir import RunRecord, open_run
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+OTHER_PROCESS = "a signal to another process"  # what stopped a process of a multi-process run that got none
 
 
 class Interrupted(KeyboardInterrupt):
@@ -162,7 +163,7 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
         bar.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    stopped_by = stop.signal if stopping else None
+    stopped_by = (stop.signal or OTHER_PROCESS) if stopping else None
     if tc.progress and is_primary():
         print(json.dumps(summary(workdir, run.base_path, done, tc.steps, stopped_by, run.log.rows)))
     if stopped_by == "SIGINT" and done < tc.steps:  # a Ctrl-C with the last step: the run is complete
@@ -373,8 +374,8 @@ def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int,
     if save_now:  # the JSON item: the data position, the rollout source's host state, the LoRA base's identity
         host = {"stream": stream._asdict(), **run.source.checkpoint_state(), **lora_state.checkpoint_item(run.lora)}
         run.saver.save(step, saved_part(state), host, force=True)
-    if stopping and stop.signal == "SIGTERM":  # SIGINT's line is Interrupted's, printed by its catcher
-        print(f"jaxrl: {stopped_line(run.workdir, step, stop.signal)}", file=sys.stderr)
+    if stopping and stop.signal != "SIGINT":  # SIGINT's line is Interrupted's, printed by its catcher
+        print(f"jaxrl: {stopped_line(run.workdir, step, stop.signal or OTHER_PROCESS)}", file=sys.stderr)
     return still_pending, stopping
 
 
