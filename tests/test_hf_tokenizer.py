@@ -176,3 +176,15 @@ def test_character_tokenizer_exports_to_the_same_ids(tmp_path):
     ours = load_tokenizer(tmp_path)
     assert ours.encode(text) == char.encode(text) and ours.add_bos
     assert (ours.pad_id, ours.bos_id, ours.eos_id) == (char.pad_id, char.bos_id, char.eos_id)
+
+
+def test_without_tokenizers_the_export_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from jaxrl.data.hf_tokenizer import HF_EXTRA, save_char_tokenizer
+    from jaxrl.data.tokenizer import CharTokenizer
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` raises ImportError
+    with pytest.raises(ConfigError, match="needs the `tokenizers` package") as e:
+        save_char_tokenizer(CharTokenizer(), tmp_path, 64)
+    assert str(e.value).endswith(HF_EXTRA) and not list(tmp_path.iterdir())
