@@ -1,5 +1,8 @@
 """`jaxrl train|eval|convert|variants` — the command line. User mistakes exit with one line on stderr, code 2; a
-run that cannot go on (no checkpoint restores, the loss went NaN) with one line, code 1."""
+run that cannot go on (no checkpoint restores, the loss went NaN) with one line, code 1. Ctrl-C: one line,
+code 130 (128 + SIGINT, the shell's code for an interrupted command, so `jaxrl train ... && next` stops
+there); `jaxrl train` first finishes and saves its step (a second Ctrl-C skips that). SIGTERM (a
+scheduler's preemption) saves the same way and exits 0."""
 
 from __future__ import annotations
 
@@ -144,7 +147,8 @@ def _add_eval_parser(sub) -> None:
         "--out",
         default=None,
         metavar="FILE",
-        help="the JSON report (default: <workdir>/eval/step_<N>.json, else ./eval.json)",
+        help="the JSON report (default: <run>/eval/step_<N>.json for --workdir or a --checkpoint inside a run, "
+        "else runs/eval/<config stem>_<hf|checkpoint|initial>[_<dir name>][_step_<N>].json)",
     )
     e.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
@@ -236,7 +240,7 @@ def variants_table(configs_dir: str | pathlib.Path | None = None) -> str:
     return "\n".join(rows)
 
 
-def _one_line(e: Exception) -> str:
+def _one_line(e: BaseException) -> str:
     """The message on one line (an exception quoted inside it may span several)."""
     return " ".join(str(e).split())
 
@@ -321,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:  # no checkpoint restores, the loss went NaN: nothing the user typed was wrong
         print(f"jaxrl: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # train's Interrupted says what it saved; a bare one (a second Ctrl-C,
+        # or one outside the step loop) saved nothing since the last checkpoint
+        lost = "; the steps after its last checkpoint are not saved" if args.command == "train" else ""
+        print(f"jaxrl: {_one_line(e) or 'interrupted' + lost}", file=sys.stderr)
+        return 130
     return 1
 
 

@@ -8,7 +8,8 @@ per node, each with all GPUs of its node; jax.distributed.initialize() takes the
 process count and each process's id from the SLURM environment.
 
 options:
-  --workdir DIR        the run directory, on a file system every node sees (required)
+  --workdir DIR        the run directory, an absolute path on a file system every node sees (required;
+                       a relative one gets a warning). CONFIG must exist here (else an error)
   --nodes N            nodes (default 2)
   --gpus-per-node G    GPUs per node (default 8)
   --partition P        SLURM partition
@@ -45,6 +46,8 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$WORKDIR" ] || die "--workdir is required (a path every node sees)"
 [ $# -ge 1 ] || die "no CONFIG given (e.g. configs/grpo_arithmetic.py)"
+check_config "$1"
+check_workdir "$WORKDIR" nodes
 SBATCH+=(--nodes="$NODES" --gpus-per-node="$GPUS")
 JOB_ARGS=("$1" --workdir "$WORKDIR" --init-timeout "$INIT_TIMEOUT" "${@:2}")
 

@@ -12,8 +12,9 @@ options:
   --name NAME         the TPU VM slice (required)
   --zone ZONE         its zone (required)
   --project PROJECT   GCP project (default: gcloud's configured one)
-  --workdir DIR       the run directory, the same path on every worker: an NFS mount or a bucket
-                      mounted with gcsfuse (required; checkpoints are written by all workers together)
+  --workdir DIR       the run directory, the same absolute path on every worker: an NFS mount or a
+                      bucket mounted with gcsfuse (required; checkpoints are written by all workers
+                      together). CONFIG must exist here; it is passed as its path inside the repository
   --repo-dir DIR      the repository on the workers, relative to the home directory (default: jaxrl)
   --sync              first copy this checkout's HEAD (git archive: committed files only) to --repo-dir
   --install           first create REPO_DIR/.venv on every worker and pip install the repository + jax[tpu]
@@ -48,7 +49,9 @@ done
 [ -n "$ZONE" ] || die "--zone is required"
 [ -n "$WORKDIR" ] || die "--workdir is required (a path every worker sees)"
 [ $# -ge 1 ] || die "no CONFIG given (e.g. configs/grpo_arithmetic.py)"
-CONFIG=$1
+check_config "$1"
+check_workdir "$WORKDIR" workers
+CONFIG=$(repo_config "$REPO" "$1")  # the workers run in their copy of the repository (--repo-dir)
 shift
 
 TPU=(gcloud compute tpus tpu-vm)

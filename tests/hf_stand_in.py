@@ -59,7 +59,10 @@ def save_bpe_tokenizer(directory, corpus, vocab_size: int, specials, tokenizer_c
     tok.train_from_iterator(
         corpus,
         trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+            vocab_size=vocab_size,
+            special_tokens=list(specials),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,  # no progress lines on stdout (scripts/make_stand_in.py prints a command there)
         ),
     )
     tok.save(str(directory / "tokenizer.json"))

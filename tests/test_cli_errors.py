@@ -254,3 +254,18 @@ def test_nan_loss_stops_without_saving_it(capsys, tmp_path, in_process_cache):
     for step in saved:
         params = ocp.PyTreeCheckpointer().restore((run / "checkpoints" / str(step) / "state").absolute())["params"]
         assert all(np.isfinite(x).all() for x in jax.tree.leaves(params)), step
+
+
+def test_ctrl_c_outside_the_step_loop_is_one_line_and_130(capsys, monkeypatch):
+    """A Ctrl-C before training starts (or a second one, which aborts the save) prints no traceback."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_config", interrupted)
+    assert cli.main(["train", str(DEFAULT_CONFIG)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxrl: interrupted; the steps after its last checkpoint are not saved", err
+    monkeypatch.setattr(cli, "variants_table", interrupted)
+    assert cli.main(["variants"]) == 130
+    assert capsys.readouterr().err.strip() == "jaxrl: interrupted"

@@ -25,6 +25,8 @@ def test_override_parses_to_field_type():
     assert cfg.optim.learning_rate == pytest.approx(1e-3)
     assert cfg.model.tie_embeddings is False
     assert cfg.loss.reward_weights == (1.0, 0.5)
+    assert C.apply_overrides(C.Config(), ["loss.reward_weights=(1.0,)"]).loss.reward_weights == (1.0,)
+    assert C.apply_overrides(C.Config(), ["loss.reward_weights=none"]).loss.reward_weights is None
 
 
 def test_configs_are_frozen():
@@ -44,6 +46,13 @@ def test_configs_are_frozen():
         ("model.n_kv_heads=3", "model.n_kv_heads: got 3, expected a divisor of n_heads=4"),
         ("train", "expected the form a.b=value"),
         ("train=3", "train: is a section"),
+        # Empty tuple values (or empty elements) are refused, never read as None / fewer values.
+        ("loss.reward_weights=", "loss.reward_weights: got '', expected comma-separated numbers"),
+        ("loss.reward_weights=()", "loss.reward_weights: got '()', expected comma-separated numbers"),
+        ("loss.reward_weights=1,,0.5", "loss.reward_weights: got '1,,0.5'"),
+        ("rollout.engine.filter_prior=", "rollout.engine.filter_prior: got ''"),
+        ("model.lora.targets=", "model.lora.targets: got '', expected comma-separated names"),
+        ("model.lora.targets=q,,v", "model.lora.targets: got 'q,,v'"),
     ],
 )
 def test_bad_overrides_name_the_field(item, needle):

@@ -2,12 +2,14 @@
 Face checkpoint, and a one-line error for each bad path or flag."""
 
 import json
+import pathlib
 
 import pytest
 from conftest import DEFAULT_CONFIG, REPO, TINY
 
 from jaxrl import cli
 from jaxrl.config import load_config, to_dict
+from jaxrl.eval.run import EvalRequest, report_path
 from jaxrl.eval.sources import locate, run_model
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")  # training runs repeat programs
@@ -54,6 +56,29 @@ def test_source_path_errors_name_the_path_or_flag(capsys, tmp_path):
     hf.mkdir()
     (hf / "model.safetensors").write_bytes(b"")
     assert f"--hf {hf}: no config.json" in _error(capsys, config, "--hf", str(hf))
+
+
+def test_report_path_never_lands_in_the_working_directory(tmp_path):
+    """--out wins; a run's step goes to the run's eval/; anything else to runs/eval/ (git-ignored)."""
+    run = _fake_run(tmp_path / "run")
+    hf = tmp_path / "Qwen2.5-0.5B"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    req = EvalRequest("configs/grpo_arithmetic.py")
+    where = {
+        "workdir": report_path(req, locate(str(run), None, None, None)),
+        "checkpoint": report_path(req, locate(None, str(run / "checkpoints" / "1"), None, None)),
+        "hf": report_path(req, locate(None, None, str(hf), None)),
+        "initial": report_path(req, locate(None, None, None, None)),
+        "out": report_path(req._replace(out="x/y.json"), locate(None, None, str(hf), None)),
+    }
+    assert where == {
+        "workdir": run / "eval" / "step_2.json",
+        "checkpoint": run / "eval" / "step_1.json",
+        "hf": pathlib.Path("runs/eval/grpo_arithmetic_hf_Qwen2.5-0.5B.json"),
+        "initial": pathlib.Path("runs/eval/grpo_arithmetic_initial.json"),
+        "out": pathlib.Path("x/y.json"),
+    }
 
 
 def test_unsaved_step_lists_the_saved_ones(capsys, tmp_path):

@@ -141,3 +141,50 @@ def test_missing_files_and_template_errors_are_named(tmp_path, qwen_like):
     bad = tok.__class__(**{**tok.__dict__, "chat_template": "{{ raise_exception('no system role') }}"})
     with pytest.raises(ConfigError, match="chat template: no system role"):
         bad.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_jinja_file_is_read_as_transformers_5_reads_it(tmp_path, qwen_like):
+    """transformers 5 saves the template as chat_template.jinja, not in tokenizer_config.json."""
+    import shutil
+
+    d = tmp_path / "v5"
+    shutil.copytree(qwen_like, d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "chat_template.jinja").write_text(LLAMA)
+    ref = transformers.AutoTokenizer.from_pretrained(d)
+    messages = [{"role": "user", "content": "How many clips?"}]
+    ours = load_tokenizer(d).apply_chat_template(messages)
+    assert ours == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<|start_header_id|>" in ours
+
+
+def test_character_tokenizer_exports_to_the_same_ids(tmp_path):
+    """AutoTokenizer (and load_tokenizer) read save_char_tokenizer's files back to CharTokenizer's ids,
+    BOS first as encode_prompts puts it, and decode them back to the text."""
+    from jaxrl.data.hf_tokenizer import save_char_tokenizer
+    from jaxrl.data.tokenizer import CharTokenizer
+
+    char = CharTokenizer()
+    save_char_tokenizer(char, tmp_path, 64)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "3,7,25:46= 25+3*7 (1-2)/4"
+    assert ref(text)["input_ids"] == [char.bos_id, *char.encode(text)]
+    assert ref.decode([char.bos_id, *char.encode(text), char.eos_id], skip_special_tokens=True) == text
+    assert (ref.pad_token_id, ref.bos_token_id, ref.eos_token_id) == (char.pad_id, char.bos_id, char.eos_id)
+    ours = load_tokenizer(tmp_path)
+    assert ours.encode(text) == char.encode(text) and ours.add_bos
+    assert (ours.pad_id, ours.bos_id, ours.eos_id) == (char.pad_id, char.bos_id, char.eos_id)
+
+
+def test_without_tokenizers_the_export_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from jaxrl.data.hf_tokenizer import HF_EXTRA, save_char_tokenizer
+    from jaxrl.data.tokenizer import CharTokenizer
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` raises ImportError
+    with pytest.raises(ConfigError, match="needs the `tokenizers` package") as e:
+        save_char_tokenizer(CharTokenizer(), tmp_path, 64)
+    assert str(e.value).endswith(HF_EXTRA) and not list(tmp_path.iterdir())

@@ -1,5 +1,5 @@
 """Checkpoints: a run killed with SIGKILL and restarted ends exactly like an uninterrupted run;
-SIGTERM saves and exits cleanly; an unreadable newest checkpoint is set aside and the run resumes from
+SIGTERM and Ctrl-C save and exit cleanly; an unreadable newest checkpoint is set aside and the run resumes from
 the one before."""
 
 import gc
@@ -145,14 +145,14 @@ def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path, cache_env, stra
                 assert resumed[step][key] == reference[step][key], (step, key)
 
 
-@pytest.mark.slow
-def test_sigterm_saves_and_exits_cleanly(tmp_path, capsys, in_process_cache):
-    """A real SIGTERM to this process while `jaxrl train` runs in it (cli.main, as `python -m jaxrl.cli`
+def _signal_mid_run(tmp_path, capsys, signum) -> tuple[int, str, str, pathlib.Path, set]:
+    """A real `signum` to this process while `jaxrl train` runs in it (cli.main, as `python -m jaxrl.cli`
     runs it): the signal comes from another thread once three rows are on disk, at whatever point the
-    loop is then. No child Python: its start, imports and traces cost more than the run itself."""
+    loop is then. No child Python: its start, imports and traces cost more than the run itself.
+    -> (exit code, stdout, stderr, the workdir, the non-daemon threads before the run)."""
     from jaxrl import cli
 
-    workdir = tmp_path / "term"
+    workdir = tmp_path / signal.Signals(signum).name.lower()
     args = [a.replace(f"train.steps={STEPS}", "train.steps=400") for a in ARGS]
     args = [a.replace("checkpoint.every=2", "checkpoint.every=1000") for a in args]
     # The learning-rate schedule of the STEPS-step runs (max(6, warmup 5 + 1) = 6 updates): the update is
@@ -160,20 +160,20 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, capsys, in_process_cache):
     args += ["--set", f"optim.decay_steps={STEPS}", "--set", "train.progress=true"]  # the summary line
     done, sent = threading.Event(), threading.Event()
 
-    def terminate_after_three_rows():
+    def signal_after_three_rows():
         while not done.is_set():
             rows = workdir / "metrics.jsonl"  # whole lines only: the loop may be writing one now
             if rows.exists() and rows.read_text().count("\n") >= 3:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signum)
                 sent.set()
                 return
             time.sleep(0.02)
 
     threads_before = {t for t in threading.enumerate() if not t.daemon}
-    # A SIGTERM that lands after train() restored this handler is caught here (the asserts below fail),
+    # A signal that lands after train() restored this handler is caught here (the asserts below fail),
     # not by the default action, which would end pytest.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    killer = threading.Thread(target=terminate_after_three_rows, daemon=True)
+    previous = signal.signal(signum, lambda signum, frame: None)
+    killer = threading.Thread(target=signal_after_three_rows, daemon=True)
     killer.start()
     capsys.readouterr()
     try:
@@ -181,9 +181,16 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, capsys, in_process_cache):
     finally:
         done.set()
         killer.join(timeout=60)
-        signal.signal(signal.SIGTERM, previous)
-    out = capsys.readouterr().out
-    assert sent.is_set() and code == 0
+        signal.signal(signum, previous)
+    captured = capsys.readouterr()
+    assert sent.is_set(), "the signal was never sent"
+    return code, captured.out, captured.err, workdir, threads_before
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly(tmp_path, capsys, in_process_cache):
+    code, out, _, workdir, threads_before = _signal_mid_run(tmp_path, capsys, signal.SIGTERM)
+    assert code == 0
     # What would keep a `jaxrl train` process from exiting once main returns: no thread of the run is left.
     assert {t for t in threading.enumerate() if not t.daemon} <= threads_before, threading.enumerate()
     saved = _finished_checkpoints(workdir)
@@ -196,6 +203,41 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, capsys, in_process_cache):
     evals = {s: r["eval/accuracy"] for s, r in _rows(workdir).items() if "eval/accuracy" in r}
     assert summary["final_eval"]["step"] == max(evals), summary  # the newest eval, not {}
     assert summary["final_eval"]["eval/accuracy"] == evals[max(evals)], summary
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_step_and_exits_130_with_one_line(tmp_path, capsys, in_process_cache):
+    """Ctrl-C is SIGTERM's clean stop (no step lost, no thread left), but exits 130 with one line
+    on stderr after the progress lines, and no traceback."""
+    code, out, err, workdir, threads_before = _signal_mid_run(tmp_path, capsys, signal.SIGINT)
+    assert code == 130, err
+    assert {t for t in threading.enumerate() if not t.daemon} <= threads_before, threading.enumerate()
+    saved = _finished_checkpoints(workdir)
+    assert saved and saved[-1] == max(_rows(workdir)) and saved[-1] < 400, saved
+    last = err.strip().splitlines()[-1]
+    expected = f"jaxrl: SIGINT received; saved step {saved[-1]} to {workdir / 'checkpoints'}; rerun the same command"
+    assert last.startswith(expected), err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["status"].startswith(f"stopped by SIGINT after step {saved[-1]}"), summary
+
+
+def test_stop_flag_second_ctrl_c_aborts_at_once():
+    """The first SIGTERM / SIGINT asks for a save and a stop; a second SIGINT raises at once (SIGTERM
+    never does: a scheduler may send it twice)."""
+    from jaxrl.train.loop import _StopFlag
+
+    flag = _StopFlag()
+    flag(signal.SIGINT, None)
+    assert flag.requested and flag.signal == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+        flag(signal.SIGINT, None)
+    term = _StopFlag()
+    term(signal.SIGTERM, None)
+    term(signal.SIGTERM, None)
+    assert term.signal == "SIGTERM"
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C after a SIGTERM: the user insists
+        term(signal.SIGINT, None)
 
 
 def test_rerunning_a_finished_run_says_so_and_reports_its_last_eval(tmp_path, capsys, in_process_cache, straight_run):

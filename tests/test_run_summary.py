@@ -25,9 +25,9 @@ def test_summary_status_and_the_newest_eval_from_any_session():
     ]
     assert last_eval(rows) == {"step": 2, "eval/accuracy": 0.5, "eval/reward": 0.6}
     assert last_eval(rows[1:2]) == {}
-    stopped = summary(RUN, "base", 3, 10, True, rows)
+    stopped = summary(RUN, "base", 3, 10, "SIGTERM", rows)
     assert stopped["status"] == "stopped by SIGTERM after step 3; rerun the same command to resume"
     assert (stopped["steps_done"], stopped["steps"], stopped["final_eval"]["step"]) == (3, 10, 2)
-    assert summary(RUN, "base", 10, 10, False, rows)["status"] == "complete"
-    assert summary(RUN, "base", 10, 10, True, rows)["status"] == "complete"  # the signal came with the last step
-    assert summary(RUN, "base", 0, 0, False, [])["final_eval"] == {}
+    assert summary(RUN, "base", 10, 10, None, rows)["status"] == "complete"
+    assert summary(RUN, "base", 10, 10, "SIGTERM", rows)["status"] == "complete"  # the signal came with the last step
+    assert summary(RUN, "base", 0, 0, None, [])["final_eval"] == {}

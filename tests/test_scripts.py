@@ -18,7 +18,10 @@ PASSED = ["--set", SPACED, "--set", "train.steps=3"]
 
 
 def script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPTS / name), *args], capture_output=True, text=True, env=env, timeout=30)
+    # From the repository's root, where CONFIG (relative) is: the launchers refuse a config that is not there.
+    return subprocess.run(
+        ["bash", str(SCRIPTS / name), *args], capture_output=True, text=True, env=env, timeout=30, cwd=REPO
+    )
 
 
 def lines(result: subprocess.CompletedProcess) -> list[list[str]]:
@@ -113,6 +116,8 @@ def test_reproduce_variants_dry_run_passes_seeds_steps_and_overrides():
         ("launch_slurm.sh", ["--workdir", "/w", "--gpus", "8", CONFIG], "unknown option --gpus"),
         ("launch_slurm.sh", ["--workdir", "/w", "--nodes", "two", CONFIG], "--nodes two: expected a positive integer"),
         ("launch_slurm.sh", [CONFIG], "--workdir is required"),
+        ("launch_slurm.sh", ["--workdir", "/w", "configs/nope.py"], "config file configs/nope.py not found"),
+        ("launch_tpu_pod.sh", ["--name", "p", "--zone", "z", "--workdir", "/w", "nope.py"], "config file nope.py not"),
         ("reproduce_variants.sh", ["--seed", "2"], "unknown option --seed"),
         ("reproduce_variants.sh", ["--steps", "0"], "--steps 0: expected a positive integer"),
     ],
@@ -176,3 +181,79 @@ def test_cluster_auto_finds_a_slurm_job(no_cluster):
         distributed_args(args)
     no_cluster.setenv("SLURM_LOCALID", "0")
     assert distributed_args(args) == {"cluster": "slurm", "timeout_s": 9}
+
+
+def test_launchers_warn_about_a_relative_workdir_and_a_config_the_workers_may_not_have(tmp_path):
+    """A copy of the launchers in a git repository of their own: a relative --workdir, a config outside
+    the repository, untracked, or changed since the commit (--sync copies HEAD) each get one warning
+    line; the launch goes on, with the config's path inside the repository."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("launch_tpu_pod.sh", "launch_slurm.sh", "slurm_train.sbatch", "lib.sh"):
+        (repo / "scripts" / name).write_text((SCRIPTS / name).read_text())
+    (repo / "configs").mkdir()
+    for name in ("committed.py", "changed.py"):
+        (repo / "configs" / name).write_text("x = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "c"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    (repo / "configs" / "changed.py").write_text("x = 2\n")
+    (repo / "configs" / "untracked.py").write_text("x = 3\n")
+    (tmp_path / "outside.py").write_text("x = 4\n")
+
+    def tpu(config: str, workdir: str = "/w") -> tuple[list[str], list[str]]:
+        argv = ["bash", "scripts/launch_tpu_pod.sh", "--name", "p", "--zone", "z", "--workdir", workdir, "--dry-run"]
+        out = subprocess.run([*argv, config], capture_output=True, text=True, timeout=30, cwd=repo)
+        assert out.returncode == 0, out.stderr
+        (ssh,) = out.stdout.splitlines()
+        return shlex.split(shlex.split(ssh)[-1]), out.stderr.splitlines()
+
+    train, warnings = tpu("configs/committed.py")
+    assert warnings == [] and train[3:6] == [".venv/bin/jaxrl", "train", "configs/committed.py"]
+    train, warnings = tpu(str(repo / "configs" / "committed.py"), "runs/a")  # absolute: passed repo-relative
+    assert train[5] == "configs/committed.py"
+    assert warnings == [
+        "launch_tpu_pod.sh: warning: --workdir runs/a is relative: each of the workers resolves it from its own "
+        "working directory; give an absolute path that every one of them sees"
+    ]
+    for config in ("configs/changed.py", "configs/untracked.py"):
+        assert tpu(config)[1] == [
+            f"launch_tpu_pod.sh: warning: config {config} is not committed as it is here: --sync copies the "
+            "committed files (HEAD) only"
+        ]
+    train, warnings = tpu(str(tmp_path / "outside.py"))
+    assert train[5] == str(tmp_path / "outside.py") and len(warnings) == 1
+    assert warnings[0].startswith(f"launch_tpu_pod.sh: warning: config {tmp_path / 'outside.py'} is outside")
+    argv = ["bash", "scripts/launch_slurm.sh", "--workdir", "runs/a", "--dry-run", "configs/changed.py"]
+    slurm = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=repo)
+    assert slurm.returncode == 0 and slurm.stderr.startswith("launch_slurm.sh: warning: --workdir runs/a is relative")
+
+
+def test_make_stand_in_builds_what_the_recipe_loads(tmp_path, capsys):
+    """scripts/make_stand_in.py: a checkpoint jaxrl loads (tokenizer, chat template, weights) and a
+    printed command whose config and overrides load; docs/huggingface.md gives the hf extra's hint as
+    the errors do."""
+    pytest.importorskip("tokenizers")
+    import importlib.util
+
+    from jaxrl.config import load_config
+    from jaxrl.data.hf_tokenizer import HF_EXTRA, load_tokenizer
+    from jaxrl.models import hf
+
+    spec = importlib.util.spec_from_file_location("make_stand_in", SCRIPTS / "make_stand_in.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([str(tmp_path / "si")]) == 0
+    (line,) = capsys.readouterr().out.splitlines()  # stdout: the command only
+    argv = shlex.split(line)
+    assert argv[:3] == ["jaxrl", "train", "configs/qwen2.5_0.5b_gsm8k_grpo.py"]
+    cfg = load_config(REPO / argv[2], [w for prev, w in zip(argv, argv[1:]) if prev == "--set"])
+    tok = load_tokenizer(cfg.model.hf_path)
+    chat = tok.apply_chat_template([{"role": "user", "content": "2+2?"}])
+    assert (tok.eos_id, tok.pad_id) == (2, 0) and chat.endswith("2+2?<|im_end|>\n<|im_start|>assistant\n")
+    model_cfg, _ = hf.load(cfg.model.hf_path)
+    assert model_cfg.vocab_size >= tok.tokenizer.get_vocab_size()
+    assert sum(1 for _ in open(cfg.data.train_file)) == 64 and cfg.train.steps == 3
+    assert module.main([str(tmp_path / "si")]) == 2  # never over an existing stand-in
+    assert HF_EXTRA in (REPO / "docs" / "huggingface.md").read_text()

@@ -92,3 +92,17 @@ def test_a_process_that_does_not_write_makes_no_event_file(tmp_path):
     log.write({"step": 0, "loss": 1.0})
     log.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_session_that_logs_nothing_adds_no_event_file(tmp_path):
+    """Rerunning a finished run writes no row: its tensorboard/ must not gain an empty file each time."""
+    (tmp_path / "run").mkdir()
+    first = MetricsLog(tmp_path / "run", resume_step=None)
+    first.write({"step": 0, "loss": 1.0})
+    first.close()
+    before = sorted((tmp_path / "run" / "tensorboard").iterdir())
+    for _ in range(2):
+        rerun = MetricsLog(tmp_path / "run", resume_step=0)
+        rerun.flush()
+        rerun.close()
+    assert sorted((tmp_path / "run" / "tensorboard").iterdir()) == before and len(before) == 1

@@ -21,6 +21,10 @@ def _type_of(cls, name: str):
     return typing.get_type_hints(cls)[name]
 
 
+def _is_tuple(typ) -> bool:
+    return typ is tuple or typing.get_origin(typ) is tuple
+
+
 def _parse_value(field: str, text: str, typ) -> Any:
     origin = typing.get_origin(typ)
     if typ is bool:
@@ -42,18 +46,26 @@ def _parse_value(field: str, text: str, typ) -> Any:
             raise ConfigError(f"{field}: got {text!r}, expected a number") from None
     if typ is str:
         return text
-    if typ is tuple or origin is tuple:
-        parts = [p.strip() for p in text.strip("()[] ").split(",") if p.strip()]
-        if typing.get_args(typ)[:1] == (str,):  # tuple[str, ...]: names, e.g. model.lora.targets=q,v
+    if _is_tuple(typ):
+        names = typing.get_args(typ)[:1] == (str,)  # tuple[str, ...]: names, e.g. model.lora.targets=q,v
+        inner = text.strip("()[] ")
+        parts = [p.strip() for p in inner.split(",")]
+        if parts[-1] == "" and len(parts) > 1:  # one trailing comma, as in (1.0,)
+            parts.pop()
+        if not inner or "" in parts:  # `a.b=` or `a.b=1,,2`: never silently fewer values than typed
+            kind = "names" if names else "numbers"
+            raise ConfigError(f"{field}: got {text!r}, expected comma-separated {kind} (an empty value is not allowed)")
+        if names:
             return tuple(p.strip("'\"") for p in parts)
         try:
             return tuple(float(p) for p in parts)
         except ValueError:
             raise ConfigError(f"{field}: got {text!r}, expected comma-separated numbers") from None
     if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(typ):
-        if text.strip().lower() in ("none", "null", ""):
-            return None
         inner = [a for a in typing.get_args(typ) if a is not type(None)][0]
+        # An empty tuple value is a mistake (e.g. `loss.reward_weights=`), not None: that is spelled `none`.
+        if text.strip().lower() in ("none", "null") or (not text.strip() and not _is_tuple(inner)):
+            return None
         return _parse_value(field, text, inner)
     raise ConfigError(f"{field}: cannot be set from the command line")
 

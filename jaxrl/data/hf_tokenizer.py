@@ -9,9 +9,13 @@ config.json (`bos_token_id`, `eos_token_id`, `pad_token_id`), then tokenizer_con
 strings. `eos_ids` keeps every EOS id (Llama 3 / Qwen instruct list several); `eos_id` is the first,
 the one the sampler stops on. `add_bos` says whether the tokenizer itself prepends BOS (Llama: yes,
 Qwen: no), which `encode_prompts` follows. Without a pad token, pad = the first EOS (never attended:
-padding is masked). The chat template is tokenizer_config.json's `chat_template` (a Jinja string),
-rendered in a sandboxed jinja2 environment with the variables templates use (messages,
-add_generation_prompt, bos_token, eos_token, raise_exception, strftime_now, tojson).
+padding is masked). The chat template is chat_template.jinja (where transformers 5 saves it), else
+tokenizer_config.json's `chat_template` (a Jinja string), rendered in a sandboxed jinja2 environment
+with the variables templates use (messages, add_generation_prompt, bos_token, eos_token,
+raise_exception, strftime_now, tojson).
+
+`save_char_tokenizer` writes the embedded tasks' character tokenizer as such files (tokenizer.json,
+tokenizer_config.json, special_tokens_map.json), for `jaxrl convert --to-hf`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxrl.config import ConfigError
+from jaxrl.data.tokenizer import CharTokenizer
+
+# The one install hint for the `hf` extra (`tokenizers`, `jinja2`): errors and docs/huggingface.md say this.
+HF_EXTRA = "pip install -e '.[hf]'"
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -86,8 +94,11 @@ class HFTokenizer:
 
 
 def render_chat_template(template: str, messages: list[dict], **variables) -> str:
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ConfigError(f"the `jinja2` package is needed for chat templates: {HF_EXTRA}") from e
 
     def raise_exception(message):
         raise ConfigError(f"chat template: {message}")
@@ -114,9 +125,7 @@ def load_tokenizer(directory) -> HFTokenizer:
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise ConfigError(
-            "the `tokenizers` package is needed for Hugging Face tokenizers: pip install 'jaxrl[hf]'"
-        ) from e
+        raise ConfigError(f"the `tokenizers` package is needed for Hugging Face tokenizers: {HF_EXTRA}") from e
     tok = Tokenizer.from_file(str(path))
     tok_cfg = _read_json(directory / "tokenizer_config.json")
     gen_cfg = _read_json(directory / "generation_config.json")
@@ -147,9 +156,10 @@ def load_tokenizer(directory) -> HFTokenizer:
     pad = token_id("pad_token_id", "pad_token")
     bos_id = bos[0] if bos else eos_ids[0]
     # Whether the tokenizer's own post-processor prepends BOS (tokenizer_config's add_bos_token wins).
-    with_special = tok.encode("a", add_special_tokens=True).ids
+    with_special = tok.encode("", add_special_tokens=True).ids  # "": any vocabulary encodes it
     add_bos = bool(bos) and tok_cfg.get("add_bos_token", bool(with_special) and with_special[0] == bos_id)
-    template = tok_cfg.get("chat_template")
+    jinja = directory / "chat_template.jinja"  # transformers 5's file; it wins over tokenizer_config's
+    template = jinja.read_text() if jinja.is_file() else tok_cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     vocab = int(model_cfg.get("vocab_size") or tok.get_vocab_size(with_added_tokens=True))
@@ -169,3 +179,40 @@ def load_tokenizer(directory) -> HFTokenizer:
         _token_text(tok_cfg.get("eos_token")) or id_text(eos_ids[0]),
         template,
     )
+
+
+# The special tokens' text in the exported files; their ids are the character tokenizer's (0, 1, 2).
+CHAR_SPECIALS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
+
+
+def save_char_tokenizer(tok: CharTokenizer, directory, max_length: int) -> list[str]:
+    """`tok` as Hugging Face tokenizer files in `directory` that `AutoTokenizer.from_pretrained` (and
+    `load_tokenizer`) read back to the same ids: a WordLevel vocabulary of single characters, BOS
+    prepended as `encode_prompts` does, decoding without separators. -> the files written."""
+    try:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    except ImportError as e:
+        raise ConfigError(f"exporting the character tokenizer needs the `tokenizers` package: {HF_EXTRA}") from e
+    ids = {CHAR_SPECIALS["pad"]: tok.pad_id, CHAR_SPECIALS["bos"]: tok.bos_id, CHAR_SPECIALS["eos"]: tok.eos_id}
+    vocab = {**ids, **{ch: tok.encode(ch)[0] for ch in tok.alphabet}}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # every character a token
+    hf.decoder = decoders.Fuse()
+    bos = CHAR_SPECIALS["bos"]
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.bos_id)]
+    )
+    hf.add_special_tokens(list(ids))
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save(str(directory / "tokenizer.json"))
+    specials = {f"{k}_token": v for k, v in CHAR_SPECIALS.items()}
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,  # " ," and " =" are text here, not spacing to tidy
+        **specials,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]

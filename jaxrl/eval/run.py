@@ -8,7 +8,7 @@
 for k = 1, 2, 4, ... up to K (and K). The samples are drawn as the rollout draws them: all K completions
 of a chunk of prompts in one sampler call (jaxrl.train.evaluate.sample_in_chunks), chunk c with
 fold_in(key(--seed), c), so a given --seed gives the same numbers. The report goes to the terminal
-(a table) and to a JSON file: <workdir>/eval/step_<N>.json for --workdir, else --out or ./eval.json.
+(a table) and to a JSON file: --out, else the run's eval/step_<N>.json, else runs/eval/ (`report_path`).
 """
 
 from __future__ import annotations
@@ -105,11 +105,21 @@ def _final_answer(task: str, text: str):
 
 
 def report_path(req: EvalRequest, located: Located) -> pathlib.Path:
+    """--out; else the run's eval/step_<N>.json (--workdir, or a --checkpoint inside a run); else
+    runs/eval/<config stem>_<source>.json under the current directory (runs/ is where `jaxrl train`
+    puts runs by default, and git ignores it): never a file in the checkout itself."""
     if req.out:
         return pathlib.Path(req.out)
     if located.kind == "workdir" and located.path is not None:
         return located.path / "eval" / f"step_{located.step}.json"
-    return pathlib.Path("eval.json")
+    if located.run_dir is not None and located.step is not None:
+        return located.run_dir / "eval" / f"step_{located.step}.json"
+    name = "_".join(
+        [pathlib.Path(req.config_path).stem, located.kind]
+        + ([located.path.resolve().name] if located.path is not None else [])
+        + ([f"step_{located.step}"] if located.step is not None else [])
+    )
+    return pathlib.Path("runs") / "eval" / f"{name}.json"
 
 
 def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pathlib.Path]:

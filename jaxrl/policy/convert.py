@@ -3,6 +3,10 @@ directory) back to a Hugging Face checkpoint, LoRA runs also as base + PEFT adap
 
     jaxrl convert --from-hf HF_DIR --to OUT          # -> Orbax params + model_config.json + tokenizer files
     jaxrl convert --from RUN_OR_OUT --to-hf HF_DIR   # a converted dir, or a run's latest checkpoint -> HF
+
+An export loads and generates with transformers alone: config.json, safetensors, generation_config.json
+(bos / eos / pad), and the tokenizer: the checkpoint's own files (chat_template.jinja included) for a
+run from model.hf_path, else the run's character tokenizer as tokenizer.json (the `hf` extra).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl.agents import is_agent_task, load_suite
 from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.config.saved import read_run_config
+from jaxrl.data.hf_tokenizer import save_char_tokenizer
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models import hf, peft_export
 from jaxrl.models.transformer import init_params
@@ -49,21 +55,28 @@ def convert_from_hf(src, dst) -> ModelConfig:
     return cfg
 
 
+def _char_tokenizer(run_cfg: dict) -> CharTokenizer:
+    """The character tokenizer a run without model.hf_path trained with (as jaxrl.policy.base builds it)."""
+    task = run_cfg.get("data", {}).get("task", "")
+    return CharTokenizer(load_suite(task).alphabet) if is_agent_task(task) else CharTokenizer()
+
+
 def _run_params(run: pathlib.Path):
-    """(model_cfg, params, source dir of tokenizer files or None) of a run's newest checkpoint; a LoRA
-    run's params are its merged policy (the base rebuilt, jaxrl.policy.lora_run)."""
-    if lora_run.is_lora_run(run):
-        policy = lora_run.run_policy(run)
-        return policy.model_cfg, jax.tree.map(np.asarray, policy.merged()), policy.tokenizer_dir
+    """(model_cfg, params, tokenizer: the source dir of its files, or the run's CharTokenizer) of a run's
+    newest checkpoint; a LoRA run's params are its merged policy (the base rebuilt, jaxrl.policy.lora_run)."""
     run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
     assert run_cfg is not None  # the caller found config.json
+    if lora_run.is_lora_run(run):
+        policy = lora_run.run_policy(run)
+        side = policy.tokenizer_dir or _char_tokenizer(run_cfg)
+        return policy.model_cfg, jax.tree.map(np.asarray, policy.merged()), side
     model = ModelConfig.from_dict(run_cfg["model"])
-    side = None
     if model.hf_path:
         cfg = checkpoint_config(model)
         side = pathlib.Path(model.hf_path)
     else:
-        cfg = model if model.vocab_size else dataclasses.replace(model, vocab_size=CharTokenizer().vocab_size)
+        side = _char_tokenizer(run_cfg)
+        cfg = model if model.vocab_size else dataclasses.replace(model, vocab_size=side.vocab_size)
     manager = ocp.CheckpointManager((run / "checkpoints").absolute())
     step = manager.latest_step()
     if step is None:
@@ -96,14 +109,26 @@ def convert_to_hf(src, dst, dtype: str = "float32", max_shard_bytes: int = 0, pe
     return cfg
 
 
-def _save_hf(dst: pathlib.Path, params, cfg: ModelConfig, side, dtype: str, max_shard_bytes: int) -> None:
-    extra = {}
-    if side is not None and (side / "config.json").is_file():
-        original = json.loads((side / "config.json").read_text())
-        extra = {k: original.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _save_hf(
+    dst: pathlib.Path, params, cfg: ModelConfig, side: pathlib.Path | CharTokenizer, dtype: str, max_shard_bytes: int
+) -> None:
+    """The HF checkpoint and its tokenizer. side: the directory of the tokenizer files to copy (with
+    their config.json's token ids), or the run's character tokenizer to write as such files."""
+    if isinstance(side, CharTokenizer):
+        extra = dict(zip(TOKEN_IDS, (side.bos_id, side.eos_id, side.pad_id)))
+        save_char_tokenizer(side, dst, cfg.max_seq_len)  # first: a missing `tokenizers` fails before any write
+    else:
+        original = json.loads((side / "config.json").read_text()) if (side / "config.json").is_file() else {}
+        extra = {k: original.get(k) for k in TOKEN_IDS}
     hf.save(dst, params, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes, **extra)
-    if side is not None:
+    if not isinstance(side, CharTokenizer):
         _copy_side_files(side, dst)
+    if not (dst / "generation_config.json").is_file():  # what generate() stops on and pads with
+        generation = {k: v for k, v in extra.items() if v is not None}
+        (dst / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
 def _convert_to_peft(src: pathlib.Path, dst: pathlib.Path, peft_dir: pathlib.Path, dtype: str, max_shard_bytes: int):
@@ -116,7 +141,8 @@ def _convert_to_peft(src: pathlib.Path, dst: pathlib.Path, peft_dir: pathlib.Pat
     policy = lora_run.run_policy(src)
     tensors = peft_export.peft_tensors(policy.adapters, policy.model_cfg, policy.lcfg.rank)  # fails before writing
     base = jax.tree.map(np.asarray, policy.dense_base())
-    _save_hf(dst, base, policy.model_cfg, policy.tokenizer_dir, dtype, max_shard_bytes)
+    side = policy.tokenizer_dir or _char_tokenizer(read_run_config(src) or {})
+    _save_hf(dst, base, policy.model_cfg, side, dtype, max_shard_bytes)
     peft_export.save_adapter(peft_dir, tensors, policy.model_cfg, policy.lcfg, dst)
     return policy.model_cfg
 

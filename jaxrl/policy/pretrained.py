@@ -24,7 +24,13 @@ from jaxrl.models.transformer import init_params, param_logical_axes
 
 MODEL_CONFIG = "model_config.json"
 # Files of a HF checkpoint that are not weights: copied along by `convert` in both directions.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",  # transformers 5 keeps the chat template here
+)
 # ModelConfig fields a run chooses for itself, whatever the checkpoint says.
 RUNTIME_FIELDS = ("max_seq_len", "dtype", "moe_dispatch", "capacity_factor", "moe_aux_coef", "moe_z_coef")
 

@@ -29,7 +29,8 @@ class MetricsLog:
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self.rows: list[dict] = []
         self._write = write
-        self._tb = None
+        self._tb: ScalarEventWriter | None = None
+        self._tb_dir: pathlib.Path | None = None
         if not write:
             return
         if self.path.exists():
@@ -41,7 +42,8 @@ class MetricsLog:
                 if resume_step is not None and row.get("step", 0) <= resume_step:
                     self.rows.append(row)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-        self._tb = ScalarEventWriter(pathlib.Path(workdir) / "tensorboard")
+        self._tb_dir = pathlib.Path(workdir) / "tensorboard"  # the event file opens with the first row:
+        # a session that logs nothing (a finished run rerun) leaves no empty one behind
 
     def write(self, row: dict) -> None:
         row = {k: _plain(v) for k, v in row.items()}
@@ -50,6 +52,8 @@ class MetricsLog:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self._tb is None and self._tb_dir is not None:
+            self._tb = ScalarEventWriter(self._tb_dir)
         if self._tb is not None:
             numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             numbers.pop("step", None)

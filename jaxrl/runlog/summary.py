@@ -28,12 +28,18 @@ def last_eval(rows: list[dict]) -> dict:
     return {}
 
 
-def summary(workdir: pathlib.Path, base_path, done: int, steps: int, stopped: bool, rows: list[dict]) -> dict:
-    """The run's closing JSON line. done: the last step finished and saved; stopped: a SIGTERM ended it."""
+def stopped_line(workdir: pathlib.Path, step: int, signal_name: str) -> str:
+    """What a run stopped by a signal says on stderr (after "jaxrl: ")."""
+    return f"{signal_name} received; saved step {step} to {workdir / 'checkpoints'}; rerun the same command to resume"
+
+
+def summary(workdir: pathlib.Path, base_path, done: int, steps: int, stopped_by: str | None, rows: list[dict]) -> dict:
+    """The run's closing JSON line. done: the last step finished and saved; stopped_by: the signal that
+    ended it (SIGTERM, SIGINT), None if none did."""
     if done >= steps:
         status = "complete"
-    elif stopped:
-        status = f"stopped by SIGTERM after step {done}; rerun the same command to resume"
+    elif stopped_by:
+        status = f"stopped by {stopped_by} after step {done}; rerun the same command to resume"
     else:
         status = f"ended after step {done}"
     return {

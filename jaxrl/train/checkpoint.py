@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import logging
 import pathlib
 import shutil
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -128,6 +130,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> tuple
             result, error = _restore(manager, step, abstract_state), None
         except Exception as e:  # tensorstore, orbax and JSON errors alike
             result, error = None, first_line(e)
+            _drop_failed_read_noise()
         if any_process(error is not None):  # every process restores the same step, or none does
             failed.append((step, error or "failed on another process"))
             continue
@@ -140,6 +143,41 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> tuple
             f"no checkpoint in {manager.directory} could be restored; the newest, step {step}: {error}"
         )
     return None
+
+
+# A failed orbax restore leaves reads in flight. When their coroutines are closed later (by the garbage
+# collector, or the event loop of orbax's thread closing), each one prints a traceback with a whole
+# TensorStore spec (~60 lines) through sys.unraisablehook, and asyncio may report "Event loop is
+# closed": ~1,000 lines, at a time no one controls. restore_latest's one line says what failed; from the
+# first failed restore on, these (and nothing else) are dropped, wherever they surface.
+_FAILED_READ_NOISE = ("Encountered error while reading array index", "Event loop is closed")
+_noise_dropped = False
+
+
+def _is_failed_read_noise(exc: BaseException | None) -> bool:
+    return exc is not None and str(exc).startswith(_FAILED_READ_NOISE)
+
+
+def _drop_failed_read_noise() -> None:
+    """Wrap sys.unraisablehook and threading.excepthook, and filter the asyncio logger, once per process."""
+    global _noise_dropped
+    if _noise_dropped:
+        return
+    _noise_dropped = True
+    unraisable_hook, thread_hook = sys.unraisablehook, threading.excepthook
+
+    def on_unraisable(unraisable) -> None:
+        if not _is_failed_read_noise(unraisable.exc_value):
+            unraisable_hook(unraisable)
+
+    def on_thread_exception(args) -> None:
+        if not _is_failed_read_noise(args.exc_value):
+            thread_hook(args)
+
+    sys.unraisablehook, threading.excepthook = on_unraisable, on_thread_exception
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not (record.exc_info and _is_failed_read_noise(record.exc_info[1]))
+    )
 
 
 def _set_aside(manager: ocp.CheckpointManager, failed: list[tuple[int, str]], good: int) -> None:

@@ -2,7 +2,10 @@
 
 The host loop only moves data, scores completions, logs and checkpoints; everything numeric runs in
 jitted pure functions. A run resumes from its newest checkpoint and continues exactly as an
-uninterrupted run would (same state, RNG and data position); SIGTERM saves and exits cleanly.
+uninterrupted run would (same state, RNG and data position). SIGTERM and Ctrl-C (SIGINT) finish the
+step, save it and stop: `train` then returns (SIGTERM) or raises `Interrupted` (Ctrl-C, a
+KeyboardInterrupt whose message is the one line to print); a second Ctrl-C raises KeyboardInterrupt
+at once, keeping only what the last checkpoint holds.
 
 The loop is a sequence of named stages, each step:
   build_run               (once) mesh, loss, the base policy (tokenizer, model, task: base_policy.py), state,
@@ -11,7 +14,7 @@ The loop is a sequence of named stages, each step:
                           (host batch + metrics); the static sampler, or the slot engine
   assemble_batch          the host batch -> global arrays laid out by field name (scoring.py)
   run.update              the jitted update (advantages, loss, gradient)
-  log_and_checkpoint      eval cadence, the row on disk (one step late), checkpoint, SIGTERM
+  log_and_checkpoint      eval cadence, the row on disk (one step late), checkpoint, SIGTERM / SIGINT
 The rollout side sits behind one interface (group_sources.py): the loop calls the source's
 `produce` and `checkpoint_state` only. `StaticSource` wraps the static sampler (`SamplerSource`:
 speculative drafters, draft store, speculation control); `EngineSource` the slot engine.
@@ -41,7 +44,7 @@ from jaxrl.policy.base import build_base
 from jaxrl.policy.warmstart import cache_root
 from jaxrl.runlog.metrics import MetricsLog, plot
 from jaxrl.runlog.report import emit
-from jaxrl.runlog.summary import start_line, summary
+from jaxrl.runlog.summary import start_line, stopped_line, summary
 from jaxrl.sharding import (
     any_process,
     batch_sharding,
@@ -65,15 +68,29 @@ from jaxrl.train.state import TrainState, init_state, make_optimizer, saved_part
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.workdir import RunRecord, open_run
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+OTHER_PROCESS = "a signal to another process"  # what stopped a process of a multi-process run that got none
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run after its step was saved; str(): the one line to print."""
+
 
 class _StopFlag:
-    """Set by SIGTERM; the loop saves a checkpoint at the end of the current step and returns."""
+    """The handler of SIGTERM and SIGINT: the first sets `signal` (its name); the loop saves a checkpoint
+    at the end of the current step and stops. A second Ctrl-C aborts at once (KeyboardInterrupt)."""
 
     def __init__(self):
-        self.requested = False
+        self.signal: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
     def __call__(self, signum, frame):
-        self.requested = True
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = self.signal or signal.Signals(signum).name
 
 
 class Run(NamedTuple):
@@ -107,7 +124,7 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
     run, state, stream, start = build_run(cfg, workdir, record)
     tc = cfg.train
     stop = _StopFlag()
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     bar = tqdm(
         total=tc.steps,
         initial=start,
@@ -144,9 +161,13 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
         run.saver.close()
         run.log.close()
         bar.close()
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    stopped_by = (stop.signal or OTHER_PROCESS) if stopping else None
     if tc.progress and is_primary():
-        print(json.dumps(summary(workdir, run.base_path, done, tc.steps, stopping, run.log.rows)))
+        print(json.dumps(summary(workdir, run.base_path, done, tc.steps, stopped_by, run.log.rows)))
+    if stopped_by == "SIGINT" and done < tc.steps:  # a Ctrl-C with the last step: the run is complete
+        raise Interrupted(stopped_line(workdir, done, stopped_by))
     return run.log.rows
 
 
@@ -334,7 +355,7 @@ def produce_scored_groups(run: Run, state: TrainState, policy, stream: StreamSta
 def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int, pending: tuple, stop: _StopFlag, bar):
     """After the step's update is dispatched: evaluate on the cadence, write the row when a save or
     an eval needs it now (else it stays pending, pulled after the next dispatch), checkpoint, and
-    see a SIGTERM. updated: (the state after the update, its policy). -> (what is still pending or
+    see a SIGTERM / SIGINT. updated: (the state after the update, its policy). -> (what is still pending or
     None, stopping)."""
     cfg, tc = run.cfg, run.cfg.train
     state, policy = updated
@@ -353,8 +374,8 @@ def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int,
     if save_now:  # the JSON item: the data position, the rollout source's host state, the LoRA base's identity
         host = {"stream": stream._asdict(), **run.source.checkpoint_state(), **lora_state.checkpoint_item(run.lora)}
         run.saver.save(step, saved_part(state), host, force=True)
-    if stopping:
-        print(f"jaxrl: SIGTERM received; saved step {step} to {run.workdir / 'checkpoints'}", file=sys.stderr)
+    if stopping and stop.signal != "SIGINT":  # SIGINT's line is Interrupted's, printed by its catcher
+        print(f"jaxrl: {stopped_line(run.workdir, step, stop.signal or OTHER_PROCESS)}", file=sys.stderr)
     return still_pending, stopping
 
 
