@@ -169,12 +169,12 @@ def test_cluster_auto_errors(capsys, no_cluster):
 
 
 def test_cluster_auto_finds_a_slurm_job(no_cluster):
-    from jaxrl.cli import UserError, _parser, distributed_args
+    from jaxrl.cli import UserError, build_parser, distributed_args
 
     slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
     for name, value in slurm.items():
         no_cluster.setenv(name, value)
-    args = _parser().parse_args(["train", CONFIG, "--init-timeout", "9"])
+    args = build_parser().parse_args(["train", CONFIG, "--init-timeout", "9"])
     assert distributed_args(args) is None  # auto only when asked for
     no_cluster.setenv("JAXRL_CLUSTER", "auto")
     with pytest.raises(UserError, match="no cluster environment found"):  # SLURM_LOCALID is missing
