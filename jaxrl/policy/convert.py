@@ -21,9 +21,10 @@ from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.config.saved import read_run_config
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models import hf, peft_export
-from jaxrl.models.transformer import init_params
+from jaxrl.models.transformer import abstract_params
 from jaxrl.policy import lora_run
-from jaxrl.policy.pretrained import MODEL_CONFIG, SIDE_FILES, checkpoint_config, load_model
+from jaxrl.policy.pretrained import SIDE_FILES, load_model
+from jaxrl.policy.resolve import MODEL_CONFIG, checkpoint_config
 
 
 def _copy_side_files(src: pathlib.Path, dst: pathlib.Path) -> None:
@@ -123,7 +124,7 @@ def _convert_to_peft(src: pathlib.Path, dst: pathlib.Path, peft_dir: pathlib.Pat
 
 def describe(cfg: ModelConfig) -> str:
     """One phrase for a converted model: its size and shape."""
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    shapes = abstract_params(cfg)
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     moe = f", {cfg.n_experts} experts" if cfg.n_experts else ""
     return f"{n / 1e6:.2f} M parameters, {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}{moe}"
