@@ -18,13 +18,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl.config import ConfigError, ModelConfig
-from jaxrl.config.saved import read_run_config
-from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models import hf, peft_export
 from jaxrl.models.transformer import abstract_params
 from jaxrl.policy import lora_run
 from jaxrl.policy.pretrained import SIDE_FILES, load_model
-from jaxrl.policy.resolve import MODEL_CONFIG, checkpoint_config
+from jaxrl.policy.resolve import MODEL_CONFIG, resolve_policy
 
 
 def _copy_side_files(src: pathlib.Path, dst: pathlib.Path) -> None:
@@ -56,15 +54,9 @@ def _run_params(run: pathlib.Path):
     if lora_run.is_lora_run(run):
         policy = lora_run.run_policy(run)
         return policy.model_cfg, jax.tree.map(np.asarray, policy.merged()), policy.tokenizer_dir
-    run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
-    assert run_cfg is not None  # the caller found config.json
-    model = ModelConfig.from_dict(run_cfg["model"])
-    side = None
-    if model.hf_path:
-        cfg = checkpoint_config(model)
-        side = pathlib.Path(model.hf_path)
-    else:
-        cfg = model if model.vocab_size else dataclasses.replace(model, vocab_size=CharTokenizer().vocab_size)
+    run_cfg = lora_run.run_config(run)  # a torn or foreign config.json is an error naming it
+    cfg = resolve_policy(run_cfg).model_cfg  # an environment's run: its suite's alphabet
+    side = pathlib.Path(run_cfg.model.hf_path) if run_cfg.model.hf_path else None
     manager = ocp.CheckpointManager((run / "checkpoints").absolute())
     step = manager.latest_step()
     if step is None:

@@ -5,7 +5,7 @@
 Each step takes prompts_per_step records from the data stream (ceil(prompts_per_step /
 agent.keep_top_variance) with StarPO-S filtering), plays group_size episodes of each on the episode
 engine (jaxrl.rollout.episodes.driver: environment steps run in a thread pool while other slots decode),
-and returns the batch contract with the episodes as completions: the model's tokens and the
+and returns a RolloutBatch with the episodes as completions: the model's tokens and the
 observations in one sequence, `completion_mask_BxT` = 1 on the model's tokens only, so observations
 are context with no loss and no log-prob.
 
