@@ -128,13 +128,13 @@ def tail_policy(root: pathlib.Path, cfg, tok, steps: int, draft_layers: int, exi
     import jax
     from flax import serialization
 
-    from jaxrl.models.transformer import init_params
+    from jaxrl.models.transformer import abstract_params
 
     rec = recipe(steps, draft_layers, exit_weight)
     key = json.dumps({**rec, "model": dataclasses.asdict(cfg)}, sort_keys=True)
     path = pathlib.Path(root) / f"tail_policy_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (path / "params.msgpack").exists():
-        template = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+        template = abstract_params(cfg)
         params = serialization.from_bytes(template, (path / "params.msgpack").read_bytes())
         return jax.tree.map(jax.numpy.asarray, params), json.loads((path / "info.json").read_text())
     t0 = time.perf_counter()

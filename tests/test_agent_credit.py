@@ -68,7 +68,7 @@ def test_starpo_s_keeps_the_most_varied_groups_in_draw_order():
 
 def test_episode_batch_rows_masks_and_groups():
     a, b = _group([1.0, 0.0], [0, 0]), _group([0.0, 0.0, 1.0], [0, 0, 0])
-    batch = episode_batch([a, b], episode_rewards([a, b], 0.0))
+    batch = episode_batch([a, b], episode_rewards([a, b], 0.0)).fields()
     assert batch["tokens_BxT"].shape == (5, T) and batch["prompt_tokens_BxP"].shape == (5, 3)
     np.testing.assert_array_equal(batch["group_id_B"], [0, 0, 1, 1, 1])
     np.testing.assert_array_equal(batch["completion_mask_BxT"][0], [1, 1, 0, 0, 0, 1, 1, 0])

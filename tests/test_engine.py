@@ -15,7 +15,7 @@ from jaxrl.config import ConfigError, EngineConfig, ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.engine.driver import Engine
-from jaxrl.rollout.engine.groups import assemble_batch, left_pad
+from jaxrl.rollout.engine.groups import batch_of_groups, left_pad
 from jaxrl.rollout.sampler import sample
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -152,7 +152,7 @@ def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, 
     items = _items()[::-1] if reverse else _items()
     groups = engine.collect(_params(cfg), 0, items, n_groups=len(LENGTHS))
     assert sorted(g.tag for g in groups) == list(range(len(LENGTHS)))
-    _check_same_rollout(assemble_batch(_by_tag(groups)), ref, cfg)
+    _check_same_rollout(batch_of_groups(_by_tag(groups)).fields(), ref, cfg)
     if slots < len(LENGTHS) * G:  # slots really were reused: more prefills than fit at once
         assert engine.counts["admitted_groups"] == len(LENGTHS) > slots // G
     assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
@@ -198,7 +198,7 @@ def test_recorded_logprobs_equal_trainer_recomputation(cfg):
     `token_logprobs` over the assembled batch (MoE: replaying the recorded routing)."""
     eos = _eos(cfg)
     engine = _engine(cfg, eos, slots=4, chunk=2, greedy=False, temperature=0.7, seed=3)
-    batch = assemble_batch(engine.collect(_params(cfg), 0, _items(), n_groups=len(LENGTHS)))
+    batch = batch_of_groups(engine.collect(_params(cfg), 0, _items(), n_groups=len(LENGTHS))).fields()
     logp, _ = tf.token_logprobs(
         _params(cfg),
         cfg,
@@ -231,7 +231,7 @@ def test_fill_admission_carries_samples_across_collects():
     rest = engine.collect(_params(), 2, list(items), n_groups=len(LENGTHS) - 1)
     groups = _by_tag(first + rest)
     assert [g.tag for g in groups] == list(range(len(LENGTHS))) and engine.groups_in_flight == 0
-    batch = assemble_batch(groups)
+    batch = batch_of_groups(groups).fields()
     _check_same_rollout(batch, _plain(CFG, eos), CFG)
     v, m = batch["version_BxT"], batch["completion_mask_BxT"] > 0
     assert np.all(v[m] >= 1) and np.all(np.diff(np.where(m, v, 99), axis=1) >= 0)  # 1s then 2s, per row

@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl.rollout.engine import driver as engine_mod
 from jaxrl.rollout.engine import state as es
-from jaxrl.rollout.engine.groups import assemble_batch
+from jaxrl.rollout.engine.groups import batch_of_groups
 from tests.test_engine import (
     CFG,
     NEVER,
@@ -68,7 +68,7 @@ def test_engine_admits_as_soon_as_a_group_of_slots_is_free(monkeypatch):
     eos = _eos(CFG)
     engine = _engine(CFG, eos, slots=2 * G, chunk=100)
     groups = engine.collect(_params(), 0, _items(), n_groups=len(_items()))
-    _check_same_rollout(assemble_batch(_by_tag(groups)), _plain(CFG, eos), CFG)
+    _check_same_rollout(batch_of_groups(_by_tag(groups)).fields(), _plain(CFG, eos), CFG)
     assert any(0 < n < 2 * G for n in seen), seen  # a chunk ended with slots still decoding
     assert seen[-1] == 2 * G
 

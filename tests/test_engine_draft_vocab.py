@@ -14,7 +14,7 @@ from chi_square import chi_square_pvalue
 from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.rollout.engine.driver import Engine
-from jaxrl.rollout.engine.groups import assemble_batch
+from jaxrl.rollout.engine.groups import batch_of_groups
 from jaxrl.rollout.speculative import draft_vocab
 
 SUBSET = (3, 1)  # td.SMALL's drafter sees tokens 3 and EOS=1 only; 0, 2 and 4 are never drafted
@@ -115,7 +115,8 @@ def test_greedy_equals_sampler_with_a_reduced_draft_head():
         speculative=_spec(8),
         draft_ids=ids,
     )
-    batch = assemble_batch(te._by_tag(engine.collect(te._params(cfg), 0, te._items(), n_groups=len(te.LENGTHS))))
+    groups = engine.collect(te._params(cfg), 0, te._items(), n_groups=len(te.LENGTHS))
+    batch = batch_of_groups(te._by_tag(groups)).fields()
     te._check_same_rollout(batch, ref, cfg)
     assert 0 < engine.counts["accepted"] < engine.counts["drafted"], engine.counts
 

@@ -15,7 +15,7 @@ from jaxrl.models import transformer as tf
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.engine.driver import Engine
-from jaxrl.rollout.engine.groups import assemble_batch, left_pad
+from jaxrl.rollout.engine.groups import batch_of_groups, left_pad
 from jaxrl.rollout.engine.partial import fed_mask, release_slots, reprefill
 from jaxrl.rollout.speculative.engine import speculative_spec
 
@@ -79,7 +79,7 @@ def test_staleness_bound_restarts_whole_groups_in_flight_and_waiting():
     assert (engine.counts["restarted_groups"], engine.counts["restarted_samples"]) == (2, 2 * G)
     assert (engine.counts["chunks"], engine.counts["prefill_calls"]) == (16, 7)
     # Restarted groups were redrawn from their own prompts into clean slots: the greedy sampler's tokens.
-    batch = assemble_batch(groups)
+    batch = batch_of_groups(groups).fields()
     ref = _plain(CFG, _eos(CFG))
     np.testing.assert_array_equal(batch["tokens_BxT"], np.asarray(ref.tokens_BxT))
     np.testing.assert_allclose(batch["rollout_logp_BxT"], np.asarray(ref.logp_BxT), atol=1e-5, rtol=0)
@@ -90,11 +90,11 @@ def test_staleness_zero_never_spans_an_update_and_a_loose_bound_changes_nothing(
     engine = _engine(max_staleness=0)
     rows, _ = _one_group_per_version(engine)
     assert all(v == first == last for v, _, first, last in rows) and engine.counts["restarted_groups"] > 0
-    unbounded = assemble_batch(_one_group_per_version(_engine(max_staleness=-1))[1])
+    unbounded = batch_of_groups(_one_group_per_version(_engine(max_staleness=-1))[1]).fields()
     loose_engine = _engine(max_staleness=2)  # the largest staleness the pattern reaches (UNBOUNDED)
     rows, groups = _one_group_per_version(loose_engine)
     assert rows == UNBOUNDED and loose_engine.counts["restarted_groups"] == 0
-    loose = assemble_batch(groups)
+    loose = batch_of_groups(groups).fields()
     for key in ("tokens_BxT", "rollout_logp_BxT", "version_BxT", "completion_mask_BxT"):
         np.testing.assert_array_equal(loose[key], unbounded[key])
 
@@ -255,7 +255,7 @@ def test_engine_reprefill_option_makes_continued_logprobs_the_new_params(redo):
     carried = engine.groups_in_flight
     rest = engine.collect(_params_b(), 1, items, 4)
     assert carried > 0 and engine.counts["reprefilled_samples"] == (carried * G if redo else 0)
-    batch = assemble_batch(first + rest)
+    batch = batch_of_groups(first + rest).fields()
     mask, version = batch["completion_mask_BxT"] > 0, batch["version_BxT"]
     args = (
         batch["prompt_tokens_BxP"],
@@ -340,7 +340,7 @@ def test_engine_source_bounds_staleness_and_logs_restarts_and_reprefills(in_proc
         stream, totals = StreamState(0, 0), {"restarted_samples": 0, "reprefilled_samples": 0, "partial_frac": 0}
         for step in (1, 2, 3):
             produced = source.produce(params, stream, None, step)
-            stream, m, batch = produced.stream, produced.metrics, produced.host_batch
+            stream, m, batch = produced.stream, produced.metrics, produced.host_batch.fields()
             for k in totals:
                 totals[k] += m[f"engine/{k}"]
             # stale_BxT marks exactly the tokens older than the step's version (staleness_0 is their complement)

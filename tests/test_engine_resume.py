@@ -55,9 +55,9 @@ def _saved(state: dict) -> dict:
 
 def _same_step(a, b):
     assert a.stream == b.stream
-    assert sorted(a.host_batch) == sorted(b.host_batch)
-    for k in a.host_batch:
-        np.testing.assert_array_equal(a.host_batch[k], b.host_batch[k], err_msg=k)
+    assert sorted(a.host_batch.fields()) == sorted(b.host_batch.fields())
+    for k in a.host_batch.fields():
+        np.testing.assert_array_equal(a.host_batch.fields()[k], b.host_batch.fields()[k], err_msg=k)
     assert {k: v for k, v in a.metrics.items() if k not in TIMING} == {
         k: v for k, v in b.metrics.items() if k not in TIMING
     }

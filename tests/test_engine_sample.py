@@ -13,7 +13,7 @@ from test_engine import CFG, LENGTHS, _engine, _eos, _items, _params
 from jaxrl.config import EngineConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine.driver import Engine
-from jaxrl.rollout.engine.groups import assemble_batch, concat_groups
+from jaxrl.rollout.engine.groups import batch_of_groups, concat_groups
 
 
 def test_more_greedy_samples_of_a_scored_prompt_equal_its_first_ones():
@@ -36,7 +36,7 @@ def test_more_greedy_samples_of_a_scored_prompt_equal_its_first_ones():
         np.testing.assert_allclose(group.logp_GxT, np.repeat(ref.logp_GxT[:1], k, 0), atol=1e-5, rtol=0)
         assert np.all(group.version_GxT[group.completion_mask_GxT > 0] == 1)
     merged = concat_groups([first[2], more[2]], 2, first[2].prompt_P, first[2].prompt_mask_P)
-    batch = assemble_batch([first[0], merged])
+    batch = batch_of_groups([first[0], merged]).fields()
     np.testing.assert_array_equal(batch["group_id_B"], [0, 0] + [1] * 7)
     assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
 
@@ -48,7 +48,7 @@ def test_sampled_logprobs_equal_trainer_recomputation():
     engine = _engine(CFG, _eos(CFG), slots=3, chunk=2, greedy=False, temperature=0.7, seed=5)
     items = _items()
     groups = engine.sample(_params(), 0, [(i, items[i][1], k) for i, k in ((0, 3), (3, 1), (4, 4))])
-    batch = assemble_batch(groups)
+    batch = batch_of_groups(groups).fields()
     logp, _ = tf.token_logprobs(
         _params(),
         CFG,

@@ -18,7 +18,7 @@ from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine.driver import Engine
-from jaxrl.rollout.engine.groups import assemble_batch
+from jaxrl.rollout.engine.groups import batch_of_groups
 from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative import engine as engine_speculative
@@ -69,7 +69,7 @@ def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups,
     assert isinstance(engine.spec, SpeculativeEngineSpec)
     items = te._items()[::-1] if reverse else te._items()
     groups = te._by_tag(engine.collect(te._params(cfg), 0, items, n_groups=len(te.LENGTHS)))
-    batch = assemble_batch(groups)
+    batch = batch_of_groups(groups).fields()
     te._check_same_rollout(batch, ref, cfg)
     if cfg.n_experts:  # the trainer's replay contract: one entry per prompt + completion slot, not per cache slot
         assert batch["routing_BxSxLxK"].shape[1] == te.P + te.T < engine.spec.cache_len
@@ -79,7 +79,8 @@ def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups,
     assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
     if slots == 4 and chunk == 1:
         plain = te._engine(cfg, eos, slots, chunk, admit_groups)
-        plain_batch = assemble_batch(te._by_tag(plain.collect(te._params(cfg), 0, items, n_groups=len(te.LENGTHS))))
+        plain_groups = plain.collect(te._params(cfg), 0, items, n_groups=len(te.LENGTHS))
+        plain_batch = batch_of_groups(te._by_tag(plain_groups)).fields()
         for name in ("tokens_BxT", "completion_mask_BxT", "truncated_B", "version_BxT"):
             np.testing.assert_array_equal(batch[name], plain_batch[name])
         # Fewer policy forwards than tokens: 4 slots x 1 step per chunk.
@@ -103,7 +104,7 @@ def test_recorded_logprobs_and_versions_equal_trainer_recomputation():
     items = iter(te._items())
     groups = engine.collect(te._params(cfg), 5, items, n_groups=2)
     groups += engine.collect(te._params(cfg), 6, items, n_groups=3)
-    batch = assemble_batch(groups)
+    batch = batch_of_groups(groups).fields()
     logp, _ = tf.token_logprobs(
         te._params(cfg),
         cfg,
@@ -174,7 +175,7 @@ def test_eos_inside_an_accepted_draft_ends_the_sample():
     want_tokens = np.where(want_mask > 0, toks[:, : te.T], te.PAD)
     want_truncated = np.asarray([float(eos not in r[: te.T]) for r in toks], np.float32)
     engine = _engine(te.CFG, eos, slots=10, chunk=8, admit_groups=5)
-    batch = assemble_batch(te._by_tag(engine.collect(params, 0, te._items(), n_groups=len(te.LENGTHS))))
+    batch = batch_of_groups(te._by_tag(engine.collect(params, 0, te._items(), n_groups=len(te.LENGTHS)))).fields()
     assert engine.counts["accepted"] == engine.counts["drafted"] > 0  # every draft accepted, EOS's included
     np.testing.assert_array_equal(batch["tokens_BxT"][early], [toks[early, 0], eos] + [te.PAD] * (te.T - 2))
     np.testing.assert_array_equal(batch["completion_mask_BxT"][early], [1, 1] + [0] * (te.T - 2))

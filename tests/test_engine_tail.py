@@ -15,7 +15,7 @@ from chi_square import chi_square_pvalue
 
 from jaxrl.config import EngineConfig, SpeculativeConfig
 from jaxrl.rollout.engine.driver import Engine
-from jaxrl.rollout.engine.groups import assemble_batch
+from jaxrl.rollout.engine.groups import batch_of_groups
 from jaxrl.rollout.speculative.calibrate import StepCosts, expected_tokens, tail_gain, tail_threshold
 from jaxrl.rollout.speculative.engine import chunk_kind
 
@@ -77,7 +77,8 @@ def test_greedy_with_the_toggle_equals_plain_engine_and_sampler(cfg=te.CFG):
         speculative=_toggle(2),
     )
     assert engine.tail_rows == 2
-    batch = assemble_batch(te._by_tag(engine.collect(te._params(cfg), 0, te._items(), n_groups=len(te.LENGTHS))))
+    groups = engine.collect(te._params(cfg), 0, te._items(), n_groups=len(te.LENGTHS))
+    batch = batch_of_groups(te._by_tag(groups)).fields()
     te._check_same_rollout(batch, ref, cfg)
     _both_kinds_ran(engine.counts)
     # What a plain engine records (without compiling one here): version 0 on every drawn token, -1 after.
@@ -163,8 +164,8 @@ def test_resumed_toggle_engine_continues_like_the_original():
     resumed.load_state(json.loads(json.dumps(host)), arrays)
     # The last collect drains: no new prompts, every group in flight finishes (the tail speculates).
     for version, prompts, n in ((1, items[8:14], 3), (2, items[14:], 3), (3, [], 20)):
-        a = assemble_batch(engine.collect(te._params(te.CFG), version, iter(prompts), n_groups=n))
-        b = assemble_batch(resumed.collect(te._params(te.CFG), version, iter(prompts), n_groups=n))
+        a = batch_of_groups(engine.collect(te._params(te.CFG), version, iter(prompts), n_groups=n)).fields()
+        b = batch_of_groups(resumed.collect(te._params(te.CFG), version, iter(prompts), n_groups=n)).fields()
         for name in a:
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     assert engine.counts == resumed.counts

@@ -55,7 +55,7 @@ def test_engine_source_scores_each_group_against_its_own_record(in_process_cache
     source, task, tok, params = _source(cfg, in_process_cache)
     N, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     produced = source.produce(params, StreamState(0, 0), None, step=1)
-    batch = produced.host_batch
+    batch = produced.host_batch.fields()
     assert produced.stream == StreamState(0, N)  # exact admission: one prompt per group the step needs
     np.testing.assert_array_equal(batch["group_id_B"], np.repeat(np.arange(N), G))
     # Re-score every row against the record its group's prompt came from (found by its prompt text).

@@ -35,7 +35,7 @@ def test_vigor_step_has_b_rows_one_group_per_prompt_and_unequal_sizes(in_process
     source = EngineSource(cfg, dataclasses.replace(cfg.model, vocab_size=tok.vocab_size), tok, task, {})
     N, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     produced = source.produce(params, StreamState(0, 0), None, step=1)
-    batch, m = produced.host_batch, produced.metrics
+    batch, m = produced.host_batch.fields(), produced.metrics
     assert produced.stream == StreamState(0, N)  # one prompt per group
     assert batch["tokens_BxT"].shape[0] == N * G and len(batch["group_id_B"]) == N * G
     ids, sizes = np.unique(batch["group_id_B"], return_counts=True)

@@ -118,7 +118,7 @@ def test_engine_source_with_dynamic_sampling_yields_only_informative_groups(in_p
     stream, dropped = StreamState(0, 0), 0
     for step in (1, 2, 3):
         produced = source.produce(params, stream, None, step)
-        batch, m = produced.host_batch, produced.metrics
+        batch, m = produced.host_batch.fields(), produced.metrics
         np.testing.assert_array_equal(batch["group_id_B"], np.repeat(np.arange(N), G))  # B rows, N groups
         np.testing.assert_array_equal(batch["rewards_BxK"], _rescored(batch, task, tok))
         for r_GxK in batch["rewards_BxK"].reshape(N, G, -1):
@@ -139,8 +139,8 @@ def test_engine_source_at_the_cap_fills_the_batch_with_dropped_groups(in_process
     N, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     produced = source.produce(params, StreamState(0, 0), None, 1)
     m = produced.metrics
-    assert produced.host_batch["tokens_BxT"].shape[0] == N * G
-    np.testing.assert_array_equal(produced.host_batch["group_id_B"], np.repeat(np.arange(N), G))
+    assert produced.host_batch.fields()["tokens_BxT"].shape[0] == N * G
+    np.testing.assert_array_equal(produced.host_batch.fields()["group_id_B"], np.repeat(np.arange(N), G))
     # 4 + 3 drawn, all uninformative: 7 dropped, the first 4 put back
     assert (m["engine/dyn_extra"], m["engine/dyn_dropped"], m["engine/dyn_filled"], m["engine/dyn_cap_hit"]) == (
         3,
@@ -252,7 +252,7 @@ def test_engine_source_learns_the_filter_and_checkpoints_it(in_process_cache):
     produced = source.produce(params, StreamState(0, 0), None, 1)
     post = source.prompt_filter.posteriors  # one Beta per group drawn, G samples each
     assert len(post) == N and sum(a + b - 2 for a, b in post.values()) == N * G
-    correct = produced.host_batch["rewards_BxK"][:, 0] > 0.5
+    correct = produced.host_batch.fields()["rewards_BxK"][:, 0] > 0.5
     assert sum(a - 1 for a, _ in post.values()) == correct.sum()
     assert produced.metrics["engine/filtered_prompts"] == 0  # unseen prompts always pass
     saved = source.checkpoint_state()

@@ -181,7 +181,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jaxrl.config import MeshConfig
 from jaxrl.models import hf
 from jaxrl.models.transformer import forward
-from jaxrl.policy.pretrained import _shardings_fn
+from jaxrl.policy.resolve import shardings_for
 from jaxrl.sharding import expert_parallel, make_mesh
 
 assert jax.device_count() == 8
@@ -191,7 +191,7 @@ for d, preset, sizes in ((sys.argv[1], "fsdp_tensor", {"tensor": 2}), (sys.argv[
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (8, 12)))
     want = np.asarray(forward(ref, cfg, tokens, jnp.ones(tokens.shape, bool)))
     mesh, p = make_mesh(MeshConfig(preset=preset, **sizes))
-    cfg, params = hf.load(d, shardings_fn=_shardings_fn(mesh, p))
+    cfg, params = hf.load(d, shardings_fn=lambda c: shardings_for(c, mesh, p))
     split = sum(not a.sharding.is_fully_replicated for a in jax.tree.leaves(params))
     pairs = zip(jax.tree.leaves(params), jax.tree.leaves(ref))
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)

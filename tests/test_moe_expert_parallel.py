@@ -191,7 +191,7 @@ from jaxrl.rollout.speculative import engine as engine_speculative
 from jaxrl.rollout.engine import state as engine_state
 from jaxrl.rollout.episodes import state as episode_state
 from jaxrl.rollout.engine.driver import Engine
-from jaxrl.rollout.engine.groups import assemble_batch
+from jaxrl.rollout.engine.groups import batch_of_groups
 from jaxrl.train.evaluate import make_chunk_sampler
 
 # The slot engine, greedy: 6 groups of 2 through 8 slots draw what one device draws.
@@ -202,7 +202,7 @@ def run_engine(p, ep):
         cfg, EngineConfig(slots=8, chunk=2, admit_groups=4), group_size=2, prompt_len=P, max_new_tokens=T,
         temperature=1.0, eos_id=2, pad_id=0, rng=jax.random.key(3), greedy=True, expert_parallel=ep,
     )
-    return engine, assemble_batch(sorted(engine.collect(p, 0, items, n_groups=6), key=lambda g: g.tag))
+    return engine, batch_of_groups(sorted(engine.collect(p, 0, items, n_groups=6), key=lambda g: g.tag)).fields()
 
 _, want = run_engine(base, None)
 assert not ep_sites

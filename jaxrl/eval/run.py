@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 
 from jaxrl.config import Config
 from jaxrl.data.rewards import score
+from jaxrl.data.tokenizer import decode_completions
 from jaxrl.eval.metrics import FINAL_ANSWERS, ks_up_to, sample_metrics
 from jaxrl.eval.sources import EvalError, Located, Policy, load_policy, locate, run_model
-from jaxrl.sources.prompts import decode_completions
 from jaxrl.train.evaluate import EVAL_CHUNK, encode_records, make_chunk_sampler, make_evaluator, sample_in_chunks
 
 
@@ -85,7 +85,7 @@ def sampled_metrics(
         tokens_NxT, finished_N, length_N = sample_in_chunks(
             sampler, policy.params, tok_BxP, mask_BxP, chunk, rng, K, bar.update
         )
-    texts = decode_completions(policy.tokenizer, tokens_NxT)
+    texts, _ = decode_completions(policy.tokenizer, tokens_NxT)
     rewards_NxR, _ = score(verifier, texts, list(finished_N), [r for r in records for _ in range(K)])
     correct_BxK = (rewards_NxR[:, 0] >= 1.0).reshape(B, K)
     answers_BxK = [[_final_answer(cfg.data.task, t) for t in texts[b * K : (b + 1) * K]] for b in range(B)]

@@ -157,38 +157,15 @@ def run_model(cfg: Config, located: Located, overrides: Sequence[str] = ()) -> C
     return dataclasses.replace(cfg, model=model).validate()
 
 
-def _param_shardings(model_cfg, mesh, preset):
-    from jaxrl.models.transformer import init_params, param_logical_axes
-    from jaxrl.sharding import param_shardings
-
-    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
-    return abstract, param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract)
-
-
-def config_model(cfg: Config):
-    """(tokenizer, model_cfg) of the config's policy: model.hf_path's, else the character tokenizer."""
-    if cfg.model.hf_path:
-        from jaxrl.data.hf_tokenizer import load_tokenizer
-        from jaxrl.policy.pretrained import checkpoint_config
-
-        return load_tokenizer(pathlib.Path(cfg.model.hf_path).expanduser()), checkpoint_config(cfg.model)
-    from jaxrl.data.tokenizer import CharTokenizer
-
-    tokenizer = CharTokenizer()
-    vocab = cfg.model.vocab_size or tokenizer.vocab_size
-    return tokenizer, dataclasses.replace(cfg.model, vocab_size=vocab)
-
-
 def restore_params(step_dir: pathlib.Path, model_cfg, mesh, preset):
     """The params of a saved TrainState (orbax partial restore: the optimizer state stays on disk)."""
     import orbax.checkpoint as ocp
 
     from jaxrl.config.errors import first_line
+    from jaxrl.models.transformer import abstract_params
+    from jaxrl.policy.resolve import shardings_for
 
-    abstract, shardings = _param_shardings(model_cfg, mesh, preset)
-    target = {
-        "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    }
+    target = {"params": abstract_params(model_cfg, shardings_for(model_cfg, mesh, preset))}
     try:
         restored = ocp.PyTreeCheckpointer().restore(
             (step_dir / "state").absolute(),
@@ -206,13 +183,17 @@ def restore_params(step_dir: pathlib.Path, model_cfg, mesh, preset):
 
 def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: bool) -> Policy:
     """The tokenizer, model config and params of the located source, placed by the mesh preset."""
-    from jaxrl.policy.pretrained import load_pretrained
+    from jaxrl.policy.pretrained import load_params
+    from jaxrl.policy.resolve import resolve_policy, shardings_for
 
     if located.kind == "hf" or (located.kind == "initial" and cfg.model.hf_path):
-        model = dataclasses.replace(cfg.model, hf_path=str(located.path or cfg.model.hf_path))
-        tokenizer, model_cfg, params, path, _ = load_pretrained(model, mesh, preset)
+        path = pathlib.Path(located.path or cfg.model.hf_path)
+        tokenizer, model_cfg = resolve_policy(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(path)))
+        )
+        params = load_params(path.expanduser(), model_cfg, shardings_for(model_cfg, mesh, preset))
         return Policy(tokenizer, model_cfg, params, str(path))
-    tokenizer, model_cfg = config_model(cfg)
+    tokenizer, model_cfg = resolve_policy(cfg)
     if located.step_dir is not None and cfg.model.lora.enabled:
         return _lora_policy(cfg, located, mesh, preset, tokenizer)
     if located.step_dir is not None:
@@ -223,7 +204,7 @@ def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: boo
     from jaxrl.policy.warmstart import load_or_train_base
 
     assert isinstance(tokenizer, CharTokenizer)  # model.hf_path's policy returned above
-    _, shardings = _param_shardings(model_cfg, mesh, preset)
+    shardings = shardings_for(model_cfg, mesh, preset)
     params, path = load_or_train_base(
         cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet, progress=progress, shardings=shardings
     )
@@ -234,9 +215,10 @@ def _lora_policy(cfg: Config, located: Located, mesh, preset, tokenizer) -> Poli
     """A LoRA checkpoint's merged policy: the base rebuilt from the run's own config (its warm-start key
     depends on data.*, warmstart.*, ...) when its config.json is there, else from `cfg`."""
     from jaxrl.policy import lora_run
+    from jaxrl.policy.resolve import shardings_for
 
     assert located.step_dir is not None
     run_cfg = lora_run.run_config(located.run_dir) if located.run_dir is not None else cfg
     policy = lora_run.load_policy(run_cfg, located.step_dir, mesh, preset)
-    _, shardings = _param_shardings(policy.model_cfg, mesh, preset)
+    shardings = shardings_for(policy.model_cfg, mesh, preset)
     return Policy(tokenizer, policy.model_cfg, jax.device_put(policy.merged(), shardings), str(located.step_dir))

@@ -37,7 +37,15 @@ from jaxrl.models.layers import ScaledParam, init_value
 from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
 from jaxrl.models.moe_dispatch import ExpertParallel
 
-__all__ = ["MoEOut", "forward", "head_weights", "init_params", "param_logical_axes", "positions_from_mask"]
+__all__ = [
+    "MoEOut",
+    "abstract_params",
+    "forward",
+    "head_weights",
+    "init_params",
+    "param_logical_axes",
+    "positions_from_mask",
+]
 
 LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert")
 
@@ -109,6 +117,15 @@ def init_params(cfg: ModelConfig, rng: jax.Array):
         )
         offset += size
     return jax.tree.unflatten(treedef, leaves)
+
+
+def abstract_params(cfg: ModelConfig, shardings=None):
+    """The pytree of `init_params(cfg, ...)` as jax.ShapeDtypeStructs (nothing computed), laid out by
+    `shardings` (a matching pytree of shardings) if given: what a checkpoint restores into."""
+    abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    if shardings is None:
+        return abstract
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def param_logical_axes(cfg: ModelConfig):

@@ -4,7 +4,7 @@ the cached warm-started policy (trained once per task and model, jaxrl.policy.wa
 
 from __future__ import annotations
 
-import dataclasses
+import pathlib
 
 import jax
 import numpy as np
@@ -14,19 +14,17 @@ from jaxrl.agents.formats import check_prompt_fits
 from jaxrl.agents.warmstart import load_agent_task
 from jaxrl.config import Config
 from jaxrl.data.tasks import load_task
-from jaxrl.data.tokenizer import CharTokenizer
-from jaxrl.models.transformer import init_params, param_logical_axes
-from jaxrl.policy.pretrained import load_pretrained
+from jaxrl.policy.pretrained import load_params
+from jaxrl.policy.resolve import resolve_policy, shardings_for
 from jaxrl.policy.warmstart import load_or_train_base
-from jaxrl.sharding import is_primary, param_shardings, put_global
+from jaxrl.sharding import is_primary, put_global
 
 
 def build_base(cfg: Config, progress: bool, mesh, preset):
     """-> (tokenizer, model config, task, the base params laid out by the preset, the base's path, their
     shardings)."""
-    agent = is_agent_task(cfg.data.task)  # an environment suite brings its alphabet and its records
-    tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if agent else CharTokenizer()
-    model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    tokenizer, model_cfg = resolve_policy(cfg)
+    agent = is_agent_task(cfg.data.task)  # an environment suite brings its records
     if agent:  # a prompt that cannot fit is an error before the warm start, not after it
         task = load_agent_task(cfg.data)
         if not cfg.model.hf_path:
@@ -39,12 +37,11 @@ def build_base(cfg: Config, progress: bool, mesh, preset):
         task = task or load_task(cfg.data)
     else:
         task = load_task(cfg.data)
+    # The base policy is restored straight into its sharded layout.
+    param_sh = shardings_for(model_cfg, mesh, preset)
     if cfg.model.hf_path:  # a pretrained checkpoint brings its tokenizer, architecture and weights
-        tokenizer, model_cfg, base_params, base_path, param_sh = load_pretrained(cfg.model, mesh, preset)
-        return tokenizer, model_cfg, task, base_params, base_path, param_sh
-    # eval_shape -> shardings: the cached base policy is restored straight into its sharded layout.
-    abstract_params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
-    param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract_params)
+        base_path = pathlib.Path(cfg.model.hf_path)
+        return tokenizer, model_cfg, task, load_params(base_path.expanduser(), model_cfg, param_sh), base_path, param_sh
     base_params, base_path = load_or_train_base(
         cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet, progress=progress, shardings=param_sh
     )

@@ -21,15 +21,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxrl.agents import is_agent_task, load_suite
 from jaxrl.config import ConfigError, ModelConfig
-from jaxrl.config.saved import read_run_config
 from jaxrl.data.hf_tokenizer import save_char_tokenizer
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models import hf, peft_export
-from jaxrl.models.transformer import init_params
+from jaxrl.models.transformer import abstract_params
 from jaxrl.policy import lora_run
-from jaxrl.policy.pretrained import MODEL_CONFIG, SIDE_FILES, checkpoint_config, load_model
+from jaxrl.policy.pretrained import SIDE_FILES, load_model
+from jaxrl.policy.resolve import MODEL_CONFIG, resolve_policy
 
 
 def _copy_side_files(src: pathlib.Path, dst: pathlib.Path) -> None:
@@ -55,28 +54,17 @@ def convert_from_hf(src, dst) -> ModelConfig:
     return cfg
 
 
-def _char_tokenizer(run_cfg: dict) -> CharTokenizer:
-    """The character tokenizer a run without model.hf_path trained with (as jaxrl.policy.base builds it)."""
-    task = run_cfg.get("data", {}).get("task", "")
-    return CharTokenizer(load_suite(task).alphabet) if is_agent_task(task) else CharTokenizer()
-
-
 def _run_params(run: pathlib.Path):
     """(model_cfg, params, tokenizer: the source dir of its files, or the run's CharTokenizer) of a run's
     newest checkpoint; a LoRA run's params are its merged policy (the base rebuilt, jaxrl.policy.lora_run)."""
-    run_cfg = read_run_config(run)  # a torn or foreign config.json is an error naming it
-    assert run_cfg is not None  # the caller found config.json
+    run_cfg = lora_run.run_config(run)  # a torn or foreign config.json is an error naming it
+    resolved = resolve_policy(run_cfg)  # an environment's run: its suite's alphabet
     if lora_run.is_lora_run(run):
         policy = lora_run.run_policy(run)
-        side = policy.tokenizer_dir or _char_tokenizer(run_cfg)
+        side = policy.tokenizer_dir or resolved.tokenizer
         return policy.model_cfg, jax.tree.map(np.asarray, policy.merged()), side
-    model = ModelConfig.from_dict(run_cfg["model"])
-    if model.hf_path:
-        cfg = checkpoint_config(model)
-        side = pathlib.Path(model.hf_path)
-    else:
-        side = _char_tokenizer(run_cfg)
-        cfg = model if model.vocab_size else dataclasses.replace(model, vocab_size=side.vocab_size)
+    cfg = resolved.model_cfg
+    side = pathlib.Path(run_cfg.model.hf_path) if run_cfg.model.hf_path else resolved.tokenizer
     manager = ocp.CheckpointManager((run / "checkpoints").absolute())
     step = manager.latest_step()
     if step is None:
@@ -141,7 +129,7 @@ def _convert_to_peft(src: pathlib.Path, dst: pathlib.Path, peft_dir: pathlib.Pat
     policy = lora_run.run_policy(src)
     tensors = peft_export.peft_tensors(policy.adapters, policy.model_cfg, policy.lcfg.rank)  # fails before writing
     base = jax.tree.map(np.asarray, policy.dense_base())
-    side = policy.tokenizer_dir or _char_tokenizer(read_run_config(src) or {})
+    side = policy.tokenizer_dir or resolve_policy(lora_run.run_config(src)).tokenizer
     _save_hf(dst, base, policy.model_cfg, side, dtype, max_shard_bytes)
     peft_export.save_adapter(peft_dir, tensors, policy.model_cfg, policy.lcfg, dst)
     return policy.model_cfg
@@ -149,7 +137,7 @@ def _convert_to_peft(src: pathlib.Path, dst: pathlib.Path, peft_dir: pathlib.Pat
 
 def describe(cfg: ModelConfig) -> str:
     """One phrase for a converted model: its size and shape."""
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    shapes = abstract_params(cfg)
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     moe = f", {cfg.n_experts} experts" if cfg.n_experts else ""
     return f"{n / 1e6:.2f} M parameters, {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}{moe}"

@@ -15,6 +15,7 @@ with the one saved, and the policy is `lora.merge(base, adapters)` in float32 (i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ from jaxrl.config import Config, ConfigError
 from jaxrl.config.load import override
 from jaxrl.config.lora import LoraConfig
 from jaxrl.models import lora
-from jaxrl.models.transformer import init_params, param_logical_axes
+from jaxrl.models.transformer import abstract_params, param_logical_axes
 
 
 class LoraPolicy(NamedTuple):
@@ -77,12 +78,10 @@ def newest_step_dir(run: pathlib.Path, step: int | None = None) -> pathlib.Path:
 
 def _warmstart_base(cfg: Config, shardings_fn):
     """(model_cfg, params, path) of the run's warm-start cache entry; a missing one is an error."""
-    from jaxrl.agents import is_agent_task, load_suite
-    from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.policy.resolve import resolve_policy
     from jaxrl.policy.warmstart import cache_key, cache_root
 
-    tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if is_agent_task(cfg.data.task) else CharTokenizer()
-    model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    tokenizer, model_cfg = resolve_policy(cfg)
     # The key of the full fine-tuning run's base policy: a LoRA run shares it (model.lora is not in it).
     path = cache_root(cfg) / cache_key(cfg, dataclasses.replace(model_cfg, lora=LoraConfig()), tokenizer.alphabet)
     if not (path / "params").exists():
@@ -91,11 +90,7 @@ def _warmstart_base(cfg: Config, shardings_fn):
             "(no --workdir: it trains and caches the base policy), or point warmstart.cache_dir / "
             "JAXRL_CACHE_DIR at the cache that holds it"
         )
-    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
-    if shardings_fn is not None:
-        abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings_fn(model_cfg)
-        )
+    abstract = abstract_params(model_cfg, None if shardings_fn is None else shardings_fn(model_cfg))
     return model_cfg, ocp.StandardCheckpointer().restore((path / "params").absolute(), abstract), path
 
 
@@ -134,17 +129,15 @@ def load_policy(cfg: Config, step_dir: pathlib.Path, mesh: Any = None, preset: A
     """The LoRA policy saved in `step_dir` by a run with config `cfg` (model.lora.rank > 0): the base
     rebuilt (laid out by the mesh preset when `mesh` is given), checked against the saved fingerprint,
     and the adapters restored."""
+    from jaxrl.policy.resolve import shardings_for
     from jaxrl.sharding import param_shardings
 
     lcfg = cfg.model.lora
     if not lcfg.enabled:
         raise ConfigError(f"{step_dir}: not a LoRA run (model.lora.rank is 0)")
 
-    def shardings_fn(model_cfg):
-        abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
-        return param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract)
-
-    model_cfg, params, base_path, tokenizer_dir = rebuild_base(cfg, None if mesh is None else shardings_fn)
+    shardings_fn = None if mesh is None else functools.partial(shardings_for, mesh=mesh, preset=preset)
+    model_cfg, params, base_path, tokenizer_dir = rebuild_base(cfg, shardings_fn)
     logical = param_logical_axes(model_cfg)
     base = lora.store_base(params, logical, lcfg)
     saved = read_host(step_dir).get("lora") or {}
@@ -153,13 +146,13 @@ def load_policy(cfg: Config, step_dir: pathlib.Path, mesh: Any = None, preset: A
             f"{step_dir}: its adapters were trained on another base than {base_path} (the weights' fingerprint "
             f"differs; the run recorded {saved.get('base_path')!r}): restore that base to export or evaluate it"
         )
-    abstract_params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
-    abstract = jax.eval_shape(lambda: lora.init_adapters(abstract_params, logical, lcfg, jax.random.key(0)))
+    abstract_base = abstract_params(model_cfg)
+    abstract = jax.eval_shape(lambda: lora.init_adapters(abstract_base, logical, lcfg, jax.random.key(0)))
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
     else:
-        sh = param_shardings(mesh, preset, lora.adapter_logical_axes(abstract_params, logical, lcfg), abstract)
+        sh = param_shardings(mesh, preset, lora.adapter_logical_axes(abstract_base, logical, lcfg), abstract)
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sh)
     adapters = restore_adapters(step_dir, abstract)
     return LoraPolicy(model_cfg, lcfg, base, adapters, base_path, tokenizer_dir)

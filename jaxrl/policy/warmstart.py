@@ -27,7 +27,7 @@ from jaxrl.agents.warmstart import suite_fingerprint, teacher_batch
 from jaxrl.config import Config, DataConfig, ModelConfig
 from jaxrl.data.stream import StreamState, next_batch
 from jaxrl.data.teachers import fallible_answer
-from jaxrl.models.transformer import init_params, token_logprobs
+from jaxrl.models.transformer import abstract_params, init_params, token_logprobs
 from jaxrl.sources.prompts import completion_targets, next_prompts
 
 # The ModelConfig fields that existed before MoE: dense cache keys are computed from these only.
@@ -190,9 +190,7 @@ def load_or_train_base(
     trained by every process alike (deterministic) and not written, so no two processes race on it.
     """
     path = cache_root(cfg) / cache_key(cfg, model_cfg, vocab)
-    abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
-    if shardings is not None:
-        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    abstract = abstract_params(model_cfg, shardings)
     ckptr = ocp.StandardCheckpointer()
     cached = (path / "params").exists()
     if jax.process_count() > 1:  # one decision for all: the restore is collective

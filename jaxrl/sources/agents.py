@@ -5,7 +5,7 @@
 Each step takes prompts_per_step records from the data stream (ceil(prompts_per_step /
 agent.keep_top_variance) with StarPO-S filtering), plays group_size episodes of each on the episode
 engine (jaxrl.rollout.episodes.driver: environment steps run in a thread pool while other slots decode),
-and returns the batch contract with the episodes as completions: the model's tokens and the
+and returns a RolloutBatch with the episodes as completions: the model's tokens and the
 observations in one sequence, `completion_mask_BxT` = 1 on the model's tokens only, so observations
 are context with no loss and no log-prob.
 
@@ -34,6 +34,7 @@ from jaxrl.agents import load_suite
 from jaxrl.agents.formats import check_model_format, check_prompt_fits, episode_format
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.stream import StreamState, next_batch
+from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.rollout.episodes.driver import EpisodeEngine
 from jaxrl.sources.base import Produced
 from jaxrl.sources.scoring import combined_reward, reward_metrics
@@ -102,24 +103,12 @@ def keep_most_varied(rewards: list[np.ndarray], n: int, reward_weights) -> list[
     return sorted(order[:n])
 
 
-def episode_batch(groups, rewards: list[np.ndarray]) -> dict:
-    """Episode groups -> the update's fields (rows of group i contiguous, group_id_B = i)."""
-
-    def cat(f):
-        return np.concatenate([f(g) for g in groups])
-
-    sizes = [len(g.tokens_GxT) for g in groups]
-    return {
-        "prompt_tokens_BxP": cat(lambda g: np.repeat(g.prompt_P[None], len(g.tokens_GxT), 0)),
-        "prompt_mask_BxP": cat(lambda g: np.repeat(g.prompt_mask_P[None], len(g.tokens_GxT), 0)),
-        "tokens_BxT": cat(lambda g: g.tokens_GxT),
-        "completion_mask_BxT": cat(lambda g: g.loss_mask_GxT).astype(np.float32),
-        "rollout_logp_BxT": cat(lambda g: g.logp_GxT).astype(np.float32),
-        "rewards_BxK": np.concatenate(rewards),
-        "truncated_B": cat(lambda g: g.truncated_G).astype(np.float32),
-        "group_id_B": np.repeat(np.arange(len(groups), dtype=np.int32), sizes),
-        "stale_BxT": np.zeros((sum(sizes), groups[0].tokens_GxT.shape[1]), np.float32),
-    }
+def episode_batch(groups, rewards: list[np.ndarray]) -> RolloutBatch:
+    """Episode groups -> the update's batch (rows of group i contiguous, group_id_B = i; the loss sees
+    the model's tokens; no token is stale: no episode outlives its step)."""
+    batch = RolloutBatch.from_groups(groups, [g.loss_mask_GxT for g in groups], [g.truncated_G for g in groups])
+    stale_BxT = np.zeros(batch.tokens_BxT.shape, np.float32)
+    return batch._replace(rewards_BxK=np.concatenate(rewards), stale_BxT=stale_BxT)
 
 
 def episode_metrics(groups, rewards: list[np.ndarray], reward_weights) -> dict:
@@ -183,10 +172,8 @@ class AgentSource:
         drawn_tokens = sum(float(g.loss_mask_GxT.sum()) for g in groups)  # the model's tokens, all episodes
         groups, rewards = [groups[i] for i in kept], [rewards[i] for i in kept]
         batch = episode_batch(groups, rewards)
-        mask_BxT = batch["completion_mask_BxT"]
-        metrics = reward_metrics(
-            batch["rewards_BxK"], mask_BxT, batch["truncated_B"] == 0, 0, 0, cfg.loss.reward_weights
-        )
+        mask_BxT = batch.completion_mask_BxT
+        metrics = reward_metrics(batch.rewards_BxK, mask_BxT, batch.truncated_B == 0, 0, 0, cfg.loss.reward_weights)
         metrics.update(
             {
                 "rollout/tokens_per_s": drawn_tokens / max(seconds, 1e-9),

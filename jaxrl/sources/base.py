@@ -13,6 +13,7 @@ from typing import NamedTuple, Protocol
 import jax
 
 from jaxrl.data.stream import StreamState
+from jaxrl.rollout.batch import RolloutBatch
 
 ARRAYS = "rollout_arrays"  # the checkpoint's host item key whose value is saved as arrays, not JSON
 
@@ -20,7 +21,7 @@ ARRAYS = "rollout_arrays"  # the checkpoint's host item key whose value is saved
 class Produced(NamedTuple):
     """One step's scored completions (this process's rows) and where the data stream now stands."""
 
-    host_batch: dict  # the update's fields by name, this process's rows (jaxrl.sources.scoring)
+    host_batch: RolloutBatch  # this process's rows
     routing_BxSxLxK: jax.Array | None  # MoE: the global array, laid out by its name; else None
     metrics: dict  # the step's metrics row so far (reward, length, rollout/*), in logged order
     stream: StreamState

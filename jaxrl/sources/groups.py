@@ -16,7 +16,7 @@ Two sources:
                 (group_filters.py) and a Beta / Thompson online difficulty filter (prompt_filter.py).
                 With `rollout.engine.allocation=vigor` the step's samples are allocated to its
                 prompts by reward variance instead (jaxrl.sources.vigor): groups of unequal size.
-Both return the same batch contract (jaxrl.sources.scoring); the engine's also carries `group_id_B`.
+Both return a RolloutBatch (jaxrl.rollout.batch); the engine's also carries `group_id_B` and `stale_BxT`.
 The engine's state (samples in flight with their records, KV caches and RNG) is checkpointed:
 a resumed run continues them exactly as an uninterrupted run would.
 """
@@ -32,17 +32,17 @@ import jax
 import numpy as np
 
 from jaxrl.config import Config, ConfigError
-from jaxrl.data.rewards import score
 from jaxrl.data.stream import StreamState
+from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.rollout.engine.driver import Engine
-from jaxrl.rollout.engine.groups import Group, assemble_batch
+from jaxrl.rollout.engine.groups import Group, batch_of_groups
 from jaxrl.rollout.speculative.draft_vocab import task_draft_ids
 from jaxrl.sources.base import ARRAYS, Produced
 from jaxrl.sources.filters import ScoredGroup, select_informative, selection_metrics
 from jaxrl.sources.prompt_filter import BetaPromptFilter
-from jaxrl.sources.prompts import decode_completions, next_prompts
+from jaxrl.sources.prompts import next_prompts
 from jaxrl.sources.sampler import SamplerSource
-from jaxrl.sources.scoring import RowLayout, reward_metrics, score_groups
+from jaxrl.sources.scoring import RowLayout, reward_metrics, score_completions, score_groups
 from jaxrl.sources.vigor import collect_vigor, group_rewards
 
 _ENGINE_ITEM = "engine"  # its key in the checkpoint's JSON item and in the arrays item
@@ -157,9 +157,9 @@ class EngineSource:
         n_failed, picked, extra_metrics = self._draw(params, version, prompts)
         seconds = time.perf_counter() - t0
         host_batch = _batch_of(picked, version)
-        mask_BxT, finished_B = host_batch["completion_mask_BxT"], host_batch["truncated_B"] == 0
+        mask_BxT, finished_B = host_batch.completion_mask_BxT, host_batch.truncated_B == 0
         metrics = reward_metrics(
-            host_batch["rewards_BxK"], mask_BxT, finished_B, n_failed, feed.skipped, cfg.loss.reward_weights
+            host_batch.rewards_BxK, mask_BxT, finished_B, n_failed, feed.skipped, cfg.loss.reward_weights
         )
         metrics.update({"rollout/tokens_per_s": float(mask_BxT.sum()) / max(seconds, 1e-9), "rollout/seconds": seconds})
         metrics.update(engine_metrics(self.engine, counts0, [s.group for s in picked], version))
@@ -203,9 +203,11 @@ class EngineSource:
         if not groups:
             return [], 0
         records = [g.tag for g in groups for _ in range(len(g.tokens_GxT))]
-        texts = decode_completions(self.tokenizer, np.concatenate([g.tokens_GxT for g in groups]))
-        finished = np.concatenate([g.finished_G for g in groups])
-        rewards_BxK, n_failed = score(self.task.verifier, texts, list(finished), records)
+        tokens_BxT = np.concatenate([g.tokens_GxT for g in groups])
+        finished_B = np.concatenate([g.finished_G for g in groups])
+        rewards_BxK, n_failed = score_completions(
+            tokens_BxT, finished_B, records, tokenizer=self.tokenizer, verifier=self.task.verifier
+        )
         splits = np.cumsum([len(g.tokens_GxT) for g in groups])[:-1]
         scored = [ScoredGroup(g, r_GxK) for g, r_GxK in zip(groups, np.split(rewards_BxK, splits))]
         if self.prompt_filter:
@@ -224,15 +226,12 @@ class EngineSource:
         return out
 
 
-def _batch_of(picked: list[ScoredGroup], version: int) -> dict:
-    """The update's fields of the step's groups (group_id_B included), rewards_BxK from their scores,
-    stale_BxT from their tokens' versions (`version`: the step's)."""
-    batch = assemble_batch([s.group for s in picked])
-    batch["rewards_BxK"] = np.concatenate([s.rewards_GxK for s in picked])
-    # 1 on tokens an older version drew: the update splits its log-prob mismatch by it.
-    version_BxT = batch.pop("version_BxT")
-    batch["stale_BxT"] = ((version_BxT >= 0) & (version_BxT < version)).astype(np.float32)
-    return batch
+def _batch_of(picked: list[ScoredGroup], version: int) -> RolloutBatch:
+    """The step's groups as the update's batch (group_id_B included), rewards_BxK from their scores,
+    stale_BxT from their tokens' versions (`version`: the step's; the update splits its log-prob
+    mismatch by it)."""
+    batch = batch_of_groups([s.group for s in picked]).with_staleness(version)
+    return batch._replace(rewards_BxK=np.concatenate([s.rewards_GxK for s in picked]))
 
 
 def engine_metrics(engine: Engine, counts_before: dict, groups: list[Group], version: int) -> dict:

@@ -1,4 +1,4 @@
-"""Host-side glue between records and arrays: prompt batches, completion texts, SFT targets."""
+"""Host-side glue between records and arrays: prompt batches and SFT targets."""
 
 from __future__ import annotations
 
@@ -47,7 +47,3 @@ def completion_targets(tokenizer, answers: list[str], width: int, ids: list[str]
         tokens[i, : len(ids_)] = ids_
         mask[i, : len(ids_)] = 1.0
     return tokens, mask
-
-
-def decode_completions(tokenizer, tokens_BxT: np.ndarray) -> list[str]:
-    return [tokenizer.decode(row.tolist()) for row in tokens_BxT]

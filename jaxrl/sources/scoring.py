@@ -1,9 +1,11 @@
-"""From a step's completions to the update's batch: score them (host), then lay the batch out.
+"""Scoring, for every source: completions -> rewards (`score_completions`, the one place a verifier
+meets sampled tokens), and the step's reward/length metrics (`reward_metrics`); then the batch on the
+devices (`assemble_batch`).
 
-`score_groups` is host work: decode and verify this process's completion rows, gather what the
-metrics need from every process, and return the host batch (this process's rows, by field name)
-with the step's reward/length metrics. `assemble_batch` puts the host batch on the devices, each
-field laid out by its name (jaxrl.sharding.named_sharding).
+`score_groups` is the static sampler's host work: score this process's completion rows, gather what
+the metrics need from every process, and return its RolloutBatch (this process's rows) with the
+step's reward/length metrics. `assemble_batch` puts a RolloutBatch on the devices, each field laid
+out by its name (jaxrl.sharding.named_sharding).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import jax
 import numpy as np
 
 from jaxrl.data.rewards import score
+from jaxrl.data.tokenizer import decode_completions
+from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.sharding import all_processes_sum, gather_rows, named_sharding, put_rows
-from jaxrl.sources.prompts import decode_completions
 from jaxrl.sources.sampler import Rollout
 
 
@@ -28,7 +31,7 @@ class RowLayout(NamedTuple):
 
 
 class ScoredGroups(NamedTuple):
-    host_batch: dict  # this process's rows of every update field but routing, by name
+    host_batch: RolloutBatch  # this process's rows of every update field but routing
     metrics: dict  # the step's reward / length metrics over all rows, in logged order
     n_tokens: float  # completion tokens over all rows (for rollout/tokens_per_s)
 
@@ -48,25 +51,31 @@ def score_groups(
 ) -> ScoredGroups:
     """Score this process's rows of `rollout` (row i*G + g answers records[i]); host metrics see all rows."""
     G = group_size
-    texts = decode_completions(tokenizer, rollout.tokens_BxT)
-    my_rewards_BxK, n_failed = score(
-        verifier, texts, list(rollout.finished_B), [r for r in records for _ in range(G)][rows.mine]
+    my_records = [r for r in records for _ in range(G)][rows.mine]
+    my_rewards_BxK, n_failed = score_completions(
+        rollout.tokens_BxT, rollout.finished_B, my_records, tokenizer=tokenizer, verifier=verifier
     )
     rewards_BxK = gather_rows(rows.sharding, my_rewards_BxK, rows.n)
     mask_BxT = gather_rows(rows.sharding, rollout.completion_mask_BxT, rows.n)
     finished_B = gather_rows(rows.sharding, rollout.finished_B, rows.n)
     n_failed = int(all_processes_sum(n_failed))
-    host_batch = {
-        "prompt_tokens_BxP": np.repeat(prompt_BxP, G, 0)[rows.mine],
-        "prompt_mask_BxP": np.repeat(prompt_mask_BxP, G, 0)[rows.mine],
-        "tokens_BxT": rollout.tokens_BxT,
-        "completion_mask_BxT": rollout.completion_mask_BxT,
-        "rollout_logp_BxT": rollout.logp_BxT,
-        "rewards_BxK": my_rewards_BxK,
-        "truncated_B": (~rollout.finished_B).astype(np.float32),
-    }
+    host_batch = RolloutBatch(
+        prompt_tokens_BxP=np.repeat(prompt_BxP, G, 0)[rows.mine],
+        prompt_mask_BxP=np.repeat(prompt_mask_BxP, G, 0)[rows.mine],
+        tokens_BxT=rollout.tokens_BxT,
+        completion_mask_BxT=rollout.completion_mask_BxT,
+        rollout_logp_BxT=rollout.logp_BxT,
+        truncated_B=(~rollout.finished_B).astype(np.float32),
+        rewards_BxK=my_rewards_BxK,
+    )
     metrics = reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed, n_skipped, reward_weights)
     return ScoredGroups(host_batch, metrics, float(mask_BxT.sum()))
+
+
+def score_completions(tokens_BxT, finished_B, records, *, tokenizer, verifier) -> tuple[np.ndarray, int]:
+    """(rewards_BxK, verifier failures): each completion row decoded and verified against its record."""
+    texts, _ = decode_completions(tokenizer, tokens_BxT)
+    return score(verifier, texts, list(finished_B), records)
 
 
 def reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed: int, n_skipped: int, reward_weights) -> dict:
@@ -84,10 +93,11 @@ def reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed: int, n_skipped: 
     }
 
 
-def assemble_batch(host_batch: dict, routing_BxSxLxK, mesh, preset, n_rows: int) -> dict:
+def assemble_batch(host_batch: RolloutBatch, routing_BxSxLxK, mesh, preset, n_rows: int) -> dict:
     """The update's batch: global arrays, each field laid out by its name. `routing_BxSxLxK` (MoE,
     else None) is a global array already laid out by its name: replayed in the update."""
-    batch = {k: put_rows(named_sharding(mesh, preset, k), v, n_rows) for k, v in host_batch.items()}
+    fields = host_batch.fields().items()
+    batch = {k: put_rows(named_sharding(mesh, preset, k), v, n_rows) for k, v in fields}
     if routing_BxSxLxK is not None:
         batch["routing_BxSxLxK"] = routing_BxSxLxK
     return batch

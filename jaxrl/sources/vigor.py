@@ -15,19 +15,19 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxrl.data.rewards import score
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import Group, concat_groups
 from jaxrl.sources.allocation import allocate, allocation_metrics
-from jaxrl.sources.prompts import decode_completions
-from jaxrl.sources.scoring import combined_reward
+from jaxrl.sources.scoring import combined_reward, score_completions
 
 
 def group_rewards(group: Group, *, tokenizer, verifier, reward_weights) -> np.ndarray:
     """The combined reward of each sample of `group` against its record (the group's tag)."""
-    texts = decode_completions(tokenizer, group.tokens_GxT)
-    rewards_GxK, _ = score(verifier, texts, list(group.finished_G), [group.tag] * len(texts))
-    return combined_reward(np.asarray(rewards_GxK), reward_weights)
+    records = [group.tag] * len(group.tokens_GxT)
+    rewards_GxK, _ = score_completions(
+        group.tokens_GxT, group.finished_G, records, tokenizer=tokenizer, verifier=verifier
+    )
+    return combined_reward(rewards_GxK, reward_weights)
 
 
 def collect_vigor(

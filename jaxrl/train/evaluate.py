@@ -14,11 +14,10 @@ import jax
 import numpy as np
 
 from jaxrl.config import Config, ConfigError, ModelConfig
-from jaxrl.data.rewards import score
 from jaxrl.data.tokenizer import encode_prompts
 from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout.sampler import sample
-from jaxrl.sources.prompts import decode_completions
+from jaxrl.sources.scoring import score_completions
 
 EVAL_CHUNK = 100  # prompts per jitted call; the last chunk is padded so the shape never changes
 
@@ -133,8 +132,7 @@ def make_evaluator(
 
     def evaluate(params, on_chunk=None) -> dict:
         tokens_BxT, finished_B, length_B = sample_in_chunks(greedy, params, tok_BxP, mask_BxP, chunk, key, 1, on_chunk)
-        texts = decode_completions(tokenizer, tokens_BxT)
-        rewards_BxK, _ = score(verifier, texts, list(finished_B), records)
+        rewards_BxK, _ = score_completions(tokens_BxT, finished_B, records, tokenizer=tokenizer, verifier=verifier)
         return {
             "eval/accuracy": float(rewards_BxK[:, 0].mean()),
             "eval/format": float(rewards_BxK[:, 1].mean()),

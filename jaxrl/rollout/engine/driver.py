@@ -3,7 +3,7 @@ jitted device side).
 
     engine = Engine.from_config(cfg, prompt_len=P, eos_id=..., pad_id=..., rng=key)
     groups = engine.collect(params, version, prompts, n_groups)   # prompts: iterable of (tag, tokens)
-    batch  = assemble_batch(groups)                                # the trainer's batch contract
+    batch  = batch_of_groups(groups)                               # the trainer's RolloutBatch
 
 `collect` alternates, until n_groups groups are complete: admit prompts into free slots (each
 prompt's G samples share one prefill; `admit_groups` prompts per prefill call), run one chunk of

@@ -1,5 +1,5 @@
 """What the decode engine hands back: `Group`s of samples per prompt, and the trainer's batch built
-from them (`assemble_batch`); also the host record of a group still decoding (`Flight`) and how a
+from them (`batch_of_groups`); also the host record of a group still decoding (`Flight`) and how a
 complete one becomes a Group. engine.py drives the slots; engine_checkpoint.py saves flights."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from jaxrl.rollout.batch import RolloutBatch
 
 
 class Group(NamedTuple):
@@ -98,27 +100,14 @@ def concat_groups(parts: list[Group], tag, prompt_P, prompt_mask_P) -> Group:
     )
 
 
-def assemble_batch(groups: list[Group]) -> dict:
-    """Groups -> the trainer's batch contract (numpy; rows of group i are contiguous, group_id_B = i):
-    prompt_tokens_BxP, prompt_mask_BxP, tokens_BxT, completion_mask_BxT, rollout_logp_BxT,
-    truncated_B (float32, 1 = no EOS), group_id_B, version_BxT and, for MoE, routing_BxSxLxK."""
-    if not groups:
-        raise ValueError("assemble_batch: no groups")
-    sizes = [len(g.tokens_GxT) for g in groups]
-
-    def cat(f):
-        return np.concatenate([f(g) for g in groups])
-
-    batch = {
-        "prompt_tokens_BxP": cat(lambda g: np.repeat(g.prompt_P[None], len(g.tokens_GxT), 0)),
-        "prompt_mask_BxP": cat(lambda g: np.repeat(g.prompt_mask_P[None], len(g.tokens_GxT), 0)),
-        "tokens_BxT": cat(lambda g: g.tokens_GxT),
-        "completion_mask_BxT": cat(lambda g: g.completion_mask_GxT),
-        "rollout_logp_BxT": cat(lambda g: g.logp_GxT),
-        "version_BxT": cat(lambda g: g.version_GxT),
-        "truncated_B": cat(lambda g: (~g.finished_G).astype(np.float32)),
-        "group_id_B": np.repeat(np.arange(len(groups), dtype=np.int32), sizes),
-    }
-    if groups[0].routing_GxSxLxK is not None:
-        batch["routing_BxSxLxK"] = cat(lambda g: g.routing_GxSxLxK)
-    return batch
+def batch_of_groups(groups: list[Group]) -> RolloutBatch:
+    """The engine's groups -> the batch (rows of group i contiguous, group_id_B = i; truncated_B = no
+    EOS), with each token's `version_BxT` and, for MoE, routing_BxSxLxK."""
+    routed = bool(groups) and groups[0].routing_GxSxLxK is not None
+    return RolloutBatch.from_groups(
+        groups,
+        [g.completion_mask_GxT for g in groups],
+        [~g.finished_G for g in groups],
+        versions_GxT=[g.version_GxT for g in groups],
+        routing_GxSxLxK=[g.routing_GxSxLxK for g in groups] if routed else None,
+    )
