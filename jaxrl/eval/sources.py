@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jaxrl.config import Config, ConfigError
+from jaxrl.data.registry import get_task
 
 SOURCE_FLAGS = ("--workdir", "--checkpoint", "--hf")
 
@@ -166,7 +167,8 @@ def _param_shardings(model_cfg, mesh, preset):
 
 
 def config_model(cfg: Config):
-    """(tokenizer, model_cfg) of the config's policy: model.hf_path's, else the character tokenizer."""
+    """(tokenizer, model_cfg) of the config's policy: model.hf_path's, else the character tokenizer over
+    the task's alphabet."""
     if cfg.model.hf_path:
         from jaxrl.data.hf_tokenizer import load_tokenizer
         from jaxrl.policy.pretrained import checkpoint_config
@@ -174,7 +176,7 @@ def config_model(cfg: Config):
         return load_tokenizer(pathlib.Path(cfg.model.hf_path).expanduser()), checkpoint_config(cfg.model)
     from jaxrl.data.tokenizer import CharTokenizer
 
-    tokenizer = CharTokenizer()
+    tokenizer = CharTokenizer(get_task(cfg.data.task).char_alphabet)
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
     return tokenizer, dataclasses.replace(cfg.model, vocab_size=vocab)
 

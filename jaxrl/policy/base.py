@@ -9,36 +9,37 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxrl.agents import is_agent_task, load_suite
 from jaxrl.agents.formats import check_prompt_fits
-from jaxrl.agents.warmstart import load_agent_task
 from jaxrl.config import Config
+from jaxrl.data.registry import get_task
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params, param_logical_axes
 from jaxrl.policy.pretrained import load_pretrained
-from jaxrl.policy.warmstart import load_or_train_base
+from jaxrl.policy.warmstart import check_warm_start, load_or_train_base
 from jaxrl.sharding import is_primary, param_shardings, put_global
 
 
 def build_base(cfg: Config, progress: bool, mesh, preset):
     """-> (tokenizer, model config, task, the base params laid out by the preset, the base's path, their
     shardings)."""
-    agent = is_agent_task(cfg.data.task)  # an environment suite brings its alphabet and its records
-    tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if agent else CharTokenizer()
+    spec = get_task(cfg.data.task)  # the task brings its alphabet (an environment's: its suite's)
+    tokenizer = CharTokenizer(spec.char_alphabet)
     model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    if agent:  # a prompt that cannot fit is an error before the warm start, not after it
-        task = load_agent_task(cfg.data)
+    check_warm_start(cfg, spec)
+    alphabet = None if cfg.model.hf_path else tokenizer.alphabet  # records the character model cannot read
+    if spec.episodic:  # a prompt that cannot fit is an error before the warm start, not after it
+        task = load_task(cfg.data)
         if not cfg.model.hf_path:
-            check_prompt_fits(cfg, tokenizer, load_suite(cfg.data.task), None)
+            check_prompt_fits(cfg, tokenizer, spec.suite, None)
     elif jax.process_count() > 1:  # process 0 builds the dataset cache (if missing) before the others read it
         from jax.experimental import multihost_utils
 
-        task = load_task(cfg.data) if is_primary() else None
+        task = load_task(cfg.data, alphabet=alphabet) if is_primary() else None
         multihost_utils.sync_global_devices("jaxrl: dataset ready")
-        task = task or load_task(cfg.data)
+        task = task or load_task(cfg.data, alphabet=alphabet)
     else:
-        task = load_task(cfg.data)
+        task = load_task(cfg.data, alphabet=alphabet)
     if cfg.model.hf_path:  # a pretrained checkpoint brings its tokenizer, architecture and weights
         tokenizer, model_cfg, base_params, base_path, param_sh = load_pretrained(cfg.model, mesh, preset)
         return tokenizer, model_cfg, task, base_params, base_path, param_sh

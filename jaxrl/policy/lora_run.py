@@ -77,11 +77,11 @@ def newest_step_dir(run: pathlib.Path, step: int | None = None) -> pathlib.Path:
 
 def _warmstart_base(cfg: Config, shardings_fn):
     """(model_cfg, params, path) of the run's warm-start cache entry; a missing one is an error."""
-    from jaxrl.agents import is_agent_task, load_suite
+    from jaxrl.data.registry import get_task
     from jaxrl.data.tokenizer import CharTokenizer
     from jaxrl.policy.warmstart import cache_key, cache_root
 
-    tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if is_agent_task(cfg.data.task) else CharTokenizer()
+    tokenizer = CharTokenizer(get_task(cfg.data.task).char_alphabet)
     model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     # The key of the full fine-tuning run's base policy: a LoRA run shares it (model.lora is not in it).
     path = cache_root(cfg) / cache_key(cfg, dataclasses.replace(model_cfg, lora=LoraConfig()), tokenizer.alphabet)
