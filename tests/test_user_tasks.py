@@ -7,12 +7,12 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import REPO, TINY
 
 from jaxrl import cli
 from jaxrl.agents.env import AGENT_ALPHABET, AlphabetChecked, EnvSuite, StepResult
 from jaxrl.agents.warmstart import teacher_batch
-from jaxrl.config import ConfigError
+from jaxrl.config import ConfigError, load_config
 from jaxrl.data.registry import Task, get_task, register_task
 from jaxrl.data.tokenizer import CharTokenizer
 
@@ -192,7 +192,7 @@ def test_registration_errors_name_the_task():
         register_task(Task("arithmetic", records=[], verifier=lambda c, f, r: (0.0, 0.0)))
     with pytest.raises(ConfigError, match="task 'half' has records but no verifier"):
         register_task(Task("half", records=[{"id": "0", "prompt": "1"}]))
-    with pytest.raises(ConfigError, match="'both'.*not both"):
+    with pytest.raises(ConfigError, match="'both'.*exactly one of the two"):
         register_task(Task("both", records=[], verifier=lambda c, f, r: (0.0, 0.0), environment="x:y"))
     task = register_task(Task("user_list", records=[{"id": str(i), "prompt": f"{i}="} for i in range(5)],
                               verifier=lambda c, f, r: (0.0, 0.0)))  # fmt: skip
@@ -201,3 +201,21 @@ def test_registration_errors_name_the_task():
     train, test = get_task("user_list").split_records(DataConfig(task="user_list", num_train=10, num_test=2))
     assert task is get_task("user_list") and [r["id"] for r in train] == ["0", "1", "2"]
     assert [r["id"] for r in test] == ["3", "4"]
+
+
+@pytest.mark.parametrize("section", ["## Bring your own task", "## Bring your own environment"])
+def test_the_docs_examples_load_and_register(section, tmp_path):
+    text = (REPO / "docs" / "extending.md").read_text()
+    body = text.split(section, 1)[1].split("\n## ", 1)[0]
+    code = body.split("```python\n", 1)[1].split("```", 1)[0]
+    cfg = load_config(_write(tmp_path, "example.py", code))
+    task = get_task(cfg.data.task)
+    train, _ = task.split_records(cfg.data)
+    if task.episodic:  # its teacher's demonstrations fit the model's alphabet and budget
+        batch, cut = teacher_batch(
+            task.suite, train[:4], CharTokenizer(task.char_alphabet), cfg.data.max_prompt_len,
+            cfg.rollout.max_new_tokens, 0.0, np.random.default_rng(0),
+        )  # fmt: skip
+        assert cut == 0 and batch["completion_mask_BxT"].sum() > 0
+    else:
+        assert all(task.verifier(r["answer"], True, r) == (1.0, 1.0) for r in train)

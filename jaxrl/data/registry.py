@@ -53,6 +53,8 @@ class Task:
     An environment: `environment`, an EnvSuite (jaxrl.agents.env) or its "module:attr"; its records,
     teacher and alphabet are the suite's.
     alphabet: the character tokenizer's (text tasks; default: digits, arithmetic signs and space).
+    generated_in_alphabet: its records are known to use only `alphabet` (the generated built-ins), so a
+        run does not read them all to check.
     check(data_cfg, prefix): the task's own checks of data.* fields (ConfigError naming the field).
     builder / params: built-in tasks only, their TFDS builder ("module:attr") and its kwargs for a config.
     """
@@ -64,6 +66,7 @@ class Task:
     teacher: Callable[[dict], str] | None = None
     alphabet: str = DEFAULT_ALPHABET
     environment: Any = None
+    generated_in_alphabet: bool = False
     check: Callable[[DataConfig, str], None] | None = None
     builder: str | None = None
     params: Callable[[DataConfig], dict] | None = None
@@ -132,8 +135,12 @@ def register_task(task: Task) -> Task:
         raise ConfigError(f"register_task: {task.name!r} is a built-in task; choose another name")
     if task.episodic == (task.records is not None or task.verifier is not None):
         raise ConfigError(
-            f"register_task: task {task.name!r} needs either records and a verifier (a text task) "
-            "or an environment, not both"
+            f"register_task: task {task.name!r} needs records and a verifier (a text task) or an environment, "
+            "exactly one of the two"
+        )
+    if task.episodic and getattr(task.environment, "name", task.name) != task.name:
+        raise ConfigError(
+            f"register_task: task {task.name!r} has an environment named {task.environment.name!r}; name both alike"
         )
     if not task.episodic and not callable(task.verifier):
         raise ConfigError(f"register_task: task {task.name!r} has records but no verifier")
@@ -155,13 +162,9 @@ def get_task(name: str, field: str = "data.task") -> Task:
     return _TASKS[name]
 
 
-def task_names() -> list[str]:
-    return sorted(_TASKS)
-
-
 @functools.cache
 def resolve(ref: str):
-    """ "module:attr" -> the attribute."""
+    """The attribute a "module:attr" string names."""
     module, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -241,6 +244,7 @@ _BUILT_IN_TASKS = (
         teacher=fallible_answer,
         check=_check_generated(),
         builder="jaxrl.data.tasks:JaxrlArithmetic",
+        generated_in_alphabet=True,
         params=_generated_params(arithmetic.OPERATIONS, space_check=True),
     ),
     Task(
@@ -250,6 +254,7 @@ _BUILT_IN_TASKS = (
         teacher=fallible_answer,
         check=_check_generated(ops="+-*/"),
         builder="jaxrl.data.tasks:JaxrlCountdown",
+        generated_in_alphabet=True,
         params=_generated_params(countdown.OPERATIONS),
     ),
     Task(
@@ -259,6 +264,7 @@ _BUILT_IN_TASKS = (
         teacher=fallible_answer,
         check=_check_generated(max_digits=8),  # its longest solution still fits with 8 digits
         builder="jaxrl.data.tasks:JaxrlLongAddition",
+        generated_in_alphabet=True,
         params=_generated_params(long_addition.OPERATIONS),
     ),
     Task(

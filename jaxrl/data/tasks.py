@@ -168,7 +168,7 @@ def load_task(cfg: DataConfig, data_dir: str | None = None, alphabet: str | None
         if len(getattr(found, split)) == 0:
             field = "data.num_train" if split == "train" else "data.num_test"
             raise ConfigError(f"{field}: the {split} split of {cfg.task} is empty")
-    if alphabet is not None and not task.episodic:
+    if alphabet is not None and not task.episodic and not task.generated_in_alphabet:
         for split in (found.train, found.test):
             check_alphabet(task, alphabet, [split[i] for i in range(len(split))])
     return found
