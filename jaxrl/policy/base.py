@@ -26,7 +26,6 @@ def build_base(cfg: Config, progress: bool, mesh, preset):
     spec = get_task(cfg.data.task)  # the task brings its alphabet (an environment's: its suite's)
     tokenizer = CharTokenizer(spec.char_alphabet)
     model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    check_warm_start(cfg, spec)
     alphabet = None if cfg.model.hf_path else tokenizer.alphabet  # records the character model cannot read
     if spec.episodic:  # a prompt that cannot fit is an error before the warm start, not after it
         task = load_task(cfg.data)
@@ -40,6 +39,7 @@ def build_base(cfg: Config, progress: bool, mesh, preset):
         task = task or load_task(cfg.data, alphabet=alphabet)
     else:
         task = load_task(cfg.data, alphabet=alphabet)
+    check_warm_start(cfg, spec)  # what the warm start imitates: before it starts, after the records read
     if cfg.model.hf_path:  # a pretrained checkpoint brings its tokenizer, architecture and weights
         tokenizer, model_cfg, base_params, base_path, param_sh = load_pretrained(cfg.model, mesh, preset)
         return tokenizer, model_cfg, task, base_params, base_path, param_sh
