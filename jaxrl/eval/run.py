@@ -7,7 +7,9 @@
 
 for k = 1, 2, 4, ... up to K (and K). The samples are drawn as the rollout draws them: all K completions
 of a chunk of prompts in one sampler call (jaxrl.train.evaluate.sample_in_chunks), chunk c with
-fold_in(key(--seed), c), so a given --seed gives the same numbers. The report goes to the terminal
+fold_in(key(--seed), c), so a given --seed gives the same numbers. An environment's test records are
+scored by greedy episodes only (the trainer's evaluator, jaxrl.sources.agents: greedy/accuracy,
+return, turns, tool calls). The report goes to the terminal
 (a table) and to a JSON file: <workdir>/eval/step_<N>.json for --workdir, else --out or ./eval.json.
 """
 

@@ -16,7 +16,7 @@ from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params, param_logical_axes
 from jaxrl.policy.pretrained import load_pretrained
-from jaxrl.policy.warmstart import check_warm_start, load_or_train_base
+from jaxrl.policy.warmstart import load_or_train_base
 from jaxrl.sharding import is_primary, param_shardings, put_global
 
 
@@ -39,7 +39,6 @@ def build_base(cfg: Config, progress: bool, mesh, preset):
         task = task or load_task(cfg.data, alphabet=alphabet)
     else:
         task = load_task(cfg.data, alphabet=alphabet)
-    check_warm_start(cfg, spec)  # what the warm start imitates: before it starts, after the records read
     if cfg.model.hf_path:  # a pretrained checkpoint brings its tokenizer, architecture and weights
         tokenizer, model_cfg, base_params, base_path, param_sh = load_pretrained(cfg.model, mesh, preset)
         return tokenizer, model_cfg, task, base_params, base_path, param_sh
