@@ -120,6 +120,15 @@ def test_a_registered_text_task_trains_and_evaluates(capsys, tmp_path, in_proces
     report = json.loads((run / "eval" / "step_2.json").read_text())
     assert report["task"] == "user_double" and report["prompts"] == 60 and "pass@2" in report["metrics"]
     assert "greedy accuracy" in table
+    # Another run starts from this one's newest checkpoint: its step-0 eval is this run's step-2 eval.
+    later = tmp_path / "later"
+    from_run = ["--set", "warmstart.source=checkpoint", "--set", f"warmstart.checkpoint={run}"]
+    from_run += ["--set", "train.steps=1"]
+    code, _, err = _cli(capsys, "train", config, "--workdir", str(later), *TINY_ARGS, *from_run)
+    assert code == 0, err
+    first = json.loads((later / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["eval/accuracy"] == rows[-1]["eval/accuracy"]
+    assert first["eval/response_len"] == rows[-1]["eval/response_len"]
 
 
 @pytest.mark.slow
@@ -136,6 +145,17 @@ def test_a_registered_environment_trains_from_demonstrations_and_evaluates(capsy
     report = json.loads((run / "eval" / "step_2.json").read_text())
     assert report["task"] == "user_doubler" and report["prompts"] == 8
     assert {"greedy/accuracy", "greedy/return", "greedy/turns"} <= set(report["metrics"])
+
+
+def test_a_checkpoint_start_names_its_run_directory(capsys, tmp_path):
+    config = _write(tmp_path, "double.py", TEXT_TASK.replace("{task}", "user_double"))
+    err = _one_line_error(capsys, "train", config, "--set", "warmstart.source=checkpoint")
+    assert "warmstart.checkpoint: got '', expected a run directory exactly when warmstart.source='checkpoint'" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = ["--set", "warmstart.source=checkpoint", "--set", f"warmstart.checkpoint={empty}"]
+    err = _one_line_error(capsys, "train", config, "--workdir", str(tmp_path / "run"), *TINY_ARGS, *args)
+    assert f"warmstart.checkpoint {str(empty)!r}: the run has no finished checkpoint" in err
 
 
 def test_an_environment_without_a_teacher_names_the_choices(capsys, tmp_path):

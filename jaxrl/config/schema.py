@@ -164,10 +164,12 @@ class WarmStartConfig:
     teacher_error: float = 0.0  # share of demonstrations from a fallible teacher (jaxrl.data.teachers)
     cache_dir: str = ""  # "" -> $JAXRL_CACHE_DIR or ~/.cache/jaxrl/warmstart
     seed: int = -1  # -1: train.seed. Set it to share one base policy between runs of different train.seed
-    # What the warm start imitates: "teacher" (a text task's reference answers, an environment's teacher),
-    # "demonstrations" (an environment's given episodes), "none" (RL from the initial model). A
-    # checkpoint (model.hf_path) skips the warm start.
+    # What the run starts from: "teacher" (a warm start on a text task's reference answers, an environment's
+    # teacher), "demonstrations" (on an environment's given episodes), "none" (the initial model: RL only),
+    # "checkpoint" (the newest checkpoint's params of the run directory `checkpoint`). model.hf_path
+    # (a Hugging Face checkpoint) replaces all of them.
     source: str = "teacher"
+    checkpoint: str = ""
 
     def validate(self, prefix: str = "warmstart") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer (0 = random init)", self.steps)
@@ -175,8 +177,14 @@ class WarmStartConfig:
         _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
         _check(0 <= self.teacher_error <= 1, f"{prefix}.teacher_error", "a number in [0, 1]", self.teacher_error)
         _check(self.seed >= -1, f"{prefix}.seed", "-1 (train.seed) or a non-negative integer", self.seed)
-        sources = ("teacher", "demonstrations", "none")
+        sources = ("teacher", "demonstrations", "none", "checkpoint")
         _check(self.source in sources, f"{prefix}.source", " or ".join(map(repr, sources)), self.source)
+        _check(
+            (self.source == "checkpoint") == bool(self.checkpoint),
+            f"{prefix}.checkpoint",
+            "a run directory exactly when warmstart.source='checkpoint'",
+            self.checkpoint,
+        )
 
 
 REMAT = ("none", "full", "dots")  # = jaxrl.models.remat.REMAT_POLICIES (a test checks)
@@ -292,6 +300,12 @@ class Config:
         for f in dataclasses.fields(self):
             _check_finite_floats(getattr(self, f.name), f.name)
             getattr(self, f.name).validate(f.name)
+        _check(
+            not (self.model.hf_path and self.warmstart.source == "checkpoint"),
+            "warmstart.source",
+            "not 'checkpoint' with model.hf_path (the run starts from that Hugging Face checkpoint)",
+            self.warmstart.source,
+        )
         b = self.rollout.prompts_per_step * self.rollout.group_size
         _check(
             b % self.train.minibatches == 0,

@@ -67,6 +67,7 @@ def _without_new_defaults(section, default) -> dict:
         "test_file",
         "prompt_template",
         "source",
+        "checkpoint",
     )
     return {k: v for k, v in dataclasses.asdict(section).items() if k not in later or v != getattr(default, k)}
 
