@@ -4,11 +4,11 @@ environment, and the task records."""
 import numpy as np
 import pytest
 
-from jaxrl.agents import load_suite
 from jaxrl.agents.calculator import SUITE, CalculatorEnv, calculate, records, teacher
 from jaxrl.agents.env import AGENT_ALPHABET
 from jaxrl.agents.tools import ToolError
 from jaxrl.config import AgentConfig
+from jaxrl.data.registry import get_task
 from jaxrl.data.tokenizer import CharTokenizer
 
 RECORD = {"id": "123*456", "prompt": "123*456=", "expression": "123*456", "answer": "56088"}
@@ -143,6 +143,6 @@ def test_records_are_deterministic_distinct_and_the_splits_disjoint():
 
 
 def test_suite_is_registered():
-    suite = load_suite("agent_calculator")
+    suite = get_task("agent_calculator").suite
     assert suite is SUITE and suite.end_of_turn == "]" and suite.alphabet == AGENT_ALPHABET
     assert isinstance(suite.make(AgentConfig()), CalculatorEnv)

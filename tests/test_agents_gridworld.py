@@ -6,7 +6,6 @@ import threading
 import numpy as np
 import pytest
 
-from jaxrl.agents import load_suite
 from jaxrl.agents.env import AGENT_ALPHABET
 from jaxrl.agents.gridworld import (
     INVALID,
@@ -25,6 +24,7 @@ from jaxrl.agents.gridworld import (
     teacher,
 )
 from jaxrl.config import ConfigError
+from jaxrl.data.registry import get_task
 
 # 0123
 # ....   row 0
@@ -135,7 +135,7 @@ def test_records_are_deterministic_disjoint_solvable_and_render_in_the_alphabet(
 
 
 def test_teacher_episodes_replay_against_a_fresh_environment():
-    suite = load_suite("agent_gridworld")
+    suite = get_task("agent_gridworld").suite
     assert suite.teacher is teacher and suite.end_of_turn == "]"
     for i, record in enumerate(records("test", 30, 1)):
         for error in (0.0, 0.5):

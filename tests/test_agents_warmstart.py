@@ -10,16 +10,16 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl.agents import load_suite
 from jaxrl.agents.env import AGENT_ALPHABET
-from jaxrl.agents.warmstart import agent_task_records, episode_targets, suite_fingerprint, teacher_batch
+from jaxrl.agents.warmstart import episode_targets, suite_fingerprint, teacher_batch
 from jaxrl.config import AgentConfig, Config, ConfigError, DataConfig, ModelConfig, RolloutConfig, WarmStartConfig
+from jaxrl.data.registry import get_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import init_params
 from jaxrl.policy.warmstart import cache_key, make_sft_step, sft_loss, train_base
 
 TOK = CharTokenizer(AGENT_ALPHABET)
-SUITE = load_suite("agent_gridworld")
+SUITE = get_task("agent_gridworld").suite
 MODEL = ModelConfig(
     vocab_size=TOK.vocab_size,
     d_model=32,
@@ -161,7 +161,7 @@ def _agent_cfg(**warmstart):
 
 def test_train_base_on_an_agent_task_uses_the_teacher_episodes():
     cfg = _agent_cfg()
-    train, test = agent_task_records(cfg.data)
+    train, test = get_task(cfg.data.task).split_records(cfg.data)
     assert len(train) == 40 and len(test) == 8 and train == SUITE.records("train", 40, 0)
     params = train_base(cfg, MODEL, TOK, train, progress=False)
     assert jax.tree.structure(params) == jax.tree.structure(init_params(MODEL, jax.random.key(0)))
@@ -172,7 +172,7 @@ def test_cache_key_of_an_agent_task_names_the_suite_and_the_teacher(monkeypatch)
     assert key != cache_key(_agent_cfg(teacher_error=0.4), MODEL, TOK.alphabet)
     other_task = dataclasses.replace(_agent_cfg(), data=dataclasses.replace(_agent_cfg().data, task="agent_calculator"))
     monkeypatch.setattr("jaxrl.policy.warmstart.suite_fingerprint", lambda suite: "same")
-    monkeypatch.setattr("jaxrl.policy.warmstart.load_suite", lambda task: SUITE)
+    monkeypatch.setattr("jaxrl.policy.warmstart.get_task", lambda task: get_task("agent_gridworld"))
     assert cache_key(other_task, MODEL, TOK.alphabet) != cache_key(_agent_cfg(), MODEL, TOK.alphabet)  # data.task
     monkeypatch.undo()
     # The environment's behaviour is in the key: a different teacher (here: one that never moves

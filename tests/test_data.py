@@ -10,6 +10,7 @@ import pytest
 
 from jaxrl.config import ConfigError, DataConfig
 from jaxrl.data import arithmetic, countdown, stream, tasks
+from jaxrl.data.registry import get_task
 from jaxrl.data.tokenizer import CharTokenizer, decode_completions, encode_prompts
 
 TOK = CharTokenizer()
@@ -163,7 +164,7 @@ def test_load_task_builds_without_tensorflow_and_reuses_cache(tmp_path, monkeypa
         assert int(r["answer"]) == _recompute(r["prompt"])
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert sorted(r["id"] for r in test) == sorted(f"test/{i}" for i in range(50))
-    assert data.verifier is tasks.VERIFIERS["arithmetic"]
+    assert data.verifier is get_task("arithmetic").verifier
     assert "d2-add-sub-train200-test50-seed7" in data.data_dir
     mtimes = {f: os.stat(os.path.join(data.data_dir, f)).st_mtime_ns for f in os.listdir(data.data_dir)}
 

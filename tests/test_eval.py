@@ -120,7 +120,7 @@ def test_a_run_lends_its_model_to_a_config_that_names_another(capsys, tmp_path):
 
 
 def test_tasks_without_a_verified_test_split(capsys, tmp_path, in_process_cache):
-    err = _error(capsys, str(REPO / "configs" / "agent_calculator.py"))
+    err = _error(capsys, str(REPO / "configs" / "agent_calculator.py"), "--samples", "4")
     assert "data.task='agent_calculator'" in err and "environment" in err
     train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     train.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')

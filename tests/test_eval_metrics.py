@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jaxrl.data.math_jsonl import verify_math_answer
+from jaxrl.data.registry import get_task
 from jaxrl.data.rewards import verify_arithmetic, verify_countdown, verify_long_addition
-from jaxrl.eval.metrics import FINAL_ANSWERS, ks_up_to, majority_index, pass_at_k, sample_metrics
+from jaxrl.eval.metrics import ks_up_to, majority_index, pass_at_k, sample_metrics
 
 
 @pytest.mark.parametrize(
@@ -91,14 +92,14 @@ def test_sample_metrics_on_hand_made_prompts():
 def test_final_answers_group_completions_the_verifier_judges_alike(task, verifier, record, same_answer, other):
     """Completions with one final answer are equally correct, so the voted answer's correctness is the
     correctness of any sample that gave it."""
-    answer = FINAL_ANSWERS[task]
+    answer = get_task(task).final_answer
     assert answer(same_answer[0]) is not None
     assert answer(same_answer[0]) == answer(same_answer[1]) != answer(other)
     assert verifier(same_answer[0], True, record)[0] == verifier(same_answer[1], True, record)[0] == 1.0
 
 
 def test_unreadable_final_answers_cast_no_vote():
-    assert FINAL_ANSWERS["arithmetic"]("   ") is None
-    assert FINAL_ANSWERS["long_addition"]("no colon") is None
-    assert FINAL_ANSWERS["countdown"]("3 *") is None
-    assert FINAL_ANSWERS["math_jsonl"]("no number") is None
+    assert get_task("arithmetic").final_answer("   ") is None
+    assert get_task("long_addition").final_answer("no colon") is None
+    assert get_task("countdown").final_answer("3 *") is None
+    assert get_task("math_jsonl").final_answer("no number") is None

@@ -10,7 +10,8 @@ from conftest import REPO, TINY
 
 from jaxrl.config import ConfigError, DataConfig, load_config
 from jaxrl.data import long_addition, tasks
-from jaxrl.data.rewards import VERIFIERS, score, verify_long_addition
+from jaxrl.data.registry import get_task
+from jaxrl.data.rewards import score, verify_long_addition
 from jaxrl.data.teachers import fallible_answer
 from jaxrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 
@@ -172,7 +173,7 @@ def test_verify_checks_the_record_answer_not_the_steps():
 
 
 def test_registry_names_the_task():
-    assert tasks._VERIFIERS["long_addition"] is VERIFIERS["long_addition"] is verify_long_addition
+    assert get_task("long_addition").verifier is verify_long_addition
     with pytest.raises(ConfigError, match="data.task.*long_addition"):
         tasks.task_params(DataConfig(task="nope"))
     with pytest.raises(ConfigError, match="data.task.*long_addition"):

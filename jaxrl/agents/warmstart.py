@@ -16,21 +16,14 @@ budget cuts them alike); those that lose model tokens so are counted.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
 import numpy as np
 
-from jaxrl.config import AgentConfig, ConfigError, DataConfig
+from jaxrl.config import AgentConfig, ConfigError
 from jaxrl.data.tokenizer import encode_prompts
-
-
-def agent_task_records(data: DataConfig) -> tuple[list[dict], list[dict]]:
-    """(train, test) task records of an agent task: the suite's records for data.num_train / num_test."""
-    from jaxrl.agents import load_suite
-
-    suite = load_suite(data.task)
-    return suite.records("train", data.num_train, data.seed), suite.records("test", data.num_test, data.seed)
 
 
 def episode_targets(tokenizer, segments: list, end_of_turn: str, width: int):
@@ -72,7 +65,11 @@ def teacher_batch(
     prompts, tokens, masks, cut = [], [], [], 0
     for record, seed in zip(records, seeds):
         prompts.append(suite.make(AgentConfig()).reset(record, np.random.default_rng(seed)))
+        if suite.teacher is None:
+            raise ConfigError(f"warmstart.source: environment {suite.name!r} has no teacher (EnvSuite.teacher)")
         segments = suite.teacher(record, np.random.default_rng(seed), error_rate)
+        if alphabet is not None:
+            _check_episode(suite.name, alphabet, record, [prompts[-1], *(text for text, _ in segments)])
         tokens_T, mask_T, truncated = episode_targets(tokenizer, segments, suite.end_of_turn, width)
         tokens.append(tokens_T)
         masks.append(mask_T)
@@ -94,26 +91,35 @@ def teacher_batch(
     return batch, cut
 
 
+def _check_episode(task: str, alphabet: str, record: dict, texts: list[str]) -> None:
+    extra = set("".join(texts)) - set(alphabet)
+    if extra:
+        raise ConfigError(
+            f"data.task: character {min(extra)!r} in a demonstration of environment {task!r} (record "
+            f"{record.get('id')!r}) is not in its alphabet {alphabet!r} (EnvSuite.alphabet)"
+        )
+
+
 def suite_fingerprint(suite) -> str:
     """A hash of a few of the suite's records and teacher episodes: the warm-start cache key changes
     when the environment's maps, dynamics or teacher change, not only when its name does."""
     sample = suite.records("train", 4, 0)
-    episodes = [suite.teacher(r, np.random.default_rng(i), 0.5) for i, r in enumerate(sample)]
+    teacher = suite.teacher or (lambda record, rng, error_rate: None)
     what = {
         "name": suite.name,
         "alphabet": suite.alphabet,
         "end_of_turn": suite.end_of_turn,
         "records": sample,
-        "episodes": episodes,
+        "episodes": [teacher(r, np.random.default_rng(i), 0.5) for i, r in enumerate(sample)],
     }
+    if suite.demonstrations:
+        what["demonstrations"] = list(suite.demonstrations)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_agent_task(data_cfg):
-    """TaskData of an environment suite: its train / test records (generated in memory, deterministic
-    in data.seed); episodes are scored by their environments, so there is no verifier."""
-    from jaxrl.data.tasks import RecordSource, TaskData
-
-    train, test = agent_task_records(data_cfg)
-    name = data_cfg.task
-    return TaskData(name, RecordSource(f"{name}/train", train), RecordSource(f"{name}/test", test), None, "")
+def demonstrated(suite):
+    """The suite with its given demonstrations as its teacher (warmstart.source='demonstrations'): the
+    teacher replays the episode given for the record's id. -> (the suite, the demonstrations' records)."""
+    episodes = {record["id"]: segments for record, segments in suite.demonstrations}
+    records = [dict(record) for record, _ in suite.demonstrations]
+    return dataclasses.replace(suite, teacher=lambda record, rng, error_rate: episodes[record["id"]]), records

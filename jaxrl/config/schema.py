@@ -8,6 +8,7 @@ names the field or file and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import pathlib
 from typing import Any
 
@@ -21,7 +22,8 @@ from jaxrl.config.rollout import RolloutConfig
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """The prompt source. `task` is an embedded TFDS task; its builder caches under `data_dir`."""
+    """The prompt source. `task` names a registered task (jaxrl.data.registry): a built-in TFDS task,
+    whose builder caches under `data_dir`, an environment, or a task a config file registered."""
 
     task: str = "arithmetic"
     digits: int = 2
@@ -38,28 +40,16 @@ class DataConfig:
     prompt_template: str = "{question}"
 
     def validate(self, prefix: str = "data") -> None:
-        tasks = ("arithmetic", "countdown", "long_addition", "math_jsonl", "agent_calculator", "agent_gridworld")
-        _check(self.task in tasks, f"{prefix}.task", " or ".join(map(repr, tasks)), self.task)
-        _check(
-            self.task != "math_jsonl" or bool(self.train_file),
-            f"{prefix}.train_file",
-            "a JSONL file when task='math_jsonl'",
-            self.train_file,
-        )
+        # The one lookup upward: the registry (jaxrl.data.registry) holds the built-in tasks and those a
+        # config file registered before its get_config() ran; a task's own checks name data.* fields.
+        task = importlib.import_module("jaxrl.data.registry").get_task(self.task, f"{prefix}.task")
+        if task.check is not None:
+            task.check(self, prefix)
         _check(
             "{question}" in self.prompt_template,
             f"{prefix}.prompt_template",
             "a string containing '{question}'",
             self.prompt_template,
-        )
-        max_digits = 8 if self.task == "long_addition" else 6  # long_addition: its longest-solution tail
-        _check(1 <= self.digits <= max_digits, f"{prefix}.digits", f"an integer in [1, {max_digits}]", self.digits)
-        ops = "+-*/" if self.task == "countdown" else "+-*"  # countdown divides (exactly); the others do not
-        _check(
-            len(self.operations) > 0 and set(self.operations) <= set(ops),
-            f"{prefix}.operations",
-            f"a non-empty string over {ops!r}" + ("" if self.task == "countdown" else " ('/' only for countdown)"),
-            self.operations,
         )
         _check(self.num_train > 0, f"{prefix}.num_train", "a positive integer", self.num_train)
         _check(self.num_test > 0, f"{prefix}.num_test", "a positive integer", self.num_test)
@@ -174,6 +164,12 @@ class WarmStartConfig:
     teacher_error: float = 0.0  # share of demonstrations from a fallible teacher (jaxrl.data.teachers)
     cache_dir: str = ""  # "" -> $JAXRL_CACHE_DIR or ~/.cache/jaxrl/warmstart
     seed: int = -1  # -1: train.seed. Set it to share one base policy between runs of different train.seed
+    # What the run starts from: "teacher" (a warm start on a text task's reference answers, an environment's
+    # teacher), "demonstrations" (on an environment's given episodes), "none" (the initial model: RL only),
+    # "checkpoint" (the newest checkpoint's params of the run directory `checkpoint`). model.hf_path
+    # (a Hugging Face checkpoint) replaces all of them.
+    source: str = "teacher"
+    checkpoint: str = ""
 
     def validate(self, prefix: str = "warmstart") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer (0 = random init)", self.steps)
@@ -181,6 +177,14 @@ class WarmStartConfig:
         _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
         _check(0 <= self.teacher_error <= 1, f"{prefix}.teacher_error", "a number in [0, 1]", self.teacher_error)
         _check(self.seed >= -1, f"{prefix}.seed", "-1 (train.seed) or a non-negative integer", self.seed)
+        sources = ("teacher", "demonstrations", "none", "checkpoint")
+        _check(self.source in sources, f"{prefix}.source", " or ".join(map(repr, sources)), self.source)
+        _check(
+            (self.source == "checkpoint") == bool(self.checkpoint),
+            f"{prefix}.checkpoint",
+            "a run directory exactly when warmstart.source='checkpoint'",
+            self.checkpoint,
+        )
 
 
 REMAT = ("none", "full", "dots")  # = jaxrl.models.remat.REMAT_POLICIES (a test checks)
@@ -296,6 +300,12 @@ class Config:
         for f in dataclasses.fields(self):
             _check_finite_floats(getattr(self, f.name), f.name)
             getattr(self, f.name).validate(f.name)
+        _check(
+            not (self.model.hf_path and self.warmstart.source == "checkpoint"),
+            "warmstart.source",
+            "not 'checkpoint' with model.hf_path (the run starts from that Hugging Face checkpoint)",
+            self.warmstart.source,
+        )
         b = self.rollout.prompts_per_step * self.rollout.group_size
         _check(
             b % self.train.minibatches == 0,

@@ -124,3 +124,8 @@ def verify_math_answer(completion: str, finished: bool, record: Mapping[str, str
     value, marked = extract_answer(completion)
     want = _as_number(record["answer"])
     return float(value is not None and value == want), float(marked and finished)
+
+
+def math_answer(completion: str) -> Fraction | None:
+    """The completion's final number as an exact rational (so '72', '72.0' and '$72' vote together)."""
+    return extract_answer(completion)[0]

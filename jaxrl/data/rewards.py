@@ -210,8 +210,25 @@ def verify_long_addition(completion: str, finished: bool, record: Mapping[str, s
     return float(correct), float(well_formed and finished)
 
 
-VERIFIERS: dict[str, Verifier] = {
-    "arithmetic": verify_arithmetic,
-    "countdown": verify_countdown,
-    "long_addition": verify_long_addition,
-}
+# ---------------------------------------------------------------------------------------------
+# Final answers: what each verifier judges, read the same way (maj@k votes with them: jaxrl.eval).
+
+
+def arithmetic_answer(completion: str) -> str | None:
+    """verify_arithmetic compares the stripped text with the answer."""
+    return completion.strip() or None
+
+
+def long_addition_answer(completion: str) -> str | None:
+    """verify_long_addition reads the text after the last ':'."""
+    _, colon, answer = completion.rpartition(":")
+    return answer.strip() if colon and answer.strip() else None
+
+
+def countdown_answer(completion: str) -> str | None:
+    """The expression, spaces removed, when it parses (verify_countdown judges the parsed expression)."""
+    try:
+        parse_expression(completion)
+    except ExpressionError:
+        return None
+    return "".join(completion.split())

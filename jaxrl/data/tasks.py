@@ -21,7 +21,8 @@ import tensorflow_datasets as tfds
 
 from jaxrl.config import ConfigError, DataConfig
 from jaxrl.data import arithmetic, countdown, long_addition, math_jsonl
-from jaxrl.data.rewards import VERIFIERS, Verifier
+from jaxrl.data.registry import Task, check_alphabet, get_task, resolve
+from jaxrl.data.rewards import Verifier
 
 FEATURES = ("id", "prompt", "answer", "info")
 _OP_NAMES = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
@@ -86,15 +87,6 @@ class JaxrlMathJsonl(_TaskBuilder, skip_registration=True):
         return math_jsonl.generate_splits
 
 
-_BUILDERS = {
-    "arithmetic": JaxrlArithmetic,
-    "countdown": JaxrlCountdown,
-    "long_addition": JaxrlLongAddition,
-    "math_jsonl": JaxrlMathJsonl,
-}
-_VERIFIERS = {**VERIFIERS, "math_jsonl": math_jsonl.verify_math_answer}
-
-
 @dataclasses.dataclass(frozen=True)
 class RecordSource:
     """Random access to one split: len(), and [i] -> dict of python str."""
@@ -119,8 +111,9 @@ class TaskData:
     task: str
     train: RecordSource
     test: RecordSource
-    verifier: Verifier | None  # None for agent suites: their environments score the episodes
-    data_dir: str  # the prepared dataset's own folder
+    verifier: Verifier | None  # None for environments: they score their episodes
+    data_dir: str  # the prepared dataset's own folder ("" for records made in memory)
+    spec: Task  # what data.task names (jaxrl.data.registry)
 
 
 def resolve_data_dir(cfg: DataConfig, data_dir: str | None = None) -> str:
@@ -129,28 +122,11 @@ def resolve_data_dir(cfg: DataConfig, data_dir: str | None = None) -> str:
 
 
 def task_params(cfg: DataConfig) -> dict:
-    """The generator kwargs for `cfg`; the operations are canonicalized so '-+' and '+-' share data."""
-    if cfg.task not in _BUILDERS:
-        raise ConfigError(f"data.task: got {cfg.task!r}, expected one of {sorted(_BUILDERS)}")
-    arithmetic.check_sizes(cfg.num_train, cfg.num_test)
-    if cfg.task == "math_jsonl":  # local files: the config name is their content hash
-        files = [os.path.abspath(os.path.expanduser(f)) if f else "" for f in (cfg.train_file, cfg.test_file)]
-        for field, f in zip(("data.train_file", "data.test_file"), files):
-            if f and not os.path.isfile(f):
-                raise ConfigError(f"{field}: file {f!r} not found")
-        return dict(
-            train_file=files[0],
-            test_file=files[1],
-            prompt_template=cfg.prompt_template,
-            num_train=cfg.num_train,
-            num_test=cfg.num_test,
-            digest=math_jsonl.digest(*files),
-        )
-    allowed = {"countdown": countdown.OPERATIONS, "long_addition": long_addition.OPERATIONS}
-    ops = arithmetic.canonical_operations(cfg.operations, allowed.get(cfg.task, arithmetic.OPERATIONS))
-    if cfg.task == "arithmetic":  # fail before TFDS creates any folder
-        arithmetic.check_space(cfg.digits, ops, cfg.num_train + cfg.num_test)
-    return dict(digits=cfg.digits, operations=ops, num_train=cfg.num_train, num_test=cfg.num_test, seed=cfg.seed)
+    """The kwargs of a built-in task's TFDS generator for `cfg` (ConfigError naming the field)."""
+    task = get_task(cfg.task)
+    if task.params is None:
+        raise ConfigError(f"data.task: {cfg.task!r} has no TFDS builder; its records come from its registration")
+    return task.params(cfg)
 
 
 def config_name(params: dict) -> str:
@@ -169,15 +145,37 @@ def config_name(params: dict) -> str:
 
 def make_builder(task: str, params: dict, data_dir: str) -> _TaskBuilder:
     builder_config = TaskBuilderConfig(name=config_name(params), params=params)
+    builder = get_task(task).builder
+    assert builder is not None  # task_params refused a task without one
     with _quiet_tfds():
-        return _BUILDERS[task](config=builder_config, data_dir=data_dir, file_format="array_record")
+        return resolve(builder)(config=builder_config, data_dir=data_dir, file_format="array_record")
 
 
-def load_task(cfg: DataConfig, data_dir: str | None = None) -> TaskData:
-    """Prepare the task's splits under the data dir on first use (reused afterwards) and open them.
-
-    data_dir resolves as: the argument, else cfg.data_dir, else $JAXRL_DATA_DIR, else ~/.cache/jaxrl/tfds.
+def load_task(cfg: DataConfig, data_dir: str | None = None, alphabet: str | None = None) -> TaskData:
+    """The task's train and test splits. A built-in task's are prepared under the data dir on first use
+    (reused afterwards): data_dir resolves as the argument, else cfg.data_dir, else $JAXRL_DATA_DIR, else
+    ~/.cache/jaxrl/tfds. Any other task's are made in memory from its registration (deterministic in
+    data.seed). alphabet: the character tokenizer's; a record character outside it is a ConfigError.
     """
+    task = get_task(cfg.task)
+    if task.builder is None:
+        train, test = task.split_records(cfg)
+        splits = {"train": RecordSource(f"{cfg.task}/train", train), "test": RecordSource(f"{cfg.task}/test", test)}
+        found = TaskData(cfg.task, splits["train"], splits["test"], task.verifier, "", task)
+    else:
+        found = _prepared(cfg, task, data_dir)
+    for split in ("train", "test"):
+        if len(getattr(found, split)) == 0:
+            field = "data.num_train" if split == "train" else "data.num_test"
+            raise ConfigError(f"{field}: the {split} split of {cfg.task} is empty")
+    if alphabet is not None and not task.episodic and not task.generated_in_alphabet:
+        for split in (found.train, found.test):
+            check_alphabet(task, alphabet, [split[i] for i in range(len(split))])
+    return found
+
+
+def _prepared(cfg: DataConfig, task: Task, data_dir: str | None) -> TaskData:
+    """A built-in task's TFDS splits, built under the data dir unless already there."""
     params = task_params(cfg)
     root = resolve_data_dir(cfg, data_dir)
     builder = make_builder(cfg.task, params, root)
@@ -191,13 +189,8 @@ def load_task(cfg: DataConfig, data_dir: str | None = None) -> TaskData:
                 raise
         sources = builder.as_data_source()
     assert isinstance(sources, dict)  # split=None: every split, by name
-    splits = {}
-    for split in ("train", "test"):
-        splits[split] = RecordSource(f"{cfg.task}/{builder.builder_config_name}/{split}", sources[split])
-        if len(splits[split]) == 0:
-            field = "data.num_train" if split == "train" else "data.num_test"
-            raise ConfigError(f"{field}: the {split} split of {cfg.task} is empty")
-    return TaskData(cfg.task, splits["train"], splits["test"], _VERIFIERS[cfg.task], os.fspath(builder.data_dir))
+    train, test = (RecordSource(f"{cfg.task}/{builder.builder_config_name}/{s}", sources[s]) for s in ("train", "test"))
+    return TaskData(cfg.task, train, test, task.verifier, os.fspath(builder.data_dir), task)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""pass@k and maj@k from K scored samples per prompt, and the final answer each task's completions vote with.
+"""pass@k and maj@k from K scored samples per prompt (the final answers they vote with are the task's:
+`jaxrl.data.registry.Task.final_answer`).
 
 pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
 Code", arXiv:2107.03374): with n samples of which c are correct, the chance that k of them drawn
@@ -13,14 +14,9 @@ final answer are equally correct under every task's verifier, since each verifie
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
-
-from jaxrl.data import math_jsonl
-from jaxrl.data.rewards import ExpressionError, parse_expression
-
-FinalAnswer = Callable[[str], Hashable | None]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -63,40 +59,3 @@ def sample_metrics(correct_BxK: np.ndarray, answers_BxK: Sequence[Sequence[Hasha
         voted = [majority_index(answers_BxK[b][:k]) for b in range(B)]
         majority[k] = float(np.mean([i is not None and bool(correct_BxK[b, i]) for b, i in enumerate(voted)]))
     return {"pass@k": passes, "maj@k": majority}
-
-
-# ---------------------------------------------------------------------------------------------
-# Final answers: what each task's verifier judges, read the same way (jaxrl.data.rewards, math_jsonl).
-
-
-def arithmetic_answer(completion: str) -> str | None:
-    """verify_arithmetic compares the stripped text with the answer."""
-    return completion.strip() or None
-
-
-def long_addition_answer(completion: str) -> str | None:
-    """verify_long_addition reads the text after the last ':'."""
-    _, colon, answer = completion.rpartition(":")
-    return answer.strip() if colon and answer.strip() else None
-
-
-def countdown_answer(completion: str) -> str | None:
-    """The expression, spaces removed, when it parses (verify_countdown judges the parsed expression)."""
-    try:
-        parse_expression(completion)
-    except ExpressionError:
-        return None
-    return "".join(completion.split())
-
-
-def math_answer(completion: str):
-    """The completion's final number as an exact rational (so '72', '72.0' and '$72' vote together)."""
-    return math_jsonl.extract_answer(completion)[0]
-
-
-FINAL_ANSWERS: dict[str, FinalAnswer] = {
-    "arithmetic": arithmetic_answer,
-    "countdown": countdown_answer,
-    "long_addition": long_addition_answer,
-    "math_jsonl": math_answer,
-}

@@ -7,8 +7,10 @@
 
 for k = 1, 2, 4, ... up to K (and K). The samples are drawn as the rollout draws them: all K completions
 of a chunk of prompts in one sampler call (jaxrl.train.evaluate.sample_in_chunks), chunk c with
-fold_in(key(--seed), c), so a given --seed gives the same numbers. The report goes to the terminal
-(a table) and to a JSON file: --out, else the run's eval/step_<N>.json, else runs/eval/ (`report_path`).
+fold_in(key(--seed), c), so a given --seed gives the same numbers. An environment's test records are
+scored by greedy episodes only (the trainer's evaluator, jaxrl.sources.agents: greedy/accuracy,
+return, turns, tool calls). The report goes to the terminal (a table) and to a JSON file: --out, else
+the run's eval/step_<N>.json, else runs/eval/ (`report_path`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrl.config import Config
+from jaxrl.data.registry import get_task
 from jaxrl.data.rewards import score
 from jaxrl.data.tokenizer import decode_completions
-from jaxrl.eval.metrics import FINAL_ANSWERS, ks_up_to, sample_metrics
+from jaxrl.eval.metrics import ks_up_to, sample_metrics
 from jaxrl.eval.sources import EvalError, Located, Policy, load_policy, locate, run_model
+from jaxrl.sources.agents import make_agent_evaluator
 from jaxrl.train.evaluate import EVAL_CHUNK, encode_records, make_chunk_sampler, make_evaluator, sample_in_chunks
 
 
@@ -88,20 +92,14 @@ def sampled_metrics(
     texts, _ = decode_completions(policy.tokenizer, tokens_NxT)
     rewards_NxR, _ = score(verifier, texts, list(finished_N), [r for r in records for _ in range(K)])
     correct_BxK = (rewards_NxR[:, 0] >= 1.0).reshape(B, K)
-    answers_BxK = [[_final_answer(cfg.data.task, t) for t in texts[b * K : (b + 1) * K]] for b in range(B)]
+    task = get_task(cfg.data.task)
+    answers_BxK = [[task.answer_of(t) for t in texts[b * K : (b + 1) * K]] for b in range(B)]
     found = sample_metrics(correct_BxK, answers_BxK, ks_up_to(K))
     metrics = {f"pass@{k}": v for k, v in found["pass@k"].items()}
     metrics.update({f"maj@{k}": v for k, v in found["maj@k"].items()})
     metrics["sampled/format"] = float(rewards_NxR[:, 1].mean())
     metrics["sampled/response_len"] = float(length_N.mean())
     return metrics
-
-
-def _final_answer(task: str, text: str):
-    try:
-        return FINAL_ANSWERS[task](text)
-    except Exception:  # an unreadable answer casts no vote; it never stops the evaluation
-        return None
 
 
 def report_path(req: EvalRequest, located: Located) -> pathlib.Path:
@@ -124,25 +122,29 @@ def report_path(req: EvalRequest, located: Located) -> pathlib.Path:
 
 def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pathlib.Path]:
     """Score the located policy on the config's test split; write the JSON report. -> (report, its path)."""
-    from jaxrl.agents import is_agent_task
     from jaxrl.data.tasks import load_task
     from jaxrl.sharding import expert_parallel, make_mesh, replicated
 
     check_request(req)
-    if is_agent_task(cfg.data.task):
+    if get_task(cfg.data.task).episodic and req.samples > 1:
         raise EvalError(
-            f"data.task={cfg.data.task!r} is an environment (multi-turn episodes), not a task with a verified "
-            "test split; its held-out eval runs inside `jaxrl train` (train.eval_every)"
+            f"--samples {req.samples}: data.task={cfg.data.task!r} is an environment, scored by greedy "
+            "episodes only; drop --samples"
         )
     cfg = run_model(cfg, located, req.overrides)
     task = load_task(cfg.data)
     records = split_records(cfg, task, req.prompts)
     mesh, preset = make_mesh(cfg.mesh)
     policy = load_policy(cfg, located, mesh, preset, task, cfg.train.progress)
-    kept, _, _ = encode_records(cfg, policy.tokenizer, records, "test prompts")
     rep, ep = replicated(mesh), expert_parallel(mesh, preset)  # MoE: experts split as training splits them
-    metrics = greedy_metrics(cfg, policy, kept, task.verifier, rep, ep)
-    metrics.update(sampled_metrics(cfg, policy, kept, task.verifier, req, rep, ep))
+    if task.spec.episodic:  # the trainer's held-out episodes (jaxrl.sources.agents)
+        kept = records
+        evaluate = make_agent_evaluator(cfg, policy.model_cfg, policy.tokenizer, task.spec.suite, records, ep)
+        metrics = {f"greedy/{k.split('/', 1)[1]}": v for k, v in evaluate(policy.params).items()}
+    else:
+        kept, _, _ = encode_records(cfg, policy.tokenizer, records, "test prompts")
+        metrics = greedy_metrics(cfg, policy, kept, task.verifier, rep, ep)
+        metrics.update(sampled_metrics(cfg, policy, kept, task.verifier, req, rep, ep))
     report = {
         "config": req.config_path,
         "source": {"kind": located.kind, "path": None if located.path is None else str(located.path)},

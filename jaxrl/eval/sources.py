@@ -201,13 +201,11 @@ def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: boo
             tokenizer, model_cfg, restore_params(located.step_dir, model_cfg, mesh, preset), str(located.step_dir)
         )
     from jaxrl.data.tokenizer import CharTokenizer
-    from jaxrl.policy.warmstart import load_or_train_base
+    from jaxrl.policy.base import start_params
 
     assert isinstance(tokenizer, CharTokenizer)  # model.hf_path's policy returned above
     shardings = shardings_for(model_cfg, mesh, preset)
-    params, path = load_or_train_base(
-        cfg, model_cfg, tokenizer, task.train, tokenizer.alphabet, progress=progress, shardings=shardings
-    )
+    params, path = start_params(cfg, model_cfg, tokenizer, task.train, progress, shardings)
     return Policy(tokenizer, model_cfg, jax.device_put(params, shardings), str(path))
 
 

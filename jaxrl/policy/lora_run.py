@@ -65,12 +65,13 @@ def read_host(step_dir: pathlib.Path) -> dict:
     return dict(ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore((step_dir / "host").absolute()))
 
 
-def newest_step_dir(run: pathlib.Path, step: int | None = None) -> pathlib.Path:
-    """<run>/checkpoints/<step>: the newest finished step, or `step` (an error listing the saved ones)."""
+def newest_step_dir(run: pathlib.Path, step: int | None = None, field: str = "--from") -> pathlib.Path:
+    """<run>/checkpoints/<step>: the newest finished step, or `step` (an error listing the saved ones);
+    `field` names where the run directory came from in the error."""
     root = run / "checkpoints"
     steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
     if not steps:
-        raise ConfigError(f"--from {str(run)!r}: the run has no finished checkpoint")
+        raise ConfigError(f"{field} {str(run)!r}: the run has no finished checkpoint")
     if step is not None and step not in steps:
         raise ConfigError(f"--step {step} was not saved in {root}; saved steps: {', '.join(map(str, steps))}")
     return root / str(steps[-1] if step is None else step)

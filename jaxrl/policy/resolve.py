@@ -16,9 +16,9 @@ import json
 import pathlib
 from typing import Any, NamedTuple
 
-from jaxrl.agents import is_agent_task, load_suite
 from jaxrl.config import Config, ConfigError, ModelConfig
 from jaxrl.data.hf_tokenizer import load_tokenizer
+from jaxrl.data.registry import get_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models import hf
 from jaxrl.models.transformer import abstract_params, param_logical_axes
@@ -45,8 +45,7 @@ def resolve_policy(cfg: Config) -> ResolvedPolicy:
                 f"vocab_size={model_cfg.vocab_size}"
             )
         return ResolvedPolicy(tokenizer, model_cfg)
-    # An environment suite brings its alphabet.
-    tokenizer = CharTokenizer(load_suite(cfg.data.task).alphabet) if is_agent_task(cfg.data.task) else CharTokenizer()
+    tokenizer = CharTokenizer(get_task(cfg.data.task).char_alphabet)  # the task brings its alphabet
     model_cfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     return ResolvedPolicy(tokenizer, model_cfg)
 

@@ -22,11 +22,11 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from jaxrl.agents import is_agent_task, load_suite
-from jaxrl.agents.warmstart import suite_fingerprint, teacher_batch
-from jaxrl.config import Config, DataConfig, ModelConfig
+from jaxrl.agents.warmstart import demonstrated, suite_fingerprint, teacher_batch
+from jaxrl.config import Config, ConfigError, DataConfig, ModelConfig, WarmStartConfig
+from jaxrl.data.registry import Task, get_task
 from jaxrl.data.stream import StreamState, next_batch
-from jaxrl.data.teachers import fallible_answer
+from jaxrl.data.tasks import RecordSource
 from jaxrl.models.transformer import abstract_params, init_params, token_logprobs
 from jaxrl.sources.prompts import completion_targets, next_prompts
 
@@ -66,6 +66,8 @@ def _without_new_defaults(section, default) -> dict:
         "train_file",
         "test_file",
         "prompt_template",
+        "source",
+        "checkpoint",
     )
     return {k: v for k, v in dataclasses.asdict(section).items() if k not in later or v != getattr(default, k)}
 
@@ -88,15 +90,50 @@ def cache_key(cfg: Config, model_cfg: ModelConfig, vocab: str) -> str:
     what = {
         "model": model,
         "data": {k: v for k, v in _without_new_defaults(cfg.data, DataConfig()).items() if k != "data_dir"},
-        "warmstart": {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k not in ("cache_dir", "seed")},
+        "warmstart": {
+            k: v
+            for k, v in _without_new_defaults(cfg.warmstart, WarmStartConfig()).items()
+            if k not in ("cache_dir", "seed")
+        },
         "answer_width": cfg.rollout.max_new_tokens,
         "seed": warmstart_seed(cfg),
         "vocab": vocab,
         "version": 1,
     }
-    if is_agent_task(cfg.data.task):  # the demonstrations come from the suite's environment and teacher
-        what["agent_suite"] = suite_fingerprint(load_suite(cfg.data.task))
+    task = get_task(cfg.data.task)
+    if task.episodic:  # the demonstrations come from the suite's environment and teacher
+        what["agent_suite"] = suite_fingerprint(task.suite)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_warm_start(cfg: Config, task: Task) -> None:
+    """What the warm start of `task` can be made from (one-line errors naming warmstart.source)."""
+    ws, source = cfg.warmstart, cfg.warmstart.source
+    if cfg.model.hf_path or ws.steps == 0 or source == "none":
+        return  # a checkpoint's weights, or the randomly initialised model: nothing to imitate
+    if not task.episodic:
+        if source == "demonstrations":
+            raise ConfigError(
+                f"warmstart.source: got 'demonstrations', but {task.name!r} is a text task whose demonstrations "
+                "are its records' answers; expected 'teacher' or 'none'"
+            )
+        if ws.teacher_error > 0 and task.teacher is None:
+            raise ConfigError(
+                f"warmstart.teacher_error: got {ws.teacher_error}, but task {task.name!r} has no fallible "
+                "teacher (Task.teacher); expected 0"
+            )
+        return
+    suite = task.suite
+    if source == "teacher" and suite.teacher is None:
+        raise ConfigError(
+            f"warmstart.source: got 'teacher', but environment {task.name!r} has no teacher; expected "
+            "'demonstrations' (EnvSuite.demonstrations) or 'none', or a checkpoint in model.hf_path"
+        )
+    if source == "demonstrations" and not suite.demonstrations:
+        raise ConfigError(
+            f"warmstart.source: got 'demonstrations', but environment {task.name!r} gives none "
+            "(EnvSuite.demonstrations); expected 'teacher' or 'none', or a checkpoint in model.hf_path"
+        )
 
 
 def sft_loss(logp_BxT, mask_BxT):
@@ -129,8 +166,10 @@ def make_sft_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformatio
 
 def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, progress: bool = True):
     """Supervised next-token training on the reference answers of the train split (on the suite's
-    teacher episodes for an agent task: jaxrl.agents.warmstart)."""
-    ws = cfg.warmstart
+    teacher episodes or given demonstrations for an environment: jaxrl.agents.warmstart); no step with
+    warmstart.source='none'."""
+    ws, task = cfg.warmstart, get_task(cfg.data.task)
+    check_warm_start(cfg, task)
     rng = jax.random.key(warmstart_seed(cfg))
     params = init_params(model_cfg, jax.random.fold_in(rng, 1))
     optimizer = optax.adam(
@@ -142,8 +181,11 @@ def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, pro
     sft_step = make_sft_step(model_cfg, optimizer)
     stream = StreamState(0, 0)
     teacher_rng = np.random.default_rng(warmstart_seed(cfg) + 104729)
-    bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, leave=False)
-    suite = load_suite(cfg.data.task) if is_agent_task(cfg.data.task) else None
+    bar = tqdm(range(0 if ws.source == "none" else ws.steps), desc="warm start", disable=not progress, leave=False)
+    suite = task.suite if task.episodic else None
+    if suite is not None and ws.source == "demonstrations":
+        suite, records = demonstrated(suite)
+        train_source = RecordSource(f"{suite.name}/demonstrations", records)
     for _ in bar:
         if suite is not None:
             records, stream = next_batch(train_source, stream, ws.batch_size, cfg.data.seed + 7919)
@@ -157,19 +199,28 @@ def train_base(cfg: Config, model_cfg: ModelConfig, tokenizer, train_source, pro
                 teacher_rng,
             )
         else:
-            batch, stream = _answer_batch(cfg, tokenizer, train_source, stream, teacher_rng)
+            batch, stream = _answer_batch(cfg, task, tokenizer, train_source, stream, teacher_rng)
         params, opt_state, loss = sft_step(params, opt_state, batch)
         bar.set_postfix(loss=f"{float(loss):.3f}")
     return params
 
 
-def _answer_batch(cfg: Config, tokenizer, train_source, stream: StreamState, teacher_rng: np.random.Generator):
-    """The next SFT batch of single-turn reference answers (a fallible one with warmstart.teacher_error)."""
+def _answer_batch(
+    cfg: Config, task: Task, tokenizer, train_source, stream: StreamState, teacher_rng: np.random.Generator
+):
+    """The next SFT batch of single-turn reference answers (the task's fallible teacher's with
+    warmstart.teacher_error)."""
     records, prompt_BxP, pmask_BxP, stream, _ = next_prompts(
         train_source, stream, cfg.warmstart.batch_size, tokenizer, cfg.data, cfg.data.seed + 7919
     )
     fallible = teacher_rng.random(len(records)) < cfg.warmstart.teacher_error
-    answers = [fallible_answer(r) if f else r["answer"] for r, f in zip(records, fallible)]
+    for record in records:
+        if "answer" not in record:
+            raise ConfigError(
+                f"warmstart.source: record {record['id']!r} of task {task.name!r} has no 'answer' to imitate; "
+                "give the records answers, or set warmstart.source='none'"
+            )
+    answers = [task.teacher(r) if f and task.teacher else r["answer"] for r, f in zip(records, fallible)]
     tok_BxT, mask_BxT = completion_targets(tokenizer, answers, cfg.rollout.max_new_tokens, [r["id"] for r in records])
     batch = {
         "prompt_tokens_BxP": prompt_BxP,

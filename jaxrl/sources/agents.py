@@ -30,9 +30,10 @@ import time
 import jax
 import numpy as np
 
-from jaxrl.agents import load_suite
+from jaxrl.agents.env import AlphabetChecked
 from jaxrl.agents.formats import check_model_format, check_prompt_fits, episode_format
 from jaxrl.config import Config, ConfigError
+from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, next_batch
 from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.rollout.episodes.driver import EpisodeEngine
@@ -52,7 +53,7 @@ def check_agent_config(cfg: Config) -> None:
             "rollout.engine.dynamic_sampling / rollout.engine.allocation: not available with "
             "multi-turn episodes; use agent.keep_top_variance (StarPO-S) to filter groups"
         )
-    check_model_format(cfg, load_suite(cfg.data.task))  # a checkpoint's run needs the Hermes tool format
+    check_model_format(cfg, get_task(cfg.data.task).suite)  # a checkpoint's run needs the Hermes tool format
     if cfg.data.skip_long_prompts:
         raise ConfigError(
             "data.skip_long_prompts: not available with multi-turn episodes (every record's prompt "
@@ -65,19 +66,24 @@ def check_agent_config(cfg: Config) -> None:
 
 
 def make_episode_engine(
-    cfg: Config, model_cfg, tokenizer, suite, *, greedy: bool = False, expert_parallel=None
+    cfg: Config, model_cfg, tokenizer, suite, errors: list, *, greedy: bool = False, expert_parallel=None
 ) -> EpisodeEngine:
     """The episode engine a run's config describes (rollout.*, rollout.engine.slots/chunk, agent.*); its
     tool format follows the tokenizer (jaxrl.agents.formats: Hermes for a Hugging Face checkpoint).
+    errors: collects the observations outside a character tokenizer's alphabet (raise_first after a run).
     expert_parallel (MoE): the run's `sharding.expert_parallel(mesh, preset)`, as the update's."""
     rc = cfg.rollout
     fmt, end_of_turn = episode_format(cfg, tokenizer, suite)
     check_prompt_fits(cfg, tokenizer, suite, fmt)
+    make_env = functools.partial(suite.make, cfg.agent, fmt)
+    alphabet = getattr(tokenizer, "alphabet", None)
+    if alphabet is not None:
+        make_env = functools.partial(_alphabet_checked, make_env, alphabet, suite.name, errors)
     return EpisodeEngine(
         model_cfg,
         rc.engine,
         cfg.agent,
-        make_env=functools.partial(suite.make, cfg.agent, fmt),
+        make_env=make_env,
         tokenizer=tokenizer,
         end_of_turn=end_of_turn,
         prompt_len=cfg.data.max_prompt_len,
@@ -88,6 +94,16 @@ def make_episode_engine(
         greedy=greedy,
         expert_parallel=expert_parallel,
     )
+
+
+def _alphabet_checked(make_env, alphabet: str, task: str, errors: list) -> AlphabetChecked:
+    return AlphabetChecked(make_env(), alphabet, task, errors)
+
+
+def raise_first(errors: list) -> None:
+    """An observation outside the alphabet stops the run with its one-line error (the engine only counted it)."""
+    if errors:
+        raise errors[0]
 
 
 def episode_rewards(groups, shaping_weight: float) -> list[np.ndarray]:
@@ -150,8 +166,9 @@ class AgentSource:
     def __init__(self, cfg: Config, model_cfg, tokenizer, task, suite, host: dict, expert_parallel=None):
         del host  # nothing to restore: no episode outlives its step
         check_agent_config(cfg)
-        self.cfg, self.task = cfg, task
-        self.engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, expert_parallel=expert_parallel)
+        self.cfg, self.task, self.errors = cfg, task, []
+        ep = expert_parallel
+        self.engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, self.errors, expert_parallel=ep)
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
         """`rng` is unused: the episodes' environment seeds and token keys come from (train.seed, step,
@@ -165,6 +182,7 @@ class AgentSource:
         groups = self.engine.run(
             params, step - 1, [(r, r) for r in records], cfg.rollout.group_size, seed=(cfg.train.seed, step)
         )
+        raise_first(self.errors)
         seconds = time.perf_counter() - t0
         rewards = episode_rewards(groups, cfg.agent.shaping_weight)
         kept = keep_most_varied(rewards, n, cfg.loss.reward_weights) if n_draw > n else list(range(n))
@@ -197,11 +215,13 @@ def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list
     """evaluate(params) -> eval/accuracy (greedy episodes' success rate on the test records), eval/return,
     eval/turns, eval/tool_calls, eval/response_len (model tokens per episode). Environment seeds are
     fixed, so a slippery environment plays the same dice at every evaluation."""
-    engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, greedy=True, expert_parallel=expert_parallel)
+    errors: list = []
+    engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, errors, greedy=True, expert_parallel=expert_parallel)
 
     def evaluate(params) -> dict:
         # seed (train.seed, 0): training steps use (train.seed, step >= 1)
         groups = engine.run(params, 0, [(r, r) for r in records], 1, seed=(cfg.train.seed, 0))
+        raise_first(errors)
 
         def col(name):
             return np.concatenate([getattr(g, name) for g in groups]).astype(np.float64)

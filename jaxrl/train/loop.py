@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxrl.agents import is_agent_task, load_suite
 from jaxrl.config import Config
+from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.losses import check_rollout, make_loss
 from jaxrl.models.transformer import param_logical_axes
@@ -182,7 +182,7 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
     # rollout.group_size is taken as given (MC-GRPO's config samples G+1; its prepare drops the pivot).
     loss = make_loss(cfg.loss)
     check_rollout(cfg.loss.preset, G)
-    if is_agent_task(cfg.data.task):
+    if get_task(cfg.data.task).episodic:
         check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)
     if mesh.size > 1 and is_primary():
@@ -253,7 +253,7 @@ def prompt_groups(cfg: Config) -> int:
     forward each prompt once (train.share_prefix): the static sampler's batches (scoring.score_groups
     repeats each prompt G times). 0 for the slot engine (groups by group_id_B, of unequal sizes under
     VIGOR, picked by dynamic sampling) and agent episodes (each row its own transcript)."""
-    static = not cfg.rollout.engine.enabled and not is_agent_task(cfg.data.task)
+    static = not cfg.rollout.engine.enabled and not get_task(cfg.data.task).episodic
     return cfg.rollout.group_size if cfg.train.share_prefix and static else 0
 
 
@@ -263,8 +263,8 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
     rollout uses (for shapes and step costs) and the state's RNG."""
     mesh, preset, param_sh, rep = layout
     ep = expert_parallel(mesh, preset)  # MoE: every rollout and evaluation forward takes the update's axis
-    if is_agent_task(cfg.data.task):  # multi-turn episodes (jaxrl.sources.agents)
-        suite = load_suite(cfg.data.task)
+    if task.spec.episodic:  # multi-turn episodes (jaxrl.sources.agents)
+        suite = task.spec.suite
         return (
             AgentSource(cfg, model_cfg, tokenizer, task, suite, host, ep),
             make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test), ep),
