@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import REPO, TINY
 
-from jaxrl.agents import load_suite
 from jaxrl.config import ConfigError, load_config
+from jaxrl.data.registry import get_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models.transformer import abstract_params, init_params
 from jaxrl.policy.resolve import resolve_policy
@@ -24,7 +24,7 @@ def test_a_text_task_gets_the_character_tokenizer_and_its_vocabulary():
 def test_an_environment_brings_its_alphabet():
     cfg = load_config(REPO / "configs" / "agent_gridworld.py", TINY)
     tokenizer, model_cfg = resolve_policy(cfg)
-    assert tokenizer.alphabet == load_suite(cfg.data.task).alphabet != CharTokenizer().alphabet
+    assert tokenizer.alphabet == get_task(cfg.data.task).suite.alphabet != CharTokenizer().alphabet
     assert model_cfg.vocab_size == tokenizer.vocab_size
 
 
