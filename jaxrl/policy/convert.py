@@ -58,11 +58,11 @@ def _run_params(run: pathlib.Path):
     """(model_cfg, params, tokenizer: the source dir of its files, or the run's CharTokenizer) of a run's
     newest checkpoint; a LoRA run's params are its merged policy (the base rebuilt, jaxrl.policy.lora_run)."""
     run_cfg = lora_run.run_config(run)  # a torn or foreign config.json is an error naming it
-    resolved = resolve_policy(run_cfg)  # an environment's run: its suite's alphabet
     if lora_run.is_lora_run(run):
         policy = lora_run.run_policy(run)
-        side = policy.tokenizer_dir or resolved.tokenizer
+        side = policy.tokenizer_dir or resolve_policy(run_cfg).tokenizer  # a character run's tokenizer
         return policy.model_cfg, jax.tree.map(np.asarray, policy.merged()), side
+    resolved = resolve_policy(run_cfg)  # an environment's run: its suite's alphabet
     cfg = resolved.model_cfg
     side = pathlib.Path(run_cfg.model.hf_path) if run_cfg.model.hf_path else resolved.tokenizer
     manager = ocp.CheckpointManager((run / "checkpoints").absolute())
