@@ -55,6 +55,8 @@ def _parse_value(field: str, text: str, typ) -> Any:
             return None
         inner = [a for a in typing.get_args(typ) if a is not type(None)][0]
         return _parse_value(field, text, inner)
+    if origin in (typing.Union, types.UnionType) and str in typing.get_args(typ):
+        return text  # e.g. loss.options: a dict in a config file, a string from the command line
     raise ConfigError(f"{field}: cannot be set from the command line")
 
 
