@@ -201,11 +201,11 @@ def _preset(name: str) -> Preset:
     if ":" in name:
         return _imported(name)
     close = difflib.get_close_matches(name, PRESETS, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    hint = f"; did you mean {close[0]!r}?" if close else ""
     allowed = ", ".join(repr(n) for n in sorted(PRESETS))
     raise ConfigError(
-        f"loss.preset: got {name!r}; {hint}expected one of {allowed}, a name given to "
-        "jaxrl.losses.register_preset, or 'module:attr'"
+        f"loss.preset: got {name!r}, expected one of {allowed} (or a name given to "
+        f"jaxrl.losses.register_preset, or 'module:attr'){hint}"
     )
 
 
@@ -257,9 +257,9 @@ def make_loss(loss_cfg) -> Loss:
             raise ConfigError(f"loss.options: {key!r} is a LossConfig field; set it as loss.{key}")
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"loss.options: preset {name!r} has no parameter {key!r}; {hint}allowed: {', '.join(allowed)}"
+                f"loss.options: preset {name!r} has no parameter {key!r}; allowed: {', '.join(allowed)}{hint}"
             )
         kwargs[key] = value
     try:
