@@ -235,14 +235,16 @@ def test_options_dict_and_string_build_the_same_loss():
 
 @pytest.mark.slow
 def test_user_config_trains_and_evaluates_from_the_cli(capsys, tmp_path, user_config, in_process_cache):
+    """docs/extending.md's commands, on the tiny model for 2 steps."""
     workdir = tmp_path / "run"
     code, _, err = _cli(
         capsys, "train", str(user_config), "--workdir", str(workdir), *TINY_ARGS, "--set", "train.steps=2",
-        "--set", "loss.preset=gspo_dr", "--set", "loss.options=entropy_coef=0.002",
+        "--set", "loss.preset=gspo_dr", "--set", "loss.eps_high=1e-3", "--set", "loss.options=tis_cap=2.0",
     )  # fmt: skip
     assert code == 0, err
     saved = json.loads((workdir / "config.json").read_text())
-    assert saved["loss"]["preset"] == "gspo_dr" and saved["loss"]["options"] == "entropy_coef=0.002"
+    assert saved["loss"]["preset"] == "gspo_dr" and saved["loss"]["options"] == "tis_cap=2.0"
+    assert saved["loss"]["eps_high"] == 1e-3
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if r["step"] in (1, 2) and "loss" in r]
     assert len(trained) == 2 and all(np.isfinite(r["loss"]) for r in trained)

@@ -15,7 +15,8 @@ and seq_mean_token_mean weights sum to 1 like token_mean's. Empty rows get weigh
 divisions are guarded, so an all-empty batch gives weights 0 (never NaN).
 
 Stats reduction lives here too, as the same two-phase pattern: per-microbatch partial sums that
-merge exactly (`stat_partials`, `merge_stat_partials`), then `finalize_stats`.
+merge exactly (`stat_partials`, `merge_stat_partials`; `mean_stat_partials` over PPO epochs), then
+`finalize_stats`. The update's metrics (`jaxrl.train.steps`) and `evaluate_loss`'s are both made so.
 """
 
 from __future__ import annotations

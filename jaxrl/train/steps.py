@@ -6,7 +6,8 @@ for a Loss with `needs_ref`), then `jaxrl.losses.evaluate.prepare_batch`: the ad
 rewards_BxK (with reward shaping), `loss.prepare` (row / token masks), the aggregation weights; only
 then split into microbatches, each evaluated by `jaxrl.losses.evaluate.weighted_loss`. So the
 `lax.scan` over microbatches sums to exactly the full-batch loss and gradient, whatever the preset, and
-`jaxrl.losses.evaluate_loss` gives the same loss and gradient on a batch.
+`jaxrl.losses.evaluate_loss` gives the same loss and gradient on a batch. The metrics are reduced
+as `evaluate_loss`'s are (`jaxrl.losses.aggregation`: per-microbatch partials, merged exactly).
 
 MoE models: the logp function also returns the router losses (added to the loss with the model's
 coefficients, reported as `moe/aux_loss`, `moe/z_loss`, `moe/dropped_frac`) and, when the batch
