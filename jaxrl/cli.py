@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
     v.add_argument(
+        "config", nargs="?", default=None, help="a config file, loaded first: the presets it registers are listed too"
+    )
+    v.add_argument(
         "--configs",
         default=None,
         help="directory searched for <preset>_arithmetic.py (default: the repository's configs/)",
@@ -234,7 +237,11 @@ def variants_table(configs_dir: str | pathlib.Path | None = None) -> str:
     for name, preset in PRESETS.items():
         config = configs_dir / f"{name}_arithmetic.py"
         shown = f"{configs_dir.name}/{config.name}" if config.is_file() else "-"
-        rows.append(f"| {name} | {preset.paper} | {' ; '.join(preset.parts)} | {preset.group} | {shown} |")
+        try:
+            parts = " ; ".join(preset.parts)
+        except TypeError:  # a registered factory whose parameters have no defaults
+            parts = "(built from its parameters)"
+        rows.append(f"| {name} | {preset.paper} | {parts} | {preset.group} | {shown} |")
     rows.append("")
     rows.append('Options every preset takes (loss.options="name=value,..."): ' + ", ".join(EXTRAS))
     return "\n".join(rows)
@@ -317,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             return _convert(args)
         if args.command == "variants":
+            if args.config is not None:
+                load_config(args.config)  # runs the file: its register_preset calls
             print(variants_table(args.configs))
             return 0
     except (ConfigError, UserError) as e:

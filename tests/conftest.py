@@ -84,3 +84,18 @@ def persistent_compile_cache(cache_env):
 
 def jaxrl_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "jaxrl.cli", *args]
+
+
+@pytest.fixture(autouse=True)
+def fresh_registries():
+    """Each test starts from the built-in presets and tasks: a config file a test loads registers its own
+    loss or task into the process-wide tables, which must not leak into the next test."""
+    from jaxrl.data import registry
+    from jaxrl.losses import presets
+
+    saved = dict(presets.PRESETS), dict(registry._TASKS)
+    yield
+    presets.PRESETS.clear()
+    presets.PRESETS.update(saved[0])
+    registry._TASKS.clear()
+    registry._TASKS.update(saved[1])

@@ -11,6 +11,7 @@ import pytest
 from jaxrl import losses
 from jaxrl.config import ConfigError, LossConfig
 from jaxrl.losses import advantages as adv_lib
+from jaxrl.losses import aggregation
 
 ATOL = 1e-5
 
@@ -222,13 +223,13 @@ def test_reduce_stats_by_hand_and_partials_merge_exactly():
         "ratio_BxT": jnp.array([[0.5, 1.5, 9.0], [2.0, 9.0, 9.0]]),
         "clipped_high_BxT": jnp.array([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]),
     }
-    out = losses.reduce_stats(stats, mask)
+    out = aggregation.reduce_stats(stats, mask)
     # live ratios 0.5, 1.5, 2.0 -> mean 4/3, min 0.5, max 2 ; clipped_high 2 of 3 live tokens
     np.testing.assert_allclose(
         [out["ratio"], out["ratio_min"], out["ratio_max"], out["clipped_high"]], [4 / 3, 0.5, 2.0, 2 / 3], atol=1e-6
     )
-    halves = [losses.stat_partials({k: v[i : i + 1] for k, v in stats.items()}, mask[i : i + 1]) for i in (0, 1)]
-    merged = losses.finalize_stats(losses.merge_stat_partials(*halves))
+    halves = [aggregation.stat_partials({k: v[i : i + 1] for k, v in stats.items()}, mask[i : i + 1]) for i in (0, 1)]
+    merged = aggregation.finalize_stats(aggregation.merge_stat_partials(*halves))
     for k in out:
         np.testing.assert_allclose(merged[k], out[k], atol=1e-6)
 
@@ -318,7 +319,7 @@ def _mb_step(token_loss, logp, weights, batch):
 
     def f(lp):
         loss_BxT, stats = token_loss(lp, batch)
-        return losses.weighted_sum(weights, loss_BxT), losses.stat_partials(stats, batch["completion_mask_BxT"])
+        return losses.weighted_sum(weights, loss_BxT), aggregation.stat_partials(stats, batch["completion_mask_BxT"])
 
     return jax.value_and_grad(f, has_aux=True)(logp)
 
@@ -342,8 +343,8 @@ def _loss_and_grad(loss, logp, batch, microbatches=1, jit=False):
     for lp, w, *vals in zip(split(logp), split(weights), *(split(batch[k]) for k in keys)):
         (v, part), g = step(loss.token_loss, lp, w, dict(zip(keys, vals)))
         value, grads = value + v, grads + [g]
-        partials = part if partials is None else losses.merge_stat_partials(partials, part)
-    return value, jnp.concatenate(grads), losses.finalize_stats(partials)
+        partials = part if partials is None else aggregation.merge_stat_partials(partials, part)
+    return value, jnp.concatenate(grads), aggregation.finalize_stats(partials)
 
 
 PAD = 3

@@ -20,7 +20,8 @@ import numpy as np
 from conftest import REPO
 
 from jaxrl.config import LossConfig
-from jaxrl.losses import PRESETS, make_loss, reduce_stats
+from jaxrl.losses import PRESETS, make_loss
+from jaxrl.losses.aggregation import reduce_stats
 from jaxrl.runlog import report
 from jaxrl.sources.groups import engine_metrics
 

@@ -219,16 +219,16 @@ def test_microbatches_give_the_full_batch_loss_gradient_and_stats(preset):
         "kl": jnp.sum(jnp.exp(d) - d - 1.0),
     }
     for k, v in by_hand.items():
-        np.testing.assert_allclose(float(s1[k]), float(v), rtol=1e-5, err_msg=k)
+        np.testing.assert_allclose(float(s1[k]["sum"]), float(v), rtol=1e-5, err_msg=k)
     # both clip sides active, so the clipped (zero-gradient) branch is part of what is compared
-    assert float(s1["clipped_low_BxT"]) > 0 and float(s1["clipped_high_BxT"]) > 0
+    assert float(s1["clipped_low_BxT"]["sum"]) > 0 and float(s1["clipped_high_BxT"]["sum"]) > 0
     for m in (2, 4):
         v, g, s = _grad_fn(m)(params, batch)
         np.testing.assert_allclose(float(v), float(v1), rtol=1e-5, atol=1e-7)
         _assert_trees_close(g, g1, rel=1e-5)
         assert set(s) == set(s1)
         for k in s1:
-            np.testing.assert_allclose(float(s[k]), float(s1[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_allclose(float(s[k]["sum"]), float(s1[k]["sum"]), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -261,8 +261,8 @@ def test_garbage_reference_on_padding_leaves_stats_finite(ref_padding):
     np.testing.assert_allclose(float(v), float(v_clean), rtol=1e-6)
     _assert_trees_close(g, g_clean, rel=1e-6)
     for k in s_clean:
-        assert np.isfinite(float(s[k])), k
-        np.testing.assert_allclose(float(s[k]), float(s_clean[k]), rtol=1e-6, err_msg=k)
+        assert np.isfinite(float(s[k]["sum"])), k
+        np.testing.assert_allclose(float(s[k]["sum"]), float(s_clean[k]["sum"]), rtol=1e-6, err_msg=k)
 
 
 # ----------------------------------------------------------------------------- the gradient itself
@@ -350,8 +350,8 @@ def test_update_step_ppo_epochs_record_old_logp_once():
     _assert_trees_close(state.params, p, rel=1e-4)
     np.testing.assert_allclose(float(metrics["loss"]), np.mean(values), rtol=1e-4)
     np.testing.assert_allclose(float(metrics["grad_norm"]), norms[0], rtol=1e-4)
-    np.testing.assert_allclose(float(sums[0]["ratio_BxT"]), n, rtol=1e-6)  # epoch 1: ratio 1
-    expected_ratio = (float(sums[0]["ratio_BxT"]) + float(sums[1]["ratio_BxT"])) / 2 / n
+    np.testing.assert_allclose(float(sums[0]["ratio_BxT"]["sum"]), n, rtol=1e-6)  # epoch 1: ratio 1
+    expected_ratio = (float(sums[0]["ratio_BxT"]["sum"]) + float(sums[1]["ratio_BxT"]["sum"])) / 2 / n
     np.testing.assert_allclose(float(metrics["ratio"]), expected_ratio, rtol=1e-4)
     # Recording old log-probs again before epoch 2 would make every ratio 1 and every clip 0.
     assert abs(float(metrics["ratio"]) - 1.0) > 1e-2

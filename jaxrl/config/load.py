@@ -67,6 +67,8 @@ def _parse_value(field: str, text: str, typ) -> Any:
         if text.strip().lower() in ("none", "null") or (not text.strip() and not _is_tuple(inner)):
             return None
         return _parse_value(field, text, inner)
+    if origin in (typing.Union, types.UnionType) and str in typing.get_args(typ):
+        return text  # e.g. loss.options: a dict in a config file, a string from the command line
     raise ConfigError(f"{field}: cannot be set from the command line")
 
 

@@ -56,21 +56,35 @@ class DataConfig:
         _check(self.max_prompt_len > 0, f"{prefix}.max_prompt_len", "a positive integer", self.max_prompt_len)
 
 
-def parse_loss_options(text: str, field: str = "loss.options") -> dict:
-    """`"tau=0.04, is_level=sequence, mask_truncated=true"` -> {"tau": 0.04, "is_level": "sequence", ...}.
+_OPTION_TYPES = (bool, int, float, str, type(None))
 
-    Values: numbers, true/false, none, or a bare word (kept as a string). Syntax only; which names a
-    preset accepts is checked by `jaxrl.losses.make_loss`.
-    """
+
+def parse_loss_options(options: str | dict, field: str = "loss.options") -> dict:
+    """The loss options as {name: value}: a dict (a Python config) is checked and copied; a string
+    (`--set`), `"tau=0.04, is_level=sequence, mask_truncated=true"`, is parsed, its values numbers,
+    true/false, none, or a bare word (kept as a string). Names and values only; which names a preset
+    accepts is checked by `jaxrl.losses.make_loss`."""
+    if isinstance(options, dict):
+        for name, value in options.items():
+            if not (isinstance(name, str) and name.isidentifier()):
+                raise ConfigError(f"{field}: key {name!r} is not a name (e.g. {{'tau': 0.04}})")
+            if not isinstance(value, _OPTION_TYPES):
+                raise ConfigError(
+                    f"{field}[{name!r}]: got {type(value).__name__}, expected a number, bool, None or word "
+                    "(code belongs in a registered preset: jaxrl.losses.register_preset)"
+                )
+        return dict(options)
+    if not isinstance(options, str):
+        raise ConfigError(f"{field}: got {type(options).__name__}, expected a dict or a 'name=value, ...' string")
     out = {}
-    for item in (i.strip() for i in text.split(",")):
+    for item in (i.strip() for i in options.split(",")):
         if not item:
             continue
         name, sep, raw = (x.strip() for x in item.partition("="))
         if not sep or not name.isidentifier() or not raw:
-            raise ConfigError(f"{field}: got {text!r}, expected comma-separated name=value pairs (e.g. 'tau=0.04')")
+            raise ConfigError(f"{field}: got {options!r}, expected comma-separated name=value pairs (e.g. 'tau=0.04')")
         if name in out:
-            raise ConfigError(f"{field}: {name!r} is given twice in {text!r}")
+            raise ConfigError(f"{field}: {name!r} is given twice in {options!r}")
         low = raw.lower()
         if low in ("true", "false"):
             value: Any = low == "true"
@@ -90,12 +104,15 @@ def parse_loss_options(text: str, field: str = "loss.options") -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The loss preset (see `jaxrl variants` / jaxrl.losses.presets) and its hyperparameters.
+    """The loss preset and its hyperparameters.
 
+    preset: a registered name (`jaxrl variants`; `jaxrl.losses.register_preset` adds one, e.g. from the
+    config file itself) or "module:attr", a factory, `Preset` or `Loss` importable from PYTHONPATH.
     eps_low / eps_high / adv_eps: None means the preset's paper default (e.g. DAPO's 0.28, GSPO's
-    4e-4); a value is an error for a preset without that parameter. `options`: comma-separated
-    name=value pairs for the preset's other parameters and the options every preset takes, e.g.
-    "tau=0.02" (m2po), "tis_cap=2, is_level=sequence", "entropy_coef=0.001" (see `jaxrl variants`).
+    4e-4); a value is an error for a preset without that parameter. `options`: the preset's other
+    parameters and the options every preset takes, as a dict in a Python config ({"tis_cap": 2.0,
+    "is_level": "sequence"}) or comma-separated name=value pairs ("tau=0.02", from `--set`); both
+    are checked the same way by `jaxrl.losses.make_loss`.
     reward_weights: one weight per reward function, i.e. per column of rewards_BxK (the arithmetic
     task's are (correctness, format); its configs set them); None weighs every column 1, for any K.
     """
@@ -106,7 +123,7 @@ class LossConfig:
     kl_beta: float = 0.0
     adv_eps: float | None = None
     reward_weights: tuple | None = None  # one per reward function (rewards_BxK column); None = all 1
-    options: str = ""
+    options: str | dict = ""  # a dict in Python configs, a string from --set loss.options=...
 
     def validate(self, prefix: str = "loss") -> None:
         _check(

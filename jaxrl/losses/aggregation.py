@@ -15,7 +15,8 @@ and seq_mean_token_mean weights sum to 1 like token_mean's. Empty rows get weigh
 divisions are guarded, so an all-empty batch gives weights 0 (never NaN).
 
 Stats reduction lives here too, as the same two-phase pattern: per-microbatch partial sums that
-merge exactly (`stat_partials`, `merge_stat_partials`), then `finalize_stats`.
+merge exactly (`stat_partials`, `merge_stat_partials`; `mean_stat_partials` over PPO epochs), then
+`finalize_stats`. The update's metrics (`jaxrl.train.steps`) and `evaluate_loss`'s are both made so.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def weighted_sum(weights_BxT: jax.Array, loss_BxT: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stats: masked means (and min/max for EXTREMA) that are exact under microbatching.
+# Stats: masked means (and min/max for EXTREMA) that are exact under microbatching. The update's
+# metrics and `evaluate_loss`'s both come from these functions.
 
 
 def _stat_name(key: str) -> str:
@@ -116,21 +118,32 @@ def _stat_name(key: str) -> str:
 
 
 def stat_partials(stats: Mapping[str, jax.Array], mask_BxT: jax.Array) -> dict:
-    """Per-microbatch partials {name: {"sum", "count"[, "min", "max"]}} from per-token (BxT) or
-    per-sequence (B) stats. Per-sequence stats count live rows only. A pytree: carry it in a scan."""
+    """Per-microbatch partials {key: {"sum", "count"[, "min", "max"]}}, keyed like `stats`, from
+    per-token (BxT: live tokens count), per-sequence (B: live rows count) or per-microbatch scalar
+    (counts 1: its mean over microbatches) stats; min / max for the keys `EXTREMA` names. A pytree:
+    carry it in a scan."""
     live_BxT = mask_BxT > 0
     live_B = jnp.any(live_BxT, axis=1)
     out = {}
     for key, x in stats.items():
-        live = live_BxT if x.ndim == 2 else live_B
         x = jax.lax.stop_gradient(x).astype(jnp.float32)
+        if x.ndim == 0:
+            out[key] = {"sum": x, "count": jnp.ones((), jnp.float32)}
+            continue
+        live = live_BxT if x.ndim == 2 else live_B
         part = {"sum": jnp.sum(jnp.where(live, x, 0.0)), "count": jnp.sum(live.astype(jnp.float32))}
-        name = _stat_name(key)
-        if name in EXTREMA:
+        if _stat_name(key) in EXTREMA:
             part["min"] = jnp.min(jnp.where(live, x, jnp.inf))
             part["max"] = jnp.max(jnp.where(live, x, -jnp.inf))
-        out[name] = part
+        out[key] = part
     return out
+
+
+def empty_stat_partials(like: dict) -> dict:
+    """The partials of nothing, shaped like `like` (partials or their `jax.eval_shape`): sums and
+    counts 0, min +inf, max -inf; `merge_stat_partials(empty, p)` is p. The start of a scan."""
+    fill = {"sum": 0.0, "count": 0.0, "min": jnp.inf, "max": -jnp.inf}
+    return {key: {k: jnp.full(x.shape, fill[k], x.dtype) for k, x in part.items()} for key, part in like.items()}
 
 
 def merge_stat_partials(a: dict, b: dict) -> dict:
@@ -146,14 +159,24 @@ def merge_stat_partials(a: dict, b: dict) -> dict:
     return merged
 
 
+def mean_stat_partials(partials_N: dict) -> dict:
+    """Partials of N passes over the same tokens, stacked on a leading axis (PPO epochs) -> one
+    partial whose means are the mean over the passes: sums and counts averaged, min / max over all."""
+    reduce = {"sum": jnp.mean, "count": jnp.mean, "min": jnp.min, "max": jnp.max}
+    return {key: {k: reduce[k](x, axis=0) for k, x in part.items()} for key, part in partials_N.items()}
+
+
 def finalize_stats(partials: dict) -> dict:
-    """Scalars: `name` = masked mean, `name_min` / `name_max` for EXTREMA. 0 when nothing was live
-    (a metric of an empty batch is reported as 0, not NaN, so NaN checks stay meaningful)."""
+    """Scalars named by the key without its shape suffix: `name` = masked mean, `name_min` /
+    `name_max` for EXTREMA. 0 when nothing was live (a metric of an empty batch is reported as 0, not
+    NaN, so NaN checks stay meaningful). Two keys of one name (the loss's kl_BxT and the update's
+    own kl): the key that sorts last wins."""
     out = {}
-    for name, part in partials.items():
-        some = part["count"] > 0
-        out[name] = jnp.where(some, part["sum"] / jnp.maximum(part["count"], 1.0), 0.0)
+    for key in sorted(partials):
+        part, name = partials[key], _stat_name(key)
+        out[name] = part["sum"] / jnp.maximum(part["count"], 1.0)  # the sum is 0 when the count is
         if "min" in part:
+            some = part["count"] > 0
             out[name + "_min"] = jnp.where(some, part["min"], 0.0)
             out[name + "_max"] = jnp.where(some, part["max"], 0.0)
     return out

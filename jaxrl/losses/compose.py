@@ -36,6 +36,8 @@ prepare added (m2po_keep_BxT, entropy_keep_BxT). `loss_BxT` is exactly 0 on mask
 holds per-token float arrays `<name>_BxT`, 0 on masked tokens.
 
 Hyperparameters are static Python values closed over at build time; a change recompiles.
+`check_loss` checks any object against this contract (the fields, and each function callable with
+the update's arguments) before a run starts: a loss of the user's own fails there, in one line.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.config.errors import ConfigError
 from jaxrl.losses import advantages as adv_lib
 from jaxrl.losses import objectives, ratios, regularizers
 from jaxrl.losses import prepare as prep
@@ -65,6 +68,55 @@ class Loss(NamedTuple):
     parts: tuple = ()  # readable composition, e.g. ("reward_sum -> group_mean_std(1e-06)", ...)
     needs_ref: bool = False  # reads ref_logp_BxT: the run keeps reference params and runs their forward
     reward_shaping: tuple = ()  # (batch, max_new_tokens) -> bonus_B, added to the combined reward
+
+
+# How the update calls each function of the contract: the positional arguments it passes.
+_CALLS = {
+    "advantages": ("rewards_BxK", "groups"),
+    "weights": ("completion_mask_BxT", "max_new_tokens"),
+    "token_loss": ("logp_BxT", "batch"),
+    "prepare": ("batch", "group_size", "max_new_tokens"),
+}
+_FLAGS = ("needs_old_logp", "needs_ref")
+
+
+def _check_call(fn, field: str, args: tuple, where: str) -> None:
+    if not callable(fn):
+        raise ConfigError(f"{where}: Loss.{field} is {type(fn).__name__}, not callable as {field}({', '.join(args)})")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check before the call
+        return
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        raise ConfigError(f"{where}: Loss.{field} cannot be called as {field}({', '.join(args)}): {e}") from None
+
+
+def check_loss(obj, where: str = "loss") -> Loss:
+    """`obj` as a `Loss`, checked against the contract as the update calls it: a `Loss` is returned as
+    is; any other object with the fields (a NamedTuple or class of the user's) becomes one, its
+    missing optional fields at their defaults. A missing field, a function that cannot be called with
+    the update's arguments or a non-bool flag is a ConfigError naming it and `where`."""
+    if not isinstance(obj, Loss):
+        missing = [f for f in Loss._fields if f not in Loss._field_defaults and not hasattr(obj, f)]
+        if missing:
+            raise ConfigError(
+                f"{where}: {type(obj).__name__} has no {missing[0]!r}, a field of the Loss contract "
+                f"(jaxrl.losses.Loss: {', '.join(Loss._fields)})"
+            )
+        obj = Loss(**{f: getattr(obj, f) for f in Loss._fields if hasattr(obj, f)})
+    if not isinstance(obj.name, str):
+        raise ConfigError(f"{where}: Loss.name is {type(obj.name).__name__}, expected a string")
+    for field, args in _CALLS.items():
+        shaped = field == "advantages" and obj.reward_shaping
+        _check_call(getattr(obj, field), field, (*args, "bonus_B") if shaped else args, where)
+    for fn in obj.reward_shaping:
+        _check_call(fn, "reward_shaping", ("batch", "max_new_tokens"), where)
+    for flag in _FLAGS:
+        if not isinstance(getattr(obj, flag), bool):
+            raise ConfigError(f"{where}: Loss.{flag} is {getattr(obj, flag)!r}, expected True or False")
+    return obj
 
 
 def _advantages_BxT(batch: dict, shape: tuple) -> jax.Array:

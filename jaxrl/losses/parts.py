@@ -122,18 +122,18 @@ def row_filter(keep_fn: RowKeep) -> LossPart:
 # The labelled blocks most presets share (GRPO's reward sum, group std and clip).
 
 
-def reward_sum(reward_weights: Sequence[float] | None) -> RewardCombine:
+def reward_sum(reward_weights: Sequence[float] | None = None) -> RewardCombine:
     """r_i = sum_k w_k r_ik (`advantages.reward_sum`), labelled with its weights."""
     tag = "reward_sum" if reward_weights is None else f"reward_sum{tuple(reward_weights)}"
     return named(tag, adv_lib.reward_sum(reward_weights))
 
 
-def group_mean_std(adv_eps: float, std_ddof: int = 1) -> Normaliser:
+def group_mean_std(adv_eps: float = 1e-6, std_ddof: int = 1) -> Normaliser:
     """A_i = (r_i - mean_G r) / (std_G r + adv_eps) (`advantages.group_mean_std`), labelled."""
     return named(f"group_mean_std(eps={adv_eps:g}, ddof={std_ddof})", adv_lib.group_mean_std(adv_eps, std_ddof))
 
 
-def ppo_clip(eps_low: float, eps_high: float | None) -> Objective:
+def ppo_clip(eps_low: float = 0.2, eps_high: float | None = None) -> Objective:
     """The PPO clip (`objectives.ppo_clip`), eps_high = eps_low when None, labelled with both bounds."""
     eps_high = eps_low if eps_high is None else eps_high
     return named(f"ppo_clip({eps_low:g}, {eps_high:g})", objectives.ppo_clip(eps_low, eps_high))

@@ -22,6 +22,7 @@ speculative drafters, draft store, speculation control); `EngineSource` the slot
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -35,10 +36,10 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxrl.config import Config
+from jaxrl.config import Config, ConfigError, LossConfig
 from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, from_arrays
-from jaxrl.losses import check_rollout, make_loss
+from jaxrl.losses import Loss, check_loss, check_rollout, make_loss
 from jaxrl.models.transformer import param_logical_axes
 from jaxrl.policy.base import build_base
 from jaxrl.policy.warmstart import cache_root
@@ -113,15 +114,38 @@ class Run(NamedTuple):
     lora: lora_state.LoraRun | None  # None for full fine-tuning
 
 
-def train(cfg: Config, workdir: pathlib.Path, allow_config_change: bool = False) -> list[dict]:
+def train(
+    cfg: Config, workdir: pathlib.Path, allow_config_change: bool = False, *, loss: Loss | None = None
+) -> list[dict]:
     """Run (or resume) the job in `workdir`; returns the metric rows written. The workdir is checked
-    and locked first, and a config that differs from the run's is refused (jaxrl.train.workdir)."""
+    and locked first, and a config that differs from the run's is refused (jaxrl.train.workdir).
+
+    `loss`: a `Loss` (e.g. `jaxrl.losses.compose(...)`) to train with instead of `make_loss(cfg.loss)`,
+    checked against the contract first. It carries its own parameters, so `cfg.loss` must be left at
+    `LossConfig()`; the run records `loss.preset` as "<name>" (the loss's name), which a resume must
+    repeat. To train a loss from the command line or `jaxrl eval` a run by name, register it
+    (`jaxrl.losses.register_preset`) instead."""
+    if loss is not None:
+        loss = check_loss(loss, "train(loss=...)")
+        cfg = _given_loss(cfg, loss)
     with open_run(cfg, pathlib.Path(workdir), allow_config_change) as record:
-        return _train(cfg, pathlib.Path(workdir), record)
+        return _train(cfg, pathlib.Path(workdir), record, loss)
 
 
-def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
-    run, state, stream, start = build_run(cfg, workdir, record)
+def _given_loss(cfg: Config, loss: Loss) -> Config:
+    """`cfg` with loss.preset recording the given loss's name; ConfigError naming a loss field the config
+    sets, which the given loss would silently ignore."""
+    for field in dataclasses.fields(LossConfig):
+        if field.name != "preset" and getattr(cfg.loss, field.name) != field.default:
+            raise ConfigError(
+                f"loss.{field.name}: set to {getattr(cfg.loss, field.name)!r}, but train() was given a Loss, "
+                "which carries its own parameters; leave cfg.loss at LossConfig()"
+            )
+    return dataclasses.replace(cfg, loss=LossConfig(preset=f"<{loss.name}>"))
+
+
+def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord, loss: Loss | None = None) -> list[dict]:
+    run, state, stream, start = build_run(cfg, workdir, record, loss)
     tc = cfg.train
     stop = _StopFlag()
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
@@ -171,8 +195,11 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> list[dict]:
     return run.log.rows
 
 
-def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Run, TrainState, StreamState, int]:
-    """-> (the Run, the initial or restored state, the data stream's position, the last finished step)."""
+def build_run(
+    cfg: Config, workdir: pathlib.Path, record: RunRecord, loss: Loss | None = None
+) -> tuple[Run, TrainState, StreamState, int]:
+    """-> (the Run, the initial or restored state, the data stream's position, the last finished step).
+    `loss`: a checked `Loss` given to `train`, else `make_loss(cfg.loss)`."""
     tc, rc = cfg.train, cfg.rollout
     G, B = rc.group_size, rc.prompts_per_step * rc.group_size
     mesh, preset = make_mesh(cfg.mesh)
@@ -180,8 +207,9 @@ def build_run(cfg: Config, workdir: pathlib.Path, record: RunRecord) -> tuple[Ru
 
     # The loss first: a bad preset / option / group size is a one-line error before any work is done.
     # rollout.group_size is taken as given (MC-GRPO's config samples G+1; its prepare drops the pivot).
-    loss = make_loss(cfg.loss)
-    check_rollout(cfg.loss.preset, G)
+    if loss is None:
+        loss = make_loss(cfg.loss)
+        check_rollout(cfg.loss.preset, G)
     if get_task(cfg.data.task).episodic:
         check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)

@@ -6,7 +6,8 @@ for a Loss with `needs_ref`), then `jaxrl.losses.evaluate.prepare_batch`: the ad
 rewards_BxK (with reward shaping), `loss.prepare` (row / token masks), the aggregation weights; only
 then split into microbatches, each evaluated by `jaxrl.losses.evaluate.weighted_loss`. So the
 `lax.scan` over microbatches sums to exactly the full-batch loss and gradient, whatever the preset, and
-`jaxrl.losses.evaluate_loss` gives the same loss and gradient on a batch.
+`jaxrl.losses.evaluate_loss` gives the same loss and gradient on a batch. The metrics are reduced
+as `evaluate_loss`'s are (`jaxrl.losses.aggregation`: per-microbatch partials, merged exactly).
 
 MoE models: the logp function also returns the router losses (added to the loss with the model's
 coefficients, reported as `moe/aux_loss`, `moe/z_loss`, `moe/dropped_frac`) and, when the batch
@@ -27,7 +28,13 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.losses import Loss
-from jaxrl.losses.aggregation import EXTREMA
+from jaxrl.losses.aggregation import (
+    empty_stat_partials,
+    finalize_stats,
+    mean_stat_partials,
+    merge_stat_partials,
+    stat_partials,
+)
 from jaxrl.losses.evaluate import prepare_batch, weighted_loss
 from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.moe import routing_mismatch
@@ -139,38 +146,19 @@ def microbatched_logp(logp_fn: LogpFn, params, batch: dict, n: int):
     return merge_microbatches(out)
 
 
-def _stat_name(key: str) -> str:
-    return key.removesuffix("_BxT")
-
-
-def _merge_sums(a: dict, b: dict) -> dict:
-    """Accumulate stat sums across microbatches: sums add; `<key>/min` and `<key>/max` take min / max."""
-    out = {}
-    for k in a:
-        op = jnp.minimum if k.endswith("/min") else jnp.maximum if k.endswith("/max") else jnp.add
-        out[k] = op(a[k], b[k])
-    return out
-
-
-def _init_sums(shapes: dict) -> dict:
-    def fill(k):
-        return jnp.inf if k.endswith("/min") else -jnp.inf if k.endswith("/max") else 0.0
-
-    return {k: jnp.full(s.shape, fill(k), s.dtype) for k, s in shapes.items()}
-
-
 def make_grad_fn(
     logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_recorded: bool, detailed_stats: bool = False
 ):
-    """(params, batch with weights_BxT) -> (loss, grads, stat_sums). Exact full-batch gradient.
+    """(params, batch with weights_BxT) -> (loss, grads, stat partials). Exact full-batch gradient.
 
     When the batch carries no recorded old log-probs (one PPO epoch on fresh samples), the old
     policy IS the current one, so old = stop_gradient(current): the ratio is 1 with the PPO gradient.
 
-    stat_sums: masked sums over live tokens of every per-token stat of the loss, plus "entropy" and
-    (with ref_logp_BxT) "kl". With `detailed_stats`, also "<stat>_BxT/min" and "/max" for the stats in
-    `aggregation.EXTREMA` (min / max over live tokens, merged exactly across microbatches) and
-    "mismatch_abs_logp" = sum |rollout_logp - old_logp| (when the batch has rollout_logp_BxT).
+    stat partials (`aggregation.stat_partials`, merged exactly across microbatches): every per-token
+    stat of the loss, plus "entropy" and (with ref_logp_BxT) "kl"; with `detailed_stats` and a batch
+    with rollout_logp_BxT, "mismatch_abs_logp" = |rollout_logp - old_logp| (and, with stale_BxT, its
+    share on stale tokens "mismatch_abs_logp_stale" and "stale_tokens"); for MoE the router scalars
+    (counted once per microbatch) and, with a recorded routing, "moe/routing_mismatch".
     """
 
     def microbatch_loss(params, mb):
@@ -182,49 +170,37 @@ def make_grad_fn(
             mb["old_logp_BxT"] = lax.stop_gradient(logp_BxT)
         value, stats = weighted_loss(loss, logp_BxT, mb)
         mask_BxT = mb["completion_mask_BxT"]
-        live_BxT = mask_BxT > 0
-
-        def masked_sum(v_BxT):  # select, not multiply: garbage at padding must not turn into NaN
-            return jnp.sum(jnp.where(live_BxT, v_BxT, 0.0))
-
-        sums = {k: masked_sum(v) for k, v in stats.items() if v.shape == mask_BxT.shape}
-        sums["entropy"] = masked_sum(entropy_BxT)
+        own = {"entropy": entropy_BxT}
         if "ref_logp_BxT" in mb:  # drift from the reference, reported whether or not the loss uses it
-            sums["kl"] = masked_sum(kl_k3(lax.stop_gradient(logp_BxT), mb["ref_logp_BxT"]))
-        if detailed_stats:
-            for k, v in stats.items():
-                if v.shape == mask_BxT.shape and _stat_name(k) in EXTREMA:
-                    v = lax.stop_gradient(v).astype(jnp.float32)
-                    sums[k + "/min"] = jnp.min(jnp.where(live_BxT, v, jnp.inf))
-                    sums[k + "/max"] = jnp.max(jnp.where(live_BxT, v, -jnp.inf))
-            if "rollout_logp_BxT" in mb:  # sampler vs trainer (old) policy on the sampled tokens
-                gap_BxT = jnp.abs(mb["rollout_logp_BxT"] - lax.stop_gradient(mb["old_logp_BxT"]))
-                sums["mismatch_abs_logp"] = jnp.sum(jnp.where(live_BxT, gap_BxT, 0.0))
-                if "stale_BxT" in mb:  # partial rollouts: the same sum over tokens drawn by an older version
-                    stale_BxT = live_BxT & (mb["stale_BxT"] > 0)
-                    sums["mismatch_abs_logp_stale"] = jnp.sum(jnp.where(stale_BxT, gap_BxT, 0.0))
-                    sums["stale_tokens"] = jnp.sum(stale_BxT.astype(jnp.float32))
+            own["kl"] = kl_k3(lax.stop_gradient(logp_BxT), mb["ref_logp_BxT"])
+        if detailed_stats and "rollout_logp_BxT" in mb:  # sampler vs trainer (old) policy on the sampled tokens
+            gap_BxT = jnp.abs(mb["rollout_logp_BxT"] - lax.stop_gradient(mb["old_logp_BxT"]))
+            own["mismatch_abs_logp"] = gap_BxT
+            if "stale_BxT" in mb:  # partial rollouts: the same over tokens drawn by an older version
+                own["mismatch_abs_logp_stale"] = jnp.where(mb["stale_BxT"] > 0, gap_BxT, 0.0)
+                own["stale_tokens"] = (mb["stale_BxT"] > 0).astype(jnp.float32)
         if extras:  # MoE router losses: the mean over microbatches joins the loss
             value = value + extras["penalty"] / microbatches
-            sums.update({k: lax.stop_gradient(extras[k]) for k in MOE_SCALARS})
+            own.update({k: extras[k] for k in MOE_SCALARS})
             if "moe/routing_mismatch_BxT" in extras:
-                sums["moe/routing_mismatch"] = masked_sum(extras["moe/routing_mismatch_BxT"])
-        return value, sums
+                own["moe/routing_mismatch"] = extras["moe/routing_mismatch_BxT"]
+        token_stats = {k: v for k, v in stats.items() if v.shape == mask_BxT.shape}
+        return value, stat_partials({**own, **token_stats}, mask_BxT)
 
     grad_one = jax.value_and_grad(microbatch_loss, has_aux=True)
 
     def grad_fn(params, batch):
         def accumulate(carry, mb):
-            (value, sums), grads = grad_one(params, mb)
-            g_acc, v_acc, s_acc = carry
-            return (jax.tree.map(jnp.add, g_acc, grads), v_acc + value, _merge_sums(s_acc, sums)), None
+            (value, partials), grads = grad_one(params, mb)
+            g_acc, v_acc, p_acc = carry
+            return (jax.tree.map(jnp.add, g_acc, grads), v_acc + value, merge_stat_partials(p_acc, partials)), None
 
         mbs = split_microbatches(batch, microbatches)
         first = jax.tree.map(lambda x: x[0], mbs)
-        sums_shape = jax.eval_shape(lambda p, mb: microbatch_loss(p, mb)[1], params, first)
-        init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), _init_sums(sums_shape))
-        (grads, value, sums), _ = lax.scan(accumulate, init, mbs)
-        return value, grads, sums
+        partials_shape = jax.eval_shape(lambda p, mb: microbatch_loss(p, mb)[1], params, first)
+        init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), empty_stat_partials(partials_shape))
+        (grads, value, partials), _ = lax.scan(accumulate, init, mbs)
+        return value, grads, partials
 
     return grad_fn
 
@@ -251,50 +227,30 @@ def _epochs(grads_of: Callable, optimizer, carry: tuple, batch: dict, ppo_epochs
     contiguous 1/minibatches of the rows (DAPO's and verl's mini-batches; `split` makes them), whose
     advantages and `loss.prepare` saw the whole batch and whose normaliser `loss.weights` sees its own
     mask; `grads_of` splits each into microbatches for gradient accumulation. carry: (params,
-    opt_state). -> (carry, (loss per epoch, mean gradient norm per epoch, stat sums per epoch))."""
+    opt_state). -> (carry, (loss per epoch, mean gradient norm per epoch, stat partials per epoch))."""
 
     def optimizer_step(carry, minibatch):
         params, opt_state = carry
-        value, grads, sums = grads_of(params, minibatch)
+        value, grads, partials = grads_of(params, minibatch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, sums)
+        return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, partials)
+
+    def merging_step(carry, minibatch):  # the mini-batches' partials merge as the steps go
+        carry, partials = carry
+        carry, (value, grad_norm, part) = optimizer_step(carry, minibatch)
+        return (carry, merge_stat_partials(partials, part)), (value, grad_norm)
 
     def epoch(carry, _):
         if minibatches == 1:
             return optimizer_step(carry, batch)
-        carry, (values_M, norms_M, sums_M) = lax.scan(optimizer_step, carry, split(batch))
-        return carry, (jnp.mean(values_M), jnp.mean(norms_M), _merged_over_minibatches(sums_M))
+        minibatches_M = split(batch)
+        first = jax.tree.map(lambda x: x[0], minibatches_M)
+        empty = empty_stat_partials(jax.eval_shape(grads_of, carry[0], first)[2])
+        (carry, partials), (values_M, norms_M) = lax.scan(merging_step, (carry, empty), minibatches_M)
+        return carry, (jnp.mean(values_M), jnp.mean(norms_M), partials)
 
     return lax.scan(epoch, carry, None, length=ppo_epochs)
-
-
-def _merged_over_minibatches(sums_M: dict) -> dict:
-    """Stat sums of an epoch's mini-batches (leading axis M) -> the epoch's: sums add, min / max."""
-    merged = {}
-    for k, v in sums_M.items():
-        merged[k] = jnp.min(v, 0) if k.endswith("/min") else jnp.max(v, 0) if k.endswith("/max") else jnp.sum(v, 0)
-    return merged
-
-
-def _epoch_means(sums: dict, mask_BxT, microbatches: int) -> dict:
-    """The per-epoch stat sums (leading epoch axis) -> metrics: masked token means averaged over epochs,
-    `_min` / `_max` over all epochs (0 when nothing was live), MoE scalars averaged over microbatches and
-    epochs, and the mismatch split by staleness when the batch had one."""
-    n_tokens = jnp.maximum(jnp.sum((mask_BxT > 0).astype(jnp.float32)), 1.0)
-    metrics = {}
-    for k, v in sums.items():
-        if k.endswith("/min") or k.endswith("/max"):
-            low = k.endswith("/min")
-            x = jnp.min(v) if low else jnp.max(v)
-            metrics[_stat_name(k[:-4]) + ("_min" if low else "_max")] = jnp.where(jnp.isfinite(x), x, 0.0)
-        elif k in MOE_SCALARS:
-            metrics[k] = jnp.mean(v) / microbatches
-        else:
-            metrics[_stat_name(k)] = jnp.mean(v) / n_tokens
-    if "stale_tokens" in metrics:
-        metrics.update(mismatch_by_staleness(metrics))
-    return metrics
 
 
 def _on_merged(logp_fn: LogpFn, merge: Callable, base: Any) -> LogpFn:
@@ -376,14 +332,13 @@ def make_update_step(
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
 
-        (params, opt_state), (values, grad_norms, sums) = _epochs(
+        (params, opt_state), (values, grad_norms, partials_E) = _epochs(
             grads_of, optimizer, (state.params, state.opt_state), batch, ppo_epochs, minibatches, split_minibatches
         )
-        metrics = {
-            "loss": jnp.mean(values),
-            "grad_norm": grad_norms[0],
-            **_epoch_means(sums, mask_BxT, microbatches * minibatches),
-        }
+        metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0]}
+        metrics.update(finalize_stats(mean_stat_partials(partials_E)))
+        if "stale_tokens" in metrics:
+            metrics.update(mismatch_by_staleness(metrics))
         live_after_B = jnp.any(mask_BxT > 0, axis=1)
         metrics["rows_dropped"] = jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32)) / jnp.maximum(
             jnp.sum(live_before_B.astype(jnp.float32)), 1.0
