@@ -25,49 +25,58 @@ def _is_tuple(typ) -> bool:
     return typ is tuple or typing.get_origin(typ) is tuple
 
 
+def _parse_bool(field: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"{field}: got {text!r}, expected a boolean (true/false)")
+
+
+def _parse_number(field: str, text: str, typ) -> Any:
+    try:
+        return typ(text)
+    except ValueError:
+        raise ConfigError(f"{field}: got {text!r}, expected {'an integer' if typ is int else 'a number'}") from None
+
+
+def _parse_tuple(field: str, text: str, typ) -> tuple:
+    """`1,2` or `(1.0,)` -> floats; for tuple[str, ...] names, e.g. model.lora.targets=q,v."""
+    names = typing.get_args(typ)[:1] == (str,)
+    inner = text.strip("()[] ")
+    parts = [p.strip() for p in inner.split(",")]
+    if parts[-1] == "" and len(parts) > 1:  # one trailing comma, as in (1.0,)
+        parts.pop()
+    if not inner or "" in parts:  # `a.b=` or `a.b=1,,2`: never silently fewer values than typed
+        kind = "names" if names else "numbers"
+        raise ConfigError(f"{field}: got {text!r}, expected comma-separated {kind} (an empty value is not allowed)")
+    if names:
+        return tuple(p.strip("'\"") for p in parts)
+    try:
+        return tuple(float(p) for p in parts)
+    except ValueError:
+        raise ConfigError(f"{field}: got {text!r}, expected comma-separated numbers") from None
+
+
 def _parse_value(field: str, text: str, typ) -> Any:
-    origin = typing.get_origin(typ)
+    """A `--set` value's text as the field's type; ConfigError naming the field otherwise."""
     if typ is bool:
-        low = text.strip().lower()
-        if low in ("true", "1", "yes"):
-            return True
-        if low in ("false", "0", "no"):
-            return False
-        raise ConfigError(f"{field}: got {text!r}, expected a boolean (true/false)")
-    if typ is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{field}: got {text!r}, expected an integer") from None
-    if typ is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f"{field}: got {text!r}, expected a number") from None
+        return _parse_bool(field, text)
+    if typ in (int, float):
+        return _parse_number(field, text, typ)
     if typ is str:
         return text
     if _is_tuple(typ):
-        names = typing.get_args(typ)[:1] == (str,)  # tuple[str, ...]: names, e.g. model.lora.targets=q,v
-        inner = text.strip("()[] ")
-        parts = [p.strip() for p in inner.split(",")]
-        if parts[-1] == "" and len(parts) > 1:  # one trailing comma, as in (1.0,)
-            parts.pop()
-        if not inner or "" in parts:  # `a.b=` or `a.b=1,,2`: never silently fewer values than typed
-            kind = "names" if names else "numbers"
-            raise ConfigError(f"{field}: got {text!r}, expected comma-separated {kind} (an empty value is not allowed)")
-        if names:
-            return tuple(p.strip("'\"") for p in parts)
-        try:
-            return tuple(float(p) for p in parts)
-        except ValueError:
-            raise ConfigError(f"{field}: got {text!r}, expected comma-separated numbers") from None
-    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(typ):
-        inner = [a for a in typing.get_args(typ) if a is not type(None)][0]
+        return _parse_tuple(field, text, typ)
+    args = typing.get_args(typ) if typing.get_origin(typ) in (typing.Union, types.UnionType) else ()
+    if type(None) in args:
+        inner = [a for a in args if a is not type(None)][0]
         # An empty tuple value is a mistake (e.g. `loss.reward_weights=`), not None: that is spelled `none`.
         if text.strip().lower() in ("none", "null") or (not text.strip() and not _is_tuple(inner)):
             return None
         return _parse_value(field, text, inner)
-    if origin in (typing.Union, types.UnionType) and str in typing.get_args(typ):
+    if str in args:
         return text  # e.g. loss.options: a dict in a config file, a string from the command line
     raise ConfigError(f"{field}: cannot be set from the command line")
 

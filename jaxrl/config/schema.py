@@ -59,21 +59,40 @@ class DataConfig:
 _OPTION_TYPES = (bool, int, float, str, type(None))
 
 
+def _option_word(raw: str) -> Any:
+    """An option's value as written after `name=`: a number, true/false, none, or a bare word."""
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for number in (int, float):
+        try:
+            return number(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _checked_options(options: dict, field: str) -> dict:
+    for name, value in options.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ConfigError(f"{field}: key {name!r} is not a name (e.g. {{'tau': 0.04}})")
+        if not isinstance(value, _OPTION_TYPES):
+            raise ConfigError(
+                f"{field}[{name!r}]: got {type(value).__name__}, expected a number, bool, None or word "
+                "(code belongs in a registered preset: jaxrl.losses.register_preset)"
+            )
+    return dict(options)
+
+
 def parse_loss_options(options: str | dict, field: str = "loss.options") -> dict:
     """The loss options as {name: value}: a dict (a Python config) is checked and copied; a string
     (`--set`), `"tau=0.04, is_level=sequence, mask_truncated=true"`, is parsed, its values numbers,
     true/false, none, or a bare word (kept as a string). Names and values only; which names a preset
     accepts is checked by `jaxrl.losses.make_loss`."""
     if isinstance(options, dict):
-        for name, value in options.items():
-            if not (isinstance(name, str) and name.isidentifier()):
-                raise ConfigError(f"{field}: key {name!r} is not a name (e.g. {{'tau': 0.04}})")
-            if not isinstance(value, _OPTION_TYPES):
-                raise ConfigError(
-                    f"{field}[{name!r}]: got {type(value).__name__}, expected a number, bool, None or word "
-                    "(code belongs in a registered preset: jaxrl.losses.register_preset)"
-                )
-        return dict(options)
+        return _checked_options(options, field)
     if not isinstance(options, str):
         raise ConfigError(f"{field}: got {type(options).__name__}, expected a dict or a 'name=value, ...' string")
     out = {}
@@ -85,20 +104,7 @@ def parse_loss_options(options: str | dict, field: str = "loss.options") -> dict
             raise ConfigError(f"{field}: got {options!r}, expected comma-separated name=value pairs (e.g. 'tau=0.04')")
         if name in out:
             raise ConfigError(f"{field}: {name!r} is given twice in {options!r}")
-        low = raw.lower()
-        if low in ("true", "false"):
-            value: Any = low == "true"
-        elif low in ("none", "null"):
-            value = None
-        else:
-            try:
-                value = int(raw)
-            except ValueError:
-                try:
-                    value = float(raw)
-                except ValueError:
-                    value = raw
-        out[name] = value
+        out[name] = _option_word(raw)
     return out
 
 
