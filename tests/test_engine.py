@@ -16,7 +16,7 @@ from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import assemble_batch, left_pad
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 MOE = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=32)
@@ -55,11 +55,7 @@ def _plain(cfg, eos_id, greedy=True, temperature=1.0, rng=0):
         jnp.asarray(mask),
         jax.random.PRNGKey(rng),
         group_size=G,
-        max_new_tokens=T,
-        temperature=temperature,
-        eos_id=eos_id,
-        pad_id=PAD,
-        greedy=greedy,
+        sampling=SamplingParams(max_new_tokens=T, temperature=temperature, eos_id=eos_id, pad_id=PAD, greedy=greedy),
     )
 
 
@@ -70,12 +66,8 @@ def _engine(cfg, eos_id, slots, chunk, admit_groups=1, admission="exact", greedy
         ecfg,
         group_size=G,
         prompt_len=P,
-        max_new_tokens=T,
-        temperature=temperature,
-        eos_id=eos_id,
-        pad_id=PAD,
+        sampling=SamplingParams(max_new_tokens=T, temperature=temperature, eos_id=eos_id, pad_id=PAD, greedy=greedy),
         rng=jax.random.PRNGKey(seed),
-        greedy=greedy,
     )
 
 

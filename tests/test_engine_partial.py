@@ -17,6 +17,7 @@ from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import assemble_batch, left_pad
 from jaxrl.rollout.engine.partial import fed_mask, release_slots, reprefill
+from jaxrl.rollout.sampler import SamplingParams
 from jaxrl.rollout.speculative.engine import speculative_spec
 
 
@@ -35,12 +36,14 @@ def _engine(max_staleness=-1, reprefill=False, slots=6, chunk=1, eos=None, greed
         ecfg,
         group_size=G,
         prompt_len=P,
-        max_new_tokens=T,
-        temperature=temperature,
-        eos_id=_eos(CFG) if eos is None else eos,
-        pad_id=PAD,
+        sampling=SamplingParams(
+            max_new_tokens=T,
+            temperature=temperature,
+            eos_id=_eos(CFG) if eos is None else eos,
+            pad_id=PAD,
+            greedy=greedy,
+        ),
         rng=jax.random.PRNGKey(seed),
-        greedy=greedy,
     )
 
 

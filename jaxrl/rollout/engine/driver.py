@@ -2,6 +2,7 @@
 jitted device side).
 
     engine = Engine.from_config(cfg, prompt_len=P, eos_id=..., pad_id=..., rng=key)
+    engine = Engine(model_cfg, engine_cfg, sampling=SamplingParams(...), group_size=G, prompt_len=P, rng=key)
     groups = engine.collect(params, version, prompts, n_groups)   # prompts: iterable of (tag, tokens)
     batch  = assemble_batch(groups)                                # the trainer's batch contract
 
@@ -75,7 +76,7 @@ from jaxrl.rollout.engine.state import (
     read_host_slots,
     split_params,
 )
-from jaxrl.rollout.sampler import check_temperature
+from jaxrl.rollout.sampler import SamplingParams, check_temperature
 from jaxrl.rollout.speculative import engine as engine_speculative
 
 
@@ -87,16 +88,10 @@ class Engine:
         model_cfg: ModelConfig,
         engine_cfg: EngineConfig,
         *,
+        sampling: SamplingParams,
         group_size: int,
         prompt_len: int,
-        max_new_tokens: int,
-        temperature: float,
-        eos_id: int,
-        pad_id: int,
         rng,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        greedy: bool = False,
         speculative: SpeculativeConfig | None = None,
         draft_ids=None,
         expert_parallel: ExpertParallel | None = None,
@@ -109,19 +104,14 @@ class Engine:
                 f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
                 f"group_size={group_size} (a group is admitted into free slots at once)"
             )
-        check_temperature(temperature)
-        self.ecfg, self.temperature = engine_cfg, float(temperature)
-        self.spec = EngineSpec(
+        check_temperature(sampling.temperature)
+        self.ecfg, self.temperature = engine_cfg, float(sampling.temperature)
+        self.spec = EngineSpec.of_sampling(
             model_cfg,
-            engine_cfg.slots,
-            prompt_len,
-            max_new_tokens,
-            group_size,
-            eos_id,
-            pad_id,
-            top_k,
-            top_p,
-            greedy,
+            sampling,
+            slots=engine_cfg.slots,
+            prompt_len=prompt_len,
+            group_size=group_size,
             expert_parallel=expert_parallel,
         )
         self.counts = {
@@ -167,16 +157,10 @@ class Engine:
         return cls(
             cfg.model,
             rc.engine,
+            sampling=SamplingParams.of_rollout(rc, eos_id=eos_id, pad_id=pad_id, greedy=greedy),
             group_size=rc.group_size,
             prompt_len=prompt_len,
-            max_new_tokens=rc.max_new_tokens,
-            temperature=rc.temperature,
-            eos_id=eos_id,
-            pad_id=pad_id,
             rng=rng,
-            top_k=rc.top_k,
-            top_p=rc.top_p,
-            greedy=greedy,
             speculative=rc.speculative,
             draft_ids=draft_ids,
             expert_parallel=expert_parallel,

@@ -1,7 +1,7 @@
 """Multi-turn episodes on the slot engine: environment steps run on the host while the slots keep decoding.
 
     engine = EpisodeEngine(model_cfg, cfg.rollout.engine, cfg.agent, make_env=suite.make, tokenizer=tok,
-                           end_of_turn="]", prompt_len=P, max_new_tokens=T, temperature=1.0)
+                           end_of_turn="]", prompt_len=P, sampling=SamplingParams(max_new_tokens=T, ...))
     groups = engine.run(params, version, requests, group_size, seed)  # requests: [(tag, record), ...]
     engine.stats  # chunks, place_calls, env_steps, env_seconds, env_exposed_seconds, decode_seconds, place_seconds
 
@@ -62,7 +62,7 @@ from jaxrl.rollout.engine.groups import left_pad
 from jaxrl.rollout.engine.state import EngineSpec, decode_chunk, host_slots, init_state, split_params
 from jaxrl.rollout.episodes.records import Episode, StepOutcome, env_step, episode_group, episode_keys
 from jaxrl.rollout.episodes.state import place
-from jaxrl.rollout.sampler import check_temperature
+from jaxrl.rollout.sampler import SamplingParams, check_temperature
 
 
 class EpisodeEngine:
@@ -78,17 +78,14 @@ class EpisodeEngine:
         tokenizer,
         end_of_turn: str,
         prompt_len: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        greedy: bool = False,
+        sampling: SamplingParams,
         speculative=None,
         park_batch: int = 4,
         place_rows: int = 4,
         expert_parallel: ExpertParallel | None = None,
     ):
-        """expert_parallel (MoE): the experts' mesh axis, as the update's (None: one device)."""
+        """sampling: eos_id and pad_id the tokenizer's; expert_parallel (MoE): the experts' mesh axis, as
+        the update's (None: one device)."""
         engine_cfg.validate()
         agent_cfg.validate()
         if speculative is not None and speculative.enabled:
@@ -104,21 +101,21 @@ class EpisodeEngine:
             raise ValueError(
                 f"end_of_turn {end_of_turn!r}: must be exactly one token of the tokenizer, got {len(eot)} tokens {eot}"
             )
-        check_temperature(temperature)
+        for field in ("eos_id", "pad_id"):
+            if getattr(sampling, field) != getattr(tokenizer, field):
+                raise ValueError(
+                    f"sampling.{field}: got {getattr(sampling, field)}, the tokenizer's is {getattr(tokenizer, field)}"
+                )
+        check_temperature(sampling.temperature)
         self.ecfg, self.agent, self.tokenizer, self.make_env = engine_cfg, agent_cfg, tokenizer, make_env
-        self.temperature, self.eot_id, self.park_batch = float(temperature), eot[0], max(1, int(park_batch))
+        self.temperature, self.eot_id, self.park_batch = float(sampling.temperature), eot[0], max(1, int(park_batch))
         self.place_rows = min(int(place_rows), engine_cfg.slots)
-        self.spec = EngineSpec(
+        self.spec = EngineSpec.of_sampling(
             model_cfg,
-            engine_cfg.slots,
-            prompt_len,
-            max_new_tokens,
-            1,
-            tokenizer.eos_id,
-            tokenizer.pad_id,
-            top_k,
-            top_p,
-            greedy,
+            sampling,
+            slots=engine_cfg.slots,
+            prompt_len=prompt_len,
+            group_size=1,
             stop_ids=(eot[0],),
             slot_keys=True,
             expert_parallel=expert_parallel,
