@@ -147,7 +147,7 @@ def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, 
     _check_same_rollout(assemble_batch(_by_tag(groups)), ref, cfg)
     if slots < len(LENGTHS) * G:  # slots really were reused: more prefills than fit at once
         assert engine.counts["admitted_groups"] == len(LENGTHS) > slots // G
-    assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
+    assert engine.groups_in_flight == 0 and np.all(engine.host.owner_S < 0)
 
 
 @pytest.mark.slow
@@ -219,7 +219,7 @@ def test_fill_admission_carries_samples_across_collects():
     first = engine.collect(_params(), 1, items, n_groups=1)
     # Fill admitted 3 groups; prompts 0 and 1 end with EOS at tokens 3 and 4, both in the second
     # chunk: one is returned, one waits for the next collect, prompt 2 is still decoding.
-    assert [g.tag for g in first] == [0] and engine.groups_in_flight == 1 and len(engine._ready) == 1
+    assert [g.tag for g in first] == [0] and engine.groups_in_flight == 1 and len(engine.host.ready) == 1
     rest = engine.collect(_params(), 2, list(items), n_groups=len(LENGTHS) - 1)
     groups = _by_tag(first + rest)
     assert [g.tag for g in groups] == list(range(len(LENGTHS))) and engine.groups_in_flight == 0

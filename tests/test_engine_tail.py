@@ -1,4 +1,4 @@
-"""The engine's speculation toggle (engine_speculative.toggle_chunk): plain chunks while more than
+"""The engine's speculation toggle (speculative.engine.ToggleChunk): plain chunks while more than
 `max_active_rows` slots decode, speculative chunks on just the decoding rows once that many or fewer
 do. The threshold from measured costs and acceptance (calibrate.tail_threshold, hand-worked), greedy
 tokens identical to the plain engine and sampler across switches, the sampled distribution of a
