@@ -263,3 +263,21 @@ def test_temperature_zero_ties_and_negative_temperature():
             group_size=1,
             sampling=SamplingParams(max_new_tokens=T, temperature=-0.5, eos_id=NEVER, pad_id=PAD),
         )
+
+
+def test_sampling_params_are_hashable_with_temperature_and_eos_traced():
+    """A frozen, hashable bundle; under jit its temperature and eos_id are traced (other values, the
+    same program) and its other fields static (another top_k, another program)."""
+    sp = SamplingParams(max_new_tokens=T, eos_id=NEVER, pad_id=PAD)
+    assert {sp: 1}[SamplingParams(max_new_tokens=T, eos_id=NEVER, pad_id=PAD)] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sp.top_k = 3  # type: ignore[misc]
+    assert jax.tree.leaves(sp) == [1.0, NEVER]
+    prompt, pmask = _prompts()
+    run = functools.partial(sample, _params(), CFG, prompt, pmask, jax.random.PRNGKey(0), group_size=1)
+    run(sampling=sp)
+    n_programs = sample.__wrapped__._cache_size()  # temperature_checked(jax.jit(sample's body))
+    run(sampling=dataclasses.replace(sp, temperature=0.5, eos_id=3))
+    assert sample.__wrapped__._cache_size() == n_programs
+    run(sampling=dataclasses.replace(sp, top_k=4))
+    assert sample.__wrapped__._cache_size() == n_programs + 1
