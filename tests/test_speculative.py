@@ -261,11 +261,7 @@ def _sample_small(params, spec, temperature, top_k, seed, draft=None, sampler=sa
         jax.random.PRNGKey(seed),
         spec=spec,
         group_size=N_SAMPLES,
-        max_new_tokens=S_T,
-        temperature=temperature,
-        top_k=top_k,
-        eos_id=S_EOS,
-        pad_id=PAD,
+        sampling=SamplingParams(max_new_tokens=S_T, temperature=temperature, top_k=top_k, eos_id=S_EOS, pad_id=PAD),
         **extra,
     )
     return out, stats
