@@ -1,8 +1,8 @@
 """The engine's state for a checkpoint, and back: everything a resumed run needs to continue the
 samples in flight exactly as an uninterrupted run would.
 
-    host, arrays = engine_to_state(spec, state, host_state)  # JSON-able bookkeeping, {name: numpy array}
-    state, host_state = load_engine_state(spec, host, arrays, counts)  # for an engine of the same shapes
+    host, arrays = engine_to_state(pool, host_state)  # JSON-able bookkeeping, {name: numpy array}
+    host_state = load_engine_state(pool, host, arrays, counts)  # into a fresh engine's pool, same shapes
 
 `arrays` holds host copies (never views of device buffers): `admit`/`decode_chunk` donate the
 device state, and on CPU a numpy view of a donated buffer would change under an asynchronous save.
@@ -10,9 +10,9 @@ It has two parts: "state", the device `EngineState` leaf by leaf (the KV cache o
 tokens / log-probs / versions / masks so far, fill levels, routing, and the RNG key as its raw
 key data), and "parked", the rows the host has already read out: finished members of groups still
 in flight and the complete groups not yet returned (one row per sample, stacked; absent when
-there are none, as orbax refuses empty arrays). `host` is the shapes plus `EngineHostState.to_json()`
-(host.py). Tags are stored as given: the caller's tags must be JSON-able (the training loop's are the
-data records, dicts of strings).
+there are none, as orbax refuses empty arrays). `host` holds the shapes, the pool's slot owners
+(slots.py) and `EngineHostState.to_json()` (host.py). Tags are stored as given: the caller's tags
+must be JSON-able (the training loop's are the data records, dicts of strings).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.rollout.engine.host import EngineHostState
+from jaxrl.rollout.engine.slots import SlotPool
 from jaxrl.rollout.engine.state import EngineSpec, EngineState, SlotReadout, init_state
 
 # host["shape"] key -> the config field that sets it (named by the error when a resume changes it).
@@ -47,9 +48,9 @@ def _leaf_name(i: int) -> str:
     return f"{i:03d}"
 
 
-def engine_to_state(spec: EngineSpec, state: EngineState, host: EngineHostState) -> tuple[dict, dict]:
+def engine_to_state(pool: SlotPool, host: EngineHostState) -> tuple[dict, dict]:
     """(host: JSON-able, arrays: {"state": {...}, "parked": {...}} of numpy copies) of an engine."""
-    leaves = jax.tree.leaves(state)
+    leaves = jax.tree.leaves(pool.state)
     saved = {_leaf_name(i): _host_copy(x) for i, x in enumerate(leaves)}
     host_json, parked = host.to_json()
     arrays = {"state": saved}
@@ -59,22 +60,22 @@ def engine_to_state(spec: EngineSpec, state: EngineState, host: EngineHostState)
             for name in SlotReadout._fields
             if getattr(parked[0], name) is not None
         }
-    return {"shape": {k: getattr(spec, k) for k in _SHAPE_FIELDS}, **host_json}, arrays
+    shape = {k: getattr(pool.spec, k) for k in _SHAPE_FIELDS}
+    return {"shape": shape, "owner_S": pool.owner_S.tolist(), **host_json}, arrays
 
 
-def load_engine_state(
-    spec: EngineSpec, host: dict, arrays: dict | None, counts: dict[str, int]
-) -> tuple[EngineState, EngineHostState]:
-    """A saved state for an engine of `spec` (built from the run's config; `counts` its fresh
-    counters) -> (device state, host state). A ConfigError naming the field when the engine's shapes
-    changed since the save; the in-flight samples cannot be carried over."""
+def load_engine_state(pool: SlotPool, host: dict, arrays: dict | None, counts: dict[str, int]) -> EngineHostState:
+    """Put a saved state into `pool` (a fresh engine's, built from the run's config; `counts` its fresh
+    counters) -> the host state. A ConfigError naming the field when the engine's shapes changed since
+    the save; the in-flight samples cannot be carried over."""
     if arrays is None or "state" not in arrays:
         raise ConfigError(
             "rollout.engine: the checkpoint holds the engine's bookkeeping but not its arrays "
             "(the checkpoint's rollout_arrays item is missing); use a new --workdir"
         )
-    _check_shapes(spec, host)
-    state = _device_state(spec, arrays["state"])
+    _check_shapes(pool.spec, host)
+    pool.state = _device_state(pool.spec, arrays["state"])
+    pool.owner_S = np.asarray(host["owner_S"], np.int64)
     parked = arrays.get("parked", {})
 
     def row(i) -> SlotReadout:
@@ -82,7 +83,7 @@ def load_engine_state(
         fields = {n: parked[n][i] for n in SlotReadout._fields if n != "routing_RxCxLxK"}
         return SlotReadout(**fields, routing_RxCxLxK=None if routing is None else routing[i])
 
-    return state, EngineHostState.from_json(host, row, counts)
+    return EngineHostState.from_json(host, row, counts)
 
 
 def _check_shapes(spec: EngineSpec, host: dict) -> None:

@@ -36,8 +36,10 @@ the bound (in flight, or complete and waiting to be returned) is dropped and res
 prompt, ahead of new prompts: all G samples of a group are redrawn together, so they stay samples of
 one policy mix and comparable within the group. (A group's samples are admitted together, so they
 share their first token's version.) -1: no bound.
-`host` (an `EngineHostState`, host.py) is all the host-side bookkeeping above; `to_state()` /
-`load_state()` capture it with the device state for a checkpoint (checkpoint.py).
+`pool` (a `SlotPool`, slots.py: the device state, which group holds each slot, the chunk, the
+retire readout) and `host` (an `EngineHostState`, host.py: flights, ready and restarted groups,
+versions, counters) are all of the above; `to_state()` / `load_state()` capture both for a
+checkpoint (checkpoint.py).
 
 Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): once at
 most `rollout.speculative.max_active_rows` slots are decoding (the tail; `tail_rows`), each decode
@@ -70,11 +72,10 @@ from jaxrl.rollout.engine.groups import (
 )
 from jaxrl.rollout.engine.host import EngineHostState
 from jaxrl.rollout.engine.partial import release_slots, reprefill
+from jaxrl.rollout.engine.slots import SlotPool
 from jaxrl.rollout.engine.state import (
     EngineSpec,
     admit,
-    decode_chunk,
-    host_slots,
     init_state,
     read_host_slots,
     split_params,
@@ -84,8 +85,8 @@ from jaxrl.rollout.speculative import engine as engine_speculative
 
 
 class Engine:
-    """Host side of the engine; `state` is the device state (`engine_state.EngineState`), `host` the
-    host-side bookkeeping (`EngineHostState`); nothing else writes either."""
+    """Host side of the engine: `pool` the slots (device state and owners), `host` the rest of the
+    bookkeeping (`EngineHostState`); nothing outside this class writes either."""
 
     def __init__(
         self,
@@ -118,16 +119,15 @@ class Engine:
             group_size=group_size,
             expert_parallel=expert_parallel,
         )
-        self._toggle: engine_speculative.ToggleChunk | None = None  # the speculative chunk strategy
+        toggle = None  # the speculative chunk strategy the slots run
         self.tail_rows = 0  # slots decoding at or below which chunks speculate (0: never)
         if speculative is not None and speculative.enabled:  # early-exit drafting: speculative/engine.py
             # draft_ids: ranked token ids for a reduced draft head (rollout.speculative.draft_vocab)
             self.spec = engine_speculative.speculative_spec(self.spec, speculative, draft_ids)
             self.tail_rows = engine_speculative.tail_rows(speculative, engine_cfg.slots)
-            self._toggle = engine_speculative.ToggleChunk(self.tail_rows)
-        self.state = init_state(self.spec.without_drafter(), rng)
-        extra = () if self._toggle is None else self._toggle.COUNTS
-        self.host = EngineHostState.fresh(engine_cfg.slots, extra)
+            toggle = engine_speculative.ToggleChunk(self.tail_rows)
+        self.pool = SlotPool(self.spec, init_state(self.spec.without_drafter(), rng), toggle)
+        self.host = EngineHostState.fresh(() if toggle is None else toggle.COUNTS)
 
     @classmethod
     def from_config(
@@ -159,11 +159,11 @@ class Engine:
 
     def to_state(self) -> tuple[dict, dict]:
         """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (checkpoint.py)."""
-        return engine_to_state(self.spec, self.state, self.host)
+        return engine_to_state(self.pool, self.host)
 
     def load_state(self, host: dict, arrays: dict) -> None:
         """Continue from `to_state()`'s output: samples in flight, ready groups, counters, RNG."""
-        self.state, self.host = load_engine_state(self.spec, host, arrays, self.host.counts)
+        self.host = load_engine_state(self.pool, host, arrays, self.host.counts)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -182,17 +182,9 @@ class Engine:
 
     def _chunk(self, lparams, version: int, stop_at=None) -> None:
         """One chunk of at most `chunk` decode steps over all slots (the speculative strategy's, if any)."""
-        if self._toggle is None:
-            self.state = decode_chunk(
-                lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature, stop_at
-            )
-        else:
-            decoding_S = self.host.owner_S >= 0  # retired slots are freed: owned == decoding
-            self.state, counted = self._toggle(
-                lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature, decoding_S, stop_at
-            )
-            for name, n in counted.items():
-                self.host.counts[name] += n
+        counted = self.pool.decode(lparams, self.ecfg.chunk, version, self.temperature, stop_at)
+        for name, n in counted.items():
+            self.host.counts[name] += n
         self.host.counts["chunks"] += 1
 
     def collect(self, params, version: int, prompts: Iterable, n_groups: int) -> list[Group]:
@@ -231,12 +223,12 @@ class Engine:
         free_S = np.zeros(self.spec.slots, bool)
         for gid in [gid for gid, f in self.host.flight.items() if stale(f.born)]:
             flight = self.host.flight.pop(gid)
-            mine = self.host.owner_S == gid  # members already retired left their slots (maybe to others)
+            mine = self.pool.owner_S == gid  # members already retired left their slots (maybe to others)
             free_S |= mine
-            self.host.owner_S[mine] = -1
+            self.pool.owner_S[mine] = -1
             self.host.restart.append((flight.tag, flight.prompt_P, flight.mask_P))
         if free_S.any():
-            self.state = release_slots(self.spec, self.state, free_S)
+            self.pool.state = release_slots(self.spec, self.pool.state, free_S)
         n_restarted = len(self.host.restart) - n_queued
         self.host.counts["restarted_groups"] += n_restarted
         self.host.counts["restarted_samples"] += n_restarted * self.spec.group_size
@@ -248,10 +240,10 @@ class Engine:
         S, P = self.spec.slots, self.spec.prompt_len
         prompt_SxP, mask_SxP = np.full((S, P), self.spec.pad_id, np.int32), np.zeros((S, P), np.int32)
         for gid, flight in self.host.flight.items():
-            mine = self.host.owner_S == gid
+            mine = self.pool.owner_S == gid
             prompt_SxP[mine], mask_SxP[mine] = flight.prompt_P, flight.mask_P
-        redo_S = self.host.owner_S >= 0
-        self.state = reprefill(params, self.spec, self.state, prompt_SxP, mask_SxP, redo_S)
+        redo_S = self.pool.owner_S >= 0
+        self.pool.state = reprefill(params, self.spec, self.pool.state, prompt_SxP, mask_SxP, redo_S)
         self.host.counts["reprefilled_samples"] += int(redo_S.sum())
 
     def _next_prompt(self, prompts: Iterator):
@@ -269,7 +261,7 @@ class Engine:
         `version`). -> whether the next chunk should end as soon as G slots are free (`exact`, with
         prompts and room left)."""
         G = self.spec.group_size
-        free = np.flatnonzero(self.host.owner_S < 0)
+        free = self.pool.free()
         room = len(free) // G
         if self.ecfg.admission == "exact":
             room = min(room, n_groups - len(self.host.ready) - len(self.host.flight))
@@ -300,13 +292,13 @@ class Engine:
             for a, (tag, prompt_P, mask_P, n, sink) in enumerate(chunk):
                 slots_n, free = free[:n], free[n:]
                 dest_N[a * G : a * G + n] = slots_n
-                self.host.owner_S[slots_n] = self.host.next_id
+                self.pool.hold(slots_n, self.host.next_id)
                 self.host.flight[self.host.next_id] = Flight(tag, prompt_P, mask_P, slots_n, {}, sink, version)
                 self.host.next_id += 1
             pad = [chunk[0]] * (A - len(chunk))
             prompt_AxP = np.stack([c[1] for c in chunk + pad])
             mask_AxP = np.stack([c[2] for c in chunk + pad])
-            self.state = admit(params, self.spec, self.state, prompt_AxP, mask_AxP, dest_N)
+            self.pool.state = admit(params, self.spec, self.pool.state, prompt_AxP, mask_AxP, dest_N)
             self.host.counts["prefill_calls"] += 1
             self.host.counts["admitted_groups"] += len(chunk)
 
@@ -325,7 +317,7 @@ class Engine:
         next_j = 0
         lparams = split_params(params, self.spec.cfg)  # once per call, not once per chunk
         while len(done) < len(pieces):
-            free, rows = np.flatnonzero(self.host.owner_S < 0), []
+            free, rows = self.pool.free(), []
             room = len(free)
             while next_j < len(pieces) and pieces[next_j][1] <= room:
                 i, n = pieces[next_j]
@@ -345,18 +337,14 @@ class Engine:
         """Read the finished samples out, free their slots, move complete flights to their sink."""
         # One round trip per chunk: every slot's fields come back (the arrays are small), the
         # finished ones are kept.
-        host = host_slots(self.state)
-        slots = np.flatnonzero(host.done_S & (self.host.owner_S >= 0))
-        if not len(slots):
+        host, retired = self.pool.retire()
+        if not retired:
             return
         out = read_host_slots(self.spec, host, np.arange(self.spec.slots))
-        for slot in slots:
-            r = slot
-            gid = int(self.host.owner_S[slot])
+        for slot, gid in retired:
             flight = self.host.flight[gid]
             member = int(np.flatnonzero(flight.slots_G == slot)[0])
-            flight.rows[member] = jax.tree.map(operator.itemgetter(r), out)  # row r; None (no MoE) stays None
-            self.host.owner_S[slot] = -1
+            flight.rows[member] = jax.tree.map(operator.itemgetter(slot), out)  # None (no MoE) stays None
             if len(flight.rows) == len(flight.slots_G):
                 (self.host.ready if flight.sink is None else flight.sink).append(flight_group(flight))
                 del self.host.flight[gid]

@@ -1,8 +1,8 @@
 """The engine's host-side bookkeeping (`EngineHostState`), owned by `Engine`, and its JSON form.
 
-Everything the driver knows about the slots beyond the device `EngineState`: which group holds each
-slot, the groups in flight and their retired rows, the complete groups not yet returned, the groups
-queued for a restart, the latest collect's version, the next group id and the counters.
+Everything the driver knows beyond its `SlotPool` (the device state and which group holds each
+slot, slots.py): the groups in flight and their retired rows, the complete groups not yet returned,
+the groups queued for a restart, the latest collect's version, the next group id and the counters.
 `to_json()` -> (JSON-able dict, readout rows it refers to by index); `from_json` is its inverse.
 The rows (arrays) are stacked and saved beside the JSON by checkpoint.py.
 """
@@ -22,7 +22,6 @@ COUNTS = ("chunks", "prefill_calls", "admitted_groups", "restarted_groups", "res
 
 @dataclasses.dataclass
 class EngineHostState:
-    owner_S: np.ndarray  # int64: the group id holding each slot, -1: free
     flight: dict[int, Flight] = dataclasses.field(default_factory=dict)  # group id -> group still decoding
     ready: list[Group] = dataclasses.field(default_factory=list)  # complete, not yet returned
     next_id: int = 0
@@ -31,9 +30,9 @@ class EngineHostState:
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def fresh(cls, slots: int, extra_counts: tuple = ()) -> EngineHostState:
-        """Every slot free, nothing counted yet (`extra_counts`: counters beyond `COUNTS`, at 0)."""
-        return cls(np.full(slots, -1, np.int64), counts=dict.fromkeys(COUNTS + tuple(extra_counts), 0))
+    def fresh(cls, extra_counts: tuple = ()) -> EngineHostState:
+        """Nothing in flight, nothing counted yet (`extra_counts`: counters beyond `COUNTS`, at 0)."""
+        return cls(counts=dict.fromkeys(COUNTS + tuple(extra_counts), 0))
 
     def to_json(self) -> tuple[dict[str, Any], list[SlotReadout]]:
         """(JSON-able dict, the readout rows its "rows" entries index): retired members of groups in
@@ -71,7 +70,6 @@ class EngineHostState:
             for g in self.ready
         ]
         host = {
-            "owner_S": self.owner_S.tolist(),
             "next_id": int(self.next_id),
             "counts": dict(self.counts),
             "flights": flights,
@@ -103,7 +101,6 @@ class EngineHostState:
             prompt_P, mask_P = np.asarray(g["prompt_P"], np.int32), np.asarray(g["mask_P"], np.int32)
             ready.append(flight_group(Flight(g["tag"], prompt_P, mask_P, np.arange(len(rows)), rows, None)))
         return cls(
-            owner_S=np.asarray(host["owner_S"], np.int64),
             flight=flight,
             ready=ready,
             next_id=int(host["next_id"]),

@@ -59,7 +59,8 @@ from jaxrl.config.agent import AgentConfig
 from jaxrl.config.rollout import EngineConfig
 from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout.engine.groups import left_pad
-from jaxrl.rollout.engine.state import EngineSpec, decode_chunk, host_slots, init_state, split_params
+from jaxrl.rollout.engine.slots import SlotPool
+from jaxrl.rollout.engine.state import EngineSpec, init_state, split_params
 from jaxrl.rollout.episodes.records import Episode, StepOutcome, env_step, episode_group, episode_keys
 from jaxrl.rollout.episodes.state import place
 from jaxrl.rollout.sampler import SamplingParams, check_temperature
@@ -224,17 +225,17 @@ class EpisodeEngine:
         R = self.place_rows
         for lo in range(0, len(episodes), R):
             part = episodes[lo : lo + R]
-            free = np.flatnonzero([o is None for o in run.owner])[: len(part)]
+            free = run.slots.free()[: len(part)]
             slot_R = np.full(R, S, np.int32)
             slot_R[: len(part)] = free
 
             def pad(xs, fill):
                 return np.stack(xs + [np.full_like(xs[0], fill)] * (R - len(xs)))
 
-            run.state = place(
+            run.slots.state = place(
                 run.params,
                 self.spec,
-                run.state,
+                run.slots.state,
                 slot_R,
                 pad([e.prompt_P for e in part], 0),
                 pad([e.mask_P for e in part], 1),
@@ -246,24 +247,19 @@ class EpisodeEngine:
                 pad([e.key for e in part], 0),
             )
             for slot, ep in zip(free, part):
-                run.owner[slot] = ep
+                run.slots.hold(slot, run.index[id(ep)])
             self.stats["place_calls"] += 1
         self.stats["place_seconds"] += time.perf_counter() - start
 
     def _decode(self, run: _Run, stop_at: int, pool, pending: dict) -> None:
         """One chunk of decode steps, then every parked slot's turn handed to `_end_turn`."""
         start = time.perf_counter()
-        run.state = decode_chunk(
-            run.lparams, self.spec, run.state, self.ecfg.chunk, run.version, self.temperature, stop_at
-        )
-        host = host_slots(run.state)
+        run.slots.decode(run.lparams, self.ecfg.chunk, run.version, self.temperature, stop_at)
+        host, retired = run.slots.retire()
         self.stats["chunks"] += 1
         self.stats["decode_seconds"] += time.perf_counter() - start
-        for slot in np.flatnonzero(host.done_S):
-            ep = run.owner[slot]
-            if ep is None:
-                continue
-            run.owner[slot] = None
+        for slot, i in retired:
+            ep = run.episodes[i]
             routing = None if host.routing_SxCxLxK is None else host.routing_SxCxLxK[slot]
             self._end_turn(
                 ep,
@@ -285,11 +281,12 @@ class EpisodeEngine:
         """group_size episodes per (tag, record) request -> one EpisodeGroup per request, in request order."""
         episodes = self._start(list(requests), group_size, seed)
         run = _Run(
-            init_state(self.spec, jax.random.PRNGKey(0)),
+            SlotPool(self.spec, init_state(self.spec, jax.random.PRNGKey(0))),
             params,
             split_params(params, self.spec.cfg),
             version,
-            [None] * self.spec.slots,
+            episodes,
+            {id(ep): i for i, ep in enumerate(episodes)},
         )
         with cf.ThreadPoolExecutor(self.agent.env_workers) as pool:
             (self._overlapped if self.agent.overlap else self._synchronous)(run, episodes, pool)
@@ -299,11 +296,11 @@ class EpisodeEngine:
 
     def _overlapped(self, run: _Run, episodes: list, pool) -> None:
         ready, pending = deque(episodes), {}
-        while ready or pending or any(o is not None for o in run.owner):
-            n_free = sum(o is None for o in run.owner)
+        while ready or pending or len(run.slots.free()) < self.spec.slots:
+            n_free = len(run.slots.free())
             if ready and n_free:
                 self._place(run, [ready.popleft() for _ in range(min(n_free, len(ready)))])
-                n_free = sum(o is None for o in run.owner)
+                n_free = len(run.slots.free())
             if n_free < self.spec.slots:  # something decodes: never wait for an environment
                 self._decode(run, n_free + self.park_batch, pool, pending)
                 finished = [f for f in pending if f.done()]
@@ -323,7 +320,7 @@ class EpisodeEngine:
             while active:
                 self._place(run, active)
                 pending = {}
-                while any(o is not None for o in run.owner):
+                while len(run.slots.free()) < S:
                     self._decode(run, S, pool, pending)
                 start = time.perf_counter()
                 cf.wait(list(pending))
@@ -333,8 +330,9 @@ class EpisodeEngine:
 
 @dataclasses.dataclass
 class _Run:
-    state: Any
+    slots: SlotPool  # a slot's owner: the index of its episode in `episodes`
     params: Any
     lparams: Any
     version: int
-    owner: list  # slot -> the Episode in it, or None
+    episodes: list
+    index: dict  # id(episode) -> its index in `episodes`
