@@ -147,7 +147,7 @@ def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, 
     _check_same_rollout(assemble_batch(_by_tag(groups)), ref, cfg)
     if slots < len(LENGTHS) * G:  # slots really were reused: more prefills than fit at once
         assert engine.counts["admitted_groups"] == len(LENGTHS) > slots // G
-    assert engine.groups_in_flight == 0 and np.all(engine.host.owner_S < 0)
+    assert engine.groups_in_flight == 0 and np.all(engine.pool.owner_S < 0)
 
 
 @pytest.mark.slow

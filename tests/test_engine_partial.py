@@ -86,7 +86,7 @@ def test_staleness_bound_restarts_whole_groups_in_flight_and_waiting():
     ref = _plain(CFG, _eos(CFG))
     np.testing.assert_array_equal(batch["tokens_BxT"], np.asarray(ref.tokens_BxT))
     np.testing.assert_allclose(batch["rollout_logp_BxT"], np.asarray(ref.logp_BxT), atol=1e-5, rtol=0)
-    assert engine.groups_in_flight == 0 and not engine.host.restart and np.all(engine.host.owner_S < 0)
+    assert engine.groups_in_flight == 0 and not engine.host.restart and np.all(engine.pool.owner_S < 0)
 
 
 def test_staleness_zero_never_spans_an_update_and_a_loose_bound_changes_nothing():

@@ -39,7 +39,7 @@ def test_more_greedy_samples_of_a_scored_prompt_equal_its_first_ones():
     merged = concat_groups([first[2], more[2]], 2, first[2].prompt_P, first[2].prompt_mask_P)
     batch = assemble_batch([first[0], merged])
     np.testing.assert_array_equal(batch["group_id_B"], [0, 0] + [1] * 7)
-    assert engine.groups_in_flight == 0 and np.all(engine.host.owner_S < 0)
+    assert engine.groups_in_flight == 0 and np.all(engine.pool.owner_S < 0)
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups,
     _check_drafts_tested(engine.counts)
     if slots < len(te.LENGTHS) * te.G:
         assert engine.counts["admitted_groups"] == len(te.LENGTHS) > slots // te.G
-    assert engine.groups_in_flight == 0 and np.all(engine.host.owner_S < 0)
+    assert engine.groups_in_flight == 0 and np.all(engine.pool.owner_S < 0)
     if slots == 4 and chunk == 1:
         plain = te._engine(cfg, eos, slots, chunk, admit_groups)
         plain_batch = assemble_batch(te._by_tag(plain.collect(te._params(cfg), 0, items, n_groups=len(te.LENGTHS))))
