@@ -80,6 +80,7 @@ def _mode(overlap: bool, params, cfg, tok, args, requests) -> tuple[dict, list]:
     from jaxrl.config import EngineConfig
     from jaxrl.config.agent import AgentConfig
     from jaxrl.rollout.episodes.driver import EpisodeEngine
+    from jaxrl.rollout.sampler import SamplingParams
 
     agent = AgentConfig(max_turns=args.turns, max_obs_tokens=8, env_workers=args.episodes, overlap=overlap)
     engine = EpisodeEngine(
@@ -90,8 +91,7 @@ def _mode(overlap: bool, params, cfg, tok, args, requests) -> tuple[dict, list]:
         tokenizer=tok,
         end_of_turn="]",
         prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new,
-        temperature=1.0,
+        sampling=SamplingParams(max_new_tokens=args.max_new, eos_id=tok.eos_id, pad_id=tok.pad_id),
         park_batch=args.park_batch,
         place_rows=args.place_rows,
     )

@@ -63,7 +63,7 @@ def _static(params, cfg, prompts, n_samples, slots, max_new, eos, rng):
     import numpy as np
 
     from jaxrl.rollout.engine.groups import left_pad
-    from jaxrl.rollout.sampler import sample
+    from jaxrl.rollout.sampler import SamplingParams, sample
 
     B = slots // G
     width = _prompt_width(prompts)
@@ -77,11 +77,8 @@ def _static(params, cfg, prompts, n_samples, slots, max_new, eos, rng):
             prompt,
             mask,
             jax.random.fold_in(rng, i),
+            sampling=SamplingParams(max_new_tokens=max_new, eos_id=eos, pad_id=0),
             group_size=G,
-            max_new_tokens=max_new,
-            temperature=1.0,
-            eos_id=eos,
-            pad_id=0,
         )
         tokens += float(jax.device_get(out.completion_mask_BxT).sum())
     return tokens, time.perf_counter() - t0
@@ -92,6 +89,7 @@ def _engine(params, cfg, prompts, n_samples, slots, chunk, max_new, eos, rng, sp
     (`speculative`: a SpeculativeConfig; the engine's counts are copied into `counts`)."""
     from jaxrl.config import EngineConfig
     from jaxrl.rollout.engine.driver import Engine
+    from jaxrl.rollout.sampler import SamplingParams
 
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=chunk, admit_groups=max(1, slots // G // 4))
     n_groups = n_samples // G
@@ -99,12 +97,9 @@ def _engine(params, cfg, prompts, n_samples, slots, chunk, max_new, eos, rng, sp
     engine = Engine(
         cfg,
         ecfg,
+        sampling=SamplingParams(max_new_tokens=max_new, eos_id=eos, pad_id=0),
         group_size=G,
         prompt_len=width,
-        max_new_tokens=max_new,
-        temperature=1.0,
-        eos_id=eos,
-        pad_id=0,
         rng=rng,
         speculative=speculative,
     )

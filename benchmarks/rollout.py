@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
 
     from jaxrl.models.group_decode import default_segments
     from jaxrl.models.transformer import init_params
-    from jaxrl.rollout.sampler import sample
+    from jaxrl.rollout.sampler import SamplingParams, sample
 
     if args.small:
         cfg = common.tiny()
@@ -187,13 +187,8 @@ def main(argv=None) -> dict:
             prompt_BxP,
             pmask_BxP,
             next(keys),
+            sampling=SamplingParams(temperature=args.temperature, max_new_tokens=T, eos_id=-1, pad_id=0),
             group_size=G,
-            max_new_tokens=T,
-            temperature=args.temperature,
-            top_p=1.0,
-            top_k=0,
-            eos_id=-1,
-            pad_id=0,
             **kw,
         )
 
@@ -208,13 +203,8 @@ def main(argv=None) -> dict:
         prompt_BxP,
         pmask_BxP,
         jax.random.PRNGKey(123),
+        sampling=SamplingParams(temperature=args.temperature, max_new_tokens=T, eos_id=-1, pad_id=0),
         group_size=G,
-        max_new_tokens=T,
-        temperature=args.temperature,
-        top_k=0,
-        top_p=1.0,
-        eos_id=-1,
-        pad_id=0,
         decode_segments=args.segments,
     )
     assert int(check.num_steps) == T, f"decode stopped after {int(check.num_steps)} of {T} steps"

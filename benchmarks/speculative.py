@@ -185,7 +185,7 @@ def drafter_suite(params, cfg, prompt, pmask, kw, repeats, draft_layers, max_dra
     from jaxrl.rollout.speculative.calibrate import measure_step_costs
 
     big = 1 << 20  # never switch off for batch size here: part 2 measures that
-    rows, cache_len = prompt.shape[0] * kw["group_size"], prompt.shape[1] + 2 * kw["max_new_tokens"] + 1
+    rows, cache_len = prompt.shape[0] * kw["group_size"], prompt.shape[1] + 2 * kw["sampling"].max_new_tokens + 1
     results, cost_table = {}, {}
     results["plain"], first = measure("plain", params, cfg, prompt, pmask, kw, None, repeats)
     for drafter in ("early_exit", "int8") if full else ("early_exit",):
@@ -206,14 +206,16 @@ def drafter_suite(params, cfg, prompt, pmask, kw, repeats, draft_layers, max_dra
             spec = dataclasses.replace(spec, adaptive=adaptive, max_active_rows=big)
             name = f"{drafter}{'' if adaptive else f'_k{max_draft}'}"
             results[name], _ = measure(name, params, cfg, prompt, pmask, kw, spec, repeats, costs=costs)
-    spec = SpeculativeConfig(enabled=True, drafter="reuse", reuse_width=kw["max_new_tokens"], max_active_rows=big)
+    spec = SpeculativeConfig(
+        enabled=True, drafter="reuse", reuse_width=kw["sampling"].max_new_tokens, max_active_rows=big
+    )
     reuse_costs = measure_step_costs(params, cfg, spec, rows, cache_len)
     cost_table["reuse"] = {
         "verify_K": np.asarray(reuse_costs.verify_K).round(3).tolist(),
         "ceiling": ceilings(reuse_costs)["free_drafts"],
     }
     print(
-        f"  measured verify costs (k=1..{kw['max_new_tokens']}): {cost_table['reuse']['verify_K']}; "
+        f"  measured verify costs (k=1..{kw['sampling'].max_new_tokens}): {cost_table['reuse']['verify_K']}; "
         f"reuse ceiling {cost_table['reuse']['ceiling']:.2f}x",
         flush=True,
     )
@@ -259,6 +261,7 @@ def main(argv=None) -> dict:
     from jaxrl.config import ModelConfig
     from jaxrl.data.tokenizer import CharTokenizer, encode_prompts
     from jaxrl.models.transformer import init_params
+    from jaxrl.rollout.sampler import SamplingParams
 
     tok = CharTokenizer()
     root = pathlib.Path(args.root)
@@ -276,7 +279,7 @@ def main(argv=None) -> dict:
     texts = [f"{a}+{b}=" for a, b in rng.integers(0, 100, (16, 2))]
     prompt, pmask, _, _ = encode_prompts(tok, texts, 16, skip_long=False, record_ids=[str(i) for i in range(16)])
     prompt, pmask = jnp.asarray(prompt), jnp.asarray(pmask)
-    kw = dict(group_size=8, max_new_tokens=8, temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    kw = dict(group_size=8, sampling=SamplingParams(max_new_tokens=8, eos_id=tok.eos_id, pad_id=tok.pad_id))
 
     print(
         f"1. embedded task policy ({'random tiny' if args.small else f'GRPO {args.policy_steps} steps'}), "
@@ -312,7 +315,7 @@ def main(argv=None) -> dict:
         bcfg = common.bench_small()
         bparams = init_params(bcfg, jax.random.PRNGKey(0))
         bprompt = jnp.asarray(rng.integers(3, bcfg.vocab_size, (1, 64), dtype=np.int32))
-        bkw = dict(group_size=8, max_new_tokens=32, temperature=1.0, eos_id=-1, pad_id=0)
+        bkw = dict(group_size=8, sampling=SamplingParams(max_new_tokens=32, eos_id=-1, pad_id=0))
         bench_small, bench_small_costs = drafter_suite(
             bparams, bcfg, bprompt, jnp.ones_like(bprompt), bkw, max(3, args.repeats // 3), 2, 4, "bench-small"
         )

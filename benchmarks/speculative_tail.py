@@ -79,17 +79,17 @@ def _engine(cfg, tok, slots: int, group: int, new_tokens: int, spec, seed: int, 
 
     from jaxrl.config import EngineConfig
     from jaxrl.rollout.engine.driver import Engine
+    from jaxrl.rollout.sampler import SamplingParams
 
     ecfg = EngineConfig(enabled=True, slots=slots, chunk=8, admit_groups=slots // group)
     return Engine(
         cfg,
         ecfg,
+        sampling=SamplingParams(
+            max_new_tokens=new_tokens, eos_id=tok.eos_id if eos_id is None else eos_id, pad_id=tok.pad_id
+        ),
         group_size=group,
         prompt_len=16,
-        max_new_tokens=new_tokens,
-        temperature=1.0,
-        eos_id=tok.eos_id if eos_id is None else eos_id,
-        pad_id=tok.pad_id,
         rng=jax.random.PRNGKey(seed),
         speculative=spec,
         draft_ids=draft_ids,

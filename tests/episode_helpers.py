@@ -15,7 +15,7 @@ from jaxrl.config.agent import AgentConfig
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.episodes.driver import EpisodeEngine
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 
 # 18 tokens: the end of turn "]" and EOS each get ~1/18 of a random model's mass.
 TOK = CharTokenizer("]<>0123456789abc")
@@ -99,9 +99,9 @@ def engine(
         tokenizer=TOK,
         end_of_turn=eot,
         prompt_len=P,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        greedy=greedy,
+        sampling=SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy, eos_id=TOK.eos_id, pad_id=TOK.pad_id
+        ),
         **kw,
     )
 
@@ -126,11 +126,9 @@ def reference_episode(p, cfg, record, eot_id, max_turns, max_obs, temperature=1.
             jnp.asarray(mask),
             jax.random.PRNGKey(0),
             group_size=1,
-            max_new_tokens=T,
-            temperature=temperature,
-            eos_id=TOK.eos_id,
-            pad_id=TOK.pad_id,
-            greedy=True,
+            sampling=SamplingParams(
+                max_new_tokens=T, temperature=temperature, eos_id=TOK.eos_id, pad_id=TOK.pad_id, greedy=True
+            ),
         )
         new, new_logp = list(np.asarray(out.tokens_BxT[0])), list(np.asarray(out.logp_BxT[0]))
         stops = [i for i, t in enumerate(new) if t in (eot_id, TOK.eos_id)]

@@ -16,7 +16,7 @@ from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import batch_of_groups, left_pad
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 MOE = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=32)
@@ -55,11 +55,7 @@ def _plain(cfg, eos_id, greedy=True, temperature=1.0, rng=0):
         jnp.asarray(mask),
         jax.random.PRNGKey(rng),
         group_size=G,
-        max_new_tokens=T,
-        temperature=temperature,
-        eos_id=eos_id,
-        pad_id=PAD,
-        greedy=greedy,
+        sampling=SamplingParams(max_new_tokens=T, temperature=temperature, eos_id=eos_id, pad_id=PAD, greedy=greedy),
     )
 
 
@@ -70,12 +66,8 @@ def _engine(cfg, eos_id, slots, chunk, admit_groups=1, admission="exact", greedy
         ecfg,
         group_size=G,
         prompt_len=P,
-        max_new_tokens=T,
-        temperature=temperature,
-        eos_id=eos_id,
-        pad_id=PAD,
+        sampling=SamplingParams(max_new_tokens=T, temperature=temperature, eos_id=eos_id, pad_id=PAD, greedy=greedy),
         rng=jax.random.PRNGKey(seed),
-        greedy=greedy,
     )
 
 
@@ -155,7 +147,7 @@ def test_greedy_equals_static_sampler_whatever_the_admission(cfg, slots, chunk, 
     _check_same_rollout(batch_of_groups(_by_tag(groups)).fields(), ref, cfg)
     if slots < len(LENGTHS) * G:  # slots really were reused: more prefills than fit at once
         assert engine.counts["admitted_groups"] == len(LENGTHS) > slots // G
-    assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
+    assert engine.groups_in_flight == 0 and np.all(engine.pool.owner_S < 0)
 
 
 @pytest.mark.slow
@@ -227,7 +219,7 @@ def test_fill_admission_carries_samples_across_collects():
     first = engine.collect(_params(), 1, items, n_groups=1)
     # Fill admitted 3 groups; prompts 0 and 1 end with EOS at tokens 3 and 4, both in the second
     # chunk: one is returned, one waits for the next collect, prompt 2 is still decoding.
-    assert [g.tag for g in first] == [0] and engine.groups_in_flight == 1 and len(engine._ready) == 1
+    assert [g.tag for g in first] == [0] and engine.groups_in_flight == 1 and len(engine.host.ready) == 1
     rest = engine.collect(_params(), 2, list(items), n_groups=len(LENGTHS) - 1)
     groups = _by_tag(first + rest)
     assert [g.tag for g in groups] == list(range(len(LENGTHS))) and engine.groups_in_flight == 0

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.rollout.engine import driver as engine_mod
+from jaxrl.rollout.engine import slots as engine_mod
 from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.engine.groups import batch_of_groups
 from tests.test_engine import (

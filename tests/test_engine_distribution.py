@@ -16,6 +16,7 @@ from jaxrl.config import EngineConfig, ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine import state as engine_state
 from jaxrl.rollout.engine.driver import Engine
+from jaxrl.rollout.sampler import SamplingParams
 from jaxrl.rollout.speculative import acceptance
 
 SMALL = ModelConfig(vocab_size=5, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=32)
@@ -56,11 +57,7 @@ def _engine_samples(temperature, top_k, seed, n_groups=N_GROUPS, slots=64):
         ecfg,
         group_size=G,
         prompt_len=P,
-        max_new_tokens=T,
-        temperature=temperature,
-        top_k=top_k,
-        eos_id=EOS,
-        pad_id=PAD,
+        sampling=SamplingParams(max_new_tokens=T, temperature=temperature, top_k=top_k, eos_id=EOS, pad_id=PAD),
         rng=jax.random.PRNGKey(seed),
     )
     items = ((i % 2, PROMPTS[i % 2]) for i in range(2 * n_groups))

@@ -15,6 +15,7 @@ from jaxrl import config as C
 from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import batch_of_groups
+from jaxrl.rollout.sampler import SamplingParams
 from jaxrl.rollout.speculative import draft_vocab
 
 SUBSET = (3, 1)  # td.SMALL's drafter sees tokens 3 and EOS=1 only; 0, 2 and 4 are never drafted
@@ -65,10 +66,7 @@ def test_sampled_distribution_equals_enumeration_with_a_two_token_draft_head():
         ecfg,
         group_size=td.G,
         prompt_len=td.P,
-        max_new_tokens=td.T,
-        temperature=1.0,
-        eos_id=td.EOS,
-        pad_id=td.PAD,
+        sampling=SamplingParams(max_new_tokens=td.T, temperature=1.0, eos_id=td.EOS, pad_id=td.PAD),
         rng=jax.random.PRNGKey(11),
         speculative=_spec(len(SUBSET), max_draft=2),
         draft_ids=SUBSET,
@@ -106,12 +104,8 @@ def test_greedy_equals_sampler_with_a_reduced_draft_head():
         ecfg,
         group_size=te.G,
         prompt_len=te.P,
-        max_new_tokens=te.T,
-        temperature=1.0,
-        eos_id=eos,
-        pad_id=te.PAD,
+        sampling=SamplingParams(max_new_tokens=te.T, temperature=1.0, eos_id=eos, pad_id=te.PAD, greedy=True),
         rng=jax.random.PRNGKey(0),
-        greedy=True,
         speculative=_spec(8),
         draft_ids=ids,
     )
@@ -131,10 +125,7 @@ def test_config_errors_name_the_field():
             EngineConfig(enabled=True, slots=4, chunk=1),
             group_size=te.G,
             prompt_len=te.P,
-            max_new_tokens=te.T,
-            temperature=1.0,
-            eos_id=te.NEVER,
-            pad_id=te.PAD,
+            sampling=SamplingParams(max_new_tokens=te.T, temperature=1.0, eos_id=te.NEVER, pad_id=te.PAD),
             rng=jax.random.PRNGKey(0),
             speculative=_spec(n),
             draft_ids=ids,

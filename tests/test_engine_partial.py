@@ -17,6 +17,7 @@ from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import batch_of_groups, left_pad
 from jaxrl.rollout.engine.partial import fed_mask, release_slots, reprefill
+from jaxrl.rollout.sampler import SamplingParams
 from jaxrl.rollout.speculative.engine import speculative_spec
 
 
@@ -35,12 +36,14 @@ def _engine(max_staleness=-1, reprefill=False, slots=6, chunk=1, eos=None, greed
         ecfg,
         group_size=G,
         prompt_len=P,
-        max_new_tokens=T,
-        temperature=temperature,
-        eos_id=_eos(CFG) if eos is None else eos,
-        pad_id=PAD,
+        sampling=SamplingParams(
+            max_new_tokens=T,
+            temperature=temperature,
+            eos_id=_eos(CFG) if eos is None else eos,
+            pad_id=PAD,
+            greedy=greedy,
+        ),
         rng=jax.random.PRNGKey(seed),
-        greedy=greedy,
     )
 
 
@@ -83,7 +86,7 @@ def test_staleness_bound_restarts_whole_groups_in_flight_and_waiting():
     ref = _plain(CFG, _eos(CFG))
     np.testing.assert_array_equal(batch["tokens_BxT"], np.asarray(ref.tokens_BxT))
     np.testing.assert_allclose(batch["rollout_logp_BxT"], np.asarray(ref.logp_BxT), atol=1e-5, rtol=0)
-    assert engine.groups_in_flight == 0 and not engine._restart and np.all(engine._owner_S < 0)
+    assert engine.groups_in_flight == 0 and not engine.host.restart and np.all(engine.pool.owner_S < 0)
 
 
 def test_staleness_zero_never_spans_an_update_and_a_loose_bound_changes_nothing():

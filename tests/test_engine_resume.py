@@ -18,6 +18,7 @@ from jaxrl.data.stream import StreamState
 from jaxrl.data.tasks import load_task
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.policy.warmstart import load_or_train_base
+from jaxrl.rollout.sampler import SamplingParams
 from jaxrl.sources.groups import EngineSource
 from jaxrl.train import checkpoint as ckpt
 
@@ -131,10 +132,7 @@ def test_engine_state_without_drafting_does_not_load_into_a_drafting_engine():
             EngineConfig(enabled=True, slots=4),
             group_size=2,
             prompt_len=4,
-            max_new_tokens=5,
-            temperature=1.0,
-            eos_id=1,
-            pad_id=0,
+            sampling=SamplingParams(max_new_tokens=5, temperature=1.0, eos_id=1, pad_id=0),
             rng=jax.random.key(0),
             speculative=spec,
         )

@@ -14,6 +14,7 @@ from jaxrl.config import EngineConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import batch_of_groups, concat_groups
+from jaxrl.rollout.sampler import SamplingParams
 
 
 def test_more_greedy_samples_of_a_scored_prompt_equal_its_first_ones():
@@ -38,7 +39,7 @@ def test_more_greedy_samples_of_a_scored_prompt_equal_its_first_ones():
     merged = concat_groups([first[2], more[2]], 2, first[2].prompt_P, first[2].prompt_mask_P)
     batch = batch_of_groups([first[0], merged]).fields()
     np.testing.assert_array_equal(batch["group_id_B"], [0, 0] + [1] * 7)
-    assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
+    assert engine.groups_in_flight == 0 and np.all(engine.pool.owner_S < 0)
 
 
 @pytest.mark.slow
@@ -76,11 +77,9 @@ def test_sample_draws_have_the_plain_distribution():
         ecfg,
         group_size=dist.G,
         prompt_len=dist.P,
-        max_new_tokens=dist.T,
-        temperature=temperature,
-        top_k=top_k,
-        eos_id=dist.EOS,
-        pad_id=dist.PAD,
+        sampling=SamplingParams(
+            max_new_tokens=dist.T, temperature=temperature, top_k=top_k, eos_id=dist.EOS, pad_id=dist.PAD
+        ),
         rng=jax.random.PRNGKey(7),
     )
     requests = [(0, dist.PROMPTS[0], 3), (1, dist.PROMPTS[1], 5)] * 600

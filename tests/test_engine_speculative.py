@@ -19,7 +19,7 @@ from jaxrl.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import batch_of_groups
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative import engine as engine_speculative
 from jaxrl.rollout.speculative.engine import SpeculativeEngineSpec
@@ -38,12 +38,10 @@ def _engine(cfg, eos_id, slots, chunk, admit_groups=1, greedy=True, temperature=
         ecfg,
         group_size=te.G,
         prompt_len=te.P,
-        max_new_tokens=te.T,
-        temperature=temperature,
-        eos_id=eos_id,
-        pad_id=te.PAD,
+        sampling=SamplingParams(
+            max_new_tokens=te.T, temperature=temperature, eos_id=eos_id, pad_id=te.PAD, greedy=greedy
+        ),
         rng=jax.random.PRNGKey(seed),
-        greedy=greedy,
         speculative=_spec() if speculative is None else speculative,
     )
 
@@ -76,7 +74,7 @@ def test_greedy_equals_plain_engine_and_sampler(cfg, slots, chunk, admit_groups,
     _check_drafts_tested(engine.counts)
     if slots < len(te.LENGTHS) * te.G:
         assert engine.counts["admitted_groups"] == len(te.LENGTHS) > slots // te.G
-    assert engine.groups_in_flight == 0 and np.all(engine._owner_S < 0)
+    assert engine.groups_in_flight == 0 and np.all(engine.pool.owner_S < 0)
     if slots == 4 and chunk == 1:
         plain = te._engine(cfg, eos, slots, chunk, admit_groups)
         plain_groups = plain.collect(te._params(cfg), 0, items, n_groups=len(te.LENGTHS))
@@ -154,11 +152,7 @@ def test_eos_inside_an_accepted_draft_ends_the_sample():
         jnp.asarray(mask),
         jax.random.PRNGKey(0),
         group_size=te.G,
-        max_new_tokens=te.T + 2,
-        temperature=1.0,
-        eos_id=te.NEVER,
-        pad_id=te.PAD,
-        greedy=True,
+        sampling=SamplingParams(max_new_tokens=te.T + 2, temperature=1.0, eos_id=te.NEVER, pad_id=te.PAD, greedy=True),
     ).tokens_BxT
     toks = np.asarray(toks)
     eos = next(
@@ -202,10 +196,7 @@ def _speculative_samples(seed, n_groups=N_GROUPS):
         ecfg,
         group_size=td.G,
         prompt_len=td.P,
-        max_new_tokens=td.T,
-        temperature=1.0,
-        eos_id=td.EOS,
-        pad_id=td.PAD,
+        sampling=SamplingParams(max_new_tokens=td.T, temperature=1.0, eos_id=td.EOS, pad_id=td.PAD),
         rng=jax.random.PRNGKey(seed),
         speculative=_spec(max_draft=2),
     )

@@ -1,4 +1,4 @@
-"""The engine's speculation toggle (engine_speculative.toggle_chunk): plain chunks while more than
+"""The engine's speculation toggle (speculative.engine.ToggleChunk): plain chunks while more than
 `max_active_rows` slots decode, speculative chunks on just the decoding rows once that many or fewer
 do. The threshold from measured costs and acceptance (calibrate.tail_threshold, hand-worked), greedy
 tokens identical to the plain engine and sampler across switches, the sampled distribution of a
@@ -16,6 +16,7 @@ from chi_square import chi_square_pvalue
 from jaxrl.config import EngineConfig, SpeculativeConfig
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import batch_of_groups
+from jaxrl.rollout.sampler import SamplingParams
 from jaxrl.rollout.speculative.calibrate import StepCosts, expected_tokens, tail_gain, tail_threshold
 from jaxrl.rollout.speculative.engine import chunk_kind
 
@@ -68,12 +69,8 @@ def test_greedy_with_the_toggle_equals_plain_engine_and_sampler(cfg=te.CFG):
         ecfg,
         group_size=te.G,
         prompt_len=te.P,
-        max_new_tokens=te.T,
-        temperature=1.0,
-        eos_id=eos,
-        pad_id=te.PAD,
+        sampling=SamplingParams(max_new_tokens=te.T, temperature=1.0, eos_id=eos, pad_id=te.PAD, greedy=True),
         rng=jax.random.PRNGKey(0),
-        greedy=True,
         speculative=_toggle(2),
     )
     assert engine.tail_rows == 2
@@ -100,10 +97,7 @@ def _switching_samples(seed):
         ecfg,
         group_size=td.G,
         prompt_len=td.P,
-        max_new_tokens=td.T,
-        temperature=TEMP,
-        eos_id=td.EOS,
-        pad_id=td.PAD,
+        sampling=SamplingParams(max_new_tokens=td.T, temperature=TEMP, eos_id=td.EOS, pad_id=td.PAD),
         rng=jax.random.PRNGKey(seed),
         speculative=_toggle(7, 2),
     )
@@ -146,12 +140,10 @@ def test_resumed_toggle_engine_continues_like_the_original():
             ecfg,
             group_size=te.G,
             prompt_len=te.P,
-            max_new_tokens=te.T,
-            temperature=1.0,
-            eos_id=te._eos(te.CFG),
-            pad_id=te.PAD,
+            sampling=SamplingParams(
+                max_new_tokens=te.T, temperature=1.0, eos_id=te._eos(te.CFG), pad_id=te.PAD, greedy=False
+            ),
             rng=jax.random.PRNGKey(3),
-            greedy=False,
             speculative=_toggle(3),
         )
 

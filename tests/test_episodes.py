@@ -9,7 +9,7 @@ from episode_helpers import CFG, MOE, RECORDS, TOK, CountEnv, P, T, engine, para
 
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.episodes.records import EpisodeGroup
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 
 EOT_GREEDY = "1"  # with params(), greedy episodes of RECORDS take 3, 1, 2, 1, 1 turns (checked below)
 
@@ -182,11 +182,7 @@ def test_an_end_of_turn_token_ends_decoding_without_eos_and_place_starts_like_th
         jnp.asarray(mask),
         jax.random.PRNGKey(0),
         group_size=1,
-        max_new_tokens=4,
-        temperature=1.0,
-        eos_id=TOK.eos_id,
-        pad_id=TOK.pad_id,
-        greedy=True,
+        sampling=SamplingParams(max_new_tokens=4, temperature=1.0, eos_id=TOK.eos_id, pad_id=TOK.pad_id, greedy=True),
     )
     np.testing.assert_array_equal(host.tokens_SxT[0, :4], np.asarray(ref.tokens_BxT[1]))
     assert int(ref.tokens_BxT[0, 0]) == eot

@@ -3,9 +3,12 @@ the token budget, and the user mistakes EpisodeEngine refuses."""
 
 import numpy as np
 import pytest
-from episode_helpers import RECORDS, TOK, CountEnv, P, engine, params, requests
+from episode_helpers import CFG, RECORDS, TOK, CountEnv, P, T, engine, params, requests
 
-from jaxrl.config import SpeculativeConfig
+from jaxrl.config import EngineConfig, SpeculativeConfig
+from jaxrl.config.agent import AgentConfig
+from jaxrl.rollout.episodes.driver import EpisodeEngine
+from jaxrl.rollout.sampler import SamplingParams
 
 
 def _run(make_env, **kw):
@@ -83,6 +86,19 @@ def test_user_mistakes_name_the_field():
         engine(eot="!")
     with pytest.raises(ValueError, match="rollout.speculative.enabled"):
         engine(speculative=SpeculativeConfig(enabled=True))
+    for field in ("eos_id", "pad_id"):  # the episodes end and pad with the tokenizer's ids
+        wrong = {"eos_id": TOK.eos_id, "pad_id": TOK.pad_id, field: 99}
+        with pytest.raises(ValueError, match=f"sampling.{field}: got 99, the tokenizer's is"):
+            EpisodeEngine(
+                CFG,
+                EngineConfig(slots=3, chunk=4),
+                AgentConfig(),
+                make_env=CountEnv,
+                tokenizer=TOK,
+                end_of_turn="]",
+                prompt_len=P,
+                sampling=SamplingParams(max_new_tokens=T, **wrong),
+            )
     long = [("x", {"id": "too-long", "prompt": "1" * P, "turns": 1})]  # BOS + P tokens > P
     with pytest.raises(ValueError, match="'too-long'"):
         engine().run(params(), 0, long, 1, (0,))

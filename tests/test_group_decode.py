@@ -10,7 +10,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.models.decode import decode_layers
 from jaxrl.models.group_decode import decode_group_layers, default_segments, grow_own, segment_ends
-from jaxrl.rollout.sampler import prefill_groups, prefill_shared, sample
+from jaxrl.rollout.sampler import SamplingParams, prefill_groups, prefill_shared, sample
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 P, G, STEPS = 5, 3, 6
@@ -84,7 +84,7 @@ def test_sampler_segments_match_row_cache(params, segments):
     """Sampled tokens (temperature 1, same key) and recorded log-probs of the segmented shared-prefix
     loop equal the per-row loop's, at every segment boundary; 7 segments = one step each."""
     prompt, pmask = _prompts()
-    kw = dict(group_size=G, max_new_tokens=7, temperature=1.0, eos_id=99, pad_id=0)
+    kw = dict(group_size=G, sampling=SamplingParams(max_new_tokens=7, temperature=1.0, eos_id=99, pad_id=0))
     want = sample(params, CFG, prompt, pmask, jax.random.PRNGKey(4), share_prefix=False, **kw)
     got = sample(params, CFG, prompt, pmask, jax.random.PRNGKey(4), decode_segments=segments, **kw)
     np.testing.assert_array_equal(got.tokens_BxT, want.tokens_BxT)
@@ -97,19 +97,46 @@ def test_sampler_segments_stop_early_on_eos_and_single_token_prompts(params):
     """EOS (a token rows draw often) ends rows inside the first of 3 segments; the later segments'
     loops must neither run past all-done nor disturb finished rows. P = 1: no prefix at all."""
     prompt, pmask = _prompts()
-    kw = dict(group_size=G, max_new_tokens=7, temperature=1.0, pad_id=0)
-    probe = sample(params, CFG, prompt, pmask, jax.random.PRNGKey(4), share_prefix=False, eos_id=99, **kw)
+    kw, sp = dict(group_size=G), dict(max_new_tokens=7, temperature=1.0, pad_id=0)
+    probe = sample(
+        params,
+        CFG,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(4),
+        share_prefix=False,
+        sampling=SamplingParams(eos_id=99, **sp),
+        **kw,
+    )
     eos = int(np.bincount(np.asarray(probe.tokens_BxT)[:, :2].ravel()).argmax())  # common early token
     n_programs = sample.__wrapped__._cache_size()  # temperature_checked(jax.jit(sample's body))
-    want = sample(params, CFG, prompt, pmask, jax.random.PRNGKey(4), share_prefix=False, eos_id=eos, **kw)
+    want = sample(
+        params,
+        CFG,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(4),
+        share_prefix=False,
+        sampling=SamplingParams(eos_id=eos, **sp),
+        **kw,
+    )
     assert sample.__wrapped__._cache_size() == n_programs  # eos_id is traced: another EOS, the same program
-    got = sample(params, CFG, prompt, pmask, jax.random.PRNGKey(4), decode_segments=3, eos_id=eos, **kw)
+    got = sample(
+        params,
+        CFG,
+        prompt,
+        pmask,
+        jax.random.PRNGKey(4),
+        decode_segments=3,
+        sampling=SamplingParams(eos_id=eos, **sp),
+        **kw,
+    )
     for a, b in zip(got[:6], want[:6]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     finished_at = np.asarray(got.length_B)[np.asarray(got.finished_B)]
     assert finished_at.size and finished_at.min() <= 3  # some row ends inside the first segment (3 steps)
     one, one_mask = _prompts(lengths=(1, 1), prompt_len=1)
-    kw1 = dict(group_size=2, max_new_tokens=4, temperature=1.0, eos_id=99, pad_id=0)
+    kw1 = dict(group_size=2, sampling=SamplingParams(max_new_tokens=4, temperature=1.0, eos_id=99, pad_id=0))
     want1 = sample(params, CFG, one, one_mask, jax.random.PRNGKey(1), share_prefix=False, **kw1)
     got1 = sample(params, CFG, one, one_mask, jax.random.PRNGKey(1), decode_segments=2, **kw1)
     np.testing.assert_array_equal(got1.tokens_BxT, want1.tokens_BxT)

@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxrl.models import hf, safetensors_io  # noqa: E402
 from jaxrl.models.transformer import forward  # noqa: E402
-from jaxrl.rollout.sampler import sample  # noqa: E402
+from jaxrl.rollout.sampler import SamplingParams, sample  # noqa: E402
 
 V = 96
 COMMON = dict(
@@ -214,11 +214,7 @@ def test_logits_and_greedy_generation_match_transformers(models, name):
         jnp.ones(prompt.shape, bool),
         jax.random.key(0),
         group_size=1,
-        max_new_tokens=20,
-        temperature=1.0,
-        eos_id=V + 1,
-        pad_id=0,
-        greedy=True,
+        sampling=SamplingParams(max_new_tokens=20, temperature=1.0, eos_id=V + 1, pad_id=0, greedy=True),
     )
     np.testing.assert_array_equal(np.asarray(out.tokens_BxT), want)
 
@@ -378,10 +374,7 @@ def test_trailing_dense_layers_sample_replay_and_train(models):
         jnp.ones(prompt.shape, bool),
         jax.random.key(1),
         group_size=G,
-        max_new_tokens=5,
-        temperature=1.0,
-        eos_id=V + 1,
-        pad_id=0,
+        sampling=SamplingParams(max_new_tokens=5, temperature=1.0, eos_id=V + 1, pad_id=0),
     )
     assert out.routing_BxSxLxK.shape == (2 * G, 6 + 5, 1, 2)  # one MoE layer of five
     batch = {

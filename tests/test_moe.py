@@ -15,7 +15,7 @@ from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.models import decode, kv_cache, moe, moe_dispatch
 from jaxrl.models import transformer as tf
 from jaxrl.models.decoder import run_decoder
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 
 D, F, E, K = 8, 16, 4, 2
 
@@ -335,10 +335,7 @@ def test_sampler_routing_replay_and_mismatch():
             pm,
             jax.random.PRNGKey(1),
             group_size=G,
-            max_new_tokens=Tn,
-            temperature=1.0,
-            eos_id=29,
-            pad_id=0,
+            sampling=SamplingParams(max_new_tokens=Tn, temperature=1.0, eos_id=29, pad_id=0),
         ),
         params,
         prompt,

@@ -115,7 +115,7 @@ print("model OK", flush=True)
 ROLLOUT_SCRIPT = r"""
 import types
 from jaxrl.config import Config, DataConfig, RolloutConfig
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 from jaxrl.sources.sampler import SamplerSource
 
 # The train loop's rollout (SamplerSource) under fsdp_expert, no context mesh anywhere: it takes the same
@@ -127,8 +127,8 @@ prompt_NxP = rng.integers(3, 32, (n_prompts, P)).astype(np.int32)
 pmask_NxP = (np.arange(P)[None] >= rng.integers(0, 2, n_prompts)[:, None]).astype(np.int32)
 key = jax.random.key(5)
 tok = types.SimpleNamespace(pad_id=0, eos_id=2)
-want = sample(base, cfg, prompt_NxP, pmask_NxP, key, group_size=G2, max_new_tokens=T, temperature=1.0, eos_id=2,
-              pad_id=0)
+SP = SamplingParams(max_new_tokens=T, temperature=1.0, eos_id=2, pad_id=0)
+want = sample(base, cfg, prompt_NxP, pmask_NxP, key, group_size=G2, sampling=SP)
 mesh, preset = make_mesh(MeshConfig(preset="fsdp_expert", expert=4))
 param_sh = param_shardings(mesh, preset, param_logical_axes(cfg), base)
 params = jax.device_put(base, param_sh)
@@ -168,8 +168,8 @@ spec = SpeculativeConfig(enabled=True, draft_layers=1, max_draft=3, adaptive=Fal
 spec_cfg = Config(data=DataConfig(max_prompt_len=P), rollout=dataclasses.replace(rollout_cfg, speculative=spec))
 prior = np.float32(spec.initial_acceptance)
 want, want_stats = sample_speculative(
-    base, cfg, prompt_NxP, pmask_NxP, key, spec=spec, group_size=G2, max_new_tokens=T, temperature=1.0, eos_id=2,
-    pad_id=0, acceptance_prior=prior, reuse_acceptance_prior=prior,
+    base, cfg, prompt_NxP, pmask_NxP, key, spec=spec, group_size=G2, sampling=SP,
+    acceptance_prior=prior, reuse_acceptance_prior=prior,
 )
 assert not ep_sites  # one device: nothing expert-parallel
 source = SamplerSource(spec_cfg, cfg, tok, mesh, preset, param_sh, params, key, {}, None)
@@ -199,8 +199,8 @@ ep = expert_parallel(mesh, preset)
 items = [(i, prompt_NxP[i][pmask_NxP[i] > 0]) for i in range(6)]
 def run_engine(p, ep):
     engine = Engine(
-        cfg, EngineConfig(slots=8, chunk=2, admit_groups=4), group_size=2, prompt_len=P, max_new_tokens=T,
-        temperature=1.0, eos_id=2, pad_id=0, rng=jax.random.key(3), greedy=True, expert_parallel=ep,
+        cfg, EngineConfig(slots=8, chunk=2, admit_groups=4), group_size=2, prompt_len=P,
+        sampling=dataclasses.replace(SP, greedy=True), rng=jax.random.key(3), expert_parallel=ep,
     )
     return engine, batch_of_groups(sorted(engine.collect(p, 0, items, n_groups=6), key=lambda g: g.tag)).fields()
 

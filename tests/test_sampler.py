@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 NEVER = CFG.vocab_size  # an eos id the model can never emit
@@ -38,11 +38,7 @@ def _greedy(eos_id, group_size=1, **kw):
         pmask,
         jax.random.PRNGKey(0),
         group_size=group_size,
-        max_new_tokens=T,
-        temperature=1.0,
-        eos_id=eos_id,
-        pad_id=PAD,
-        greedy=True,
+        sampling=SamplingParams(max_new_tokens=T, temperature=1.0, eos_id=eos_id, pad_id=PAD, greedy=True),
         **kw,
     )
 
@@ -119,11 +115,7 @@ def test_top_k_1_equals_greedy():
         pmask,
         jax.random.PRNGKey(3),
         group_size=1,
-        max_new_tokens=T,
-        temperature=1.0,
-        top_k=1,
-        eos_id=NEVER,
-        pad_id=PAD,
+        sampling=SamplingParams(max_new_tokens=T, temperature=1.0, top_k=1, eos_id=NEVER, pad_id=PAD),
     )
     greedy = _greedy(NEVER)
     np.testing.assert_array_equal(out.tokens_BxT, greedy.tokens_BxT)
@@ -157,12 +149,9 @@ def test_sampled_logp_matches_token_logprobs_and_draws_follow_top_k_top_p():
         pmask,
         jax.random.PRNGKey(7),
         group_size=G,
-        max_new_tokens=T,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=NEVER,
-        pad_id=PAD,
+        sampling=SamplingParams(
+            max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=NEVER, pad_id=PAD
+        ),
     )
     tokens = np.asarray(out.tokens_BxT)
     assert np.all(np.asarray(out.completion_mask_BxT) == 1)
@@ -212,10 +201,7 @@ def test_eos_stops_rows_and_loop_exits_early():
         pmask,
         jax.random.PRNGKey(5),
         group_size=8,
-        max_new_tokens=max_new,
-        temperature=1.0,
-        eos_id=eos,
-        pad_id=pad,
+        sampling=SamplingParams(max_new_tokens=max_new, temperature=1.0, eos_id=eos, pad_id=pad),
     )
     _check_eos_layout(out, eos, pad)
     assert np.all(np.asarray(out.finished_B))
@@ -249,10 +235,7 @@ def test_temperature_zero_is_greedy_with_finite_logprobs():
             pmask,
             jax.random.PRNGKey(key),
             group_size=1,
-            max_new_tokens=T,
-            temperature=0.0,
-            eos_id=NEVER,
-            pad_id=PAD,
+            sampling=SamplingParams(max_new_tokens=T, temperature=0.0, eos_id=NEVER, pad_id=PAD),
         )
         np.testing.assert_array_equal(np.asarray(out.tokens_BxT), np.asarray(greedy.tokens_BxT))
         logp = np.asarray(out.logp_BxT)
@@ -278,8 +261,23 @@ def test_temperature_zero_ties_and_negative_temperature():
             pmask,
             jax.random.PRNGKey(0),
             group_size=1,
-            max_new_tokens=T,
-            temperature=-0.5,
-            eos_id=NEVER,
-            pad_id=PAD,
+            sampling=SamplingParams(max_new_tokens=T, temperature=-0.5, eos_id=NEVER, pad_id=PAD),
         )
+
+
+def test_sampling_params_are_hashable_with_temperature_and_eos_traced():
+    """A frozen, hashable bundle; under jit its temperature and eos_id are traced (other values, the
+    same program) and its other fields static (another top_k, another program)."""
+    sp = SamplingParams(max_new_tokens=T, eos_id=NEVER, pad_id=PAD)
+    assert {sp: 1}[SamplingParams(max_new_tokens=T, eos_id=NEVER, pad_id=PAD)] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sp.top_k = 3  # type: ignore[misc]
+    assert jax.tree.leaves(sp) == [1.0, NEVER]
+    prompt, pmask = _prompts()
+    run = functools.partial(sample, _params(), CFG, prompt, pmask, jax.random.PRNGKey(0), group_size=1)
+    run(sampling=sp)
+    n_programs = sample.__wrapped__._cache_size()  # temperature_checked(jax.jit(sample's body))
+    run(sampling=dataclasses.replace(sp, temperature=0.5, eos_id=3))
+    assert sample.__wrapped__._cache_size() == n_programs
+    run(sampling=dataclasses.replace(sp, top_k=4))
+    assert sample.__wrapped__._cache_size() == n_programs + 1

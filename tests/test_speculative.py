@@ -13,7 +13,7 @@ from chi_square import chi_square_pvalue
 
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models import transformer as tf
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative.calibrate import StepCosts, constant_costs
 from jaxrl.rollout.speculative.drafters import dequantize, quantize_int8
@@ -24,6 +24,7 @@ from jaxrl.rollout.speculative.steps import choose_draft_length as _choose_draft
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 MOE = dataclasses.replace(CFG, n_experts=4, experts_per_token=2, expert_mlp_dim=32)
 PAD, EOS = 0, 7
+SAMPLING = ("temperature", "top_k", "top_p", "greedy", "max_new_tokens", "eos_id", "pad_id")  # SamplingParams
 P, T = 5, 6
 
 
@@ -55,6 +56,7 @@ def _run(params, cfg, spec, rng, draft=None, **kw):
     args = dict(group_size=2, max_new_tokens=T, temperature=1.0, eos_id=EOS, pad_id=PAD)
     args.update(costs=constant_costs(spec), acceptance_prior=jnp.float32(spec.initial_acceptance))
     args.update(kw)
+    args["sampling"] = SamplingParams(**{k: args.pop(k) for k in SAMPLING if k in args})
     return sample_speculative(params, cfg, prompt, pmask, rng, spec=spec, **args, **extra)
 
 
@@ -62,6 +64,7 @@ def _plain(params, cfg, rng, **kw):
     prompt, pmask = _prompts()
     args = dict(group_size=2, max_new_tokens=T, temperature=1.0, eos_id=EOS, pad_id=PAD)
     args.update(kw)
+    args["sampling"] = SamplingParams(**{k: args.pop(k) for k in SAMPLING if k in args})
     return sample(params, cfg, prompt, pmask, rng, **args)
 
 
@@ -258,11 +261,7 @@ def _sample_small(params, spec, temperature, top_k, seed, draft=None, sampler=sa
         jax.random.PRNGKey(seed),
         spec=spec,
         group_size=N_SAMPLES,
-        max_new_tokens=S_T,
-        temperature=temperature,
-        top_k=top_k,
-        eos_id=S_EOS,
-        pad_id=PAD,
+        sampling=SamplingParams(max_new_tokens=S_T, temperature=temperature, top_k=top_k, eos_id=S_EOS, pad_id=PAD),
         **extra,
     )
     return out, stats
@@ -323,7 +322,7 @@ def _retraced_sampler():
     def retraced(*args, **kwargs):
         return body(*args, **kwargs)
 
-    static = ("cfg", "spec", "group_size", "max_new_tokens", "top_k", "top_p", "eos_id", "pad_id", "greedy")
+    static = ("cfg", "spec", "group_size")
     return jax.jit(retraced, static_argnames=static)
 
 
@@ -443,10 +442,7 @@ def test_spec_rl_rule_accepts_drafts_the_old_policy_rated_like_the_new():
         jax.random.PRNGKey(6),
         spec=_spec("reuse", reuse_width=T, reuse_rule="spec_rl"),
         group_size=2,
-        max_new_tokens=T,
-        temperature=1.0,
-        eos_id=EOS,
-        pad_id=PAD,
+        sampling=SamplingParams(max_new_tokens=T, temperature=1.0, eos_id=EOS, pad_id=PAD),
         draft_NxT=draft[0],
         draft_len_N=draft[1],
         draft_logp_NxT=first.logp_BxT,

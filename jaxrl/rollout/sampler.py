@@ -23,15 +23,16 @@ completion slot is never fed and stays 0). `token_logprobs(..., replay_BxSxLxK=r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.core import Tracer
 
-from jaxrl.config import ModelConfig
+from jaxrl.config import ModelConfig, RolloutConfig
 from jaxrl.models.decode import LayerCache, decode_layers, layer_params, to_layer_cache
 from jaxrl.models.group_decode import (
     GroupCache,
@@ -43,6 +44,41 @@ from jaxrl.models.group_decode import (
 )
 from jaxrl.models.kv_cache import init_cache, prefill
 from jaxrl.models.moe_dispatch import ExpertParallel
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "eos_id"],
+    meta_fields=["top_k", "top_p", "greedy", "max_new_tokens", "pad_id"],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How a rollout draws its tokens: one bundle for the samplers, the engine and the episodes.
+
+    A pytree: `temperature` and `eos_id` are its leaves (traced under jit: changing them does not
+    recompile; eos_id is only compared with the drawn tokens), the other fields its static structure
+    (they change the graph). Frozen and hashable while its leaves are Python numbers."""
+
+    temperature: Any = 1.0  # >= 0; 0 = the T -> 0 limit (`scaled_logits`)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    greedy: bool = False  # first argmax; top_k / top_p ignored
+    max_new_tokens: int  # T
+    eos_id: Any
+    pad_id: int
+
+    @classmethod
+    def of_rollout(cls, rc: RolloutConfig, *, eos_id: int, pad_id: int, greedy: bool = False) -> SamplingParams:
+        """What a run's `rollout.*` configures (temperature, top_k, top_p, max_new_tokens)."""
+        return cls(
+            temperature=rc.temperature,
+            top_k=rc.top_k,
+            top_p=rc.top_p,
+            greedy=greedy,
+            max_new_tokens=rc.max_new_tokens,
+            eos_id=eos_id,
+            pad_id=pad_id,
+        )
 
 
 class SampleOutput(NamedTuple):
@@ -107,11 +143,11 @@ def check_temperature(temperature) -> None:
 
 
 def temperature_checked(sampler):
-    """Wrap a jitted sampler (keyword `temperature`) so a concrete bad temperature fails before tracing."""
+    """Wrap a jitted sampler (keyword `sampling`) so a concrete bad temperature fails before tracing."""
 
     @functools.wraps(sampler)
     def call(*args, **kwargs):
-        check_temperature(kwargs["temperature"])
+        check_temperature(kwargs["sampling"].temperature)
         return sampler(*args, **kwargs)
 
     return call
@@ -134,15 +170,15 @@ def choose_tokens(rng, logits_NxV, temperature, top_k: int, top_p: float, greedy
     return first_argmax(scaled_NxV + jax.random.gumbel(rng, scaled_NxV.shape, scaled_NxV.dtype))
 
 
-def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_id) -> _Loop:
+def _emit(s: _Loop, logits_NxV, sp: SamplingParams) -> _Loop:
     """Draw column `step` for every row; rows already done write pad with mask 0."""
     rng, key = jax.random.split(s.rng)
     logits_NxV = logits_NxV.astype(jnp.float32)
-    tok_N = choose_tokens(key, logits_NxV, temperature, top_k, top_p, greedy)
-    logp_all_NxV = jax.nn.log_softmax(scaled_logits(logits_NxV, temperature), axis=-1)
+    tok_N = choose_tokens(key, logits_NxV, sp.temperature, sp.top_k, sp.top_p, sp.greedy)
+    logp_all_NxV = jax.nn.log_softmax(scaled_logits(logits_NxV, sp.temperature), axis=-1)
     logp_N = jnp.take_along_axis(logp_all_NxV, tok_N[:, None], axis=-1)[:, 0]
     live_N = ~s.done_N
-    tok_N = jnp.where(live_N, tok_N, pad_id)
+    tok_N = jnp.where(live_N, tok_N, sp.pad_id)
     logp_N = jnp.where(live_N, logp_N, 0.0)
 
     def col(buf, x):
@@ -154,7 +190,7 @@ def _emit(s: _Loop, logits_NxV, temperature, top_k, top_p, greedy, eos_id, pad_i
         tokens_NxT=col(s.tokens_NxT, tok_N),
         logp_NxT=col(s.logp_NxT, logp_N),
         mask_NxT=col(s.mask_NxT, live_N),
-        done_N=s.done_N | (live_N & (tok_N == eos_id)),
+        done_N=s.done_N | (live_N & (tok_N == sp.eos_id)),
         rng=rng,
     )
 
@@ -266,18 +302,7 @@ def _prefill_for_decode(
 @temperature_checked
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "cfg",
-        "group_size",
-        "max_new_tokens",
-        "top_k",
-        "top_p",
-        "pad_id",
-        "greedy",
-        "share_prefix",
-        "decode_segments",
-        "expert_parallel",
-    ),
+    static_argnames=("cfg", "group_size", "share_prefix", "decode_segments", "expert_parallel"),
 )
 def sample(
     params,
@@ -286,23 +311,15 @@ def sample(
     prompt_mask_BxP,
     rng,
     *,
+    sampling: SamplingParams,
     group_size: int,
-    max_new_tokens: int,
-    temperature,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_id,
-    pad_id: int,
-    greedy: bool = False,
     share_prefix: bool = True,
     decode_segments: int | None = None,
     expert_parallel: ExpertParallel | None = None,
 ) -> SampleOutput:
     """G completions per left-padded prompt; output rows i*G .. i*G+G-1 belong to prompt i.
 
-    `temperature` is traced (changing it does not recompile; 0 = greedy, see `scaled_logits`), and so
-    is `eos_id` (only compared with the drawn tokens: a sampler per EOS id would be a compile per id);
-    top_k (0 = off) and top_p (1.0 = off) are static because they change the graph.
+    `sampling`: temperature and eos_id traced, the rest static (see `SamplingParams`).
     share_prefix (default) decodes over a `GroupCache`: the prompt prefix stored once per group and
     the loop run in `decode_segments` segments (default `default_segments`) whose completion buffers
     grow, so early steps skip the never-written slots; False keeps one P+T-slot cache per row (the
@@ -311,7 +328,7 @@ def sample(
     is given; None: one-device dispatch.
     """
     B, P = prompt_BxP.shape
-    G, T = group_size, max_new_tokens
+    G, T, pad_id = group_size, sampling.max_new_tokens, sampling.pad_id
     N = B * G
     ends, cache, routing_NxSxLxK, last_N, step_fn = _prefill_for_decode(
         params, cfg, prompt_BxP, prompt_mask_BxP, G, T, share_prefix, decode_segments, expert_parallel
@@ -336,7 +353,7 @@ def sample(
             s = s._replace(
                 routing_NxSxLxK=lax.dynamic_update_slice(s.routing_NxSxLxK, experts_Nx1xLxK, (0, P - 1 + s.step, 0, 0))
             )
-        return _emit(s._replace(cache=cache), logits_Nx1xV[:, 0], temperature, top_k, top_p, greedy, eos_id, pad_id)
+        return _emit(s._replace(cache=cache), logits_Nx1xV[:, 0], sampling)
 
     for end in ends:  # one loop per segment; a segment's steps write completion slots < end
         if share_prefix:

@@ -37,6 +37,7 @@ from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, next_batch
 from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.rollout.episodes.driver import EpisodeEngine
+from jaxrl.rollout.sampler import SamplingParams
 from jaxrl.sources.base import Produced
 from jaxrl.sources.scoring import combined_reward, reward_metrics
 
@@ -87,11 +88,15 @@ def make_episode_engine(
         tokenizer=tokenizer,
         end_of_turn=end_of_turn,
         prompt_len=cfg.data.max_prompt_len,
-        max_new_tokens=rc.max_new_tokens,
-        temperature=1.0 if greedy else rc.temperature,
-        top_k=0 if greedy else rc.top_k,
-        top_p=1.0 if greedy else rc.top_p,
-        greedy=greedy,
+        sampling=SamplingParams(
+            temperature=1.0 if greedy else rc.temperature,
+            top_k=0 if greedy else rc.top_k,
+            top_p=1.0 if greedy else rc.top_p,
+            greedy=greedy,
+            max_new_tokens=rc.max_new_tokens,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+        ),
         expert_parallel=expert_parallel,
     )
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import Config
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 from jaxrl.rollout.speculative.control import (
     control_state,
     restored_control,
@@ -87,13 +87,8 @@ class SamplerSource:
         costs = speculative_costs(cfg, model_cfg, params, host, self.B, cost_cache_dir)
         self.control = restored_control(host, self.spec, costs)
         sample_kw = dict(
+            sampling=SamplingParams.of_rollout(rc, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id),
             group_size=self.G,
-            max_new_tokens=self.T,
-            temperature=rc.temperature,
-            top_k=rc.top_k,
-            top_p=rc.top_p,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
         )
         self._jit(model_cfg, sample_kw, mesh, preset, param_sh, params, rng, cfg.data.max_prompt_len)
         self.prompt_rows, self.rows = process_rows(self.prompt_sh, self.n_prompts), process_rows(self.rows_sh, self.B)

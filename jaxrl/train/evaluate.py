@@ -16,7 +16,7 @@ import numpy as np
 from jaxrl.config import Config, ConfigError, ModelConfig
 from jaxrl.data.tokenizer import encode_prompts
 from jaxrl.models.moe_dispatch import ExpertParallel
-from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.sampler import SamplingParams, sample
 from jaxrl.sources.scoring import score_completions
 
 EVAL_CHUNK = 100  # prompts per jitted call; the last chunk is padded so the shape never changes
@@ -70,14 +70,16 @@ def make_chunk_sampler(
         functools.partial(
             sample,
             cfg=model_cfg,
+            sampling=SamplingParams(
+                temperature=temperature,
+                top_k=0 if greedy else rc.top_k,
+                top_p=1.0 if greedy else rc.top_p,
+                greedy=greedy,
+                max_new_tokens=rc.max_new_tokens,
+                eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id,
+            ),
             group_size=group_size,
-            max_new_tokens=rc.max_new_tokens,
-            temperature=temperature,
-            top_k=0 if greedy else rc.top_k,
-            top_p=1.0 if greedy else rc.top_p,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-            greedy=greedy,
             expert_parallel=expert_parallel,
         ),
         **({} if out_sharding is None else {"out_shardings": out_sharding}),

@@ -2,6 +2,7 @@
 jitted device side).
 
     engine = Engine.from_config(cfg, prompt_len=P, eos_id=..., pad_id=..., rng=key)
+    engine = Engine(model_cfg, engine_cfg, sampling=SamplingParams(...), group_size=G, prompt_len=P, rng=key)
     groups = engine.collect(params, version, prompts, n_groups)   # prompts: iterable of (tag, tokens)
     batch  = batch_of_groups(groups)                               # the trainer's RolloutBatch
 
@@ -35,13 +36,17 @@ the bound (in flight, or complete and waiting to be returned) is dropped and res
 prompt, ahead of new prompts: all G samples of a group are redrawn together, so they stay samples of
 one policy mix and comparable within the group. (A group's samples are admitted together, so they
 share their first token's version.) -1: no bound.
-`to_state()` / `load_state()` capture all of the above for a checkpoint (engine_checkpoint.py).
+`pool` (a `SlotPool`, slots.py: the device state, which group holds each slot, the chunk, the
+retire readout) and `host` (an `EngineHostState`, host.py: flights, ready and restarted groups,
+versions, counters) are all of the above; `to_state()` / `load_state()` capture both for a
+checkpoint (checkpoint.py).
 
 Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): once at
 most `rollout.speculative.max_active_rows` slots are decoding (the tail; `tail_rows`), each decode
 step drafts `max_draft` tokens for each of those slots with the policy's first `draft_layers` blocks
-and verifies them with one policy forward over just those rows (`engine_speculative.py`); while more
-slots decode, chunks are plain (a verify of many rows is compute-bound and costs more than it saves).
+and verifies them with one policy forward over just those rows (the engine's chunk strategy,
+`speculative/engine.py`'s `ToggleChunk`); while more slots decode, chunks are plain (a verify of many
+rows is compute-bound and costs more than it saves).
 Same distribution, same recorded fields, several tokens per step in the tail; counts["drafted"] /
 counts["accepted"] say how many drafts were kept, counts["speculative_chunks"] how many chunks speculated.
 """
@@ -65,38 +70,33 @@ from jaxrl.rollout.engine.groups import (
     flight_group,
     left_pad,
 )
+from jaxrl.rollout.engine.host import EngineHostState
 from jaxrl.rollout.engine.partial import release_slots, reprefill
+from jaxrl.rollout.engine.slots import SlotPool
 from jaxrl.rollout.engine.state import (
     EngineSpec,
     admit,
-    decode_chunk,
-    host_slots,
     init_state,
     read_host_slots,
     split_params,
 )
-from jaxrl.rollout.sampler import check_temperature
+from jaxrl.rollout.sampler import SamplingParams, check_temperature
 from jaxrl.rollout.speculative import engine as engine_speculative
 
 
 class Engine:
-    """Host side of the engine; `state` is the device state (`engine_state.EngineState`)."""
+    """Host side of the engine: `pool` the slots (device state and owners), `host` the rest of the
+    bookkeeping (`EngineHostState`); nothing outside this class writes either."""
 
     def __init__(
         self,
         model_cfg: ModelConfig,
         engine_cfg: EngineConfig,
         *,
+        sampling: SamplingParams,
         group_size: int,
         prompt_len: int,
-        max_new_tokens: int,
-        temperature: float,
-        eos_id: int,
-        pad_id: int,
         rng,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        greedy: bool = False,
         speculative: SpeculativeConfig | None = None,
         draft_ids=None,
         expert_parallel: ExpertParallel | None = None,
@@ -109,44 +109,25 @@ class Engine:
                 f"rollout.engine.slots: got {engine_cfg.slots}, expected at least "
                 f"group_size={group_size} (a group is admitted into free slots at once)"
             )
-        check_temperature(temperature)
-        self.ecfg, self.temperature = engine_cfg, float(temperature)
-        self.spec = EngineSpec(
+        check_temperature(sampling.temperature)
+        self.ecfg, self.temperature = engine_cfg, float(sampling.temperature)
+        self.spec = EngineSpec.of_sampling(
             model_cfg,
-            engine_cfg.slots,
-            prompt_len,
-            max_new_tokens,
-            group_size,
-            eos_id,
-            pad_id,
-            top_k,
-            top_p,
-            greedy,
+            sampling,
+            slots=engine_cfg.slots,
+            prompt_len=prompt_len,
+            group_size=group_size,
             expert_parallel=expert_parallel,
         )
-        self.counts = {
-            "chunks": 0,
-            "prefill_calls": 0,
-            "admitted_groups": 0,
-            "restarted_groups": 0,
-            "restarted_samples": 0,
-            "reprefilled_samples": 0,
-        }
-        # The chunk kernel and the weights it takes (split into layers once per collect, or stacked).
-        self._decode_chunk, self._chunk_params = decode_chunk, split_params
+        toggle = None  # the speculative chunk strategy the slots run
         self.tail_rows = 0  # slots decoding at or below which chunks speculate (0: never)
-        if speculative is not None and speculative.enabled:  # early-exit drafting: engine_speculative.py
+        if speculative is not None and speculative.enabled:  # early-exit drafting: speculative/engine.py
             # draft_ids: ranked token ids for a reduced draft head (rollout.speculative.draft_vocab)
             self.spec = engine_speculative.speculative_spec(self.spec, speculative, draft_ids)
             self.tail_rows = engine_speculative.tail_rows(speculative, engine_cfg.slots)
-            self._decode_chunk = engine_speculative.toggle_chunk(self, self.tail_rows)
-        self.state = init_state(self.spec.without_drafter(), rng)
-        self._owner_S = np.full(engine_cfg.slots, -1, np.int64)  # group id holding each slot, -1: free
-        self._flight: dict[int, Flight] = {}
-        self._ready: list[Group] = []  # complete, not yet returned
-        self._next_id = 0
-        self._restart: list = []  # (tag, prompt_P, mask_P) of groups to re-admit before new prompts
-        self._version: int | None = None  # the previous collect's version
+            toggle = engine_speculative.ToggleChunk(self.tail_rows)
+        self.pool = SlotPool(self.spec, init_state(self.spec.without_drafter(), rng), toggle)
+        self.host = EngineHostState.fresh(() if toggle is None else toggle.COUNTS)
 
     @classmethod
     def from_config(
@@ -167,37 +148,44 @@ class Engine:
         return cls(
             cfg.model,
             rc.engine,
+            sampling=SamplingParams.of_rollout(rc, eos_id=eos_id, pad_id=pad_id, greedy=greedy),
             group_size=rc.group_size,
             prompt_len=prompt_len,
-            max_new_tokens=rc.max_new_tokens,
-            temperature=rc.temperature,
-            eos_id=eos_id,
-            pad_id=pad_id,
             rng=rng,
-            top_k=rc.top_k,
-            top_p=rc.top_p,
-            greedy=greedy,
             speculative=rc.speculative,
             draft_ids=draft_ids,
             expert_parallel=expert_parallel,
         )
 
     def to_state(self) -> tuple[dict, dict]:
-        """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (engine_checkpoint.py)."""
-        return engine_to_state(self)
+        """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (checkpoint.py)."""
+        return engine_to_state(self.pool, self.host)
 
     def load_state(self, host: dict, arrays: dict) -> None:
         """Continue from `to_state()`'s output: samples in flight, ready groups, counters, RNG."""
-        load_engine_state(self, host, arrays)
+        self.host = load_engine_state(self.pool, host, arrays, self.host.counts)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The engine's counters (chunks, prefill calls, admitted / restarted groups, ...; drafted /
+        accepted tokens and speculative chunks when speculating)."""
+        return self.host.counts
 
     @property
     def version(self) -> int | None:
         """The version of the latest collect (None before the first)."""
-        return self._version
+        return self.host.version
 
     @property
     def groups_in_flight(self) -> int:
-        return len(self._flight)
+        return len(self.host.flight)
+
+    def _chunk(self, lparams, version: int, stop_at=None) -> None:
+        """One chunk of at most `chunk` decode steps over all slots (the speculative strategy's, if any)."""
+        counted = self.pool.decode(lparams, self.ecfg.chunk, version, self.temperature, stop_at)
+        for name, n in counted.items():
+            self.host.counts[name] += n
+        self.host.counts["chunks"] += 1
 
     def collect(self, params, version: int, prompts: Iterable, n_groups: int) -> list[Group]:
         """The next n_groups complete groups (fewer only when `prompts` runs out and nothing is left
@@ -205,20 +193,17 @@ class Engine:
         prompts = iter(prompts)
         self._restart_stale(version)
         self._reprefill_carried(params, version)
-        self._version = version
-        lparams = self._chunk_params(params, self.spec.cfg)  # once per collect, not once per chunk
-        while len(self._ready) < n_groups:
+        self.host.version = version
+        lparams = split_params(params, self.spec.cfg)  # once per collect, not once per chunk
+        while len(self.host.ready) < n_groups:
             more = self._admit_free(params, prompts, n_groups, version)
-            if not self._flight:  # prompts ran out and every admitted group is back
+            if not self.host.flight:  # prompts ran out and every admitted group is back
                 break
             # While another group may still be admitted, the chunk ends as soon as G slots are free.
             stop_at = self.spec.group_size if more else self.spec.slots
-            self.state = self._decode_chunk(
-                lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature, stop_at
-            )
-            self.counts["chunks"] += 1
+            self._chunk(lparams, version, stop_at)
             self._retire()
-        out, self._ready = self._ready[:n_groups], self._ready[n_groups:]
+        out, self.host.ready = self.host.ready[:n_groups], self.host.ready[n_groups:]
         return out
 
     def _restart_stale(self, version: int) -> None:
@@ -231,40 +216,40 @@ class Engine:
         def stale(first):
             return version - first > bound
 
-        n_queued = len(self._restart)
-        restart = [g for g in self._ready if stale(first_version(g))]
-        self._ready = [g for g in self._ready if not stale(first_version(g))]
-        self._restart.extend((g.tag, g.prompt_P, g.prompt_mask_P) for g in restart)
+        n_queued = len(self.host.restart)
+        restart = [g for g in self.host.ready if stale(first_version(g))]
+        self.host.ready = [g for g in self.host.ready if not stale(first_version(g))]
+        self.host.restart.extend((g.tag, g.prompt_P, g.prompt_mask_P) for g in restart)
         free_S = np.zeros(self.spec.slots, bool)
-        for gid in [gid for gid, f in self._flight.items() if stale(f.born)]:
-            flight = self._flight.pop(gid)
-            mine = self._owner_S == gid  # members already retired left their slots (maybe to others)
+        for gid in [gid for gid, f in self.host.flight.items() if stale(f.born)]:
+            flight = self.host.flight.pop(gid)
+            mine = self.pool.owner_S == gid  # members already retired left their slots (maybe to others)
             free_S |= mine
-            self._owner_S[mine] = -1
-            self._restart.append((flight.tag, flight.prompt_P, flight.mask_P))
+            self.pool.owner_S[mine] = -1
+            self.host.restart.append((flight.tag, flight.prompt_P, flight.mask_P))
         if free_S.any():
-            self.state = release_slots(self.spec, self.state, free_S)
-        n_restarted = len(self._restart) - n_queued
-        self.counts["restarted_groups"] += n_restarted
-        self.counts["restarted_samples"] += n_restarted * self.spec.group_size
+            self.pool.state = release_slots(self.spec, self.pool.state, free_S)
+        n_restarted = len(self.host.restart) - n_queued
+        self.host.counts["restarted_groups"] += n_restarted
+        self.host.counts["restarted_samples"] += n_restarted * self.spec.group_size
 
     def _reprefill_carried(self, params, version: int) -> None:
         """reprefill: at a version change, recompute the caches of the samples still decoding."""
-        if not self.ecfg.reprefill or version == self._version or not self._flight:
+        if not self.ecfg.reprefill or version == self.host.version or not self.host.flight:
             return
         S, P = self.spec.slots, self.spec.prompt_len
         prompt_SxP, mask_SxP = np.full((S, P), self.spec.pad_id, np.int32), np.zeros((S, P), np.int32)
-        for gid, flight in self._flight.items():
-            mine = self._owner_S == gid
+        for gid, flight in self.host.flight.items():
+            mine = self.pool.owner_S == gid
             prompt_SxP[mine], mask_SxP[mine] = flight.prompt_P, flight.mask_P
-        redo_S = self._owner_S >= 0
-        self.state = reprefill(params, self.spec, self.state, prompt_SxP, mask_SxP, redo_S)
-        self.counts["reprefilled_samples"] += int(redo_S.sum())
+        redo_S = self.pool.owner_S >= 0
+        self.pool.state = reprefill(params, self.spec, self.pool.state, prompt_SxP, mask_SxP, redo_S)
+        self.host.counts["reprefilled_samples"] += int(redo_S.sum())
 
     def _next_prompt(self, prompts: Iterator):
         """(tag, prompt_P, mask_P): a restarted group first, else the next prompt (None: none left)."""
-        if self._restart:
-            return self._restart.pop(0)
+        if self.host.restart:
+            return self.host.restart.pop(0)
         item = next(prompts, None)
         if item is None:
             return None
@@ -276,10 +261,10 @@ class Engine:
         `version`). -> whether the next chunk should end as soon as G slots are free (`exact`, with
         prompts and room left)."""
         G = self.spec.group_size
-        free = np.flatnonzero(self._owner_S < 0)
+        free = self.pool.free()
         room = len(free) // G
         if self.ecfg.admission == "exact":
-            room = min(room, n_groups - len(self._ready) - len(self._flight))
+            room = min(room, n_groups - len(self.host.ready) - len(self.host.flight))
         batch, exhausted = [], False
         for _ in range(max(room, 0)):
             item = self._next_prompt(prompts)
@@ -290,7 +275,11 @@ class Engine:
         self._admit_rows(params, [(tag, prompt_P, mask_P, G, None) for tag, prompt_P, mask_P in batch], free, version)
         # Only `exact` ends chunks early: there chunk boundaries are invisible in what a collect
         # returns, while under `fill` they decide which samples a collect leaves in flight.
-        return self.ecfg.admission == "exact" and not exhausted and n_groups - len(self._ready) - len(self._flight) > 0
+        return (
+            self.ecfg.admission == "exact"
+            and not exhausted
+            and n_groups - len(self.host.ready) - len(self.host.flight) > 0
+        )
 
     def _admit_rows(self, params, rows: list, free: np.ndarray, version: int) -> None:
         """Admit rows (tag, prompt_P, mask_P, n <= G samples, sink or None) into the free slots `free` (enough
@@ -303,15 +292,15 @@ class Engine:
             for a, (tag, prompt_P, mask_P, n, sink) in enumerate(chunk):
                 slots_n, free = free[:n], free[n:]
                 dest_N[a * G : a * G + n] = slots_n
-                self._owner_S[slots_n] = self._next_id
-                self._flight[self._next_id] = Flight(tag, prompt_P, mask_P, slots_n, {}, sink, version)
-                self._next_id += 1
+                self.pool.hold(slots_n, self.host.next_id)
+                self.host.flight[self.host.next_id] = Flight(tag, prompt_P, mask_P, slots_n, {}, sink, version)
+                self.host.next_id += 1
             pad = [chunk[0]] * (A - len(chunk))
             prompt_AxP = np.stack([c[1] for c in chunk + pad])
             mask_AxP = np.stack([c[2] for c in chunk + pad])
-            self.state = admit(params, self.spec, self.state, prompt_AxP, mask_AxP, dest_N)
-            self.counts["prefill_calls"] += 1
-            self.counts["admitted_groups"] += len(chunk)
+            self.pool.state = admit(params, self.spec, self.pool.state, prompt_AxP, mask_AxP, dest_N)
+            self.host.counts["prefill_calls"] += 1
+            self.host.counts["admitted_groups"] += len(chunk)
 
     def sample(self, params, version: int, requests: list) -> list[Group]:
         """`requests`: (tag, tokens, k) triples -> one Group of k samples per request, in order (k = 0:
@@ -326,9 +315,9 @@ class Engine:
         pieces = [(i, min(G, k - start)) for i, (_, _, k) in enumerate(requests) for start in range(0, k, G)]
         done: list[Group] = []
         next_j = 0
-        lparams = self._chunk_params(params, self.spec.cfg)  # once per call, not once per chunk
+        lparams = split_params(params, self.spec.cfg)  # once per call, not once per chunk
         while len(done) < len(pieces):
-            free, rows = np.flatnonzero(self._owner_S < 0), []
+            free, rows = self.pool.free(), []
             room = len(free)
             while next_j < len(pieces) and pieces[next_j][1] <= room:
                 i, n = pieces[next_j]
@@ -336,8 +325,7 @@ class Engine:
                 room -= n
                 next_j += 1
             self._admit_rows(params, rows, free, version)
-            self.state = self._decode_chunk(lparams, self.spec, self.state, self.ecfg.chunk, version, self.temperature)
-            self.counts["chunks"] += 1
+            self._chunk(lparams, version)
             self._retire()
         by_piece = sorted(done, key=lambda g: g.tag[0])
         return [
@@ -349,18 +337,14 @@ class Engine:
         """Read the finished samples out, free their slots, move complete flights to their sink."""
         # One round trip per chunk: every slot's fields come back (the arrays are small), the
         # finished ones are kept.
-        host = host_slots(self.state)
-        slots = np.flatnonzero(host.done_S & (self._owner_S >= 0))
-        if not len(slots):
+        host, retired = self.pool.retire()
+        if not retired:
             return
         out = read_host_slots(self.spec, host, np.arange(self.spec.slots))
-        for slot in slots:
-            r = slot
-            gid = int(self._owner_S[slot])
-            flight = self._flight[gid]
+        for slot, gid in retired:
+            flight = self.host.flight[gid]
             member = int(np.flatnonzero(flight.slots_G == slot)[0])
-            flight.rows[member] = jax.tree.map(operator.itemgetter(r), out)  # row r; None (no MoE) stays None
-            self._owner_S[slot] = -1
+            flight.rows[member] = jax.tree.map(operator.itemgetter(slot), out)  # None (no MoE) stays None
             if len(flight.rows) == len(flight.slots_G):
-                (self._ready if flight.sink is None else flight.sink).append(flight_group(flight))
-                del self._flight[gid]
+                (self.host.ready if flight.sink is None else flight.sink).append(flight_group(flight))
+                del self.host.flight[gid]

@@ -49,7 +49,14 @@ from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, decode_rows, layer_params
 from jaxrl.models.moe_dispatch import ExpertParallel
-from jaxrl.rollout.sampler import choose_tokens, first_argmax, prefill_groups, scaled_logits, truncate_logits
+from jaxrl.rollout.sampler import (
+    SamplingParams,
+    choose_tokens,
+    first_argmax,
+    prefill_groups,
+    scaled_logits,
+    truncate_logits,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +83,26 @@ class EngineSpec:
     # MoE: the experts' mesh axis (`sharding.expert_parallel`), the same the update is given; every
     # forward (admission's prefill, decode steps, re-prefill, placement, drafts) dispatches with it.
     expert_parallel: ExpertParallel | None = None
+
+    @classmethod
+    def of_sampling(
+        cls, cfg: ModelConfig, sampling: SamplingParams, *, slots: int, prompt_len: int, group_size: int, **kw
+    ) -> EngineSpec:
+        """The spec of an engine drawing as `sampling` says; its temperature stays out (a traced
+        argument of `decode_chunk`, so engines that differ only in it share their programs)."""
+        return cls(
+            cfg,
+            slots,
+            prompt_len,
+            sampling.max_new_tokens,
+            group_size,
+            sampling.eos_id,
+            sampling.pad_id,
+            sampling.top_k,
+            sampling.top_p,
+            sampling.greedy,
+            **kw,
+        )
 
     @property
     def cache_len(self) -> int:

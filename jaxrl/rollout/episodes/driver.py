@@ -1,7 +1,7 @@
 """Multi-turn episodes on the slot engine: environment steps run on the host while the slots keep decoding.
 
     engine = EpisodeEngine(model_cfg, cfg.rollout.engine, cfg.agent, make_env=suite.make, tokenizer=tok,
-                           end_of_turn="]", prompt_len=P, max_new_tokens=T, temperature=1.0)
+                           end_of_turn="]", prompt_len=P, sampling=SamplingParams(max_new_tokens=T, ...))
     groups = engine.run(params, version, requests, group_size, seed)  # requests: [(tag, record), ...]
     engine.stats  # chunks, place_calls, env_steps, env_seconds, env_exposed_seconds, decode_seconds, place_seconds
 
@@ -59,10 +59,11 @@ from jaxrl.config.agent import AgentConfig
 from jaxrl.config.rollout import EngineConfig
 from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout.engine.groups import left_pad
-from jaxrl.rollout.engine.state import EngineSpec, decode_chunk, host_slots, init_state, split_params
+from jaxrl.rollout.engine.slots import SlotPool
+from jaxrl.rollout.engine.state import EngineSpec, init_state, split_params
 from jaxrl.rollout.episodes.records import Episode, StepOutcome, env_step, episode_group, episode_keys
 from jaxrl.rollout.episodes.state import place
-from jaxrl.rollout.sampler import check_temperature
+from jaxrl.rollout.sampler import SamplingParams, check_temperature
 
 
 class EpisodeEngine:
@@ -78,17 +79,14 @@ class EpisodeEngine:
         tokenizer,
         end_of_turn: str,
         prompt_len: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        greedy: bool = False,
+        sampling: SamplingParams,
         speculative=None,
         park_batch: int = 4,
         place_rows: int = 4,
         expert_parallel: ExpertParallel | None = None,
     ):
-        """expert_parallel (MoE): the experts' mesh axis, as the update's (None: one device)."""
+        """sampling: eos_id and pad_id the tokenizer's; expert_parallel (MoE): the experts' mesh axis, as
+        the update's (None: one device)."""
         engine_cfg.validate()
         agent_cfg.validate()
         if speculative is not None and speculative.enabled:
@@ -104,21 +102,21 @@ class EpisodeEngine:
             raise ValueError(
                 f"end_of_turn {end_of_turn!r}: must be exactly one token of the tokenizer, got {len(eot)} tokens {eot}"
             )
-        check_temperature(temperature)
+        for field in ("eos_id", "pad_id"):
+            if getattr(sampling, field) != getattr(tokenizer, field):
+                raise ValueError(
+                    f"sampling.{field}: got {getattr(sampling, field)}, the tokenizer's is {getattr(tokenizer, field)}"
+                )
+        check_temperature(sampling.temperature)
         self.ecfg, self.agent, self.tokenizer, self.make_env = engine_cfg, agent_cfg, tokenizer, make_env
-        self.temperature, self.eot_id, self.park_batch = float(temperature), eot[0], max(1, int(park_batch))
+        self.temperature, self.eot_id, self.park_batch = float(sampling.temperature), eot[0], max(1, int(park_batch))
         self.place_rows = min(int(place_rows), engine_cfg.slots)
-        self.spec = EngineSpec(
+        self.spec = EngineSpec.of_sampling(
             model_cfg,
-            engine_cfg.slots,
-            prompt_len,
-            max_new_tokens,
-            1,
-            tokenizer.eos_id,
-            tokenizer.pad_id,
-            top_k,
-            top_p,
-            greedy,
+            sampling,
+            slots=engine_cfg.slots,
+            prompt_len=prompt_len,
+            group_size=1,
             stop_ids=(eot[0],),
             slot_keys=True,
             expert_parallel=expert_parallel,
@@ -227,17 +225,17 @@ class EpisodeEngine:
         R = self.place_rows
         for lo in range(0, len(episodes), R):
             part = episodes[lo : lo + R]
-            free = np.flatnonzero([o is None for o in run.owner])[: len(part)]
+            free = run.slots.free()[: len(part)]
             slot_R = np.full(R, S, np.int32)
             slot_R[: len(part)] = free
 
             def pad(xs, fill):
                 return np.stack(xs + [np.full_like(xs[0], fill)] * (R - len(xs)))
 
-            run.state = place(
+            run.slots.state = place(
                 run.params,
                 self.spec,
-                run.state,
+                run.slots.state,
                 slot_R,
                 pad([e.prompt_P for e in part], 0),
                 pad([e.mask_P for e in part], 1),
@@ -249,24 +247,19 @@ class EpisodeEngine:
                 pad([e.key for e in part], 0),
             )
             for slot, ep in zip(free, part):
-                run.owner[slot] = ep
+                run.slots.hold(slot, run.index[id(ep)])
             self.stats["place_calls"] += 1
         self.stats["place_seconds"] += time.perf_counter() - start
 
     def _decode(self, run: _Run, stop_at: int, pool, pending: dict) -> None:
         """One chunk of decode steps, then every parked slot's turn handed to `_end_turn`."""
         start = time.perf_counter()
-        run.state = decode_chunk(
-            run.lparams, self.spec, run.state, self.ecfg.chunk, run.version, self.temperature, stop_at
-        )
-        host = host_slots(run.state)
+        run.slots.decode(run.lparams, self.ecfg.chunk, run.version, self.temperature, stop_at)
+        host, retired = run.slots.retire()
         self.stats["chunks"] += 1
         self.stats["decode_seconds"] += time.perf_counter() - start
-        for slot in np.flatnonzero(host.done_S):
-            ep = run.owner[slot]
-            if ep is None:
-                continue
-            run.owner[slot] = None
+        for slot, i in retired:
+            ep = run.episodes[i]
             routing = None if host.routing_SxCxLxK is None else host.routing_SxCxLxK[slot]
             self._end_turn(
                 ep,
@@ -288,11 +281,12 @@ class EpisodeEngine:
         """group_size episodes per (tag, record) request -> one EpisodeGroup per request, in request order."""
         episodes = self._start(list(requests), group_size, seed)
         run = _Run(
-            init_state(self.spec, jax.random.PRNGKey(0)),
+            SlotPool(self.spec, init_state(self.spec, jax.random.PRNGKey(0))),
             params,
             split_params(params, self.spec.cfg),
             version,
-            [None] * self.spec.slots,
+            episodes,
+            {id(ep): i for i, ep in enumerate(episodes)},
         )
         with cf.ThreadPoolExecutor(self.agent.env_workers) as pool:
             (self._overlapped if self.agent.overlap else self._synchronous)(run, episodes, pool)
@@ -302,11 +296,11 @@ class EpisodeEngine:
 
     def _overlapped(self, run: _Run, episodes: list, pool) -> None:
         ready, pending = deque(episodes), {}
-        while ready or pending or any(o is not None for o in run.owner):
-            n_free = sum(o is None for o in run.owner)
+        while ready or pending or len(run.slots.free()) < self.spec.slots:
+            n_free = len(run.slots.free())
             if ready and n_free:
                 self._place(run, [ready.popleft() for _ in range(min(n_free, len(ready)))])
-                n_free = sum(o is None for o in run.owner)
+                n_free = len(run.slots.free())
             if n_free < self.spec.slots:  # something decodes: never wait for an environment
                 self._decode(run, n_free + self.park_batch, pool, pending)
                 finished = [f for f in pending if f.done()]
@@ -326,7 +320,7 @@ class EpisodeEngine:
             while active:
                 self._place(run, active)
                 pending = {}
-                while any(o is not None for o in run.owner):
+                while len(run.slots.free()) < S:
                     self._decode(run, S, pool, pending)
                 start = time.perf_counter()
                 cf.wait(list(pending))
@@ -336,8 +330,9 @@ class EpisodeEngine:
 
 @dataclasses.dataclass
 class _Run:
-    state: Any
+    slots: SlotPool  # a slot's owner: the index of its episode in `episodes`
     params: Any
     lparams: Any
     version: int
-    owner: list  # slot -> the Episode in it, or None
+    episodes: list
+    index: dict  # id(episode) -> its index in `episodes`

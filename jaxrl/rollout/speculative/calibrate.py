@@ -158,7 +158,7 @@ def cached_step_costs(
     return costs, path, True
 
 
-# --- the engine's tail threshold (engine_speculative.toggle_chunk) ------------------------------
+# --- the engine's tail threshold (speculative.engine.ToggleChunk) ------------------------------
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -23,7 +23,7 @@ A step is one verify forward: `rollout.engine.chunk` counts those. The draft len
 `max_draft` (the engine does not run the static sampler's adaptive control: `adaptive`, `calibrate`
 and the costs are unused here).
 
-The toggle (`toggle_chunk`, EfficientRollout's): speculation pays only where a verify of W tokens
+The toggle (`ToggleChunk`, EfficientRollout's): speculation pays only where a verify of W tokens
 costs well under W plain steps, i.e. where decoding is memory-bound: few rows. So the engine runs
 the plain chunk (`engine_state.decode_chunk`) while more than `max_active_rows` slots decode, and
 the speculative chunk once `max_active_rows` or fewer do, on those slots' rows only
@@ -121,22 +121,26 @@ def chunk_kind(n_active: int, tail: int) -> str:
     return "speculative" if n_active <= tail else "plain"
 
 
-def toggle_chunk(engine, tail: int):
-    """`engine_state.decode_chunk`'s signature over a `SpeculativeEngineSpec`: the plain chunk while
-    more than `tail` of the engine's slots are decoding (it stops as soon as `tail` or fewer are),
-    the speculative chunk on those slots' rows only, gathered into `tail` rows, once `tail` or fewer
-    are (with tail == S: over all slots, no gather). Adds the speculative chunks' drafted / accepted
-    token counts to engine.counts["drafted"] / ["accepted"] and counts engine.counts["speculative_chunks"]
-    (looked up at each call: restoring a checkpoint replaces the dict)."""
-    for name in ("drafted", "accepted", "speculative_chunks"):
-        engine.counts.setdefault(name, 0)
+@dataclasses.dataclass(frozen=True)
+class ToggleChunk:
+    """The speculative engine's chunk strategy, `engine_state.decode_chunk` over a
+    `SpeculativeEngineSpec`: the plain chunk while more than `tail` slots are decoding (it stops as
+    soon as `tail` or fewer are), the speculative chunk on those slots' rows only, gathered into
+    `tail` rows, once `tail` or fewer are (with tail == S: over all slots, no gather).
+    -> (state, counts to add to the engine's: drafted / accepted tokens and speculative_chunks)."""
 
-    def chunk(params, spec, state, n_steps, version, temperature, stop_at=None):
-        S = spec.slots
-        decoding = np.flatnonzero(engine._owner_S >= 0)  # retired slots are freed: owned == decoding
+    tail: int  # slots decoding at or below which chunks speculate
+    COUNTS = ("drafted", "accepted", "speculative_chunks")
+
+    def __call__(
+        self, params, spec, state, n_steps, version, temperature, decoding_S: np.ndarray, stop_at=None
+    ) -> tuple[EngineState, dict[str, int]]:
+        """decoding_S: bool[S], the slots that hold a sample still decoding (retired ones are freed)."""
+        S, tail = spec.slots, self.tail
+        decoding = np.flatnonzero(decoding_S)
         if chunk_kind(len(decoding), tail) == "plain":
             stop_at = min(S if stop_at is None else stop_at, S - tail)
-            return decode_chunk(params, spec.without_drafter(), state, n_steps, version, temperature, stop_at)
+            return decode_chunk(params, spec.without_drafter(), state, n_steps, version, temperature, stop_at), {}
         if tail == S:  # a speculative chunk runs until n_steps or no slot decodes
             state, drafted, accepted = speculative_chunk(params, spec, state, n_steps, version, temperature)
         else:
@@ -146,13 +150,7 @@ def toggle_chunk(engine, tail: int):
                 params, spec, state, rows_R, n_steps, version, temperature
             )
         # A host sync, but the driver reads done_S right after every chunk anyway.
-        counts = engine.counts
-        counts["drafted"] = counts.get("drafted", 0) + int(drafted)
-        counts["accepted"] = counts.get("accepted", 0) + int(accepted)
-        counts["speculative_chunks"] = counts.get("speculative_chunks", 0) + 1
-        return state
-
-    return chunk
+        return state, {"drafted": int(drafted), "accepted": int(accepted), "speculative_chunks": 1}
 
 
 def _put_window(buf_SxT, col_S, vals_SxW, write_SxW):

@@ -38,7 +38,7 @@ from jax import lax
 
 from jaxrl.config import ModelConfig, SpeculativeConfig
 from jaxrl.models.moe_dispatch import ExpertParallel
-from jaxrl.rollout.sampler import SampleOutput, prefill_groups, temperature_checked
+from jaxrl.rollout.sampler import SampleOutput, SamplingParams, prefill_groups, temperature_checked
 from jaxrl.rollout.speculative.calibrate import StepCosts, constant_costs
 from jaxrl.rollout.speculative.drafters import draft_view
 from jaxrl.rollout.speculative.steps import (
@@ -86,18 +86,7 @@ def worth_speculating(
 @temperature_checked
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "cfg",
-        "spec",
-        "group_size",
-        "max_new_tokens",
-        "top_k",
-        "top_p",
-        "eos_id",
-        "pad_id",
-        "greedy",
-        "expert_parallel",
-    ),
+    static_argnames=("cfg", "spec", "group_size", "expert_parallel"),
 )
 def sample_speculative(
     params,
@@ -107,14 +96,8 @@ def sample_speculative(
     rng,
     *,
     spec: SpeculativeConfig,
+    sampling: SamplingParams,
     group_size: int,
-    max_new_tokens: int,
-    temperature,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_id: int,
-    pad_id: int,
-    greedy: bool = False,
     acceptance_prior=None,
     reuse_acceptance_prior=None,
     draft_NxT: jax.Array | None = None,
@@ -135,7 +118,7 @@ def sample_speculative(
     `expert_parallel` (MoE): the experts' mesh axis, as `sampler.sample` and the update are given; the
     prefill, the verify forwards and the self-drafter's forwards all dispatch with it."""
     B, P = prompt_BxP.shape
-    N, T = B * group_size, max_new_tokens
+    N, T = B * group_size, sampling.max_new_tokens
     self_drafter, reuse, approx = _check_drafters(cfg, spec, N, draft_NxT, draft_len_N, draft_logp_NxT)
     costs = constant_costs(spec) if costs is None else costs
     W_max = max(1, spec.max_draft + 1 if self_drafter else 1, spec.reuse_width + 1 if reuse else 1)
@@ -159,17 +142,11 @@ def sample_speculative(
         spec=spec,
         N=N,
         P=P,
-        T=T,
         W_max=W_max,
         self_drafter=self_drafter,
         reuse=reuse,
         approx=approx,
-        greedy=greedy,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=eos_id,
-        pad_id=pad_id,
-        temperature=temperature,
+        sampling=sampling,
         lparams=lparams,
         dparams=dparams,
         d_layers=d_layers,
@@ -186,7 +163,7 @@ def sample_speculative(
     )
     state = initial_state(ctx, cache, last_N, routing, rng)
     state = lax.while_loop(lambda s: ~jnp.all(s.done_N), functools.partial(loop_step, ctx), state)
-    return _output(state, T, P, eos_id), state.stats
+    return _output(state, T, P, sampling.eos_id), state.stats
 
 
 def _check_drafters(cfg: ModelConfig, spec: SpeculativeConfig, N: int, draft_NxT, draft_len_N, draft_logp_NxT):
@@ -213,7 +190,7 @@ def _check_drafters(cfg: ModelConfig, spec: SpeculativeConfig, N: int, draft_NxT
     return self_drafter, reuse, approx
 
 
-def _output(state: SpecState, T: int, P: int, eos_id: int) -> SampleOutput:
+def _output(state: SpecState, T: int, P: int, eos_id) -> SampleOutput:
     """The loop's final state -> what `sampler.sample` returns (the first T columns)."""
     mask_NxT = state.mask_NxU[:, :T]
     return SampleOutput(

@@ -19,7 +19,7 @@ from jax import lax
 from jaxrl.config import ModelConfig, SpeculativeConfig
 from jaxrl.models.decode import LayerCache, commit_window, empty_window, window_layers
 from jaxrl.models.moe_dispatch import ExpertParallel
-from jaxrl.rollout.sampler import first_argmax, scaled_logits
+from jaxrl.rollout.sampler import SamplingParams, first_argmax, scaled_logits
 from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative.calibrate import StepCosts
 
@@ -61,24 +61,18 @@ class SpecState(NamedTuple):
 
 
 class SpecContext(NamedTuple):
-    """What one speculative rollout fixes. Static: shapes, options, sampling settings. Traced: the
-    weights, temperature, step costs, acceptance priors and (reuse) the drafts."""
+    """What one speculative rollout fixes. Static: shapes, options, the sampling settings' structure.
+    Traced: the weights, temperature and eos_id, step costs, acceptance priors and (reuse) the drafts."""
 
     cfg: ModelConfig
     spec: SpeculativeConfig
     N: int  # rows (prompts x group_size)
     P: int  # prompt length
-    T: int  # max_new_tokens
     W_max: int  # the widest verify window of the kinds this configuration runs
     self_drafter: str | None  # "early_exit" / "int8"; None: no self-drafted steps
     reuse: bool  # reuse steps (drafter "reuse")
     approx: bool  # reuse steps verify with the approximate spec_rl rule
-    greedy: bool
-    top_k: int
-    top_p: float
-    eos_id: int
-    pad_id: int
-    temperature: Any
+    sampling: SamplingParams
     lparams: Any  # the policy's per-layer weights
     dparams: Any  # the self-drafter's weights (None without one)
     d_layers: int  # layers the self-drafter runs
@@ -91,6 +85,10 @@ class SpecContext(NamedTuple):
     draft_len_N: jax.Array | None  # reuse: its length (0: no draft)
     draft_logp_NxT: jax.Array | None  # spec_rl only: the log-probs it was sampled with
     expert_parallel: ExpertParallel | None = None  # MoE: the experts' mesh axis (None: one device)
+
+    @property
+    def T(self) -> int:
+        return self.sampling.max_new_tokens
 
     @property
     def W_self(self) -> int:
@@ -144,7 +142,7 @@ def initial_state(ctx: SpecContext, cache: LayerCache, last_N, routing_NxSxLxK, 
         fill_N=jnp.full((N,), ctx.P - 1, jnp.int32),
         last_N=last_N,
         col_N=jnp.zeros((N,), jnp.int32),
-        tokens_NxU=jnp.full((N, U), ctx.pad_id, jnp.int32),
+        tokens_NxU=jnp.full((N, U), ctx.sampling.pad_id, jnp.int32),
         logp_NxU=jnp.zeros((N, U), jnp.float32),
         mask_NxU=jnp.zeros((N, U), jnp.float32),
         done_N=jnp.zeros((N,), bool),
@@ -178,21 +176,23 @@ def _row_window(buf_NxT, col_N, width: int, fill):
 def _verify(ctx: SpecContext, s: SpecState, fed_NxW, drafted_NxW, q_NxWxV=None, old_logp_NxW=None):
     """One policy forward over fed_NxW (window slots 0..W-1), accept/reject, emit the kept tokens.
     -> (state, window, n_accepted_N, new_token_N, live_N); the window is committed by `loop_step`."""
-    N, T, W, pad_id, eos_id = ctx.N, ctx.T, fed_NxW.shape[1], ctx.pad_id, ctx.eos_id
+    N, T, W, pad_id, eos_id = ctx.N, ctx.T, fed_NxW.shape[1], ctx.sampling.pad_id, ctx.sampling.eos_id
     window = empty_window(s.cache, ctx.W_max, ctx.cfg.n_layers)
     logits_NxWxV, window, experts = window_layers(
         ctx.lparams, ctx.cfg, fed_NxW, s.cache, s.fill_N, window, 0, expert_parallel=ctx.expert_parallel
     )
     rng, key = jax.random.split(s.rng)
-    if ctx.greedy:
+    if ctx.sampling.greedy:
         a_N, new_N = acceptance.verify_greedy(logits_NxWxV, fed_NxW, drafted_NxW)
     else:
-        p_NxWxV = acceptance.target_probs(logits_NxWxV, ctx.temperature, ctx.top_k, ctx.top_p)
+        p_NxWxV = acceptance.target_probs(
+            logits_NxWxV, ctx.sampling.temperature, ctx.sampling.top_k, ctx.sampling.top_p
+        )
         a_N, new_N = acceptance.verify_sampled(key, p_NxWxV, fed_NxW, drafted_NxW, q_NxWxV, old_logp_NxW)
     iota_W = jnp.arange(W)
     next_NxW = jnp.concatenate([fed_NxW[:, 1:], jnp.zeros((N, 1), fed_NxW.dtype)], axis=1)
     e_NxW = jnp.where(iota_W < a_N[:, None], next_NxW, jnp.where(iota_W == a_N[:, None], new_N[:, None], pad_id))
-    logp_all = jax.nn.log_softmax(scaled_logits(logits_NxWxV, ctx.temperature), axis=-1)
+    logp_all = jax.nn.log_softmax(scaled_logits(logits_NxWxV, ctx.sampling.temperature), axis=-1)
     logp_NxW = jnp.take_along_axis(logp_all, e_NxW[..., None].astype(jnp.int32), axis=-1)[..., 0]
     live_N = ~s.done_N
     is_eos_NxW = e_NxW == eos_id
@@ -243,7 +243,7 @@ def _self_draft(ctx: SpecContext, s: SpecState, k):
     """The self-drafter drafts k tokens one by one after the last one -> (fed_NxW: last token then the
     drafts, q_NxWxV: their draft distributions (None when greedy), rng). The drafter's window is
     dropped: the verify forward computes the policy's own keys/values."""
-    N, W_self, greedy = ctx.N, ctx.W_self, ctx.greedy
+    N, W_self, greedy = ctx.N, ctx.W_self, ctx.sampling.greedy
     fed0_NxW = jnp.zeros((N, W_self), jnp.int32).at[:, 0].set(s.last_N)
     q0_NxWxV = None if greedy else jnp.zeros((N, W_self, ctx.cfg.vocab_size), jnp.float32)
 
@@ -256,7 +256,9 @@ def _self_draft(ctx: SpecContext, s: SpecState, k):
         if greedy:
             d_N = first_argmax(logits_Nx1xV[:, 0])
         else:
-            q_NxV = acceptance.target_probs(logits_Nx1xV, ctx.temperature, ctx.top_k, ctx.top_p)[:, 0]
+            q_NxV = acceptance.target_probs(
+                logits_Nx1xV, ctx.sampling.temperature, ctx.sampling.top_k, ctx.sampling.top_p
+            )[:, 0]
             d_N = acceptance.categorical(key, q_NxV)
             q_NxWxV = lax.dynamic_update_slice(q_NxWxV, q_NxV[:, None], (0, i + 1, 0))
         fed_NxW = lax.dynamic_update_slice(fed_NxW, d_N[:, None].astype(jnp.int32), (0, i + 1))
@@ -290,7 +292,7 @@ def self_step(ctx: SpecContext, s: SpecState):
 def reuse_step(ctx: SpecContext, s: SpecState):
     """Verify the next reuse_width tokens of each row's previous completion (point masses) in one
     forward; a row's reused draft dies at its first rejection."""
-    draft_NxT, draft_len_N, N, W_reuse, pad_id = ctx.draft_NxT, ctx.draft_len_N, ctx.N, ctx.W_reuse, ctx.pad_id
+    draft_NxT, draft_len_N, N, W_reuse, pad_id = ctx.draft_NxT, ctx.draft_len_N, ctx.N, ctx.W_reuse, ctx.sampling.pad_id
     assert draft_NxT is not None and draft_len_N is not None  # a reuse step runs only with reuse drafts
     window_NxW1 = _row_window(draft_NxT, s.col_N, W_reuse - 1, pad_id)
     fed_NxW = jnp.concatenate([s.last_N[:, None], window_NxW1], axis=1)
