@@ -269,3 +269,13 @@ def test_ctrl_c_outside_the_step_loop_is_one_line_and_130(capsys, monkeypatch):
     monkeypatch.setattr(cli, "variants_table", interrupted)
     assert cli.main(["variants"]) == 130
     assert capsys.readouterr().err.strip() == "jaxrl: interrupted"
+
+
+def test_static_speculation_on_a_one_layer_policy_is_one_line(capsys, tmp_path, in_process_cache):
+    """Early exit needs a policy of two or more layers; the static sampler's check raised a ValueError
+    while tracing (a traceback), the engine's a ConfigError: both are one line naming the field now."""
+    code, err = _run(
+        capsys, str(DEFAULT_CONFIG), "--workdir", str(tmp_path), *TINY_ARGS, "--set", "rollout.speculative.enabled=true"
+    )
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "rollout.speculative.draft_layers: got 1, expected fewer layers than model.n_layers=1" in err

@@ -30,7 +30,7 @@ from jaxrl.rollout.speculative.control import (
     updated,
 )
 from jaxrl.rollout.speculative.reuse import DraftStore, spec_metrics
-from jaxrl.rollout.speculative.sample import sample_speculative
+from jaxrl.rollout.speculative.sample import check_self_drafter, sample_speculative
 from jaxrl.sharding import (
     batch_devices,
     batch_sharding,
@@ -84,6 +84,8 @@ class SamplerSource:
         self.drafts = None
         if self.spec.enabled and self.spec.drafter == "reuse":  # the store is checkpointed: a resume drafts alike
             self.drafts = DraftStore.from_state(host["spec_drafts"]) if "spec_drafts" in host else DraftStore()
+        if self.spec.enabled:
+            check_self_drafter(model_cfg, self.spec)  # before the costs are measured with it
         costs = speculative_costs(cfg, model_cfg, params, host, self.B, cost_cache_dir)
         self.control = restored_control(host, self.spec, costs)
         sample_kw = dict(
