@@ -228,11 +228,10 @@ def abstract_like(state: Any) -> Any:
 def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
     """`abstract_state` with `ref_params` laid out as the newest checkpoint holds them.
 
-    A run keeps reference params only when its loss has a KL term; checkpoints written before that
-    rule always hold a copy. Such a checkpoint restores into a state without a reference by restoring
-    the copy too (its caller then drops it). A checkpoint without one, restored for a loss that needs
-    one, is a ConfigError: the run was trained without a KL term. An unreadable newest checkpoint
-    returns `abstract_state` unchanged, for the restore to report."""
+    A run keeps reference params only when its loss has a KL term; a checkpoint that holds a copy
+    restores into a state without a reference by restoring the copy too (its caller then drops it). A
+    checkpoint without one, restored for a loss that needs one, is a ConfigError: the run was trained
+    without a KL term. An unreadable newest checkpoint returns `abstract_state` unchanged, for the restore to report."""
     step = manager.latest_step()
     if step is None:
         return abstract_state
