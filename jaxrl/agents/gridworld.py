@@ -32,13 +32,11 @@ SHAPING = 0.1
 # The defaults of the embedded suite. Slip 0.1 keeps the moves slippery with less reward noise than 0.2.
 # A trap map is one whose careless walk (straight towards the goal) crosses a hole (is_trap): 29% of the
 # maps drawn at random are; records draw a trap map with probability TRAP_SHARE, so that the careless
-# teacher's systematic error matters on most maps. Measured on 400 test maps of the natural mix, playing
-# each policy against the slippery environment: shortest path 90.7% success (80% on trap maps), careless
-# 68% (4.3% on trap maps, 94% elsewhere).
+# teacher's systematic error matters on most maps (benchmarks/README.md has each policy's success rate).
 SIZE, HOLES, SLIP = 4, 3, 0.1
 TRAP_SHARE = 0.75
 MIN_DISTANCE, MAX_DISTANCE = 2, 5  # the start's shortest-path distance to the goal
-MAX_TURNS = 6  # the teacher's episode length limit (it fits rollout.max_new_tokens=136, see above)
+MAX_TURNS = 6  # the teacher's episode length limit (it fits rollout.max_new_tokens=136: docs/agents.md)
 TEST_SHARE = 4  # one (map, start) in TEST_SHARE belongs to the test split, by a hash of its text
 
 
