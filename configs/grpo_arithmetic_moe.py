@@ -5,8 +5,8 @@ chosen two (Qwen3-MoE), dropless dispatch (`lax.ragged_dot`), load-balancing los
 z-loss 0.001. The active expert width per token is 2 x 192 = 384, the dense default's mlp_dim. The
 update forward replays the experts the sampler chose for every token (R3 / ESRL routing replay);
 `moe/routing_mismatch` reports how often the trainer's own router would have chosen otherwise.
-40 GRPO steps instead of 100: on CPU the MoE step is slower, and the dense run makes most of its
-gain in the first 10-40 steps.
+40 GRPO steps instead of 100, to keep the CPU run short; the dense run makes most of its gain in the
+first 10-40 steps.
 """
 
 import dataclasses

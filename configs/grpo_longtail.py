@@ -1,13 +1,12 @@
 """GRPO on long addition written out column by column: completions of 9 to 81 tokens, median ~36.
 
-The long-tail workload (issue 13): most problems have 2-4 columns, a few have 8, so a static B x T
-rollout runs for the longest sample while most rows sit finished. The base policy is a supervised
-warm start on worked solutions (jaxrl.data.long_addition) from a fallible teacher that forgets every
-carry 60% of the time (writes `+0` where a carry is due): it writes the format but prefers dropping
-carries (~20% greedy held-out accuracy), and GRPO learns from the correctness reward to carry (~45%
-after 100 steps; docs/runs.md "The long-tail task"). The reward is correctness of the final answer only
-(format is logged, not rewarded; see grpo_arithmetic.py for why a small format bonus is amplified by
-per-group std normalisation).
+The long-tail workload: most problems have 2-4 columns, a few have 8, so a static B x T rollout runs for
+the longest sample while most rows sit finished. The base policy is a supervised warm start on worked
+solutions (jaxrl.data.long_addition) from a fallible teacher that forgets every carry 60% of the time
+(writes `+0` where a carry is due), and GRPO learns from the correctness reward to carry (docs/runs.md,
+"The long-tail task"). The reward is correctness of the final answer only (format is logged, not
+rewarded; see grpo_arithmetic.py for why a small format bonus is amplified by per-group std
+normalisation).
 """
 
 from jaxrl.config import (

@@ -8,27 +8,10 @@ An episode (the char model's text; `]` ends a turn, EOS the episode):
     model    56088<EOS>          a turn without a call is the final answer: reward 1 if it is the
                                  product, else 0; done; info["success"]
 
-The product of two 3-digit numbers is 5 or 6 digits, past what the 0.4 M-parameter model computes in
-its head, but copying 6 digits out of its context is easy: the tool call is the skill RL rewards. A
-whole episode is about 30 completion tokens (14 + 8 + 6 + EOS), so rollout.max_new_tokens = 40 fits.
-A malformed call, an unknown tool or an expression the calculator rejects is an error observation
-(`>error: ...\\n`, counted in info["tool_errors"]) and the episode goes on.
-
-On a Hugging Face checkpoint (model.hf_path; jaxrl.agents.formats) the same episode speaks the
-Hermes/Qwen format: the prompt is the chat template's rendering of the problem as the user message
-with the calculator's JSON schema as `tools`, a call is
-`<tool_call>{"name": "calc", "arguments": {"expression": "123*456"}}</tool_call>` (which ends the turn),
-its result comes back as the template's tool message, and the final answer is scored the same way
-(the whole final turn, stripped, must be the product), before the tokenizer's EOS.
-
-Records: every pair (a, b) of 3-digit numbers belongs to exactly one split by a fixed hash of the
-pair (1 in 10 to "test"), so the splits are disjoint for any seeds; records(split, n, seed) draws n
-distinct pairs of that split with numpy's generator seeded by (seed, split).
-
-Teacher: with probability 1 - error_rate it calls the tool (its observation comes from a real
-env.step) and copies the result; otherwise it answers at once with a plausible wrong guess (the
-leading digits right, the last three wrong), so a warm-started policy sometimes guesses and RL has
-room to improve. The warm start appends EOS after the last model segment (the answer).
+On a Hugging Face checkpoint the same episode speaks the Hermes/Qwen format (docs/agents.md).
+Records: each pair belongs to one split by a fixed hash (1 in 10 to "test"), so splits are disjoint for
+any seed. The teacher calls the tool with probability 1 - error_rate, else guesses a plausible wrong
+product (leading digits right), so RL has room to improve.
 """
 
 from __future__ import annotations

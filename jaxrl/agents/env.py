@@ -1,24 +1,14 @@
 """The environment protocol of multi-turn episodes, and what an embedded environment brings.
 
-An episode: `observation = env.reset(record, rng)` is the prompt text; then, turn after turn, the
-policy writes an action (its text up to and including the end-of-turn string, or up to EOS) and
-`env.step(action)` answers with a `StepResult`: the observation text appended after the action (the
-policy's context for its next turn; no loss, no log-prob), a reward, and whether the episode is
-over. The model's EOS ends the episode after that last step (the environment sees the final text,
-e.g. to score an answer); so do `agent.max_turns` and the completion budget
-(`rollout.max_new_tokens`, observation tokens included).
+`observation = env.reset(record, rng)` is the prompt text; each turn the policy writes an action (its
+text up to and including the end-of-turn string, or up to EOS) and `env.step(action)` returns a
+`StepResult`: the observation appended after the action (context only: no loss, no log-prob), a
+reward, and whether the episode is over. EOS, `agent.max_turns` and `rollout.max_new_tokens` also end it.
 
-Environments are plain Python objects, one per episode, run side by side from a thread pool (an
-environment that waits on a tool subprocess or a remote service releases the GIL meanwhile). An
-environment must not raise for anything the model writes: malformed or failing tool calls become
-error observations (`info["tool_errors"]`). If `step` raises anyway, the episode ends with reward
-0 and `agent/env_errors` counts it; the run goes on.
-
-Resume: every episode of a step finishes inside that step, and checkpoints are taken between steps,
-so no episode is ever in flight at a checkpoint. A run killed mid-step resumes from the previous
-step and replays that step's episodes from scratch: environments are re-created by `reset` with the
-same record and the same rng (derived from the run's seed, the step and the episode's index), and the
-episode's token noise is keyed the same way, so the replay draws the same episodes.
+Environments are plain Python objects, one per episode, stepped from a thread pool. An environment must
+not raise for anything the model writes (error observations, `info["tool_errors"]`); if `step` raises
+anyway the episode ends with reward 0 and `agent/env_errors` counts it. Episodes never span a
+checkpoint: a resumed step replays them with the same record and rng (docs/agents.md).
 """
 
 from __future__ import annotations

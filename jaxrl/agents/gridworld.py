@@ -1,33 +1,15 @@
 """A small slippery grid game in the style of RAGEN's FrozenLake: walk from the start to the goal, avoid holes.
 
-The observation is the rendered grid, one text row per map row, each row ended by a newline:
+The observation is the rendered grid, one text row per map row, each ended by a newline (`.` floor,
+`#` hole, `g` goal, `p` the player); the policy answers with a move word and the end-of-turn mark
+(`left]`). A move slips to either perpendicular side with probability slip / 2 each; the goal ends the
+episode with reward 1 (info["success"]), a hole with 0; anything but a move word is an error
+observation (`info["tool_errors"]`). info["shaping"] is +0.1 / -0.1 as the shortest-path distance to
+the goal shrinks / grows (used only with agent.shaping_weight > 0).
 
-    ....
-    .#p.
-    ...#
-    #..g
-
-(`.` floor, `#` hole, `g` goal, `p` the player). The policy answers with a move word ended by the
-end-of-turn mark, e.g. `left]`. A move goes the intended way with probability 1 - slip and to either
-perpendicular side with probability slip / 2 each (drawn from the episode's rng); a move into the edge
-leaves the player in place. Stepping on the goal ends the episode with reward 1 (info["success"]);
-stepping into a hole ends it with reward 0. Once the episode is over the observation is empty (the
-policy writes no more turns, so a final grid would only cost tokens). Anything but a move word is an
-error observation (`info["tool_errors"]`) and a wasted turn. info["shaping"] is +0.1 when the
-shortest-path distance to the goal (around holes) shrinks and -0.1 when it grows (a hole counts as
-growing); it is used only with agent.shaping_weight > 0.
-
-The warm-start teacher errs systematically, not at random: per episode, with probability error_rate, it
-walks straight towards the goal (careless_move) and into any hole on the way, otherwise it takes the
-shortest path around the holes. Most records are trap maps (TRAP_SHARE), where the straight walk
-crosses a hole: there an imitator of a mostly careless teacher walks into the hole when it decodes
-greedily, and RL has to learn to go around.
-
-Budget, for the default 4x4 maps: the prompt is the first grid (20 characters + BOS = 21 <= 24), and a
-turn is at most 6 action characters + a 20-character grid, so the teacher's MAX_TURNS = 6 turns fit in
-6 * 6 + 5 * 20 = 136 completion tokens (the last turn's observation is empty: the episode is over).
-A run matches them with data.max_prompt_len=24, rollout.max_new_tokens=136, agent.max_turns=6 and
-model.max_seq_len >= 160.
+The warm-start teacher, with probability error_rate per episode, walks straight at the goal into any
+hole on the way (most records are trap maps, TRAP_SHARE). Default 4x4 maps fit
+data.max_prompt_len=24, rollout.max_new_tokens=136, agent.max_turns=6, model.max_seq_len >= 160.
 """
 
 from __future__ import annotations
@@ -50,13 +32,11 @@ SHAPING = 0.1
 # The defaults of the embedded suite. Slip 0.1 keeps the moves slippery with less reward noise than 0.2.
 # A trap map is one whose careless walk (straight towards the goal) crosses a hole (is_trap): 29% of the
 # maps drawn at random are; records draw a trap map with probability TRAP_SHARE, so that the careless
-# teacher's systematic error matters on most maps. Measured on 400 test maps of the natural mix, playing
-# each policy against the slippery environment: shortest path 90.7% success (80% on trap maps), careless
-# 68% (4.3% on trap maps, 94% elsewhere).
+# teacher's systematic error matters on most maps (benchmarks/README.md has each policy's success rate).
 SIZE, HOLES, SLIP = 4, 3, 0.1
 TRAP_SHARE = 0.75
 MIN_DISTANCE, MAX_DISTANCE = 2, 5  # the start's shortest-path distance to the goal
-MAX_TURNS = 6  # the teacher's episode length limit (it fits rollout.max_new_tokens=136, see above)
+MAX_TURNS = 6  # the teacher's episode length limit (it fits rollout.max_new_tokens=136: docs/agents.md)
 TEST_SHARE = 4  # one (map, start) in TEST_SHARE belongs to the test split, by a hash of its text
 
 

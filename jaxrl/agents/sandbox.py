@@ -3,32 +3,11 @@
     tool = python_tool(timeout_s=2.0, memory_mb=512, max_output=2000)   # a tools.Tool named "python"
     run_python("print(6*7)", ...)  -> SandboxResult(output="42\\n", error=False, ...)
 
-Each call: a fresh scratch directory (the child's cwd, deleted afterwards) holding the code as
-main.py; the child is `python -I -S` (isolated mode: no PYTHON* variables, no user or site
-packages, so only the standard library) with an empty environment (PATH and LANG only) in a new
-session (its own process group). A small prelude in the child, before the code runs, sets:
-- RLIMIT_AS = memory_mb (an allocation past it raises MemoryError), RLIMIT_CPU = ceil(timeout)+1 s,
-  RLIMIT_FSIZE (stdout and stderr go to files in the scratch directory; a write past
-  4 * max_output + 4 KiB fails, so 1 GB of printing costs nothing; stdout at that limit is returned
-  cut, not as an error), RLIMIT_CORE = 0, and RLIMIT_NPROC = 0: code running as a non-root user
-  cannot fork or start threads (root is exempt from RLIMIT_NPROC);
-- if the trainer runs as root and the interpreter's files are world-readable, it drops to the
-  user `nobody` (65534) first, so the code cannot write the trainer's files;
-- the modules socket, _socket, ssl, _ssl, ctypes, _ctypes are made unimportable.
-The parent waits up to `timeout_s` of wall-clock time, then SIGKILLs the child's process group
-(always, also after a normal exit: whatever the code started in its group dies with it; a process
-that left the group with setsid() is not caught, which RLIMIT_NPROC prevents for non-root users).
-
-Network, what is and is not guaranteed: if `unshare -n` (as root) or `unshare -rn` (a user namespace,
-unprivileged) works on this machine (probed once), the child runs in a new network namespace with
-no interface up: no connection to anything, loopback included, whatever the code does. Otherwise
-the only barrier is the blocked modules above, which code that means to can undo (by deleting the
-sys.modules entry and importing again); `network_isolated()` says which holds. Files: the code can
-read whatever the user it runs as can read, and write where that user can (as `nobody`: its
-scratch directory and world-writable places; as root, when the interpreter lives in a private
-directory such as /root/.pyenv so `nobody` could not start it: anywhere root can, each file capped by
-RLIMIT_FSIZE). These are limits for honest-but-buggy model code,
-not a boundary against an adversary; run untrusted workloads in a container or VM.
+Each call runs `python -I -S` in a fresh scratch directory and its own process group, with memory, CPU,
+file-size and process limits, network modules blocked and, where `unshare` works (`network_isolated()`),
+no network at all; the whole group is SIGKILLed at `timeout_s`. These are limits for honest-but-buggy
+model code, not a boundary against an adversary: docs/agents.md lists exactly what is and is not
+guaranteed.
 """
 
 from __future__ import annotations

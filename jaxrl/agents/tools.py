@@ -5,33 +5,15 @@
     turn = tools.respond("[calc 123*456]")           # None: the turn holds no call (a final answer)
     turn.observation, turn.info                       # ">56088\n", {"tool_calls": 1, "tool_errors": 0, ...}
 
-Formats:
-- `TagFormat`, for the embedded char-level models (every character in AGENT_ALPHABET): a call is
-  `[name argument]` (or `[name]`) at the end of the turn; `]` ends the turn, so an argument holds no
-  brackets (and one space separates it from the name). The observation is
-  `>` + the result + newline, e.g. `[calc 123*456]` -> `>56088\n`: eight tokens the model copies
-  its answer from. An error reads `>error: what went wrong\n`. Text outside the alphabet (a tool's
-  upper-case or unicode output) is lower-cased, and what still does not fit becomes `_`.
-- `HermesFormat`, for Hugging Face chat models (Qwen2.5, Hermes): a call is
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (JSON); `</tool_call>` ends the turn.
-  The observation closes the assistant message and opens the next one the way the checkpoint's chat
-  template renders a `tool` message, for Qwen2.5:
-  `<|im_end|>\n<|im_start|>user\n<tool_response>\n...\n</tool_response><|im_end|>\n<|im_start|>assistant\n`.
+`TagFormat` (char models): a call is `[name argument]` at the end of the turn, the observation
+`>result\n`; text outside AGENT_ALPHABET is lower-cased, else `_`. `HermesFormat` (HF chat models): a
+`<tool_call>{...}</tool_call>` JSON call, the observation rendered as the chat template's `tool`
+message. A format also renders an episode's prompt (`fmt.prompt(text, registry)`).
 
-A format also renders an episode's prompt from the problem text (`fmt.prompt(text, registry)`), so an
-environment stays format-agnostic: the tag format's is the bare text; the Hermes format's is the chat
-template's rendering of a user message with `tools=registry.schemas()` (each Tool's JSON schema, which
-a Qwen2.5-style template lists in its system message) and the assistant's generation prompt.
-
-Nothing the model writes raises: a malformed call, an unknown tool, wrong arguments, a tool that
-raises or runs past its time limit each give an error observation and count in
-`info["tool_errors"]`; every call counts in `info["tool_calls"]`, and a result longer than
-`max_output` characters is cut (with "...") and counts in `info["tool_truncated"]`.
-
-Time limits: a tool with `timeout_s` runs in a daemon thread and the turn stops waiting for it after
-that many seconds (an error observation). A Python thread cannot be killed, so an in-process tool
-must bound its own work (the calculator bounds its input's length); code that may not stop runs in a
-subprocess (jaxrl.agents.sandbox), which is killed at its limit.
+Nothing the model writes raises: malformed calls, unknown tools, wrong arguments, a tool that raises or
+passes its `timeout_s` give an error observation (`info["tool_errors"]`); results longer than
+`max_output` are cut (`info["tool_truncated"]`). A timed-out in-process tool's thread cannot be killed,
+so such a tool bounds its own work; code that may not stop runs in jaxrl.agents.sandbox.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The multi-turn warm start: supervised batches from an environment suite's teacher episodes.
 
 A demonstration is one teacher episode played against the real environment: the prompt is
-`env.reset(record, rng)` (BOS + text, left-padded to data.max_prompt_len, as in rollouts), the
-completion is the episode's segments concatenated, and the loss mask is 1 on the model's segments only;
-observation tokens sit in the sequence as context with mask 0 (no loss, exactly as in RL batches).
-
-EOS: the engine ends an episode either on the model's EOS (after a final `env.step` of that text) or
-on the environment's `done`. A final model segment that does not end with the suite's end-of-turn
-string is a final answer that only EOS can end, so an EOS (trained on) follows it. A final segment
-that ends the turn (gridworld: `left]` into the goal or a hole) or a final observation (the teacher's
-turn limit) gets no EOS: the environment's `done` or the turn limit ends such an episode, and the
-model never writes past it. Episodes longer than rollout.max_new_tokens are cut there (the engine's
-budget cuts them alike); those that lose model tokens so are counted.
+`env.reset(record, rng)` (left-padded as in rollouts), the completion the episode's segments
+concatenated, the loss mask 1 on the model's segments only (observations are context, as in RL).
+A final model segment that does not end the turn is a final answer and gets a trained EOS; a segment
+that ends the turn or a final observation gets none (`done` or the turn limit ends those episodes).
+Episodes longer than rollout.max_new_tokens are cut there, as the engine cuts them, and counted.
 """
 
 from __future__ import annotations

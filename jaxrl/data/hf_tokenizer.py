@@ -4,18 +4,12 @@
     ids = tok.encode("2+2=")                  # no special tokens
     text = tok.apply_chat_template([{"role": "user", "content": "2+2?"}])   # if the checkpoint has one
 
-Special ids come from the checkpoint's own files, first found wins: generation_config.json, then
-config.json (`bos_token_id`, `eos_token_id`, `pad_token_id`), then tokenizer_config.json's token
-strings. `eos_ids` keeps every EOS id (Llama 3 / Qwen instruct list several); `eos_id` is the first,
-the one the sampler stops on. `add_bos` says whether the tokenizer itself prepends BOS (Llama: yes,
-Qwen: no), which `encode_prompts` follows. Without a pad token, pad = the first EOS (never attended:
-padding is masked). The chat template is chat_template.jinja (where transformers 5 saves it), else
-tokenizer_config.json's `chat_template` (a Jinja string), rendered in a sandboxed jinja2 environment
-with the variables templates use (messages, add_generation_prompt, bos_token, eos_token,
-raise_exception, strftime_now, tojson).
-
-`save_char_tokenizer` writes the embedded tasks' character tokenizer as such files (tokenizer.json,
-tokenizer_config.json, special_tokens_map.json), for `jaxrl convert --to-hf`.
+Special ids come from the checkpoint's files, first found wins: generation_config.json, config.json,
+tokenizer_config.json's token strings. `eos_ids` keeps every EOS id, `eos_id` (the first) is the one the
+sampler stops on; `add_bos` says whether the tokenizer prepends BOS itself; without a pad token,
+pad = the first EOS. The chat template (chat_template.jinja, else tokenizer_config.json's) renders in a
+sandboxed jinja2 environment. `save_char_tokenizer` writes the character tokenizer as such files, for
+`jaxrl convert --to-hf`.
 """
 
 from __future__ import annotations

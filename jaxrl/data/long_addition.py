@@ -5,14 +5,9 @@ Prompt `4735+968=`; reference completion, one step per column from the ones colu
 
     5+8+0=13,3+6+1=10,7+9+1=17,4+0+1=5:5703
 
-A column beyond the shorter operand uses digit 0. Every character is in the CharTokenizer's
-DEFAULT_ALPHABET, so models and warm-start cache keys of the other tasks are unchanged.
-
-Lengths: a solution of n columns has 7 or 8 characters per step, n-1 commas, ':' and n or n+1 answer
-digits, i.e. between 9n and 10n+1 characters. The number of columns (digits of the longer operand) is
-drawn with probability proportional to LENGTH_DECAY**(n-1), so most problems are short and a few are
-long; the shorter operand's length is uniform in [1, n]. With data.digits=8, the shortest solution
-(1 column, no carry: 9 chars) and any 8-column solution (>= 72 chars) differ by at least 8x.
+A column beyond the shorter operand uses digit 0; every character is in DEFAULT_ALPHABET. A solution of
+n columns has between 9n and 10n+1 characters; n (digits of the longer operand) is drawn with
+probability proportional to LENGTH_DECAY**(n-1), so most problems are short and a few are long.
 """
 
 from __future__ import annotations

@@ -5,26 +5,13 @@ An estimator is two parts, composed by `estimator`:
     reward_combine: rewards_BxK -> r_B                    e.g. `reward_sum(weights)`
     normaliser:     (r_B, groups) -> adv_B                e.g. `group_mean_std(eps)`, `group_mean`
 
-`groups` says which rows form a group (`segments.py`): a static Python int `group_size` (contiguous
-equal groups, row i in group i // group_size; pass it with `static_argnums` under `jax.jit`), or a
-`segments.Groups` (a group id per row, groups of any size anywhere in the batch, padding rows). Every
-statistic is a segment reduction over live rows; a padding row gets exactly 0 and counts in no
-statistic, group or batch. The equal form is the special case ids = row // group_size.
+`groups` is a static int `group_size` (contiguous equal groups; `static_argnums` under `jax.jit`) or a
+`segments.Groups` (any sizes, padding rows: advantage exactly 0, in no statistic). A part with
+hyperparameters is a factory returning the function (`group_mean_std(eps)`), one without is the function.
 
-Convention used across `jaxrl.losses`: a part with hyperparameters is a factory that returns the
-function (`group_mean_std(eps)`); a part without any is the function itself (`group_mean`).
-
-Standard-deviation convention (every estimator here and in `multi_reward.py` that divides by a group
-or batch std): the std is the UNBIASED sample std, ddof = 1 (Bessel's correction), as TRL, verl and
-OpenRLHF compute it (`torch.std`), with eps added to the std, not inside the sqrt:
-
-    std_n(x) = sqrt( sum_i (x_i - mean x)^2 / (n - ddof) ),        A = (r - mean) / (std + eps)
-
-so rewards [1,0,0,0] give A = [1.5, -0.5, -0.5, -0.5]. `ddof=0` (the population std, A = [1.732..,
--0.577..]) is an option: `std_ddof` of the normaliser factories and of the presets (loss.options
-"std_ddof=0"). n is each group's own size. For equal-size groups the two differ only by the constant
-factor sqrt(n / (n - 1)). A group (or batch) of one sample has no spread: its divisor is clamped to 1,
-so std = 0 and its advantage is exactly 0 (never NaN), whatever ddof.
+Every std (here and in `multi_reward.py`) is the unbiased sample std (ddof=1, as TRL / verl / OpenRLHF),
+eps added to the std: A = (r - mean) / (std + eps), so rewards [1,0,0,0] give A = [1.5, -0.5, -0.5,
+-0.5]; `std_ddof=0` gives the population std. A group of one has advantage exactly 0 (never NaN).
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Aggregation: how per-token losses become one scalar (the normaliser is the algorithm).
 
-A weights function is `(completion_mask_BxT, max_new_tokens) -> weights_BxT` and is computed ONCE
-on the whole update batch. The loss is then
+A weights function is `(completion_mask_BxT, max_new_tokens) -> weights_BxT`, computed ONCE on the
+whole update batch; the loss is `sum_{i,t} weights_it * loss_it` (`weighted_sum`), summed over
+microbatches. The weights hold every batch-level normaliser, so that sum is exactly the full-batch loss
+and gradient. "B" in the normalisers counts LIVE rows (at least one completion token): an all-0 row acts
+as removed, and an all-empty batch gives weights 0 (never NaN).
 
-    loss = sum_{i,t} weights_it * loss_it                       (`weighted_sum`)
-
-and, with microbatches, the sum over microbatches of `weighted_sum` on each slice. Because the
-weights already hold every batch-level normaliser, that sum is exactly the full-batch loss and its
-gradient exactly the full-batch gradient.
-
-"B" in the normalisers below counts LIVE rows (at least one completion token): a row whose mask
-is all 0 (e.g. filtered out by dynamic sampling in a fixed-shape batch) then acts as if removed,
-and seq_mean_token_mean weights sum to 1 like token_mean's. Empty rows get weight 0 and all
-divisions are guarded, so an all-empty batch gives weights 0 (never NaN).
-
-Stats reduction lives here too, as the same two-phase pattern: per-microbatch partial sums that
-merge exactly (`stat_partials`, `merge_stat_partials`; `mean_stat_partials` over PPO epochs), then
-`finalize_stats`. The update's metrics (`jaxrl.train.steps`) and `evaluate_loss`'s are both made so.
+Stats reduce the same two-phase way: per-microbatch partial sums that merge exactly (`stat_partials`,
+`merge_stat_partials`; `mean_stat_partials` over PPO epochs), then `finalize_stats`; the update's
+metrics and `evaluate_loss`'s are both made so.
 """
 
 from __future__ import annotations

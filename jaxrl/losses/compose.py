@@ -1,43 +1,17 @@
 """The `Loss` contract the training step calls, and `compose`, the one builder every preset uses.
 
-A `Loss` is
-
-    advantages(rewards_BxK, groups) -> adv_B                      the advantage estimator; groups = a static
-                                                                  group_size or a `segments.Groups` (group
-                                                                  ids); with `reward_shaping`, also bonus_B
-    prepare(batch, group_size, max_new_tokens) -> batch           ONCE on the whole update batch, inside
-                                                                  the jitted update, after the advantages
-                                                                  and old / ref log-probs, before weights
-                                                                  and microbatching (`prepare.py`)
+    advantages(rewards_BxK, groups) -> adv_B                      groups: a static group_size or a
+                                                                  `segments.Groups`
+    prepare(batch, group_size, max_new_tokens) -> batch           ONCE on the whole update batch
     weights(completion_mask_BxT, max_new_tokens) -> weights_BxT   on the whole (prepared) batch
     token_loss(logp_BxT, batch) -> (loss_BxT, stats)              per microbatch
 
-plus `needs_old_logp` (the update step must record the whole batch's old log-probs and entropies,
-`old_logp_BxT` / `old_entropy_BxT`, before `prepare`, even for a single PPO epoch), `needs_ref` (the
-loss reads the reference policy's `ref_logp_BxT`: a KL penalty or KL in the reward; only then does a
-run keep reference weights and run their forward), `reward_shaping` (bonus_B functions
-`(batch, max_new_tokens) -> bonus_B` added to the combined reward before it is normalised) and `parts`
-(a human-readable list of the composition, for `jaxrl variants`).
-
-`jaxrl.losses.evaluate` runs these in order -- advantages (from rewards_BxK, with the shaping), prepare,
-weights, token loss, `weighted_sum` -- and the update step calls the same functions, so
-`evaluate_loss(loss, logp_BxT, batch, group_size=G, max_new_tokens=T)` is the update's loss on a batch.
-The update minimises the sum over microbatches of `weighted_sum(weights_BxT, loss_BxT)`; since the
-advantages, prepare and weights see the whole batch, that is exactly the full-batch loss and gradient.
-
-Groups: a batch may carry `group_id_B` (int32 [B]; equal ids = one group of any size, rows anywhere,
-id < 0 or an all-0 completion mask = padding, advantage 0 and in no statistic). Without it the groups
-are group_size adjacent rows. The advantage step passes the estimator `segments.Groups` built from it;
-prepare parts read it with `segments.batch_groups(batch, group_size)` (see `evaluate.py`).
-
-`batch` keys read by token_loss: completion_mask_BxT, old_logp_BxT, advantages_B (or advantages_BxT),
-ref_logp_BxT (KL term), entropy_BxT (entropy bonus), rollout_logp_BxT (TIS / MIS), and whatever keys
-prepare added (m2po_keep_BxT, entropy_keep_BxT). `loss_BxT` is exactly 0 on masked tokens; `stats`
-holds per-token float arrays `<name>_BxT`, 0 on masked tokens.
-
-Hyperparameters are static Python values closed over at build time; a change recompiles.
-`check_loss` checks any object against this contract (the fields, and each function callable with
-the update's arguments) before a run starts: a loss of the user's own fails there, in one line.
+plus `needs_old_logp`, `needs_ref` (only then does a run keep reference weights), `reward_shaping`
+(bonus_B functions added to the combined reward) and `parts` (the composition, for `jaxrl variants`).
+`loss_BxT` and every `<name>_BxT` stat are exactly 0 on masked tokens. Hyperparameters are static
+values closed over at build time. `evaluate_loss` runs the same functions as the update, so it is the
+update's loss; `check_loss` checks any object against this contract before a run, in one line.
+docs/losses.md describes the order the parts run in and the batch keys they read.
 """
 
 from __future__ import annotations

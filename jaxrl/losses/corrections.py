@@ -1,25 +1,16 @@
 """Rollout-vs-trainer corrections: importance weights between the sampler and the trainer's old policy.
 
-Three policies meet in an update: the ROLLOUT policy that sampled the tokens (`rollout_logp_BxT`, the
-sampler's log-probs: another engine, lower precision, or stale weights), the OLD policy (the trainer's
-policy before this update, `old_logp_BxT`) and the CURRENT one being optimised. The staleness ratio
-current / old is the ratio level's business (`ratios.py`); the discrepancy old / rollout is kept apart
-here, as wrappers around a token loss (same pattern as `masks.apply_keep_mask`):
+The discrepancy old / rollout (`old_logp_BxT` vs the sampler's `rollout_logp_BxT`) is kept apart from
+the staleness ratio current / old (`ratios.py`), as wrappers around a token loss:
 
     tis(token_loss, cap, level)         truncated IS: loss_t *= sg(min(pi_old / pi_rollout, cap))
     mis(token_loss, low, high, level)   masked IS: tokens (or whole rows) whose pi_old / pi_rollout
                                         leaves [low, high] get loss 0 and gradient 0
 
-level="token" uses the per-token ratio; level="sequence" the PRODUCT of the row's token ratios (the sum
-of log-ratios), one number per row broadcast to its tokens. Both ratios are data: no gradient flows
-into them. Garbage log-probs on masked tokens are replaced by 0 before any exp.
-
-Wrap the POLICY part only (the presets do: `compose` applies corrections before adding KL / entropy
-regularisers), so a KL penalty is neither reweighted nor dropped.
-
-Stats (per token, 0 on masked tokens): is_ratio_BxT (the raw old/rollout ratio at the chosen level,
-log clipped to +-80 so it stays finite), and is_weight_BxT + is_truncated_BxT (TIS) or
-mis_masked_BxT (MIS). `is_ratio` and `is_weight` get min / max in the metrics.
+level="token" uses the per-token ratio, level="sequence" the product of the row's token ratios. Both
+ratios are data (no gradient). Wrap the POLICY part only (`compose` does), so a KL penalty is neither
+reweighted nor dropped. Stats: is_ratio_BxT (log clipped to +-80), is_weight_BxT + is_truncated_BxT
+(TIS) or mis_masked_BxT (MIS).
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """A `Loss` evaluated on a batch, by the same functions the update step calls.
 
-    prepare_batch(loss, batch, group_size=G, max_new_tokens=L)   once, on the WHOLE batch:
-        check the shapes -> advantages_B (`batch_advantages`: Loss.advantages on rewards_BxK, plus the
-        loss's reward shaping) -> Loss.prepare -> weights_BxT = Loss.weights(prepared mask)
-    weighted_loss(loss, logp_BxT, batch) -> (value, stats)       on a (micro)batch of the prepared batch:
-        weighted_sum(weights_BxT, Loss.token_loss(logp_BxT, batch))
+    prepare_batch(loss, batch, group_size=G, max_new_tokens=L)   once, on the WHOLE batch: shapes checked,
+        advantages_B from rewards_BxK (+ shaping), Loss.prepare, weights_BxT
+    weighted_loss(loss, logp_BxT, batch) -> (value, stats)       on a (micro)batch of the prepared batch
     evaluate_loss(loss, logp_BxT, batch, group_size=G, max_new_tokens=L) -> LossEvaluation
-        both on one batch, and the stats reduced to the update's metrics
 
-`jaxrl.train.steps.make_update_step` runs `prepare_batch` on its whole batch and `weighted_loss` on
-each microbatch, so `evaluate_loss(...).loss` is the update's loss (its first PPO epoch: the old
-policy is the batch's `old_logp_BxT`, or the current one) and `jax.grad` of it through the policy
-that produced logp_BxT is the update's gradient. `group_size` and `max_new_tokens` are given once
-here and passed on to every part; a batch they do not fit is an error naming both.
-
-The batch carries `rewards_BxK`, never `advantages_B`: the advantages are computed here, in one place.
-
-Groups: without `group_id_B`, the B rows are B / group_size groups of group_size ADJACENT rows (what
-the plain sampler makes). With `group_id_B` (int32 [B], one group id per row: rows with equal ids form
-one group, of any size, anywhere in the batch; id < 0 = a padding row) the groups are read from it and
-group_size only has to be a positive int; rows whose completion mask is all 0 are padding too
-(`segments.mark_padding`, once, before the advantages). A padding row gets advantage 0 and counts in no
-group or batch statistic. Every estimator and group-reading prepare part works on segments
-(`segments.py`); the equal form is the special case group_id_B = row // group_size.
+`make_update_step` runs `prepare_batch` on its whole batch and `weighted_loss` per microbatch, so
+`evaluate_loss(...).loss` is the update's loss (its first PPO epoch) and its `jax.grad` the update's
+gradient. The batch carries `rewards_BxK`, never `advantages_B`. Groups are `group_id_B` when present
+(id < 0, or an all-0 completion mask, = padding: advantage 0, in no statistic), else group_size
+adjacent rows; a batch that fits neither is an error naming both.
 """
 
 from __future__ import annotations

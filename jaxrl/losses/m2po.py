@@ -1,35 +1,18 @@
 """M2PO second-moment trust masking: a BATCH-level token mask, computed once before microbatching.
 
-M2PO (Second-Moment Trust Policy Optimization, "Prosperity before Collapse: How Far Can Off-Policy
-RL Reach with Stale Data on LLMs?") drops the tokens with the largest (log rho)^2 until the second
-moment over the kept tokens, M2 = mean (log rho)^2, is <= tau (e.g. 0.04). Which tokens go depends
-on every token of the batch, so it cannot be decided inside one microbatch. The pieces:
+M2PO ("Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?") drops the
+tokens with the largest (log rho)^2 until M2 = mean (log rho)^2 over the kept tokens is <= tau:
 
     m2po_keep_mask(log_ratio_BxT, mask_BxT, tau, candidates) -> keep_BxT   the exact batch-level rule
-    m2po_prepare(tau, token_set, ...) -> prepare(batch) -> batch   run ONCE on the whole update batch,
-                                                                   before splitting: adds keep_BxT
+    m2po_prepare(tau, token_set, ...) -> prepare(batch) -> batch   ONCE on the whole batch: adds keep_BxT
     masks.apply_keep_mask(token_loss, key) -> token_loss           per microbatch: drops those tokens
-    rollout_behaviour(token_loss) -> token_loss                    the ratio's behaviour policy is the
-                                                                   rollout policy (see there)
+    rollout_behaviour(token_loss) -> token_loss                    ratio against the rollout policy
     m2po_part(tau, token_set) -> LossPart                          all of it, for `compose(parts=...)`
 
-so the microbatched loss and gradient equal the full-batch ones exactly.
-
-Which tokens the budget covers (`token_set`). Algorithm 1 of the paper computes the second moment
-over the TRUST-REGION tokens only, the ones an update would push further from the behaviour policy:
-A > 0 with r > 1, and A < 0 with r < 1 (r = pi_theta / pi_behaviour); only those can be masked,
-the others neither count in M2 nor are ever masked. That is the default ("trust_region");
-"all" computes M2 over every live token (our earlier reading of the abstract).
-
-The behaviour policy is the one that SAMPLED the tokens: the rollout policy (`rollout_logp_BxT`,
-the sampler's log-probs) whenever the batch has it; without it, the old policy. `prepare` uses only
-data already in the batch (no forward pass): log r = old_logp - rollout_logp, the staleness of the
-data with respect to the policy at the START of the update, which is the paper's
-log(pi_theta / pi_behaviour) exactly for the first (or only) optimizer step on the batch; for later
-PPO epochs the mask stays frozen at its start-of-update value (an approximation; recomputing it
-per epoch would need a full-batch forward pass each epoch). The objective's ratio uses the same
-behaviour policy, pi_theta / pi_rollout (`rollout_behaviour`). The training step must have
-`old_logp_BxT` in the batch before calling `prepare` (recorded old log-probs).
+`token_set`: "trust_region" (default, Algorithm 1: only A > 0 with r > 1 and A < 0 with r < 1 count and
+can be masked) or "all" (every live token). The behaviour policy is the sampler's (`rollout_logp_BxT`,
+else the old policy); log r = old_logp - rollout_logp, so the mask is exact for the first optimizer
+step on a batch and frozen at that value for later PPO epochs. The batch must hold `old_logp_BxT`.
 """
 
 from __future__ import annotations

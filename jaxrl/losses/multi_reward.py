@@ -1,17 +1,11 @@
 """Multi-reward advantage estimators: rewards_BxK -> adv_B, normalising each reward function first.
 
-GRPO sums the K rewards and then normalises, so distinct reward combinations with the same sum get
-the same advantage. These estimators normalise each reward column within its group first
-(z_ik), then combine. They are whole estimators `(rewards_BxK, groups) -> adv_B` (the same
-contract as `advantages.estimator(...)`'s result), because the combine step comes AFTER the group
-normalisation, the reverse of `estimator(reward_combine, normaliser)`.
-
-`groups` is a static group_size int (contiguous equal groups) or a `segments.Groups` (a group id per
-row, any sizes, padding rows: A = 0 there, and they count in no statistic). The final batch
-normalisation is over every live row of the call: run the estimator on the whole update batch.
-
-Every std here (the per-reward group std and the batch std) follows `advantages.py`'s convention:
-unbiased (ddof=1) by default, `ddof=0` for the population std; eps is added to the std.
+GRPO sums the K rewards and then normalises, so reward combinations with the same sum get the same
+advantage. These estimators normalise each reward column within its group first, then combine: whole
+estimators `(rewards_BxK, groups) -> adv_B`, the contract of `advantages.estimator(...)`'s result.
+`groups` as in `advantages.py` (padding rows: A = 0, in no statistic); the final batch normalisation is
+over every live row of the call, so run it on the whole update batch. Every std follows
+`advantages.py`'s convention (ddof=1 by default, eps added to the std).
 """
 
 from __future__ import annotations

@@ -73,9 +73,9 @@ def ppo_clip(eps_low: float = 0.2, eps_high: float | None = None) -> Objective:
 
 
 # ---------------------------------------------------------------------------------------------
-# More objectives. Unlike `ppo_clip` (kept as it was), these return a loss of exactly 0 on masked
-# tokens. Where a token gets "no gradient", the log-ratio is replaced by 0 on that token BEFORE any
-# exp, so even an overflowing ratio (log rho > 88) cannot turn the zero cotangent into NaN.
+# More objectives. Unlike `ppo_clip`, these return a loss of exactly 0 on masked tokens themselves.
+# Where a token gets "no gradient", the log-ratio is replaced by 0 on that token BEFORE any exp, so even
+# an overflowing ratio (log rho > 88) cannot turn the zero cotangent into NaN.
 
 
 def _f32(x_BxT: jax.Array) -> jax.Array:

@@ -16,9 +16,8 @@ Roles (each a `typing.Protocol`, defined next to its family and collected here):
     TokenLoss       (logp_BxT, batch) -> (loss_BxT, stats)              here
     TokenWrapper    TokenLoss -> TokenLoss                              here (TIS / MIS, keep masks)
 
-`compose.compose(name, estimator | reward_combine + normaliser, ratio, objective, weights, parts=...,
-options=...)` puts them together; `parts` and `options` are `LossPart`s, whose fields say where each
-piece acts (see `LossPart`). `options.option_parts(...)` builds the options every preset takes.
+`compose.compose(...)` puts them together; its `parts` and `options` are `LossPart`s, whose fields say
+where each piece acts; `options.option_parts(...)` builds the options every preset takes.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """Batch-level parts: `prepare(batch, group_size, max_new_tokens) -> batch`, run ONCE on the whole update batch.
 
 The update step calls `loss.prepare` inside the jitted step, after the old / reference log-probs are
-recorded and BEFORE the aggregation weights are computed and the batch is split into microbatches.
-Anything that depends on more than one row therefore sees the whole batch, and microbatching stays
-exact. A prepare part may
-
-  - drop rows: `drop_rows(keep_fn)` multiplies completion_mask_BxT by keep_B, so a dropped row gets no
-    gradient AND leaves every normaliser (it counts as removed): the MC-GRPO pivot (`mc_pivot_rows`),
-    GD2PO's conflict mask (`gd2po_rows`), truncated completions (`not_truncated_rows`), groups with no
-    signal (`informative_rows`);
-  - add token masks for `masks.apply_keep_mask` (M2PO's m2po_keep_BxT, `masks.top_entropy_keep`).
-
-Reward shaping (`overlong_penalty`, `kl_reward`) is not a prepare part: it is part of the advantage
-step, which runs just before prepare on the same whole batch (`Loss.reward_shaping`, `shaped_estimator`,
-`jaxrl.losses.evaluate.batch_advantages`), so advantages_B is computed once, in one place.
-
-Keys it may read: every key of the rollout batch plus `advantages_B`, `old_logp_BxT` / `old_entropy_BxT`
-(recorded only when the Loss sets `needs_old_logp`) and `ref_logp_BxT` (when the Loss sets `needs_ref`).
-`group_size` and `max_new_tokens` are static Python ints. A part that reads groups takes them from
-`segments.batch_groups(batch, group_size)`: the batch's `group_id_B` when it has one (groups of any
-size, rows anywhere, id < 0 = padding, marked by `evaluate.prepare_batch` before any part runs), else
-contiguous groups of `group_size` rows.
+recorded and BEFORE the weights are computed and the batch is split into microbatches, so a part that
+depends on more than one row sees the whole batch and microbatching stays exact. A part may drop rows
+(`drop_rows(keep_fn)`: the row gets no gradient and leaves every normaliser; `mc_pivot_rows`,
+`gd2po_rows`, `not_truncated_rows`, `informative_rows`) or add token masks for `masks.apply_keep_mask`.
+Reward shaping is part of the advantage step, not of prepare. It reads the rollout batch's keys plus
+`advantages_B`, `old_logp_BxT` / `old_entropy_BxT` (with `needs_old_logp`), `ref_logp_BxT` (with
+`needs_ref`); groups come from `segments.batch_groups(batch, group_size)`.
 """
 
 from __future__ import annotations

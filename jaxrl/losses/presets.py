@@ -1,22 +1,17 @@
 """Loss presets: the registry of named compositions (`PRESETS`, `register_preset`), and `make_loss`
 from a config.
 
-The contract (`Loss`, `compose`) lives in `compose.py`; the built-in presets, each a short
-composition of parts whose docstring names its paper and writes its formula, in `presets_grpo.py`
-(advantage / normaliser / row-selection family) and `presets_ratio.py` (ratio level / objective /
-trust-region family). `PRESETS[name]` is a `Preset`: callable like the factory
-(`PRESETS["dapo"](eps_high=0.3)`), plus the paper, the composition (`.parts`) and what
-`rollout.group_size` means for it. Built-ins and user presets are registered the same way:
+The built-in presets live in `presets_grpo.py` (advantage / normaliser / row-selection family) and
+`presets_ratio.py` (ratio level / objective / trust-region family), each docstring naming its paper
+and writing its formula. `PRESETS[name]` is a `Preset`: callable like the factory, plus the paper, the
+composition (`.parts`) and what `rollout.group_size` means for it. Built-ins and user presets register
+the same way:
 
     register_preset("my_loss", my_factory, paper="...")    # e.g. in the user's own config file
     LossConfig(preset="my_loss", options={"tis_cap": 2.0})  # or preset="my_pkg.losses:my_factory"
 
-Config: `jaxrl.config.LossConfig` carries the fields most presets share (eps_low, eps_high, kl_beta,
-adv_eps, reward_weights; a None means "the preset's paper default") and `options` (a dict, or a string
-of `name=value` pairs) for everything else (a preset's own parameters such as `tau` or `delta`, and
-the `options.EXTRAS` every preset accepts such as `tis_cap` or `entropy_coef`). `make_loss` checks
-every name against the preset and the built loss against the `Loss` contract, and raises
-`ConfigError` naming the field.
+`make_loss` checks every field and option name against the preset and the built loss against the
+`Loss` contract, and raises `ConfigError` naming the field.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Groups as segments: per-row group ids instead of a [B/G, G] reshape.
 
-Every advantage estimator and every prepare part that reads groups takes `groups`, either
+`groups` is either a static int `group_size` (contiguous equal groups, row i in group i // group_size:
+what a plain rollout makes) or a `Groups` (one id per row, any sizes, rows anywhere, padding rows).
+Both become a `Groups` (`as_groups`); every statistic is a segment reduction over a STATIC number of
+segments (`num`: B // group_size, or B for ids relabelled densely by `from_ids`).
 
-  - a static Python int `group_size`: rows are contiguous equal groups, row i in group i // group_size
-    (the form every preset used before groups could differ in size; still what a plain rollout makes), or
-  - a `Groups`: one group id per row, any sizes, rows of one group anywhere in the batch, padding rows.
-
-Both become a `Groups` (`as_groups`), and every statistic is a segment reduction over a STATIC number of
-segments (`num`): the equal form has num = B // group_size; group ids from a batch are relabelled
-densely to [0, B) (`from_ids`), so num = B is an upper bound whatever ids the rollout used (prompt
-indices, slot numbers). Empty segments are harmless: no row reads them.
-
-Padding (`live_B` False): a row that belongs to no group, e.g. a slot of a fixed-shape batch the rollout
-did not fill. It counts in no statistic (group or batch) and its advantage is exactly 0. In a batch,
-`group_id_B < 0` marks padding; `mark_padding` (run by `evaluate.prepare_batch` before the advantages)
-also marks every row whose completion mask is all 0, once, so that rows a prepare part drops later
-(truncated, the MC-GRPO pivot) are not mistaken for padding by the parts after it.
-
+Padding (`live_B` False) counts in no statistic and gets advantage exactly 0. `group_id_B < 0` marks
+padding; `mark_padding` (run by `evaluate.prepare_batch` before the advantages) also marks every row
+whose completion mask is all 0, once, so rows a prepare part drops later are not mistaken for padding.
 Sums are `jax.ops.segment_sum`; medians use one stable sort by (segment, value, row).
 """
 

@@ -126,8 +126,8 @@ def attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, inde
     kv-head-major cache; same math as
     `attend_slots`, laid out for XLA:CPU decode: the scores are computed keys-major (S x TR per
     (b, k), softmax over S) and both contractions are explicit `dot_general`s, so XLA neither
-    transposes the cache nor picks a strided GEMM. Measured ~1.5x faster than the einsum form at
-    B=64, S=192 (the cache is read twice per layer per step; nothing else in decode grows with S)."""
+    transposes the cache nor picks a strided GEMM (benchmarks/README.md: the cache is read twice per
+    layer per step; nothing else in decode grows with S)."""
     B, T, H, Hd = q_BxTxHxHd.shape
     K, S = k_BxKxSxHd.shape[1], k_BxKxSxHd.shape[2]
     R = H // K

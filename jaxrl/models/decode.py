@@ -1,20 +1,15 @@
 """Decode loops: per-layer params and cache, and the read-only-cache window form of speculation.
 
-Run over a stacked cache, each step of a decode loop would have every layer slice its weights out of
-the stacked params and its keys/values out of the stacked cache (and XLA:CPU then transposes them
-for the attention dots): copies that cost as much as the matmuls. The functions below run
-`decoder.run_decoder` on the per-layer layout instead: per-layer params (`layer_params`, sliced
-once, outside the loop) and per-layer kv-head-major `LayerKV` buffers that attention reads in place
-and `dynamic_update_slice` writes in place.
+The functions below run `decoder.run_decoder` on the per-layer layout: per-layer params
+(`layer_params`, sliced once, outside the loop) and kv-head-major `LayerKV` buffers that attention
+reads in place and `dynamic_update_slice` writes in place, so no decode step copies a weight or cache
+slice out of a stacked array. Three ways to add tokens:
 
-Three ways to add tokens:
   decode_layers   writes T tokens of every row at the same cache slots (the sampler's step);
   decode_rows     writes one token per row at that row's own slot (the slot engine's step);
   window_layers   leaves the cache untouched: the tokens' keys/values go to a small per-call window
-                  that attention reads after the cache, and `commit_window` later writes each row's
-                  window at that row's own fill level. Speculative rollouts use it: rows keep
-                  different numbers of tokens, so their caches fill at different rates with no
-                  holes, and the loop's branches never write (and so never copy) the cache.
+                  read after the cache; `commit_window` later writes each row's window at that row's
+                  own fill level (speculative rollouts: rows keep different numbers of tokens).
 """
 
 from __future__ import annotations

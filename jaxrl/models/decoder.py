@@ -2,22 +2,13 @@
 
     out, kv, moe = run_decoder(params, cfg, tokens_BxT, positions_BxT, key_valid_BxS, index, kv, ...)
 
-`params` comes in one of two layouts, and the layers run accordingly:
-  stacked    (`transformer.init_params`: `blocks` and `tail` carry a leading layers axis): a
-             `lax.scan` over the stack, so compile time does not grow with depth and `remat` applies.
-             The cache is None or a `StackedKV` carried whole through the scan (training, scoring,
-             prefill).
-  per-layer  (`layer_params`: `blocks` and `tail` as tuples of per-unit trees, split once outside a
-             loop): the layers unrolled, each with its own cache entry, so a decode step copies no
-             weight or cache slice. `kv` is then a sequence of per-layer kinds (LayerKV, WindowKV or
-             GroupKV) and `n_layers` may run only the first layers (an early-exit drafter).
-Both walk the same `layer_plan` with the same layer modules, and attention picks its code from the
-cache kind (`attention.attend`). MoE routing replay is an input (`replay_LxBxTxK`) and the routing
-used an output (`MoEOut`) of either, never a second function.
-
-Sequences are LEFT-padded: a token's position id is the number of real tokens before it, and padded
-keys are invisible, so a padded row's real-token logits equal those of the unpadded row. Logits are
-float32 whatever `cfg.dtype` is.
+`params` is stacked (`transformer.init_params`: a `lax.scan` over a leading layers axis; cache None or
+a `StackedKV`) or per-layer (`layer_params`: the layers unrolled, `kv` a sequence of LayerKV, WindowKV
+or GroupKV, and `n_layers` may run only the first layers, an early-exit drafter). Both walk the same
+`layer_plan`; attention picks its code from the cache kind. MoE routing replay is an input
+(`replay_LxBxTxK`) and the routing used an output (`MoEOut`). Sequences are LEFT-padded (a position id
+counts the real tokens before it, padded keys are invisible, so a padded row's logits equal the
+unpadded row's); logits are float32 whatever `cfg.dtype` is.
 """
 
 from __future__ import annotations

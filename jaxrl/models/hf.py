@@ -6,16 +6,11 @@
     params = load_params(d, cfg, shardings)               # memory-mapped; each device reads its own shard
     save(out_dir, params, cfg, dtype="bfloat16")          # safetensors + config.json that transformers loads
 
-Architectures: Llama (incl. Llama 3 RoPE scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
-Qwen3-MoE and Qwen2-MoE (gated shared expert). HF linear weights are (out, in); jaxrl stores (in, out)
-and splits heads: q (D, H, Hd), k/v (D, K, Hd), o (H, Hd, D); stacked layers carry a leading axis (an MoE
-model's leading axis counts groups of moe_every layers: `dense_j` is layer g*moe_every + j, `moe` the
-group's last; its `tail` stacks the dense layers after the last group). Params are float32 whatever the
-file holds (float32 or bfloat16 are both read).
-
-With `shardings` (a NamedSharding per param, e.g. from `sharding.param_shardings`), every param is built
-by `jax.make_array_from_callback` over memory-mapped tensors: each device's callback reads and converts
-only its slice, so no host ever holds a full float32 copy of the model.
+Architectures: Llama (incl. Llama 3 RoPE scaling), Qwen2/2.5, Qwen3, Qwen3-MoE and Qwen2-MoE. HF linear
+weights are (out, in); jaxrl stores (in, out) with heads split (q (D, H, Hd), k/v (D, K, Hd), o (H, Hd,
+D)) and stacked layers on a leading axis (an MoE model's counts groups of moe_every layers). Params are
+float32 whatever the file holds. With `shardings`, each device's callback reads and converts only its
+slice of the memory-mapped tensors, so no host holds a full float32 copy of the model.
 """
 
 from __future__ import annotations

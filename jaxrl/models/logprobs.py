@@ -1,20 +1,14 @@
 """Chosen-token log-probs and entropies from the final hidden states, a chunk of rows at a time.
 
-The update needs, per completion position, log softmax(logits / temperature) at the sampled token and
-the entropy of that distribution. Computed directly, the B x T x V float32 logits, their log-softmax,
-its exp and each of their gradients exist at once (256 MiB apiece for 64 x 128 positions over a
-8,192-token vocabulary). Here the B*T (position) rows are cut into chunks of `chunk_rows`; a `lax.scan`
-applies the LM head to one chunk, reduces it to the two numbers per row, and drops the chunk. The
-chunk body is a `jax.checkpoint`: the backward recomputes the chunk's logits from its hidden rows
-(one extra head matmul, ~1/3 of the head's forward+backward cost) instead of keeping all logits alive.
-The arithmetic per row is the unchunked path's own (same ops in the same order), so values and
-gradients match it to float32 reordering.
-
     logp_BxT, entropy_BxT = chunked_token_logprobs(hidden_BxTxD, head_DxV, tokens_BxT, temperature, 1024)
 
-`hidden_BxTxD` is the final-normed hidden state at the positions that predict `tokens_BxT`;
-`head_DxV` the LM head (the embedding's transpose for tied models), cast to the hidden's dtype, with
-the matmul accumulated and everything after it computed in float32 (as `decoder.run_decoder`).
+Per completion position: log softmax(logits / temperature) at the sampled token, and that
+distribution's entropy. The B*T rows are cut into chunks of `chunk_rows`; a `lax.scan` applies the LM
+head to one chunk under `jax.checkpoint` and keeps only the two numbers per row, so the B x T x V logits
+and their gradients never exist at once (the backward recomputes a chunk's logits). The arithmetic per
+row is the unchunked path's own, so values and gradients match it to float32 reordering.
+`hidden_BxTxD` is the final-normed hidden state at the positions that predict `tokens_BxT`; `head_DxV`
+the LM head (the embedding's transpose for tied models), accumulated and followed in float32.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Low-rank adapters (LoRA) as a transformation of the parameter tree: the model never knows.
 
 A run with `model.lora.rank > 0` trains a small `adapters` tree and keeps the base weights frozen
-(`store_base`: float32, bfloat16 or int8). The policy every forward uses is `merge(base, adapters)`:
-each target weight W becomes W + (alpha / rank) * A @ B, computed from the same arrays by the same
-function in the rollout, the evaluation and the update, so the sampler's log-probs are the trainer's.
-With the adapters left out, `merge(base, None)` is the base policy: the KL reference, for free.
-
-Shapes: a target weight's dims split into leading stack dims (logical `layers`, `expert`), input
-dims and output dims. A has (stack..., in..., r), B has (stack..., r, out...) and keeps the
-weight's logical axes on the dims it shares with it, so a mesh preset shards adapters by the same
-rules as the weights (the rank dim is replicated). The input dims of a weight are its first
-non-stack dim when that is `embed` (q, k, v, gate, up), else all but the last (o: heads x head_dim
--> embed; down: mlp -> embed), which is also how `store_base` picks an int8 weight's scale columns.
-
-Why not qwix's LoRA provider: it intercepts the dot products inside Flax modules, so the unrolled
-decode path (`models.decode`), which reads the embedding and head directly, and the int8 drafter's
-quantised view would each need it too, and x @ W + (x @ A) @ B rounds differently from x @ W' with
-W' merged: the rollout's log-probs would no longer equal the update's. A tree transform needs
-neither.
+(`store_base`: float32, bfloat16 or int8). Every forward uses `merge(base, adapters)`: each target
+weight W becomes W + (alpha / rank) * A @ B, by the same function in the rollout, the evaluation and the
+update, so the sampler's log-probs are the trainer's; `merge(base, None)` is the base policy (the KL
+reference). A has (stack..., in..., r), B has (stack..., r, out...) and keeps the weight's logical axes
+on the dims it shares with it, so a mesh preset shards adapters by the weights' rules (rank replicated).
+A weight's input dims are its first non-stack dim when that is `embed` (q, k, v, gate, up), else all but
+the last (o, down); `store_base` picks an int8 weight's scale columns the same way.
 """
 
 from __future__ import annotations

@@ -4,17 +4,12 @@
 Shape letters (this file): N tokens (B*T flattened), D model width, F expert mlp width, E experts,
 K experts per token (the router's top-k; not the kv heads of layers.py), S = N*K token-slots.
 
-Router: `softmax` takes the top-k of softmax(logits) and renormalises the k gates to sum to 1 (the
-Qwen3-MoE convention); `sigmoid` takes the top-k of sigmoid(logits) and renormalises likewise
-(DeepSeek-V3 style gates, without its bias-based balancing). `MoESpec.norm_topk=False` keeps the k
-scores as they are (Qwen2-MoE). Shared experts may be scaled per token by sigmoid(x @ w_Dx1)
-(`MoESpec.shared_gate`, Qwen2-MoE's shared_expert_gate). Dispatch (`MoESpec.dispatch`: dropless,
-capacity or naive) is in moe_dispatch.py. Expert parallelism is part of the spec:
-`MoESpec.expert_parallel` (an `ExpertParallel`: a mesh and its expert axis, or None for one device)
-makes dropless dispatch `dispatch_expert_parallel` whenever it applies to the call's shapes. The
-layer reads no ambient mesh, so it behaves the same in the rollout and the update.
-Routing replay: given `replay_NxK`, those experts are used instead of the router's top-k; the gates
-are still the current router's scores at those experts (renormalised), so the router gets gradients.
+Router: top-k of softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3-style gates, without its bias balancing)
+scores, renormalised to sum to 1 unless `MoESpec.norm_topk=False` (Qwen2-MoE); shared experts may be
+gated per token (`MoESpec.shared_gate`). Dispatch is in moe_dispatch.py; `MoESpec.expert_parallel`
+makes dropless dispatch expert-parallel where it applies, and no ambient mesh is read, so the layer
+behaves the same in the rollout and the update. Routing replay: given `replay_NxK`, those experts are
+used with the current router's (renormalised) gates there, so the router still gets gradients.
 """
 
 from __future__ import annotations

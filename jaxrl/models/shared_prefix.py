@@ -3,22 +3,13 @@
     logp_BxT, entropy_BxT = token_logprobs_shared(params, cfg, prompt_BxP, prompt_mask_BxP, tokens_BxT,
                                                   temperature, group_size=G)
 
-Rows g*G .. g*G+G-1 must hold the SAME left-padded prompt (tokens and mask): the caller guarantees
-it (the static sampler's batches, `jaxrl.sources.scoring.score_groups`); nothing here checks it.
-Same results as `transformer.token_logprobs` (float32 reordering aside) at 1/G of the prompt's
-layer work, forward and backward:
-
-  1. the B/G distinct prompts run through the decoder once, writing every layer's keys/values
-     into a P-slot cache (the same path as `prefill`), and the last prompt slot's logits (which
-     predict completion token 0) are kept;
-  2. that cache is repeated to the B rows and extended by T-1 slots, and completion tokens
-     0..T-2 (the last one predicts nothing) run through the decoder at slots P.., attending
-     [prompt keys, their own causal completion keys] (the same path as a multi-token decode step).
-
-Gradients reach the prompt's keys/values through the repeat (summed over the group's rows),
-exactly as in the one-pass forward where every row's copy of the prompt gets its own share.
-Dense models only: MoE routing with capacity limits and its balance losses depend on which tokens
-share a forward, so MoE callers use the one-pass forward (`jaxrl.train.steps.make_logp_fn`).
+Rows g*G .. g*G+G-1 must hold the SAME left-padded prompt (tokens and mask): the caller guarantees it
+(the static sampler's batches, `jaxrl.sources.scoring.score_groups`); nothing here checks it. Same
+results as `transformer.token_logprobs` (float32 reordering aside) at 1/G of the prompt's layer work:
+the B/G prompts are prefilled once into a P-slot cache, which is repeated to the B rows and extended by
+the completion tokens as a multi-token decode step; gradients reach the prompt's keys/values through the
+repeat. Dense models only: MoE routing with capacity limits depends on which tokens share a forward, so
+MoE callers use the one-pass forward (`jaxrl.train.steps.make_logp_fn`).
 """
 
 from __future__ import annotations

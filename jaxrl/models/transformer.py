@@ -103,7 +103,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array):
 
     Draws all noise in ONE truncated-normal call and scales each parameter by its recorded std
     (the distributions each layer module's own init would draw, different values): on CPU, compiling one
-    generator per parameter costs ~1-2 s each and made init the slowest thing in the test suite.
+    generator per parameter would make init slow to compile.
     """
 
     boxes, treedef = jax.tree.flatten(_abstract_boxed(cfg), is_leaf=_is_box)

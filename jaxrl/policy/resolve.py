@@ -58,7 +58,7 @@ def checkpoint_config(model: ModelConfig) -> ModelConfig:
     if not (path / MODEL_CONFIG).is_file():
         return hf.model_config(hf.read_config(path), model, str(path / "config.json"))
     saved = json.loads((path / MODEL_CONFIG).read_text())
-    if "hf_max_position_embeddings" not in saved and (path / "config.json").is_file():  # converted before it existed
+    if "hf_max_position_embeddings" not in saved and (path / "config.json").is_file():  # read it from config.json
         saved["hf_max_position_embeddings"] = hf.read_config(path).get("max_position_embeddings") or 0
     cfg = dataclasses.replace(
         ModelConfig.from_dict(saved), hf_path="", **{f: getattr(model, f) for f in RUNTIME_FIELDS}

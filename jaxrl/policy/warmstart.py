@@ -48,8 +48,8 @@ _DENSE_MODEL_FIELDS = (
 
 
 def _without_new_defaults(section, default) -> dict:
-    """asdict(section) minus fields added later (Hugging Face interop) that still hold their default,
-    so cache keys made before those fields existed stay valid."""
+    """asdict(section) minus the Hugging Face interop fields that hold their default, so a cache key
+    depends on them only when they are set."""
     later = (
         "qkv_bias",
         "qk_norm",

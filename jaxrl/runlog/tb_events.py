@@ -1,17 +1,11 @@
 """TensorBoard scalar events, written without TensorFlow, tensorboardX or protobuf.
 
-tensorboardX's package `__init__` imports torch whenever torch is installed (1-4 s per process that
-logs, for nothing: we write scalars only). The file format is small and stable:
-
-- an event file is a sequence of TFRecords: uint64 length, uint32 masked CRC-32C of the length bytes,
-  the data, uint32 masked CRC-32C of the data (all little-endian);
-- each record's data is a serialized `tensorflow.Event` (tensorflow/core/util/event.proto): the first
-  one carries `file_version = "brain.Event:2"`, the others a `Summary` of `simple_value` scalars, as
-  tensorboardX's `add_scalar` writes them.
-
-Only the protobuf wire types these messages need are encoded here (fixed64 double, varint, fixed32
-float, length-delimited); tests/test_tensorboard_events.py reads the file back with tensorboardX's
-generated protobuf classes and its own CRC-32C.
+tensorboardX's package `__init__` imports torch whenever torch is installed; we write scalars only.
+An event file is a sequence of TFRecords (uint64 length, uint32 masked CRC-32C of the length bytes, the
+data, uint32 masked CRC-32C of the data; little-endian), each a serialized `tensorflow.Event`: the first
+carries `file_version = "brain.Event:2"`, the others a `Summary` of `simple_value` scalars, as
+tensorboardX's `add_scalar` writes them. Only the protobuf wire types these messages need are encoded;
+tests/test_tensorboard_events.py reads the file back with tensorboardX's classes.
 """
 
 from __future__ import annotations

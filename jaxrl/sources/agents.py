@@ -1,24 +1,14 @@
 """Multi-turn episodes as the loop's rollout source (data.task names an environment: jaxrl.agents).
 
-    produced = source.produce(params, stream, rng, step)   # the same interface as group_sources.py
+    produced = source.produce(params, stream, rng, step)   # the same interface as groups.py
 
-Each step takes prompts_per_step records from the data stream (ceil(prompts_per_step /
-agent.keep_top_variance) with StarPO-S filtering), plays group_size episodes of each on the episode
-engine (jaxrl.rollout.episodes.driver: environment steps run in a thread pool while other slots decode),
-and returns a RolloutBatch with the episodes as completions: the model's tokens and the
-observations in one sequence, `completion_mask_BxT` = 1 on the model's tokens only, so observations
-are context with no loss and no log-prob.
-
-Credit (StarPO): the trajectory's return (the sum of its environment rewards) is reward column 0, and
-GRPO-style advantages compare whole episodes within their group; column 1 is the optional per-turn
-shaping (agent.shaping_weight x the sum of the environment's info["shaping"]; 0 by default). With
-agent.keep_top_variance = p < 1 the step keeps the prompts_per_step groups whose combined rewards
-vary most (StarPO-S): groups whose episodes all scored alike teach nothing and are the first sign of
-the "echo trap" (reward variance collapsing); `agent/reward_std_mean` tracks it.
-
-Resume: no episode is ever in flight at a checkpoint (a step's episodes all finish inside it), so
-the source has no state to save; a run killed mid-step replays that step's episodes from scratch
-with the same environment seeds and token keys (seeded by train.seed and the step).
+Each step takes prompts_per_step records (ceil(prompts_per_step / agent.keep_top_variance) with
+StarPO-S filtering), plays group_size episodes of each on the episode engine
+(jaxrl.rollout.episodes.driver), and returns a RolloutBatch whose completions hold the model's tokens
+and the observations, `completion_mask_BxT` = 1 on the model's tokens only. Reward column 0 is the
+trajectory's return, column 1 the optional per-turn shaping (agent.shaping_weight); with
+keep_top_variance < 1 the groups whose rewards vary most are kept (StarPO-S). The source has no state
+to checkpoint: a step's episodes finish inside it and a resumed step replays them (docs/agents.md).
 """
 
 from __future__ import annotations

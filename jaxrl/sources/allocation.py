@@ -1,26 +1,16 @@
 """Variance-guided sample allocation (VIGOR): pure host functions, no engine, no JAX.
 
-A step's budget is B = prompts_per_step * group_size samples. Every prompt starts with n0 samples;
-the other B - N*n0 are handed out over `rounds` rounds, each round to the prompts whose rewards so
-far vary most (GRPO's signal: a group whose rewards are all equal has zero advantage everywhere).
+A step's budget is B = prompts_per_step * group_size samples. Every prompt starts with n0 samples; the
+other B - N*n0 are handed out over `rounds` rounds, each to the prompts whose rewards so far vary most.
 
 The rule (`plan_round`):
   score_i    = (sum_j (r_ij - mean_i)^2 + a * v0) / (n_i + a)
-               the group's population variance (p(1-p) for 0/1 rewards) shrunk towards a prior
-               variance v0 with the weight of `a` pseudo-samples (`prior_weight`, default 1). v0 is
-               (range/2)^2 of every reward seen this step (0.25 for 0/1 rewards: the largest
-               Bernoulli variance), so a prompt whose n0 samples all agree still scores above 0 and
-               can get more, but less the more agreeing samples it has; when every reward of the
-               step is equal, v0 = 0 and the ties below spread the budget evenly.
+               the group's population variance shrunk towards v0 = (range/2)^2 of every reward seen
+               this step, with the weight of `a` pseudo-samples (`prior_weight`, default 1)
   one round  spends ceil(left / rounds_left) samples, one at a time, each to the prompt with the
-             highest score_i / (1 + given_i), given_i = samples it got earlier in this round (its
-             rewards are not known until the round is scored: diminishing returns instead);
-             ties: fewer samples so far (n_i + given_i), then the earlier prompt. A prompt at the
-             cap (n_i + given_i = cap) gets no more.
-Hand-worked: budget 12, n0 2, rewards [1,1] [0,1] [0,0] [1,0], one round: v0 = 0.25,
-score = (0 + .25)/3 = .083, (.5 + .25)/3 = .25, .083, .25 -> 4 samples: prompt 1 (.25; ties prompt 3
-at 2 samples, earlier index), prompt 3 (.25 > 1's .25/2), then both at .125 > .083: prompt 1, prompt 3
--> sizes [2, 4, 2, 4].
+             highest score_i / (1 + given_i) (given_i: samples it got earlier in this round); ties:
+             fewer samples so far, then the earlier prompt; a prompt at the cap gets no more.
+docs/engine.md works an example by hand.
 """
 
 from __future__ import annotations

@@ -3,22 +3,13 @@
     produced = source.produce(params, stream, rng, step)   # -> Produced: host batch, metrics, stream
     source.checkpoint_state()                              # the host state for the checkpoint's JSON item
 
-Two sources:
   StaticSource  the step's `prompts_per_step` prompts from the stream, one static B x T rollout
                 (`SamplerSource`: the sampler, or the speculative sampler), scored row by row.
-  EngineSource  the slot engine (`rollout.engine.enabled=true`, jaxrl.rollout.engine.driver): prompts are
-                pulled from the stream as slots free up, and the step gets the first
-                `prompts_per_step` groups that complete. With `rollout.engine.admission=fill`
-                samples still decoding stay in their slots and finish under the next policy
-                version (partial rollouts): each token keeps the log-prob it was drawn with and the
-                version that drew it, and the loss's rollout corrections use those log-probs.
-                Optional policies on which groups and prompts a step uses: DAPO dynamic sampling
-                (group_filters.py) and a Beta / Thompson online difficulty filter (prompt_filter.py).
-                With `rollout.engine.allocation=vigor` the step's samples are allocated to its
-                prompts by reward variance instead (jaxrl.sources.vigor): groups of unequal size.
-Both return a RolloutBatch (jaxrl.rollout.batch); the engine's also carries `group_id_B` and `stale_BxT`.
-The engine's state (samples in flight with their records, KV caches and RNG) is checkpointed:
-a resumed run continues them exactly as an uninterrupted run would.
+  EngineSource  the slot engine (`rollout.engine.enabled=true`): prompts pulled as slots free up, the
+                step gets the first `prompts_per_step` groups that complete; partial rollouts, dynamic
+                sampling, the prompt filter and VIGOR allocation are its options (docs/engine.md).
+Both return a RolloutBatch (jaxrl.rollout.batch); the engine's also carries `group_id_B` and `stale_BxT`,
+and its state (samples in flight, KV caches, RNG) is checkpointed so a resumed run continues exactly.
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 `SamplerSource` draws a step's B x T block with one jitted call of the static sampler
 (jaxrl.rollout.sampler, or jaxrl.rollout.speculative.sample when rollout.speculative.enabled) for the
-step's prompts. How the completions are drawn (the sampler, speculative drafters, the reuse draft
-store, the speculation control and its measured costs) and the host state that needs between steps
-belong to it: `checkpoint_state()` returns that state for the checkpoint's JSON item, and the
-constructor takes it back (`host`, {} for a fresh run) when the run resumes. The loop reaches it
-through `group_sources.StaticSource` (prompts from the stream, scoring); the slot engine is the
-other source there (`EngineSource`).
+step's prompts. It owns how completions are drawn (the sampler, speculative drafters, the reuse draft
+store, the speculation control and its cost estimates) and the host state they keep between steps:
+`checkpoint_state()` returns it for the checkpoint's JSON item and the constructor takes it back
+(`host`, {} for a fresh run). The loop reaches it through `jaxrl.sources.groups.StaticSource`.
 """
 
 from __future__ import annotations

@@ -64,12 +64,12 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, host: dict, *, f
 class BackgroundSaver:
     """The training loop's `save`: the step blocks only while the state is copied (to host memory, where
     the next step's donated update cannot overwrite it); one background thread then runs the orbax save
-    of that copy, which writes in orbax's own background thread as before. Saves run one at a time, in
+    of that copy (orbax writes the files in its own background thread). Saves run one at a time, in
     order; at most one copy waits (a second `save` first waits for the previous one to start), and an
-    error in a save is raised by the next `save` or by `wait`. Orbax's own synchronous part (threads,
-    directories, per-array bookkeeping: tens of ms, whatever the state's size) is what this takes off
-    the step (benchmarks/checkpoint.py). Several processes save on the calling thread as before: their
-    saves synchronise the processes, which must happen in step order on every process."""
+    error in a save is raised by the next `save` or by `wait`. This takes orbax's synchronous part
+    (threads, directories, per-array bookkeeping) off the step (benchmarks/checkpoint.py). With several
+    processes saves run on the calling thread: they synchronise the processes, which must happen in step
+    order on every process."""
 
     def __init__(self, manager: ocp.CheckpointManager):
         self.manager = manager
@@ -228,11 +228,10 @@ def abstract_like(state: Any) -> Any:
 def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
     """`abstract_state` with `ref_params` laid out as the newest checkpoint holds them.
 
-    A run keeps reference params only when its loss has a KL term; checkpoints written before that
-    rule always hold a copy. Such a checkpoint restores into a state without a reference by restoring
-    the copy too (its caller then drops it). A checkpoint without one, restored for a loss that needs
-    one, is a ConfigError: the run was trained without a KL term. An unreadable newest checkpoint
-    returns `abstract_state` unchanged, for the restore to report."""
+    A run keeps reference params only when its loss has a KL term; a checkpoint that holds a copy
+    restores into a state without a reference by restoring the copy too (its caller then drops it). A
+    checkpoint without one, restored for a loss that needs one, is a ConfigError: the run was trained
+    without a KL term. An unreadable newest checkpoint returns `abstract_state` unchanged, for the restore to report."""
     step = manager.latest_step()
     if step is None:
         return abstract_state

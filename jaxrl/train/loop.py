@@ -2,22 +2,14 @@
 
 The host loop only moves data, scores completions, logs and checkpoints; everything numeric runs in
 jitted pure functions. A run resumes from its newest checkpoint and continues exactly as an
-uninterrupted run would (same state, RNG and data position). SIGTERM and Ctrl-C (SIGINT) finish the
-step, save it and stop: `train` then returns (SIGTERM) or raises `Interrupted` (Ctrl-C, a
-KeyboardInterrupt whose message is the one line to print); a second Ctrl-C raises KeyboardInterrupt
-at once, keeping only what the last checkpoint holds.
+uninterrupted run would (same state, RNG and data position). SIGTERM and Ctrl-C finish the step, save
+it and stop: `train` returns (SIGTERM) or raises `Interrupted` (Ctrl-C, whose message is the one line to
+print); a second Ctrl-C raises KeyboardInterrupt at once.
 
-The loop is a sequence of named stages, each step:
-  build_run               (once) mesh, loss, the base policy (tokenizer, model, task: base_policy.py), state,
-                          restore, jitted steps, evaluator, checkpoint manager, rollout source -> `Run`
-  produce_scored_groups   the rollout source: prompts from the stream -> completions -> scored groups
-                          (host batch + metrics); the static sampler, or the slot engine
-  assemble_batch          the host batch -> global arrays laid out by field name (scoring.py)
-  run.update              the jitted update (advantages, loss, gradient)
-  log_and_checkpoint      eval cadence, the row on disk (one step late), checkpoint, SIGTERM / SIGINT
-The rollout side sits behind one interface (group_sources.py): the loop calls the source's
-`produce` and `checkpoint_state` only. `StaticSource` wraps the static sampler (`SamplerSource`:
-speculative drafters, draft store, speculation control); `EngineSource` the slot engine.
+Each step: `produce_scored_groups` (the rollout source, jaxrl.sources.groups: `produce` and
+`checkpoint_state` are all the loop calls), `assemble_batch` (host batch -> global arrays), `run.update`
+(the jitted update), `log_and_checkpoint` (eval cadence, the row on disk one step late, checkpoint,
+signals); `build_run` sets up the mesh, loss, base policy, state, restore and source once.
 """
 
 from __future__ import annotations
@@ -104,7 +96,7 @@ class Run(NamedTuple):
     tokenizer: Any
     task: Any
     rows: RowLayout  # the step's completion rows: their sharding and this process's share
-    source: Any  # StaticSource | EngineSource (group_sources.py): produce(params, stream, rng, step)
+    source: Any  # StaticSource | EngineSource (jaxrl.sources.groups): produce(params, stream, rng, step)
     update: Callable  # (state, batch) -> (state, device metrics), the jitted update
     evaluate: Callable  # params -> the eval/* metrics
     saver: ckpt.BackgroundSaver  # the orbax checkpoint manager, saving off the loop's thread
@@ -334,7 +326,7 @@ def _restore(manager, state: TrainState, loss, record: RunRecord, lora):
     start, restored_state, host = restored
     lora_state.check_resume(lora, host, start, manager.directory)
     state = TrainState(*restored_state, base=state.base)
-    if not loss.needs_ref:  # a reference copy from a checkpoint written before it was optional
+    if not loss.needs_ref:  # the checkpoint held a reference copy this loss does not need
         state = state._replace(ref_params=None)
     record.commit(start)  # an allowed config change is recorded only once the checkpoint restored
     return start, state, from_arrays(host["stream"]), host

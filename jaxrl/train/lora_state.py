@@ -1,16 +1,11 @@
 """LoRA runs in the training loop (`model.lora.rank > 0`): the state, the policy, the checkpoints.
 
-Under LoRA, `TrainState.params` holds the adapters (what the optimizer trains, so its moments cover
-the adapters only) and `TrainState.base` the frozen base weights in their storage dtype
-(jaxrl.models.lora.store_base). Every forward reads one of two policies, both from
-`jaxrl.models.lora.merge`:
-  the policy     merge(base, adapters): the rollout (sampler, engine, drafters, agent episodes) and the
-                 evaluation get it from `policy_fn` (one jitted merge per step, laid out like full
-                 params); the update merges inside its gradient, the same function on the same arrays;
-  the reference  merge(base, None): the KL term's policy, computed in the update; no copy is held.
-Checkpoints hold the state without its base (adapters, optimizer moments, step, RNG) and, in their
-JSON item, where the base came from and its fingerprint: a resume rebuilds the base as the run's
-start did (warm-start cache or model.hf_path) and refuses one with another fingerprint.
+`TrainState.params` holds the adapters (the optimizer's moments cover them only) and `TrainState.base`
+the frozen base in its storage dtype (jaxrl.models.lora.store_base). The policy, merge(base, adapters),
+reaches the rollout and the evaluation through `policy_fn` (one jitted merge per step) and is merged
+inside the update's gradient by the same function; the KL reference is merge(base, None), no copy held.
+Checkpoints hold the state without its base plus, in their JSON item, the base's source and
+fingerprint: a resume rebuilds the base as the run's start did and refuses another fingerprint.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """`train.microbatches=0`: the fewest microbatches whose compiled update fits `train.memory_budget_gib`.
 
-The measure is XLA's own: `compiled.memory_analysis().temp_size_in_bytes`, the temporaries the
-compiled update allocates beyond its arguments and outputs (activations kept for the backward,
-logits, gradients being summed). It is known after compiling, before anything runs, so candidates
-cost a compile each and no memory.
-
-Candidates are the divisors n of the batch's B rows (the microbatches split rows). The update with
-n = 1 is compiled first; its temporaries temp(1) bound the rest: activations scale with the rows of a
-microbatch and the rest (gradient accumulators, optimizer temporaries) does not, so temp(n) = F +
-(temp(1) - F) / n >= temp(1) / n, and no n < temp(1) / budget can fit. The search starts at the
-smallest divisor >= that bound and walks up until one fits; typically two compiles. The chosen
+The measure is XLA's own, `compiled.memory_analysis().temp_size_in_bytes`, known after compiling and
+before anything runs. Candidates are the divisors n of the batch's B rows. n = 1 is compiled first:
+activations scale with a microbatch's rows and the rest does not, so temp(n) >= temp(1) / n and the
+search starts at the smallest divisor >= temp(1) / budget, walking up until one fits. The chosen
 update's compile is the one the run then uses (jit reuses it).
 """
 

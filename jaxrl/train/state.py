@@ -24,7 +24,7 @@ class TrainState(NamedTuple):
 
 class SavedState(NamedTuple):
     """What a checkpoint holds of a `TrainState`: all but the LoRA base, which a resume rebuilds from its
-    source (jaxrl.train.lora_state). The same tree as checkpoints written before `base` existed."""
+    source (jaxrl.train.lora_state)."""
 
     step: jax.Array
     params: Any

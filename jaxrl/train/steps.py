@@ -1,19 +1,13 @@
 """The jitted steps of the pipeline: policy log-probs, gradients over microbatches, the update.
 
-`update_step(state, batch) -> (state, metrics)` is pure. In order, on the whole batch: record the
-old log-probs (several PPO epochs, or a Loss with `needs_old_logp`) and the reference log-probs (only
-for a Loss with `needs_ref`), then `jaxrl.losses.evaluate.prepare_batch`: the advantages from
-rewards_BxK (with reward shaping), `loss.prepare` (row / token masks), the aggregation weights; only
-then split into microbatches, each evaluated by `jaxrl.losses.evaluate.weighted_loss`. So the
-`lax.scan` over microbatches sums to exactly the full-batch loss and gradient, whatever the preset, and
-`jaxrl.losses.evaluate_loss` gives the same loss and gradient on a batch. The metrics are reduced
-as `evaluate_loss`'s are (`jaxrl.losses.aggregation`: per-microbatch partials, merged exactly).
-
-MoE models: the logp function also returns the router losses (added to the loss with the model's
-coefficients, reported as `moe/aux_loss`, `moe/z_loss`, `moe/dropped_frac`) and, when the batch
-carries the rollout's `routing_BxSxLxK`, replays it (`routing_replay`) and reports
-`moe/routing_mismatch`: the share of live completion tokens for which, in some MoE layer, this
-forward's router top-k set differs from the rollout's at the slot that predicts the token.
+`update_step(state, batch) -> (state, metrics)` is pure. On the whole batch it records the old
+log-probs (several PPO epochs, or `needs_old_logp`) and the reference log-probs (`needs_ref`), then runs
+`jaxrl.losses.evaluate.prepare_batch` (advantages, `loss.prepare`, weights); only then does it split
+into microbatches, each evaluated by `weighted_loss`. So the `lax.scan` over microbatches sums to
+exactly the full-batch loss and gradient, the ones `jaxrl.losses.evaluate_loss` gives, and the metrics
+are reduced as `evaluate_loss`'s are. MoE models: the logp function also returns the router losses
+(added with the model's coefficients) and replays the rollout's `routing_BxSxLxK` when the batch
+carries it (`moe/routing_mismatch`).
 """
 
 from __future__ import annotations
@@ -285,13 +279,8 @@ def make_update_step(
     state's params are the adapters, gradients and optimizer cover them only, every policy forward
     reads merge(state.base, adapters) and the reference forward merge(state.base, None).
 
-    metrics: loss, grad_norm, entropy, kl (with a reference), every per-token loss stat as a masked
-    token mean (clipped_low / clipped_high, m2po_masked, mis_masked, vetoed, is_weight, ...), their
-    `_min` / `_max` for ratio / is_ratio / is_weight, mismatch_abs_logp (mean |rollout - old logp|,
-    when the batch has rollout_logp_BxT; with stale_BxT also its split mismatch_abs_logp_stale / _fresh and
-    stale_tokens, see `mismatch_by_staleness`), rows_dropped (share of live rows `prepare` removed) and for
-    MoE moe/aux_loss, moe/z_loss, moe/dropped_frac (and moe/routing_mismatch with a recorded routing). Means
-    are over the live tokens of the PREPARED mask, averaged over epochs; min / max are over all epochs.
+    metrics: docs/metrics.md ("The update", "The loss's per-token stats", "Mixture of experts") lists
+    them. Means are over the live tokens of the PREPARED mask, averaged over epochs; min / max over all.
     """
     record_old = ppo_epochs > 1 or minibatches > 1 or bool(getattr(loss, "needs_old_logp", False))
     if use_ref is None:

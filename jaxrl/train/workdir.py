@@ -1,21 +1,13 @@
 """The run directory (`--workdir`): what may be used as one, who holds it, and which config it belongs to.
 
-A jaxrl run is a directory whose `config.json` has jaxrl's layout (the sections of `Config`: model, data,
-rollout, loss, optim, train, ...); next to it live `checkpoints/`, `metrics.jsonl` and the lock file.
-`open_run` checks, before anything is written:
-
-- `--workdir` is a directory (or can be made one) and is writable;
-- it is new, empty, or a jaxrl run: any other non-empty directory (a Hugging Face checkpoint given by
-  mistake instead of `model.hf_path`, a home directory) is refused, since the run would write into it;
-- the config agrees with the run's saved one. The checkpoints were trained under `config.json`, so a
-  difference is refused naming each field (saved -> new): `model.*` always (the checkpoints hold that
-  model), anything else unless `allow_change` (`jaxrl train --allow-config-change`). An allowed change
-  is recorded: the previous config goes to `config_history.jsonl` with the step it applied up to, and
-  `config.json` is rewritten only once the checkpoint restored (`RunRecord.commit`). Fields that change
-  nothing the run computes (FREE_FIELDS: progress bar, checkpoint cadence) may always change.
-- no other `jaxrl train` holds it: an exclusive `flock` on `jaxrl.lock` (holding the holder's pid and
-  host) for the whole run. In a multi-process run only process 0 takes it (all processes share the
-  directory); every process makes the read-only checks before process 0 writes anything.
+A jaxrl run is a directory whose `config.json` has `Config`'s layout, next to `checkpoints/`,
+`metrics.jsonl` and the lock file. `open_run` checks, before anything is written, that `--workdir` is
+(or can be made) a writable directory; that it is new, empty, or a jaxrl run (any other non-empty
+directory is refused); that the config agrees with the saved one (a difference is refused naming each
+field: `model.*` always, anything else unless `allow_change`, except FREE_FIELDS; an allowed change goes
+to `config_history.jsonl`, and `config.json` is rewritten once the checkpoint restored,
+`RunRecord.commit`); and that no other `jaxrl train` holds it (an exclusive `flock` on `jaxrl.lock`,
+taken by process 0 only). docs/runs.md ("Workdir rules") has the reasons.
 """
 
 from __future__ import annotations
