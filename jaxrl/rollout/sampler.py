@@ -1,24 +1,16 @@
-"""Group rollouts with a shared-prefill KV cache.
+"""Group rollouts with a shared-prefill KV cache: tokens in, tokens out (no tokenizer dependency).
 
-Each prompt is prefilled once (all but its last token) and serves the G rows of its group, so the
-rows for prompt i are i*G .. i*G+G-1. By default the prompt's keys/values stay stored once per group
-(`models.group_decode.GroupCache`: the rows' queries attend to the shared prefix together, and each
-row keeps only its completion slots); `share_prefix=False` repeats the cache to every row, P +
-max_new_tokens slots each. Decoding runs in `lax.while_loop`s (one per segment of steps, see
-`sample`) and stops as soon as every row has emitted EOS.
-Prompts are left-padded and every row needs at least one real token.
+    out = sample(params, cfg, prompt_BxP, prompt_mask_BxP, rng, sampling=SamplingParams(...), group_size=G)
 
-Recorded log-probs are under softmax(logits / temperature) WITHOUT top-k/top-p truncation (also for
-greedy). That is the distribution `token_logprobs` recomputes for the old/current policy, so the
-importance ratio is exactly 1 before the first update; truncation only shapes which tokens are drawn.
-Temperature 0 is the T -> 0 limit of that distribution (`scaled_logits`): a uniform draw among the
-maximal logits, i.e. greedy decoding, whose recorded log-prob is log(1 / #maximal) (0 without ties),
-never NaN. A negative temperature is an error.
-No tokenizer dependency: tokens in, tokens out.
-
-MoE models also return `routing_BxSxLxK`: the experts each of the L MoE layers used at every slot
-S = P + T of prompt + completion (slot P-1+t is the input that predicted completion token t; the last
-completion slot is never fed and stays 0). `token_logprobs(..., replay_BxSxLxK=routing)` replays it.
+Each left-padded prompt (at least one real token) is prefilled once and serves the G rows of its
+group, rows i*G .. i*G+G-1; decoding stops as soon as every row has emitted EOS. Recorded log-probs
+are under softmax(logits / temperature) WITHOUT top-k/top-p truncation (also for greedy): the
+distribution `token_logprobs` recomputes, so the importance ratio is exactly 1 before the first
+update. Temperature 0 is greedy decoding, the T -> 0 limit (`scaled_logits`): a uniform draw among
+the maximal logits, recorded log-prob log(1 / #maximal), never NaN; a negative temperature is an
+error. MoE models also return `routing_BxSxLxK`, the experts of each MoE layer at every slot
+S = P + T (slot P-1+t fed the input that predicted completion token t; the last slot stays 0),
+which `token_logprobs(..., replay_BxSxLxK=routing)` replays.
 """
 
 from __future__ import annotations
@@ -155,7 +147,7 @@ def temperature_checked(sampler):
 
 def first_argmax(x_NxV: jax.Array) -> jax.Array:
     """`jnp.argmax(x, -1)` (the first maximal index) as two plain reductions: XLA:CPU lowers argmax
-    to a variadic (value, index) reduce that costs ~10x a max over the same (N, V)."""
+    to a variadic (value, index) reduce that costs far more than a max over the same (N, V)."""
     max_Nx1 = jnp.max(x_NxV, axis=-1, keepdims=True)
     iota_NxV = lax.broadcasted_iota(jnp.int32, x_NxV.shape, 1)
     first_N = jnp.min(jnp.where(x_NxV == max_Nx1, iota_NxV, x_NxV.shape[-1]), axis=-1)

@@ -4,15 +4,11 @@ samples in flight exactly as an uninterrupted run would.
     host, arrays = engine_to_state(pool, host_state)  # JSON-able bookkeeping, {name: numpy array}
     host_state = load_engine_state(pool, host, arrays, counts)  # into a fresh engine's pool, same shapes
 
-`arrays` holds host copies (never views of device buffers): `admit`/`decode_chunk` donate the
-device state, and on CPU a numpy view of a donated buffer would change under an asynchronous save.
-It has two parts: "state", the device `EngineState` leaf by leaf (the KV cache of every slot, the
-tokens / log-probs / versions / masks so far, fill levels, routing, and the RNG key as its raw
-key data), and "parked", the rows the host has already read out: finished members of groups still
-in flight and the complete groups not yet returned (one row per sample, stacked; absent when
-there are none, as orbax refuses empty arrays). `host` holds the shapes, the pool's slot owners
-(slots.py) and `EngineHostState.to_json()` (host.py). Tags are stored as given: the caller's tags
-must be JSON-able (the training loop's are the data records, dicts of strings).
+`arrays` holds host copies, never views of the (donated) device buffers: "state", the device
+`EngineState` leaf by leaf (the RNG key as raw key data), and "parked", the rows already read out
+(finished members of groups in flight, complete groups not yet returned; absent when there are none,
+as orbax refuses empty arrays). `host` holds the shapes, the pool's slot owners and
+`EngineHostState.to_json()`. The caller's tags must be JSON-able.
 """
 
 from __future__ import annotations

@@ -1,54 +1,17 @@
-"""The decode engine's host driver: samples with lifecycles over S slots (`engine_state.py` is the
-jitted device side).
+"""The decode engine's host driver: samples with lifecycles over S slots (`state.py` is the jitted
+device side; docs/engine.md describes admission, the staleness bound, re-prefill and speculation).
 
     engine = Engine.from_config(cfg, prompt_len=P, eos_id=..., pad_id=..., rng=key)
     engine = Engine(model_cfg, engine_cfg, sampling=SamplingParams(...), group_size=G, prompt_len=P, rng=key)
     groups = engine.collect(params, version, prompts, n_groups)   # prompts: iterable of (tag, tokens)
+    groups = engine.sample(params, version, [(tag, tokens, k), ...])  # k samples of each prompt
     batch  = batch_of_groups(groups)                               # the trainer's RolloutBatch
 
-`collect` alternates, until n_groups groups are complete: admit prompts into free slots (each
-prompt's G samples share one prefill; `admit_groups` prompts per prefill call), run one chunk of
-at most `chunk` decode steps over all slots, retire the samples that finished (EOS or max_new_tokens)
-and free their slots. A chunk ends early once no slot is decoding and, under `exact` while
-another group may still be admitted, once G slots are free (so they need not idle for the rest of
-the chunk). A group is returned once all G of its samples are retired.
-
-Admission (`rollout.engine.admission`):
-  exact  admit only the groups this collect still needs; every sample finishes inside the collect
-         that admitted it, so each token's version is that collect's version (synchronous RL).
-  fill   keep every free slot busy while prompts remain; samples still decoding when the collect
-         has its groups stay in their slots and continue in the next collect (drawn then under that
-         call's version: `version_BxT` says which tokens came from which), and groups that complete
-         beyond n_groups are returned first by the next collect. The next collect's `prompts` may be
-         a new iterable: samples in flight carry their own prompts and tags.
-`sample(params, version, [(tag, tokens, k), ...])` draws k samples of each prompt (any k, also more
-samples of a prompt already drawn: it is prefilled again) and decodes them to the end: the
-allocation policies (jaxrl.sources.allocation) build groups of unequal size from several calls.
-
-A continued sample keeps its KV cache: its prefix's keys/values stay those of the params that fed it,
-unless `reprefill` is set: then, when a collect's version differs from the previous collect's, the
-caches of the samples carried over are recomputed under the new params before they continue
-(`engine_partial.reprefill`). Their drawn tokens keep their recorded log-probs and versions.
-
-Bounded staleness (`max_staleness` >= 0): a collect at version v returns no sample whose first token
-was drawn before version v - max_staleness. At the start of a collect, every group that would break
-the bound (in flight, or complete and waiting to be returned) is dropped and restarted whole from its
-prompt, ahead of new prompts: all G samples of a group are redrawn together, so they stay samples of
-one policy mix and comparable within the group. (A group's samples are admitted together, so they
-share their first token's version.) -1: no bound.
-`pool` (a `SlotPool`, slots.py: the device state, which group holds each slot, the chunk, the
-retire readout) and `host` (an `EngineHostState`, host.py: flights, ready and restarted groups,
-versions, counters) are all of the above; `to_state()` / `load_state()` capture both for a
-checkpoint (checkpoint.py).
-
-Speculation (`speculative=` / `rollout.speculative.enabled=true`, drafter early_exit only): once at
-most `rollout.speculative.max_active_rows` slots are decoding (the tail; `tail_rows`), each decode
-step drafts `max_draft` tokens for each of those slots with the policy's first `draft_layers` blocks
-and verifies them with one policy forward over just those rows (the engine's chunk strategy,
-`speculative/engine.py`'s `ToggleChunk`); while more slots decode, chunks are plain (a verify of many
-rows is compute-bound and costs more than it saves).
-Same distribution, same recorded fields, several tokens per step in the tail; counts["drafted"] /
-counts["accepted"] say how many drafts were kept, counts["speculative_chunks"] how many chunks speculated.
+`collect` admits prompts into free slots, decodes chunks of at most `chunk` steps and retires the
+samples that finished (EOS or max_new_tokens) until n_groups groups are complete; a group is returned
+once all G of its samples are retired. Every token records its log-prob and the version that drew it.
+`pool` (a `SlotPool`, slots.py) and `host` (an `EngineHostState`, host.py) hold all of the engine's
+state; `to_state()` / `load_state()` capture both for a checkpoint (checkpoint.py).
 """
 
 from __future__ import annotations

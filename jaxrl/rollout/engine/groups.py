@@ -1,6 +1,6 @@
 """What the decode engine hands back: `Group`s of samples per prompt, and the trainer's batch built
 from them (`batch_of_groups`); also the host record of a group still decoding (`Flight`) and how a
-complete one becomes a Group. engine.py drives the slots; engine_checkpoint.py saves flights."""
+complete one becomes a Group. driver.py drives the slots; checkpoint.py saves flights."""
 
 from __future__ import annotations
 

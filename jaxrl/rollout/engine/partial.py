@@ -3,19 +3,12 @@
     state = release_slots(spec, state, free_S)                                 # stop slots decoding
     state = reprefill(params, spec, state, prompt_SxP, prompt_mask_SxP, redo_S) # caches under new params
 
-`release_slots` ends the samples in the marked slots without recording anything more (a group the
-staleness bound restarts: the host re-admits it from its prompt, into whichever slots are free).
-
-`reprefill` recomputes, for every slot marked in redo_S, the keys/values of everything the slot has
-fed so far — its left-padded prompt (cache slots 0..P-1) and the completion tokens before its last
-one (slots P..fill-1; fill = P-1 + tokens generated) — in one causal forward over all S slots and
-C = P + T positions under `params`, and writes them at the slots below the fill level. The cache is
-then the one a fresh engine would build by prefilling prompt + completion-so-far as its prompt
-(same slot layout, positions counted over real tokens), and decoding resumes from it. Nothing else
-changes: fill levels, positions, the next input, and the drawn tokens with their recorded log-probs
-and versions (the behaviour policy of a token is the one that drew it). MoE: the slots' recorded
-routing becomes the re-prefill's experts, the routing their new keys/values were computed with.
-Static shapes: one compile per EngineSpec, whichever slots are redone.
+`release_slots` ends the samples in the marked slots without recording anything more. `reprefill`
+recomputes, in one causal forward over all S slots under `params`, the keys/values of everything each
+slot marked in redo_S has fed so far (its prompt and its completion but the last token): the cache a
+fresh engine would build by prefilling prompt + completion-so-far. Fill levels, positions, the next
+input and the drawn tokens with their recorded log-probs and versions are unchanged; MoE slots reuse
+their recorded routing. Static shapes: one compile per EngineSpec, whichever slots are redone.
 """
 
 from __future__ import annotations

@@ -8,30 +8,13 @@ Pure jitted functions over an explicit `EngineState` (static shapes; `EngineSpec
     out   = read_slots(spec, state, slot_R)                          # tokens, masks, log-probs, versions
     out   = read_host_slots(spec, host_slots(state), slot_R)         # the same from one host copy
 
-A slot's prompt is left-padded to the engine's P and prefilled as `sampler.prefill_groups` does
-(all but the last prompt token, once per prompt, copied to the G slots of its group); the last
-prompt token is the slot's first decode input. Completion token t of a slot is fed at cache slot
-P-1+t, so a slot's fill level is P-1 + (tokens generated so far) and differs between slots: decode
-steps use `decode.decode_rows` (each row's new keys/values are written in place at its own fill
-level, then attention reads the row's slots up to it: the sampler's step, per row). A slot that is
-not decoding (finished, or never admitted) still runs through the forward (static shapes) but
-records nothing, does not advance, and its write lands at its fill level, which nobody reads
-(admission rewrites the whole row).
-
-Recorded log-probs are under softmax(logits / temperature), untruncated, as `sampler.sample`
-records them; every token also records the `version` passed to the chunk that drew it. A version
-change between two chunks of one sample keeps the sample's KV cache (its prefix's keys/values stay
-those of the params that were current when they were fed).
-
-RNG: each decode step splits the state key once (`rng, key = split(rng)`) and draws the Gumbel
-noise of all S slots from `key` with `sampler.choose_tokens`. A token's draw therefore depends on
-the engine key, the number of decode steps the engine has run since `init_state`, and its slot; no
-two (step, slot) pairs share noise, so every sample is an independent draw from the plain
-sampler's distribution, whatever the admission pattern. Admission draws nothing. Greedy ignores it.
-With `spec.slot_keys` (multi-turn episodes, episode_state.py) slot s instead draws column c's noise
-from fold_in(key_S[s], c), key_S[s] being the key of the sample placed there: its tokens then depend
-on that key, the params and its history only. `spec.stop_ids` (end-of-turn tokens) end a slot's
-decoding like EOS, with eos_S left False.
+Completion token t of a slot is fed at cache slot P-1+t, so each slot decodes at its own fill level; a
+slot that is not decoding runs through the forward but records nothing and does not advance. Tokens
+record their log-probs under softmax(logits / temperature), untruncated (as `sampler.sample`), and the
+chunk's `version`. No two (decode step, slot) pairs share noise, so every sample is an independent
+draw of the plain sampler's distribution whatever the admission pattern; with `spec.slot_keys` a
+slot's tokens depend only on its sample's key, the params and its history. `spec.stop_ids` end a
+slot's decoding like EOS, with eos_S left False. docs/engine.md has the details.
 """
 
 from __future__ import annotations
@@ -111,7 +94,7 @@ class EngineSpec:
 
     def without_drafter(self) -> EngineSpec:
         """The spec the programs that never draft (`init_state`, `admit`, the plain `decode_chunk`)
-        compile under: this one; a speculative spec overrides it (see engine_speculative)."""
+        compile under: this one; a speculative spec overrides it (see speculative/engine.py)."""
         return self
 
 

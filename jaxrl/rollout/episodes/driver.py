@@ -6,40 +6,13 @@
     engine.stats  # chunks, place_calls, env_steps, env_seconds, env_exposed_seconds, decode_seconds, place_seconds
 
 `run` plays group_size episodes per request and returns one `EpisodeGroup` per request, in request
-order (never completion order: a batch's order must not depend on timing). Episode (j, g) of request
-j: env = make_env(); its prompt is [BOS] + encode(env.reset(record, np.random.default_rng([*seed, j, g])))
-(no BOS for a tokenizer with `add_bos` False), left-padded to prompt_len (longer: ValueError naming
-record["id"]); its token noise key is fold_in(fold_in(K, j), g) with K = PRNGKey(seed[0]) folded
-with seed[1], seed[2], ... in turn (`episode_keys`). `seed` is an int or a sequence of ints (e.g. (run seed,
-step)): a run replayed with the same seed draws the same episodes (the engine samples with per-slot
-keys, `EngineSpec.slot_keys`: a token depends on its episode's key, the params and its history only,
-never on the slot, the other episodes, or how long environment steps took).
-
-Lifecycle (agent.overlap=True). An episode decodes in a slot until it draws the end-of-turn token,
-EOS, or reaches the token budget T = max_new_tokens (observation tokens included). Then it leaves the
-slot at once: its state (tokens, log-probs, loss mask, versions: host numpy) waits on the host while
-`env.step(turn text)` runs in a thread pool of agent.env_workers threads, and the slot goes to the
-next ready episode (a new one, or one whose observation came back), placed with its whole history
-prefilled (episode_state.place). The engine blocks on the environment only when no slot can decode
-(stats["env_exposed_seconds"]); with more episodes than slots the environments' latency is hidden.
-A chunk of decode steps ends as soon as `park_batch` more slots have parked, so their environment
-steps start early and the freed slots are refilled by one `place` call (benchmarks/agents.py on the
-2-core CPU, 16 slots, 128 episodes: park_batch 4 ran 1.9x faster than 1, whose extra chunk round
-trips and one-row place calls cost more than the slots it refills sooner; 8 was slower than 4).
-`place` always runs on `place_rows` rows (padded), so an episode's numbers are bit-identical
-whichever episodes it was placed with.
-
-Turn text = the tokens of that turn decoded (from the end of the last observation), end-of-turn
-string included, EOS excluded. EOS: the text goes to a final env.step, then the episode ends
-(finished). End of turn: the step's observation is encoded, cut to agent.max_obs_tokens (obs_cut) and
-to the tokens left in the budget, and appended (loss mask 0, logp 0, version -1) unless the step said
-done (finished), or agent.max_turns model turns were taken or the budget ran out (truncated). A turn
-cut by the budget (no end of turn) gets no step: truncated. A step (or its observation's encoding)
-that raises ends the episode with reward 0 for that step and env_errors 1 (neither finished nor truncated).
-
-agent.overlap=False: turn-synchronous, for comparison. Up to `slots` episodes at a time, each in a
-slot: all decode their turn, then all their environment steps run in the pool and everyone waits for
-all, then all resume. Same episodes as the overlapped mode (same keys, same placements).
+order (never completion order). Episode (j, g) resets its environment with
+np.random.default_rng([*seed, j, g]) and samples with its own key (`episode_keys`; `seed` an int or a
+sequence of ints): its tokens depend on that key, the params and its history only, never on the slot,
+the other episodes or the environments' timing. With agent.overlap an episode leaves its slot when
+its turn ends, `env.step` runs in a thread pool meanwhile, and the episode comes back through `place`
+with its whole history prefilled; agent.overlap=False is turn-synchronous, with the same episodes.
+docs/agents.md describes an episode's lifecycle (turn text, observations, how it ends).
 """
 
 from __future__ import annotations

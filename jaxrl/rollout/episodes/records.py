@@ -1,4 +1,4 @@
-"""The host side of multi-turn episodes (episodes.py schedules them on the slot engine): an episode's
+"""The host side of multi-turn episodes (driver.py schedules them on the slot engine): an episode's
 record between turns (`Episode`), its noise keys (`episode_keys`), the environment step a worker
 thread runs (`env_step`), and the `EpisodeGroup` the G episodes of a request become."""
 

@@ -3,23 +3,14 @@
     state = place(params, spec, state, slot_R, prompt_RxP, prompt_mask_RxP, tokens_RxT, logp_RxT,
                   loss_mask_RxT, version_RxT, n_R, key_R)
 
-An episode leaves its slot whenever a turn ends (episodes.py runs its environment step on the host
-meanwhile) and comes back through `place` with everything it has so far: n_R tokens of history
-(model tokens and observation tokens) after its left-padded prompt. Row r goes to slot slot_R[r]
-(a slot of S or more drops the row: callers pad to a fixed R). Callers keep R fixed, not only to
-compile once: XLA's matmul blocking depends on the row count, so a row's keys/values (and then its
-log-probs) would differ in the last bits with the number of rows it was placed with, which depends
-on environment timing; with a fixed R they are bit-identical wherever and with whomever it is placed. The slot
-gets the row's buffers (tokens, log-probs, loss mask, versions), col = n, last = the last history
-token (the last prompt token when n = 0: a new episode), its own noise key, done = eos = False, and
-the cache of everything fed before `last`: prompt + history[:n-1], computed by one causal forward
-over the R gathered rows (C = P + T positions, counted over real tokens; `engine_partial.reprefill`
-does the same for all S slots). The slot's cache is then the one the plain sampler builds when it
-prefills prompt + history as a longer prompt, and decoding resumes from it. MoE: the slot's routing
-becomes this forward's experts (0 past the fed slots, which decoding fills).
-
-The buffers' mask is the LOSS mask: 1 on model tokens (EOS / end of turn included), 0 on observation
-tokens (their logp 0, version -1). Fill levels and the `col >= T` budget count every token.
+Row r, an episode with n_R[r] tokens of history (model and observation tokens) after its left-padded
+prompt, goes to slot slot_R[r] (a slot of S or more drops the row). The slot gets the row's buffers,
+its own noise key and the cache (and MoE routing) of prompt + history[:n-1] from one causal forward
+over the R rows: the cache the plain sampler builds when it prefills prompt + history as a longer
+prompt; decoding resumes from the last history token. Callers keep R fixed: XLA's matmul blocking
+depends on the row count, so only a fixed R keeps a row's log-probs bit-identical whichever episodes
+it is placed with. The buffers' mask is the LOSS mask: 1 on model tokens (EOS / end of turn
+included), 0 on observation tokens (logp 0, version -1); fill levels and the budget count every token.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """What a verify forward and a drafted token cost on THIS machine, in plain decode steps.
 
-Speculation pays only when verifying k drafts costs well under k + 1 plain steps. On an accelerator
-a (k+1)-token forward costs about one step (decoding is memory-bound); on a small CPU it can cost
-nearly k + 1 (compute-bound). The draft-length choice in `speculative.py` therefore takes measured
-costs: `measure_step_costs` times, for the rollout's own row count and cache length, the policy
+Speculation pays only when verifying k drafts costs well under k + 1 plain steps (memory-bound
+decoding). `measure_step_costs` times, for the rollout's own row count and cache length, the policy
 forward over 1 and over K + 1 tokens (K = max_draft, or reuse_width if wider) and one drafter token,
 and returns the costs relative to the 1-token forward (widths in between interpolated linearly).
-
-Timing is host-side. The sampled distribution does not depend on it, but which steps speculate does,
-and with them which random numbers draw which token; so a training run never re-times: the costs are
-measured once per (machine, model, drafter, rollout shape) and cached on disk (`cached_step_costs`),
-and the run's checkpoints carry the costs it used, so reruns and resumes take the same steps.
+Which steps speculate decides which random numbers draw which token, so a training run never
+re-times: `cached_step_costs` measures once per (machine, model, drafter, rollout shape) and caches
+the costs on disk, and checkpoints carry the costs a run used.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
               reads the policy's KV cache for those layers (no cache of its own).
   int8        the whole policy with every matrix weight-only quantised to int8 (symmetric, one scale
               per output column), rebuilt from the current params at each rollout.
-(The third drafter, trajectory reuse, needs no model: see `speculative.py`.)
+(The third drafter, trajectory reuse, needs no model: see `sample.py` and `reuse.py`.)
 
 A drafter is (draft params, number of layers run); both go through `decode.window_layers`.
 """

@@ -1,44 +1,16 @@
 """Self-speculative early-exit drafting on the decode engine: several tokens per slot per policy forward.
 
-The engine's chunk function with speculation (`engine.Engine` picks it when `rollout.speculative.enabled`
-and `drafter=early_exit`). Same `EngineState`, same meaning of every field, so `engine_state.admit`,
-`read_slots` and the host's retirement are unchanged. Each loop step, for all S slots at once:
+    spec  = speculative_spec(engine_spec, speculative, draft_ids)  # a SpeculativeEngineSpec (W - 1 more cache slots)
+    chunk = ToggleChunk(tail_rows(speculative, slots))             # the engine's chunk strategy
 
-  draft   the first `draft_layers` blocks of the policy, then its own final norm and head
-          (`drafters.draft_view`), draft k = `max_draft` tokens one by one. They read the slot's KV
-          cache for those layers and write only a small window (`decode.window_layers`). With
-          `rollout.speculative.draft_vocab` the head covers only the spec's `draft_ids`
-          (`draft_vocab.py`, FR-Spec: gathered once per chunk; q is 0 outside them).
-  verify  ONE forward of the full policy over [last token, k drafts] (a window of W = k + 1).
-  accept  `acceptance.verify_sampled` (exact speculative rejection sampling: every token keeps the
-          plain sampler's distribution) or `verify_greedy` (identical greedy tokens): a_S leading
-          drafts kept, then one new token (the correction, or the bonus after a full accept).
-  commit  the kept tokens (a_S + 1, cut after EOS and at max_new_tokens) are recorded at the slot's
-          own column with their log-probs under softmax(logits / temperature) (untruncated, as the
-          plain engine records them) and the chunk's version; the verify window's keys/values are
-          written at the slot's own fill level and the fill level advances by the kept count
-          (`decode.commit_window`). Rejected drafts leave no holes.
-
-A step is one verify forward: `rollout.engine.chunk` counts those. The draft length is always
-`max_draft` (the engine does not run the static sampler's adaptive control: `adaptive`, `calibrate`
-and the costs are unused here).
-
-The toggle (`ToggleChunk`, EfficientRollout's): speculation pays only where a verify of W tokens
-costs well under W plain steps, i.e. where decoding is memory-bound: few rows. So the engine runs
-the plain chunk (`engine_state.decode_chunk`) while more than `max_active_rows` slots decode, and
-the speculative chunk once `max_active_rows` or fewer do, on those slots' rows only
-(`speculative_rows_chunk`: gathered into a `max_active_rows`-row state, decoded, written back).
-Both chunk kinds run on the same `EngineState` (the plain step reads a row's cache up to its fill
-level, so the longer speculative cache changes nothing for it). `calibrate.tail_threshold` derives
-`max_active_rows` from measured costs and acceptance.
-
-The cache needs W - 1 slots of room past P + T (a window written at the last fill level), so a
-speculative engine's spec is a `SpeculativeEngineSpec` with that larger `cache_len`.
-
-RNG: each step splits the state key once, as the plain engine does; the step's key is split into
-the drafts' key (folded with the draft index) and the verification's. No two (step, slot) pairs share
-noise, so samples stay independent draws whatever the admission pattern; they are not the plain
-engine's draws for the same key.
+Each speculative step drafts k = `max_draft` tokens per slot with the policy's first `draft_layers`
+blocks (`drafters.draft_view`; with `draft_vocab`, a head over `draft_ids` only), verifies them with
+ONE forward of the full policy over [last token, k drafts] (`acceptance.verify_sampled`, exact, or
+`verify_greedy`) and commits the kept tokens at the slot's own fill level with their log-probs under
+softmax(logits / temperature) and the chunk's version. Same `EngineState` and field meanings as the
+plain engine; a step is one verify forward. `ToggleChunk` runs plain chunks while more than
+`max_active_rows` slots decode, then speculative chunks on those slots' rows only. Samples keep the
+plain engine's distribution but are not its draws for the same key. docs/engine.md has the details.
 """
 
 from __future__ import annotations
@@ -123,7 +95,7 @@ def chunk_kind(n_active: int, tail: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ToggleChunk:
-    """The speculative engine's chunk strategy, `engine_state.decode_chunk` over a
+    """The speculative engine's chunk strategy, `state.decode_chunk` over a
     `SpeculativeEngineSpec`: the plain chunk while more than `tail` slots are decoding (it stops as
     soon as `tail` or fewer are), the speculative chunk on those slots' rows only, gathered into
     `tail` rows, once `tail` or fewer are (with tail == S: over all slots, no gather).

@@ -2,30 +2,19 @@
 
 `sample_speculative` returns what `sampler.sample` returns (tokens, masks, log-probs under
 softmax(logits / temperature), routing for MoE) from the same distribution, plus `SpecStats`.
-
 Each loop step is one of three kinds, chosen in the graph:
   plain   one policy decode step (as `sampler.sample`);
   self    a self-drafter (`drafters.py`: early exit or int8) drafts k tokens one by one, then ONE
           policy forward over [last token, k drafts] verifies them (`acceptance.py`);
   reuse   the previous completion of the row's prompt is the draft (no draft cost): up to
           `reuse_width` tokens verified per forward as point masses; a row's reused draft dies at
-          its first rejection (what follows was conditioned on another prefix).
-With `adaptive`, each step takes the kind with the most expected tokens per unit cost (costs in
-plain steps, measured on this machine by `calibrate.py` or the configured constants; a verify
-forward costs v, its branch's static width, whatever k is). Self: the best draft length k for
-acceptance estimate r and draft cost c, rate (1 - r^(k+1)) / (1 - r) / (v + k c). Reuse (only while
-some live row still has a live reused draft): a row with m drafted tokens left in the window gets
-(1 - r'^(m+1)) / (1 - r') tokens, the others one, over v'. Plain: 1. Both estimates start at their
-priors (the previous rollout's final estimates) and are updated from every step's accept/reject
-counts. No speculation while more than `max_active_rows` rows are still decoding.
-
-Rows accept different numbers of tokens with static shapes: a step's forwards leave the KV cache
-untouched and write their keys/values to a small window (`decode.window_layers`); after the step
-each row's window is written at the row's own fill level and the fill level advances by the tokens
-the row kept (`decode.commit_window`). Rejected drafts leave no holes, so the cache needs only
-P + T + W_max slots, and the branches of the step (`lax.switch`) never write the cache: a branch
-that updated it would make XLA copy the whole cache every step. The loop state, the step kinds and
-the control are in `speculative_steps.py`; this module checks the arguments, prefills and runs the loop."""
+          its first rejection.
+With `adaptive`, each step takes the kind with the most expected tokens per unit cost (costs in plain
+steps from `calibrate.py` or the configured constants; the rates are in `steps.choose_draft_length`
+and `steps._reuse_rate`), from acceptance estimates that start at the previous rollout's and follow
+every step's counts; no speculation while more than `max_active_rows` rows decode. Each row's KV
+cache fills at its own rate (P + T + W_max slots, no holes). The loop is in `steps.py`; this module
+checks the arguments, prefills and runs it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One step of the speculative loop (`speculative.sample_speculative`, whose docstring describes the
+"""One step of the speculative loop (`sample.sample_speculative`, whose docstring describes the
 method): the loop state, the verify forward with its accept/reject, the three step kinds (plain,
 self-draft, reuse), the control that picks one, and the commit of the step's window into the cache.
 
