@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrl import cli  # noqa: E402
 from jaxrl.data.tokenizer import CharTokenizer  # noqa: E402
 from jaxrl.models import hf  # noqa: E402
-from jaxrl.rollout.sampler import sample  # noqa: E402
+from jaxrl.rollout.sampler import SamplingParams, sample  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("persistent_compile_cache")
 
@@ -47,7 +47,7 @@ def test_exported_run_generates_with_transformers_alone(tmp_path, capsys, in_pro
         prompt_1xP = jnp.asarray([[char.bos_id, *char.encode(prompt)]], jnp.int32)
         ours = sample(
             params, cfg, prompt_1xP, jnp.ones(prompt_1xP.shape, bool), jax.random.key(0), group_size=1,
-            max_new_tokens=T, temperature=1.0, eos_id=char.eos_id, pad_id=char.pad_id, greedy=True,
+            sampling=SamplingParams(max_new_tokens=T, eos_id=char.eos_id, pad_id=char.pad_id, greedy=True),
         )  # fmt: skip
         ours_T = np.asarray(ours.tokens_BxT)[0]
         n = len(theirs)  # transformers stops at EOS (kept); ours pads after it

@@ -139,7 +139,8 @@ def temperature_checked(sampler):
 
     @functools.wraps(sampler)
     def call(*args, **kwargs):
-        check_temperature(kwargs["sampling"].temperature)
+        if "sampling" in kwargs:  # else the sampler's own TypeError names the missing argument
+            check_temperature(kwargs["sampling"].temperature)
         return sampler(*args, **kwargs)
 
     return call
