@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import sys
 
 from jaxrl.config import ConfigError, load_config
@@ -338,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         # or one outside the step loop) saved nothing since the last checkpoint
         lost = "; the steps after its last checkpoint are not saved" if args.command == "train" else ""
         print(f"jaxrl: {_one_line(e) or 'interrupted' + lost}", file=sys.stderr)
+        # What is left is the interpreter's exit (JAX's atexit clean-up): one more Ctrl-C there would only
+        # print a traceback after the line above.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         return 130
     return 1
 

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import signal
 import sys
 
 from harness import child_env, compile_policy
@@ -99,3 +100,12 @@ def fresh_registries():
     presets.PRESETS.update(saved[0])
     registry._TASKS.clear()
     registry._TASKS.update(saved[1])
+
+
+@pytest.fixture(autouse=True)
+def restored_sigint():
+    """`jaxrl.cli.main` ignores SIGINT once a Ctrl-C has ended a run (the process is about to exit); a test
+    that calls it in this process gets pytest's own handler back afterwards."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
