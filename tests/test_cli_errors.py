@@ -278,4 +278,4 @@ def test_static_speculation_on_a_one_layer_policy_is_one_line(capsys, tmp_path, 
         capsys, str(DEFAULT_CONFIG), "--workdir", str(tmp_path), *TINY_ARGS, "--set", "rollout.speculative.enabled=true"
     )
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "rollout.speculative.draft_layers: got 1, expected fewer layers than model.n_layers=1" in err
+    assert "rollout.speculative.draft_layers: got 1, expected fewer than model.n_layers=1: early exit needs" in err

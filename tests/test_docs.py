@@ -41,7 +41,6 @@ LANGS = ("python", "text", *SHELLS)
 REPO_PATH = re.compile(r"(?<![\w./~-])((?:jaxrl|configs|scripts|benchmarks|tests|docs)/[\w./+-]*)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 # Written on another branch (issue 31's "bring your own" examples): drop from here once merged.
-NOT_YET_MERGED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -177,8 +176,6 @@ def link_problems(page, line: str) -> list[str]:
             continue
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
-        if _rel(dest) in NOT_YET_MERGED:
-            continue
         if not dest.exists():
             problems.append(f"link {target}: {path} does not exist")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
@@ -194,7 +191,7 @@ def anchors(page) -> set[str]:
 
 def path_problems(line: str) -> list[str]:
     paths = (p.rstrip(".,:;-") for p in REPO_PATH.findall(line))
-    return [f"{p} does not exist" for p in paths if not (REPO / p).exists() and p not in NOT_YET_MERGED]
+    return [f"{p} does not exist" for p in paths if not (REPO / p).exists()]
 
 
 def _ids(blocks: list[Block]) -> list[str]:

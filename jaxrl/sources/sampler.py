@@ -27,8 +27,9 @@ from jaxrl.rollout.speculative.control import (
     speculative_costs,
     updated,
 )
+from jaxrl.rollout.speculative.drafters import check_self_drafter
 from jaxrl.rollout.speculative.reuse import DraftStore, spec_metrics
-from jaxrl.rollout.speculative.sample import check_self_drafter, sample_speculative
+from jaxrl.rollout.speculative.sample import sample_speculative
 from jaxrl.sharding import (
     batch_devices,
     batch_sharding,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
+
 
 def quantize_int8(tree):
     """Every leaf with >= 2 dims (except MoE routers: a flipped expert choice costs more than it
@@ -46,3 +48,18 @@ def draft_view(lparams, drafter: str, draft_layers: int, n_layers: int):
     if drafter == "int8":
         return dequantize(quantize_int8(lparams)), n_layers
     raise ValueError(f"rollout.speculative.drafter {drafter!r} is not a self-drafter (expected early_exit or int8)")
+
+
+def check_self_drafter(cfg: ModelConfig, spec: SpeculativeConfig) -> str | None:
+    """The self-drafter `spec` asks of this model (None: reuse drafts alone); one the model cannot serve is
+    a ConfigError naming the field (checked on the host, before anything is traced or measured)."""
+    self_drafter = spec.fallback if spec.drafter == "reuse" else spec.drafter
+    if self_drafter == "early_exit" and not 0 < spec.draft_layers < cfg.n_layers:
+        n = cfg.n_layers
+        allowed = (
+            f"1..{n - 1} (fewer than model.n_layers={n})"
+            if n > 1
+            else "fewer than model.n_layers=1: early exit needs a policy of 2 or more layers"
+        )
+        raise ConfigError(f"rollout.speculative.draft_layers: got {spec.draft_layers}, expected {allowed}")
+    return None if self_drafter == "none" else self_drafter

@@ -29,7 +29,7 @@ from jaxrl.rollout.engine.state import EngineSpec, EngineState, decode_chunk
 from jaxrl.rollout.sampler import first_argmax, scaled_logits
 from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative.draft_vocab import check_draft_ids, subset_head
-from jaxrl.rollout.speculative.drafters import draft_view
+from jaxrl.rollout.speculative.drafters import check_self_drafter, draft_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +59,7 @@ def check_engine_drafter(speculative: SpeculativeConfig, model_cfg: ModelConfig)
             f"rollout.speculative.drafter: got {speculative.drafter!r}, expected 'early_exit' "
             f"with rollout.engine.enabled=true (the engine's only drafter)"
         )
-    n = model_cfg.n_layers
-    if not 0 < speculative.draft_layers < n:
-        allowed = (
-            f"1..{n - 1} (fewer than model.n_layers={n})"
-            if n > 1
-            else "fewer than model.n_layers=1: early exit needs a policy of 2 or more layers"
-        )
-        raise ConfigError(f"rollout.speculative.draft_layers: got {speculative.draft_layers}, expected {allowed}")
+    check_self_drafter(model_cfg, speculative)
 
 
 def speculative_spec(spec: EngineSpec, speculative: SpeculativeConfig, draft_ids=None) -> SpeculativeEngineSpec:

@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
+from jaxrl.config import ModelConfig, SpeculativeConfig
 from jaxrl.models.moe_dispatch import ExpertParallel
 from jaxrl.rollout.sampler import SampleOutput, SamplingParams, prefill_groups, temperature_checked
 from jaxrl.rollout.speculative.calibrate import StepCosts, constant_costs
-from jaxrl.rollout.speculative.drafters import draft_view
+from jaxrl.rollout.speculative.drafters import check_self_drafter, draft_view
 from jaxrl.rollout.speculative.steps import (
     SpecContext,
     SpecState,
@@ -153,17 +153,6 @@ def sample_speculative(
     state = initial_state(ctx, cache, last_N, routing, rng)
     state = lax.while_loop(lambda s: ~jnp.all(s.done_N), functools.partial(loop_step, ctx), state)
     return _output(state, T, P, sampling.eos_id), state.stats
-
-
-def check_self_drafter(cfg: ModelConfig, spec: SpeculativeConfig) -> str | None:
-    """The self-drafter `spec` asks of this model (None: reuse drafts alone); one the model cannot serve is
-    a ConfigError naming the field (checked on the host, before anything is traced or measured)."""
-    self_drafter = spec.fallback if spec.drafter == "reuse" else spec.drafter
-    if self_drafter == "early_exit" and not 0 < spec.draft_layers < cfg.n_layers:
-        n = cfg.n_layers
-        allowed = f"1..{n - 1} (fewer than model.n_layers={n})" if n > 1 else "fewer layers than model.n_layers=1"
-        raise ConfigError(f"rollout.speculative.draft_layers: got {spec.draft_layers}, expected {allowed}")
-    return None if self_drafter == "none" else self_drafter
 
 
 def _check_drafters(cfg: ModelConfig, spec: SpeculativeConfig, N: int, draft_NxT, draft_len_N, draft_logp_NxT):
