@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.config import ConfigError, MeshConfig
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel, rows_axis
 
 Rule = tuple  # (logical name, mesh axis | tuple of mesh axes)
 
@@ -146,25 +146,21 @@ def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_
     )
 
 
-def expert_parallel(mesh: Mesh, preset: MeshPreset) -> ExpertParallel | None:
-    """The MoE layers' expert parallelism under `preset`: the one mesh axis its rules split the
-    `expert` parameter axis over, when that axis has more than one device; else None (one-device
-    dispatch). A run gives the same one to its rollout and its update, so both dispatch alike."""
-    axis = dict(preset.rules).get("expert")
-    if not isinstance(axis, str) or mesh.shape[axis] <= 1:
+def parallel_for(mesh: Mesh, preset: MeshPreset) -> Parallel | None:
+    """How every forward of a run splits over `mesh` under `preset` (`models.parallel.Parallel`): the
+    batch's mesh axes, and for MoE the one axis the `expert` parameter axis splits over when that axis
+    has more than one device. None on one device. A run gives the same one to its rollout, its update
+    and its evaluation, so all split (and MoE layers dispatch) alike."""
+    if mesh.size <= 1:
         return None
-    return ExpertParallel(mesh, axis)
+    rules = dict(preset.rules)
+    axis = rules.get("expert")
+    expert = axis if isinstance(axis, str) and mesh.shape[axis] > 1 else None
+    return Parallel(mesh, rules.get("batch"), expert)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def rows_axis(name: str) -> int | None:
-    """Which axis of an array named with shape letters is the batch: `tokens_BxT` -> 0,
-    `routing_LxBxTxk` -> 1, `num_steps` -> None."""
-    letters = name.rsplit("_", 1)[-1].split("x") if "_" in name else []
-    return letters.index("B") if "B" in letters else None
 
 
 def batch_sharding(mesh: Mesh, preset: MeshPreset, axis: int = 0) -> NamedSharding:

@@ -182,7 +182,7 @@ from jaxrl.config import MeshConfig
 from jaxrl.models import hf
 from jaxrl.models.transformer import forward
 from jaxrl.policy.resolve import shardings_for
-from jaxrl.sharding import expert_parallel, make_mesh
+from jaxrl.sharding import parallel_for, make_mesh
 
 assert jax.device_count() == 8
 out = {}
@@ -196,7 +196,7 @@ for d, preset, sizes in ((sys.argv[1], "fsdp_tensor", {"tensor": 2}), (sys.argv[
     pairs = zip(jax.tree.leaves(params), jax.tree.leaves(ref))
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
     # The MoE checkpoint's experts dispatched expert-parallel over `expert`, as a run's rollout and update do.
-    got = np.asarray(forward(params, cfg, tokens, jnp.ones(tokens.shape, bool), expert_parallel(mesh, p)))
+    got = np.asarray(forward(params, cfg, tokens, jnp.ones(tokens.shape, bool), parallel_for(mesh, p)))
     out[f"{d}:{preset}"] = {"split": split, "same": same, "diff": float(np.abs(got - want).max())}
 print(json.dumps(out))
 """

@@ -50,7 +50,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jaxrl.config import LossConfig, MeshConfig, ModelConfig, OptimConfig
 from jaxrl.losses import make_loss
 from jaxrl.models.transformer import init_params, param_logical_axes
-from jaxrl.sharding import batch_sharding, expert_parallel, make_mesh, param_shardings, replicated
+from jaxrl.sharding import batch_sharding, make_mesh, parallel_for, param_shardings, replicated
 from jaxrl.train.state import init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
 
@@ -73,12 +73,12 @@ optimizer = make_optimizer(OptimConfig(learning_rate=3e-2, warmup_steps=0), 10)
 base = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(1)))
 
 def update_fn(ep):
-    return make_update_step(make_logp_fn(cfg, 1.0, expert_parallel=ep), loss, optimizer, ppo_epochs=1,
+    return make_update_step(make_logp_fn(cfg, 1.0, parallel=ep), loss, optimizer, ppo_epochs=1,
                             microbatches=1, max_new_tokens=T, use_ref=True, group_size=G)
 
 def run(name, sizes):
     mesh, preset = make_mesh(MeshConfig(preset=name, **sizes))
-    ep = expert_parallel(mesh, preset)  # what the train loop gives its update and its rollout
+    ep = parallel_for(mesh, preset)  # what the train loop gives its update and its rollout
     rep, rows = replicated(mesh), batch_sharding(mesh, preset)
     param_sh = param_shardings(mesh, preset, param_logical_axes(cfg), base)
     make_state = lambda p, r: init_state(p, optimizer, jax.random.key(0), ref_params=r)
@@ -87,7 +87,7 @@ def run(name, sizes):
     step = jax.jit(update_fn(ep), in_shardings=(state_sh, rows), out_shardings=(state_sh, rep))
     lowered = step.lower(state, batch)  # no context mesh: the spec alone says where the experts go
     hlo = lowered.compile().as_text()
-    if ep is not None:  # an ambient mesh no longer makes a layer built without the spec expert-parallel
+    if ep is not None and ep.expert is not None:  # an ambient mesh no longer makes a layer built without the spec expert-parallel
         assert "all_to_all" in lowered.as_text()
         plain = jax.jit(update_fn(None), in_shardings=(state_sh, rows), out_shardings=(state_sh, rep))
         with jax.set_mesh(mesh):
@@ -98,7 +98,7 @@ def run(name, sizes):
         losses += [float(metrics["loss"]), float(metrics["grad_norm"])]
     return losses, jax.tree.map(np.asarray, state.params), hlo
 
-assert expert_parallel(*make_mesh(MeshConfig(preset="fsdp_expert", expert=1))) is None  # an axis of 1: one device
+assert parallel_for(*make_mesh(MeshConfig(preset="fsdp_expert", expert=1))).experts is None  # an axis of 1: one device
 ref_loss, ref_params, ref_hlo = run("single", {})
 assert "all-to-all" not in ref_hlo
 got_loss, got_params, hlo = run("fsdp_expert", {"expert": 4})  # mesh (fsdp=2, expert=4): one expert a device
@@ -195,12 +195,12 @@ from jaxrl.rollout.engine.groups import batch_of_groups
 from jaxrl.train.evaluate import make_chunk_sampler
 
 # The slot engine, greedy: 6 groups of 2 through 8 slots draw what one device draws.
-ep = expert_parallel(mesh, preset)
+ep = parallel_for(mesh, preset)
 items = [(i, prompt_NxP[i][pmask_NxP[i] > 0]) for i in range(6)]
 def run_engine(p, ep):
     engine = Engine(
         cfg, EngineConfig(slots=8, chunk=2, admit_groups=4), group_size=2, prompt_len=P,
-        sampling=dataclasses.replace(SP, greedy=True), rng=jax.random.key(3), expert_parallel=ep,
+        sampling=dataclasses.replace(SP, greedy=True), rng=jax.random.key(3), parallel=ep,
     )
     return engine, batch_of_groups(sorted(engine.collect(p, 0, items, n_groups=6), key=lambda g: g.tag)).fields()
 
@@ -220,7 +220,7 @@ lparams = engine_state.split_params(params, cfg)
 spec_S = engine_speculative.speculative_spec(
     engine.spec, SpeculativeConfig(enabled=True, draft_layers=1, max_draft=3, max_active_rows=4)
 )
-flat = engine_state.EngineSpec(cfg, 8, P, T, 1, 2, 0, greedy=True, slot_keys=True, expert_parallel=ep)
+flat = engine_state.EngineSpec(cfg, 8, P, T, 1, 2, 0, greedy=True, slot_keys=True, parallel=ep)
 def blank(spec):
     return jax.eval_shape(functools.partial(engine_state.init_state, spec), key)
 R, rows = 4, np.arange(4, dtype=np.int32)
@@ -237,7 +237,7 @@ assert all("all_to_all" in str(x.jaxpr) for x in traced)
 expect_ep_in("_draft", "_speculative_step", "_history_cache", "reprefill")
 
 # The evaluator's sampler (greedy, its own jit of the sampler) takes the axis too.
-sampler = make_chunk_sampler(run_cfg, cfg, tok, group_size=1, greedy=True, expert_parallel=ep)
+sampler = make_chunk_sampler(run_cfg, cfg, tok, group_size=1, greedy=True, parallel=ep)
 assert "all_to_all" in str(sampler.trace(params, prompt_BxP=prompt_NxP, prompt_mask_BxP=pmask_NxP, rng=key).jaxpr)
 expect_ep_in("shared_step")
 print("engine OK", flush=True)

@@ -62,9 +62,9 @@ def split_records(cfg: Config, task, prompts: int | None) -> list[dict]:
 
 def greedy_metrics(cfg: Config, policy: Policy, records: list[dict], verifier, out_sharding, ep=None) -> dict:
     """The trainer's held-out evaluator over these records: greedy accuracy, format, response length.
-    ep (MoE): the experts' mesh axis (`sharding.expert_parallel`)."""
+    ep (MoE): the experts' mesh axis (`sharding.parallel`)."""
     evaluate = make_evaluator(
-        cfg, policy.model_cfg, policy.tokenizer, records, verifier, out_sharding=out_sharding, expert_parallel=ep
+        cfg, policy.model_cfg, policy.tokenizer, records, verifier, out_sharding=out_sharding, parallel=ep
     )
     with tqdm(total=len(records), desc="greedy", unit="prompt", disable=not cfg.train.progress) as bar:
         found = evaluate(policy.params, on_chunk=bar.update)
@@ -82,7 +82,7 @@ def sampled_metrics(
     chunk = min(B, max(1, max(EVAL_CHUNK, cfg.rollout.prompts_per_step * cfg.rollout.group_size) // K))
     sampler = make_chunk_sampler(
         cfg, policy.model_cfg, policy.tokenizer, group_size=K, greedy=False, temperature=temperature,
-        out_sharding=out_sharding, expert_parallel=ep,
+        out_sharding=out_sharding, parallel=ep,
     )  # fmt: skip
     rng = jax.random.key(req.seed)
     with tqdm(total=B, desc=f"sampling {K} per prompt", unit="prompt", disable=not cfg.train.progress) as bar:
@@ -123,7 +123,7 @@ def report_path(req: EvalRequest, located: Located) -> pathlib.Path:
 def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pathlib.Path]:
     """Score the located policy on the config's test split; write the JSON report. -> (report, its path)."""
     from jaxrl.data.tasks import load_task
-    from jaxrl.sharding import expert_parallel, make_mesh, replicated
+    from jaxrl.sharding import make_mesh, parallel_for, replicated
 
     check_request(req)
     if get_task(cfg.data.task).episodic and req.samples > 1:
@@ -136,7 +136,7 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
     records = split_records(cfg, task, req.prompts)
     mesh, preset = make_mesh(cfg.mesh)
     policy = load_policy(cfg, located, mesh, preset, task, cfg.train.progress)
-    rep, ep = replicated(mesh), expert_parallel(mesh, preset)  # MoE: experts split as training splits them
+    rep, ep = replicated(mesh), parallel_for(mesh, preset)  # MoE: experts split as training splits them
     if task.spec.episodic:  # the trainer's held-out episodes (jaxrl.sources.agents)
         kept = records
         evaluate = make_agent_evaluator(cfg, policy.model_cfg, policy.tokenizer, task.spec.suite, records, ep)

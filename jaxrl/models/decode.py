@@ -24,7 +24,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import LayerKV, WindowKV
 from jaxrl.models.decoder import MoEOut, layer_params, positions_from_mask, run_decoder
 from jaxrl.models.kv_cache import Cache
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 
 __all__ = [
     "LayerCache",
@@ -58,7 +58,7 @@ def _experts_BxTxLxK(moe: MoEOut | None):
     return None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)
 
 
-def fill_layers(params, cfg: ModelConfig, seq_BxT, written_BxC, expert_parallel: ExpertParallel | None = None):
+def fill_layers(params, cfg: ModelConfig, seq_BxT, written_BxC, parallel: Parallel | None = None):
     """Whole histories prefilled on the decode layout: row b's token t fed at slot t of fresh
     per-layer buffers of C slots (C >= T; slots past T get padding), positions counted over the
     slots marked in written_BxC, which are also the only keys anyone sees. -> (kv: a LayerKV per
@@ -75,7 +75,7 @@ def fill_layers(params, cfg: ModelConfig, seq_BxT, written_BxC, expert_parallel:
         written_BxC,
         0,
         fresh,
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
     return kv, _experts_BxTxLxK(moe)
 
@@ -87,7 +87,7 @@ def decode_layers(
     cache: LayerCache,
     index,
     n_layers: int | None = None,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ):
     """Append T tokens per row at cache slots index..index+T-1 (positions pos_B, pos_B+1, ..) and
     return (logits_BxTxV, cache, experts_BxTxLxK or None). Each token sees the valid cache slots and
@@ -109,7 +109,7 @@ def decode_layers(
         index,
         cache.kv[:n_layers],
         n_layers=n_layers,
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
     return logits_BxTxV, LayerCache(kv, valid_BxS, cache.pos_B + T), _experts_BxTxLxK(moe)
 
@@ -121,7 +121,7 @@ def decode_rows(
     cache: LayerCache,
     fill_B,
     advance_B,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ):
     """One token per row, each fed at its own cache slot fill_B (position pos_B): the slot engine's
     step, whose rows fill at different rates. Like `decode_layers` (T = 1) the keys/values are
@@ -140,7 +140,7 @@ def decode_rows(
         valid_BxS,
         fill_B,
         cache.kv,
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
     experts_BxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK[:, :, 0], 0, 1)
     return logits_Bx1xV[:, 0], LayerCache(kv, valid_BxS, cache.pos_B + advance_B), experts_BxLxK
@@ -165,7 +165,7 @@ def window_layers(
     window,
     index,
     n_layers: int | None = None,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ):
     """Run T tokens per row at window slots index..index+T-1 (positions pos_B + index + t) without
     writing the cache -> (logits_BxTxV, window, experts_BxTxLxK or None).
@@ -189,7 +189,7 @@ def window_layers(
         index,
         kv_layers,
         n_layers=n_layers,
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
     return logits_BxTxV, tuple((kv.win_k, kv.win_v) for kv in kv_out), _experts_BxTxLxK(moe)
 

@@ -24,7 +24,7 @@ from jax import lax
 from jaxrl.config import ModelConfig
 from jaxrl.models.layers import AttnOptions, Block, RMSNorm
 from jaxrl.models.moe import MoEBlock, MoESpec
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 from jaxrl.models.remat import remat_fn
 
 
@@ -84,7 +84,7 @@ def attn_options(cfg: ModelConfig) -> AttnOptions:
     return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3)
 
 
-def moe_spec(cfg: ModelConfig, expert_parallel: ExpertParallel | None = None) -> MoESpec:
+def moe_spec(cfg: ModelConfig, parallel: Parallel | None = None) -> MoESpec:
     """The MoE layers' spec: `cfg`'s MoE fields, plus the run's expert parallelism (None: one device)."""
     return MoESpec(
         cfg.n_experts,
@@ -97,16 +97,16 @@ def moe_spec(cfg: ModelConfig, expert_parallel: ExpertParallel | None = None) ->
         norm_topk=cfg.router_norm_topk,
         shared_gate=cfg.shared_expert_gate,
         attn_opts=attn_options(cfg),
-        expert_parallel=expert_parallel,
+        expert_parallel=None if parallel is None else parallel.experts,
     )
 
 
-def layer_module(cfg: ModelConfig, moe: bool, expert_parallel: ExpertParallel | None = None) -> nn.Module:
+def layer_module(cfg: ModelConfig, moe: bool, parallel: Parallel | None = None) -> nn.Module:
     """The Flax module of one layer (applied with that layer's params)."""
     dims = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
     if moe:
-        return MoEBlock(*dims, cfg.rope_theta, cfg.norm_eps, moe_spec(cfg, expert_parallel), dtype)
+        return MoEBlock(*dims, cfg.rope_theta, cfg.norm_eps, moe_spec(cfg, parallel), dtype)
     return Block(*dims, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype, attn_options(cfg))
 
 
@@ -187,7 +187,7 @@ def run_decoder(
     moe_mask_BxT=None,
     return_hidden: bool = False,
     remat: str = "none",
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ) -> tuple[jax.Array, Any, MoEOut | None]:
     """tokens -> (logits_BxTxV float32, or with `return_hidden` the final-normed hidden states in
     cfg.dtype; kv updated; MoEOut or None for a dense model).
@@ -197,7 +197,7 @@ def run_decoder(
     the head. MoE: `replay_LxBxTxK` routes each MoE layer's tokens to these experts instead of the
     router's top-k; `moe_mask_BxT` marks the tokens the MoE losses average over and capacity
     dispatch serves (default: with stacked params the validity of the key slots the tokens occupy,
-    with per-layer params every token); `expert_parallel`: the experts' mesh axis (None: one device).
+    with per-layer params every token); `parallel`: the experts' mesh axis (None: one device).
     `remat` (stacked only): the scanned units' rematerialisation (`models.remat`)."""
     index = jnp.asarray(index, jnp.int32)
     x_BxTxD = jnp.take(params["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(jnp.dtype(cfg.dtype))
@@ -210,11 +210,11 @@ def run_decoder(
     call = _Call(positions_BxT, key_valid_BxS, index, moe_mask_BxT)
     if per_layer:
         n = cfg.n_layers if n_layers is None else n_layers
-        x_BxTxD, kv, stats = _unrolled(params, cfg, x_BxTxD, kv, call, replay_LxBxTxK, n, expert_parallel)
+        x_BxTxD, kv, stats = _unrolled(params, cfg, x_BxTxD, kv, call, replay_LxBxTxK, n, parallel)
     else:
         if n_layers not in (None, cfg.n_layers):
             raise ValueError(f"run_decoder: n_layers={n_layers} needs per-layer params (`layer_params`)")
-        x_BxTxD, kv, stats = _scanned(params, cfg, x_BxTxD, kv, call, replay_LxBxTxK, remat, expert_parallel)
+        x_BxTxD, kv, stats = _scanned(params, cfg, x_BxTxD, kv, call, replay_LxBxTxK, remat, parallel)
     return _head(params, cfg, x_BxTxD, num_logits, return_hidden), kv, _moe_out(stats)
 
 

@@ -21,7 +21,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import GroupKV
 from jaxrl.models.decode import LayerCache
 from jaxrl.models.decoder import run_decoder
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 
 
 class GroupCache(NamedTuple):
@@ -52,7 +52,7 @@ def grow_own(cache: GroupCache, own_len: int) -> GroupCache:
 
 
 def decode_group_layers(
-    lparams, cfg: ModelConfig, tokens_BxT, cache: GroupCache, index, expert_parallel: ExpertParallel | None = None
+    lparams, cfg: ModelConfig, tokens_BxT, cache: GroupCache, index, parallel: Parallel | None = None
 ):
     """Append T tokens per row at completion slots index..index+T-1 (positions pos_B, pos_B+1, ..):
     `decode.decode_layers` on a GroupCache. Each token sees its group's valid prefix slots, its row's
@@ -70,7 +70,7 @@ def decode_group_layers(
         cache.prefix_valid_GrpxP,
         index,
         kv_layers,
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
     own = tuple((kv.own_k, kv.own_v) for kv in kv_out)
     experts_BxTxLxK = None if moe is None else jnp.moveaxis(moe.experts_LxBxTxK, 0, 2)

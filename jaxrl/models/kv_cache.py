@@ -11,7 +11,7 @@ from jax import lax
 from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import StackedKV
 from jaxrl.models.decoder import positions_from_mask, run_decoder
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 
 
 class Cache(NamedTuple):
@@ -35,14 +35,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "expert_parallel"))
-def prefill(
-    params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache, expert_parallel: ExpertParallel | None = None
-):
+@functools.partial(jax.jit, static_argnames=("cfg", "parallel"))
+def prefill(params, cfg: ModelConfig, tokens_BxP, mask_BxP, cache: Cache, parallel: Parallel | None = None):
     """Fill slots 0..P-1 of an empty cache with a left-padded prompt -> (the last slot's logits_BxV
     (the next-token distribution: with left padding the last slot is every row's last real token),
     the cache, and for an MoE model the experts every prompt slot used, experts_LxBxPxK, else None).
-    `expert_parallel` (MoE): the experts' mesh axis, as the update is given (None: one device)."""
+    `parallel` (MoE): the experts' mesh axis, as the update is given (None: one device)."""
     mask_BxP = mask_BxP.astype(bool)
     valid_BxS = lax.dynamic_update_slice(cache.valid_BxS, mask_BxP, (0, 0))
     logits_Bx1xV, kv, moe = run_decoder(
@@ -54,7 +52,7 @@ def prefill(
         0,
         StackedKV(cache.k_LxBxSxKxHd, cache.v_LxBxSxKxHd),
         num_logits=1,
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
     pos_B = jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32)
     experts = None if moe is None else moe.experts_LxBxTxK

@@ -35,7 +35,7 @@ from jaxrl.models.decoder import (
 )
 from jaxrl.models.layers import ScaledParam, init_value
 from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 
 __all__ = [
     "MoEOut",
@@ -137,19 +137,19 @@ def param_logical_axes(cfg: ModelConfig):
 # Full-sequence scoring
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "expert_parallel"))
+@functools.partial(jax.jit, static_argnames=("cfg", "parallel"))
 def forward(
-    params, cfg: ModelConfig, tokens_BxS: jax.Array, mask_BxS: jax.Array, expert_parallel: ExpertParallel | None = None
+    params, cfg: ModelConfig, tokens_BxS: jax.Array, mask_BxS: jax.Array, parallel: Parallel | None = None
 ) -> jax.Array:
     """Causal logits_BxSxV (float32) over a left-padded batch; padded keys are invisible."""
     mask_BxS = mask_BxS.astype(bool)
     logits_BxSxV, _, _ = run_decoder(
-        params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, expert_parallel=expert_parallel
+        params, cfg, tokens_BxS, positions_from_mask(mask_BxS), mask_BxS, parallel=parallel
     )
     return logits_BxSxV
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat", "expert_parallel", "return_moe"))
+@functools.partial(jax.jit, static_argnames=("cfg", "logits_chunk", "remat", "parallel", "return_moe"))
 def token_logprobs(
     params,
     cfg: ModelConfig,
@@ -161,7 +161,7 @@ def token_logprobs(
     replay_BxSxLxK=None,
     logits_chunk: int = 0,
     remat: str = "none",
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
     return_moe: bool = False,
 ):
     """(logp_BxT, entropy_BxT) of softmax(logits / temperature) at each completion position, and
@@ -174,8 +174,8 @@ def token_logprobs(
     `replay_BxSxLxK` (MoE): route every slot to these experts (the sampler's `routing_BxSxLxK`)
     instead of the router's top-k. `logits_chunk` > 0: the head and log-softmax run on that many
     (row, position) pairs at a time (`models.logprobs`: same values, far less memory in the
-    backward); `remat`: the blocks' rematerialisation (`models.remat`). `expert_parallel` (MoE): the
-    experts' mesh axis (`moe_dispatch.ExpertParallel`), the same the rollout is given; None: one device.
+    backward); `remat`: the blocks' rematerialisation (`models.remat`). `parallel` (MoE): the
+    experts' mesh axis (`moe_dispatch.Parallel`), the same the rollout is given; None: one device.
     """
     T = tokens_BxT.shape[1]
     tokens_BxS = jnp.concatenate([prompt_BxP, tokens_BxT], axis=1).astype(jnp.int32)
@@ -196,7 +196,7 @@ def token_logprobs(
         moe_mask_BxT=live_BxS,
         return_hidden=logits_chunk > 0,
         remat=remat,
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
     if logits_chunk > 0:  # out = final hidden states; the head runs chunk by chunk
         logp_BxT, entropy_BxT = chunked_token_logprobs(

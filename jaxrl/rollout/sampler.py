@@ -35,7 +35,7 @@ from jaxrl.models.group_decode import (
     segment_ends,
 )
 from jaxrl.models.kv_cache import init_cache, prefill
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 
 
 @functools.partial(
@@ -196,7 +196,7 @@ def _prefill_prompts(
     group_size: int,
     cache_len: int,
     routing_len: int,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ):
     """Prefill each prompt once (all but its last token) into a cache of cache_len slots, one row
     per prompt -> (LayerCache, routing_NxSxLxK of the G rows of every prompt or None, last_N)."""
@@ -208,7 +208,7 @@ def _prefill_prompts(
         routing_NxSxLxK = jnp.zeros((B * G, routing_len, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
     if P > 1:
         prefix_BxP1, prefix_mask_BxP1 = prompt_BxP[:, :-1], prompt_mask_BxP[:, :-1]
-        _, cache, experts_LxBxPxK = prefill(params, cfg, prefix_BxP1, prefix_mask_BxP1, cache, expert_parallel)
+        _, cache, experts_LxBxPxK = prefill(params, cfg, prefix_BxP1, prefix_mask_BxP1, cache, parallel)
         if routing_NxSxLxK is not None:  # cfg.n_experts
             experts_NxPxLxK = jnp.repeat(jnp.transpose(experts_LxBxPxK, (1, 2, 0, 3)), G, axis=0)
             routing_NxSxLxK = lax.dynamic_update_slice(routing_NxSxLxK, experts_NxPxLxK, (0, 0, 0, 0))
@@ -225,7 +225,7 @@ def prefill_groups(
     group_size: int,
     cache_len: int,
     routing_len: int,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ):
     """Shared prefill: each prompt is encoded once, then its cache is copied to its G rows (rows
     i*G .. i*G+G-1). The last prompt token is left out and returned as every row's first decode
@@ -235,7 +235,7 @@ def prefill_groups(
     -> (LayerCache of cache_len slots, per-layer params, routing_NxSxLxK (MoE, S = routing_len;
     else None), last_N)."""
     cache, routing_NxSxLxK, last_N = _prefill_prompts(
-        params, cfg, prompt_BxP, prompt_mask_BxP, group_size, cache_len, routing_len, expert_parallel
+        params, cfg, prompt_BxP, prompt_mask_BxP, group_size, cache_len, routing_len, parallel
     )
 
     def rep(x):
@@ -253,14 +253,14 @@ def prefill_shared(
     group_size: int,
     own_len: int,
     routing_len: int,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ):
     """`prefill_groups` with the prompt prefix kept once per group: a `GroupCache` whose prefix is the
     P-1 prefilled slots of each prompt and whose rows get own_len zeroed completion slots (slot t
     holds the token fed at decode step t: the last prompt token, then each drawn token)."""
     P1 = prompt_BxP.shape[1] - 1
     prefix, routing_NxSxLxK, last_N = _prefill_prompts(
-        params, cfg, prompt_BxP, prompt_mask_BxP, group_size, P1, routing_len, expert_parallel
+        params, cfg, prompt_BxP, prompt_mask_BxP, group_size, P1, routing_len, parallel
     )
     return group_cache(prefix, group_size, own_len), layer_params(params, cfg), routing_NxSxLxK, last_N
 
@@ -270,7 +270,7 @@ def _prefill_for_decode(
 ):
     """`sample`'s prefill and its decode step over the cache kind `share_prefix` picks -> (segment
     ends, cache, routing_NxSxLxK or None, last_N, step_fn(tok_N, cache, step) -> (logits_Nx1xV, cache,
-    experts_Nx1xLxK or None)). ep: the MoE layers' `ExpertParallel` (or None)."""
+    experts_Nx1xLxK or None)). ep: the MoE layers' `Parallel` (or None)."""
     P = prompt_BxP.shape[1]
     if share_prefix:
         ends = segment_ends(T, decode_segments or default_segments(T))
@@ -287,7 +287,7 @@ def _prefill_for_decode(
     )
 
     def own_step(tok_N, cache, step):
-        return decode_layers(lparams, cfg, tok_N[:, None], cache, P - 1 + step, expert_parallel=ep)
+        return decode_layers(lparams, cfg, tok_N[:, None], cache, P - 1 + step, parallel=ep)
 
     return (T,), cache, routing_NxSxLxK, last_N, own_step
 
@@ -295,7 +295,7 @@ def _prefill_for_decode(
 @temperature_checked
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "group_size", "share_prefix", "decode_segments", "expert_parallel"),
+    static_argnames=("cfg", "group_size", "share_prefix", "decode_segments", "parallel"),
 )
 def sample(
     params,
@@ -308,7 +308,7 @@ def sample(
     group_size: int,
     share_prefix: bool = True,
     decode_segments: int | None = None,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ) -> SampleOutput:
     """G completions per left-padded prompt; output rows i*G .. i*G+G-1 belong to prompt i.
 
@@ -317,14 +317,14 @@ def sample(
     the loop run in `decode_segments` segments (default `default_segments`) whose completion buffers
     grow, so early steps skip the never-written slots; False keeps one P+T-slot cache per row (the
     same tokens and log-probs up to float32 summation order).
-    expert_parallel (MoE): the experts' mesh axis (`moe_dispatch.ExpertParallel`), the one the update
+    parallel (MoE): the experts' mesh axis (`moe_dispatch.Parallel`), the one the update
     is given; None: one-device dispatch.
     """
     B, P = prompt_BxP.shape
     G, T, pad_id = group_size, sampling.max_new_tokens, sampling.pad_id
     N = B * G
     ends, cache, routing_NxSxLxK, last_N, step_fn = _prefill_for_decode(
-        params, cfg, prompt_BxP, prompt_mask_BxP, G, T, share_prefix, decode_segments, expert_parallel
+        params, cfg, prompt_BxP, prompt_mask_BxP, G, T, share_prefix, decode_segments, parallel
     )
     state = _Loop(
         step=jnp.zeros((), jnp.int32),

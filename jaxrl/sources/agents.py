@@ -57,12 +57,12 @@ def check_agent_config(cfg: Config) -> None:
 
 
 def make_episode_engine(
-    cfg: Config, model_cfg, tokenizer, suite, errors: list, *, greedy: bool = False, expert_parallel=None
+    cfg: Config, model_cfg, tokenizer, suite, errors: list, *, greedy: bool = False, parallel=None
 ) -> EpisodeEngine:
     """The episode engine a run's config describes (rollout.*, rollout.engine.slots/chunk, agent.*); its
     tool format follows the tokenizer (jaxrl.agents.formats: Hermes for a Hugging Face checkpoint).
     errors: collects the observations outside a character tokenizer's alphabet (raise_first after a run).
-    expert_parallel (MoE): the run's `sharding.expert_parallel(mesh, preset)`, as the update's."""
+    parallel (MoE): the run's `sharding.parallel_for(mesh, preset)`, as the update's."""
     rc = cfg.rollout
     fmt, end_of_turn = episode_format(cfg, tokenizer, suite)
     check_prompt_fits(cfg, tokenizer, suite, fmt)
@@ -87,7 +87,7 @@ def make_episode_engine(
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
         ),
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
 
 
@@ -158,12 +158,12 @@ def timing_metrics(stats: dict, before: dict) -> dict:
 class AgentSource:
     """The step's episode groups, scored by their environments (see the module docstring)."""
 
-    def __init__(self, cfg: Config, model_cfg, tokenizer, task, suite, host: dict, expert_parallel=None):
+    def __init__(self, cfg: Config, model_cfg, tokenizer, task, suite, host: dict, parallel=None):
         del host  # nothing to restore: no episode outlives its step
         check_agent_config(cfg)
         self.cfg, self.task, self.errors = cfg, task, []
-        ep = expert_parallel
-        self.engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, self.errors, expert_parallel=ep)
+        ep = parallel
+        self.engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, self.errors, parallel=ep)
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
         """`rng` is unused: the episodes' environment seeds and token keys come from (train.seed, step,
@@ -206,12 +206,12 @@ class AgentSource:
         return {}
 
 
-def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list[dict], expert_parallel=None):
+def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list[dict], parallel=None):
     """evaluate(params) -> eval/accuracy (greedy episodes' success rate on the test records), eval/return,
     eval/turns, eval/tool_calls, eval/response_len (model tokens per episode). Environment seeds are
     fixed, so a slippery environment plays the same dice at every evaluation."""
     errors: list = []
-    engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, errors, greedy=True, expert_parallel=expert_parallel)
+    engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, errors, greedy=True, parallel=parallel)
 
     def evaluate(params) -> dict:
         # seed (train.seed, 0): training steps use (train.seed, step >= 1)

@@ -104,9 +104,9 @@ class PromptFeed:
 class EngineSource:
     """The step's groups from the slot engine, scored. One process only (the engine's slots are not
     split over processes); params may be laid out over the process's devices by any mesh preset.
-    expert_parallel (MoE): the run's `sharding.expert_parallel(mesh, preset)`, as the update's."""
+    parallel (MoE): the run's `sharding.parallel_for(mesh, preset)`, as the update's."""
 
-    def __init__(self, cfg: Config, model_cfg, tokenizer, task, host: dict, expert_parallel=None):
+    def __init__(self, cfg: Config, model_cfg, tokenizer, task, host: dict, parallel=None):
         if jax.process_count() > 1:
             raise ConfigError(
                 f"rollout.engine.enabled: the engine runs in one process; this run has "
@@ -128,7 +128,7 @@ class EngineSource:
             pad_id=tokenizer.pad_id,
             rng=rng,
             draft_ids=draft_ids,
-            expert_parallel=expert_parallel,
+            parallel=parallel,
         )
         if _ENGINE_ITEM in host:  # resumed: the samples in flight continue where the save left them
             self.engine.load_state(host[_ENGINE_ITEM], host.get(ARRAYS, {}).get(_ENGINE_ITEM))

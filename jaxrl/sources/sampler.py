@@ -33,10 +33,10 @@ from jaxrl.rollout.speculative.sample import sample_speculative
 from jaxrl.sharding import (
     batch_devices,
     batch_sharding,
-    expert_parallel,
     gather_rows,
     local_rows,
     named_shardings,
+    parallel_for,
     process_rows,
     put_rows,
     replicated,
@@ -98,14 +98,12 @@ class SamplerSource:
         """The jitted rollout (speculative when enabled) and, with speculation on, the plain sampler
         for rollouts that cannot gain (speculate_now); both on the state's (sharded) params."""
         spec, rep = self.spec, replicated(mesh)
-        ep = expert_parallel(mesh, preset)  # MoE: the experts' mesh axis, as the update's (`make_logp_fn`)
+        ep = parallel_for(mesh, preset)  # MoE: the experts' mesh axis, as the update's (`make_logp_fn`)
 
         def rollout_fn(params, prompt_BxP, prompt_mask_BxP, rng, spec_in):
             """spec_in (speculative only): the acceptance priors and the reuse drafts; -> (SampleOutput, SpecStats)."""
             if not spec.enabled:
-                return sample(
-                    params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, **sample_kw, expert_parallel=ep
-                ), None
+                return sample(params, model_cfg, prompt_BxP, prompt_mask_BxP, rng, **sample_kw, parallel=ep), None
             return sample_speculative(
                 params,
                 model_cfg,
@@ -115,7 +113,7 @@ class SamplerSource:
                 spec=spec,
                 **sample_kw,
                 **spec_in,
-                expert_parallel=ep,
+                parallel=ep,
             )
 
         prompts_spec = jax.ShapeDtypeStruct((self.n_prompts, width), jnp.int32)
@@ -132,7 +130,7 @@ class SamplerSource:
             out_shardings=(out_sh, rep if spec.enabled else None),
         )
         self._rollout_plain = jax.jit(
-            lambda p, t, m, r: sample(p, model_cfg, t, m, r, **sample_kw, expert_parallel=ep),
+            lambda p, t, m, r: sample(p, model_cfg, t, m, r, **sample_kw, parallel=ep),
             in_shardings=(param_sh, self.prompt_sh, self.prompt_sh, rep),
             out_shardings=out_sh,
         )

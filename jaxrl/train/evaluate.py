@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxrl.config import Config, ConfigError, ModelConfig
 from jaxrl.data.tokenizer import encode_prompts
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 from jaxrl.rollout.sampler import SamplingParams, sample
 from jaxrl.sources.scoring import score_completions
 
@@ -60,11 +60,11 @@ def make_chunk_sampler(
     greedy: bool,
     temperature: float = 1.0,
     out_sharding=None,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ) -> Callable:
     """jit(sample): (params, prompt_BxP, prompt_mask_BxP, rng) -> SampleOutput with G rows per prompt,
     drawn as the rollout draws them (rollout.max_new_tokens, top_k, top_p; greedy ignores the last two;
-    MoE: `expert_parallel`, the run's `sharding.expert_parallel(mesh, preset)`, as the rollout's)."""
+    MoE: `parallel`, the run's `sharding.parallel_for(mesh, preset)`, as the rollout's)."""
     rc = cfg.rollout
     return jax.jit(
         functools.partial(
@@ -80,7 +80,7 @@ def make_chunk_sampler(
                 pad_id=tokenizer.pad_id,
             ),
             group_size=group_size,
-            expert_parallel=expert_parallel,
+            parallel=parallel,
         ),
         **({} if out_sharding is None else {"out_shardings": out_sharding}),
     )
@@ -118,17 +118,17 @@ def make_evaluator(
     records: list[dict],
     verifier,
     out_sharding=None,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ):
     """Returns evaluate(params, on_chunk=None) -> {'eval/accuracy', 'eval/format', 'eval/response_len'}.
 
     `out_sharding` (e.g. replicated over the mesh): where the completions land, so that every process
     of a multi-process run can read them whatever the params' layout. `on_chunk(n)`: called after each
-    chunk of n prompts (a progress bar). `expert_parallel` (MoE): the experts' mesh axis, as the rollout's."""
+    chunk of n prompts (a progress bar). `parallel` (MoE): the experts' mesh axis, as the rollout's."""
     records, tok_BxP, mask_BxP = encode_records(cfg, tokenizer, records)
     chunk = min(EVAL_CHUNK, len(records))
     greedy = make_chunk_sampler(
-        cfg, model_cfg, tokenizer, group_size=1, greedy=True, out_sharding=out_sharding, expert_parallel=expert_parallel
+        cfg, model_cfg, tokenizer, group_size=1, greedy=True, out_sharding=out_sharding, parallel=parallel
     )
     key = jax.random.key(0)  # unused by greedy decoding, but part of the signature
 

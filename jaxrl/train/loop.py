@@ -42,10 +42,10 @@ from jaxrl.sharding import (
     any_process,
     batch_sharding,
     check_batch_divides,
-    expert_parallel,
     is_primary,
     layout_line,
     make_mesh,
+    parallel_for,
     process_rows,
     replicated,
 )
@@ -230,7 +230,7 @@ def build_run(
         prompt_groups=prompt_groups(cfg),
         logits_chunk=tc.logits_chunk,
         remat=tc.remat,
-        expert_parallel=expert_parallel(mesh, preset),  # the rollout's too (rollout_source), not an ambient mesh
+        parallel=parallel_for(mesh, preset),  # the rollout's too (rollout_source), not an ambient mesh
     )
     # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
     update_fn = functools.partial(
@@ -282,7 +282,7 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
     engine or the static sampler, each with its held-out evaluation. policy_rng: the params the
     rollout uses (for shapes and step costs) and the state's RNG."""
     mesh, preset, param_sh, rep = layout
-    ep = expert_parallel(mesh, preset)  # MoE: every rollout and evaluation forward takes the update's axis
+    ep = parallel_for(mesh, preset)  # MoE: every rollout and evaluation forward takes the update's axis
     if task.spec.episodic:  # multi-turn episodes (jaxrl.sources.agents)
         suite = task.spec.suite
         return (
@@ -311,7 +311,7 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
             rows,
         )
     records = eval_records(cfg, task.test)
-    evaluate = make_evaluator(cfg, model_cfg, tokenizer, records, task.verifier, out_sharding=rep, expert_parallel=ep)
+    evaluate = make_evaluator(cfg, model_cfg, tokenizer, records, task.verifier, out_sharding=rep, parallel=ep)
     return source, evaluate
 
 

@@ -32,7 +32,7 @@ from jaxrl.losses.aggregation import (
 from jaxrl.losses.evaluate import prepare_batch, weighted_loss
 from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.moe import routing_mismatch
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 from jaxrl.models.shared_prefix import token_logprobs_shared
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.train.state import TrainState
@@ -50,7 +50,7 @@ def make_logp_fn(
     *,
     logits_chunk: int = 0,
     remat: str = "none",
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ) -> LogpFn:
     """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature.
     `logits_chunk` and `remat`: the forward's memory options (`transformer.token_logprobs`).
@@ -63,7 +63,7 @@ def make_logp_fn(
 
     MoE: a third output, {"penalty": aux_coef * aux + z_coef * z, MOE_SCALARS..., and with a recorded
     routing "moe/routing_mismatch_BxT"}; with `routing_replay` the batch's routing is replayed.
-    `expert_parallel`: the experts' mesh axis (`sharding.expert_parallel`), the one the rollout is given."""
+    `parallel`: the experts' mesh axis (`sharding.parallel`), the one the rollout is given."""
 
     if not model_cfg.n_experts:
 
@@ -108,7 +108,7 @@ def make_logp_fn(
             routing if routing_replay else None,
             logits_chunk,
             remat,
-            expert_parallel,
+            parallel,
             return_moe=True,
         )
         extras = {

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 from jaxrl.rollout.engine.checkpoint import engine_to_state, load_engine_state
 from jaxrl.rollout.engine.groups import (
     Flight,
@@ -62,9 +62,9 @@ class Engine:
         rng,
         speculative: SpeculativeConfig | None = None,
         draft_ids=None,
-        expert_parallel: ExpertParallel | None = None,
+        parallel: Parallel | None = None,
     ):
-        """expert_parallel (MoE): the experts' mesh axis (`sharding.expert_parallel`), the one the
+        """parallel (MoE): the experts' mesh axis (`sharding.parallel`), the one the
         update is given; every engine forward dispatches with it (None: one device)."""
         engine_cfg.validate()
         if engine_cfg.slots < group_size:
@@ -80,7 +80,7 @@ class Engine:
             slots=engine_cfg.slots,
             prompt_len=prompt_len,
             group_size=group_size,
-            expert_parallel=expert_parallel,
+            parallel=parallel,
         )
         toggle = None  # the speculative chunk strategy the slots run
         self.tail_rows = 0  # slots decoding at or below which chunks speculate (0: never)
@@ -103,10 +103,10 @@ class Engine:
         rng,
         greedy: bool = False,
         draft_ids=None,
-        expert_parallel: ExpertParallel | None = None,
+        parallel: Parallel | None = None,
     ) -> Engine:
         """The engine a run's `Config` describes (model, rollout.* and rollout.engine.*); MoE: with
-        the run's `expert_parallel(mesh, preset)`."""
+        the run's `parallel_for(mesh, preset)`."""
         rc = cfg.rollout
         return cls(
             cfg.model,
@@ -117,7 +117,7 @@ class Engine:
             rng=rng,
             speculative=rc.speculative,
             draft_ids=draft_ids,
-            expert_parallel=expert_parallel,
+            parallel=parallel,
         )
 
     def to_state(self) -> tuple[dict, dict]:

@@ -50,7 +50,7 @@ def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_m
     # (A speculative engine's cache has room past P + T for the verify window: slots no input reaches.)
     seq_SxT = jnp.concatenate([jnp.asarray(prompt_SxP, jnp.int32), state.tokens_SxT], axis=1)
     written_SxC = fed_mask(spec, state, prompt_mask_SxP)
-    kv_new, experts_SxCxLxK = fill_layers(params, cfg, seq_SxT, written_SxC, spec.expert_parallel)
+    kv_new, experts_SxCxLxK = fill_layers(params, cfg, seq_SxT, written_SxC, spec.parallel)
     take_SxC = written_SxC & jnp.asarray(redo_S, bool)[:, None]
 
     def pick(new, old):

@@ -31,7 +31,7 @@ from jax import lax
 from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, decode_rows, layer_params
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 from jaxrl.rollout.sampler import (
     SamplingParams,
     choose_tokens,
@@ -63,9 +63,9 @@ class EngineSpec:
     # set when the row is placed) instead of the engine's shared per-step key, so a sample's tokens
     # depend only on its own key, the params and its history, not on its slot or when it ran.
     slot_keys: bool = False
-    # MoE: the experts' mesh axis (`sharding.expert_parallel`), the same the update is given; every
+    # MoE: the experts' mesh axis (`sharding.parallel`), the same the update is given; every
     # forward (admission's prefill, decode steps, re-prefill, placement, drafts) dispatches with it.
-    expert_parallel: ExpertParallel | None = None
+    parallel: Parallel | None = None
 
     @classmethod
     def of_sampling(
@@ -179,7 +179,7 @@ def _admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask
     if prompt_AxP.shape[1] != P:
         raise ValueError(f"prompt_AxP has {prompt_AxP.shape[1]} columns, expected the engine's prompt_len={P}")
     cache, _, routing_NxCxLxK, last_N = prefill_groups(
-        params, cfg, prompt_AxP, prompt_mask_AxP, spec.group_size, spec.cache_len, spec.cache_len, spec.expert_parallel
+        params, cfg, prompt_AxP, prompt_mask_AxP, spec.group_size, spec.cache_len, spec.cache_len, spec.parallel
     )
     # Slots from P-1 on hold decoded tokens: what a row reads of them is bounded by its fill level.
     cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True))
@@ -218,7 +218,7 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
     fill_S = P - 1 + s.col_S
     active_S = ~s.done_S
     logits_SxV, cache, experts_SxLxK = decode_rows(
-        lparams, cfg, s.last_S, s.cache, fill_S, active_S.astype(jnp.int32), spec.expert_parallel
+        lparams, cfg, s.last_S, s.cache, fill_S, active_S.astype(jnp.int32), spec.parallel
     )
     logits_SxV = logits_SxV.astype(jnp.float32)
     rng, key = jax.random.split(s.rng)

@@ -30,7 +30,7 @@ import numpy as np
 from jaxrl.config import ModelConfig
 from jaxrl.config.agent import AgentConfig
 from jaxrl.config.rollout import EngineConfig
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 from jaxrl.rollout.engine.groups import left_pad
 from jaxrl.rollout.engine.slots import SlotPool
 from jaxrl.rollout.engine.state import EngineSpec, init_state, split_params
@@ -56,9 +56,9 @@ class EpisodeEngine:
         speculative=None,
         park_batch: int = 4,
         place_rows: int = 4,
-        expert_parallel: ExpertParallel | None = None,
+        parallel: Parallel | None = None,
     ):
-        """sampling: eos_id and pad_id the tokenizer's; expert_parallel (MoE): the experts' mesh axis, as
+        """sampling: eos_id and pad_id the tokenizer's; parallel (MoE): the experts' mesh axis, as
         the update's (None: one device)."""
         engine_cfg.validate()
         agent_cfg.validate()
@@ -92,7 +92,7 @@ class EpisodeEngine:
             group_size=1,
             stop_ids=(eot[0],),
             slot_keys=True,
-            expert_parallel=expert_parallel,
+            parallel=parallel,
         )
         self.stats = dict(
             chunks=0,

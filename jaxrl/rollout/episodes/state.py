@@ -34,7 +34,7 @@ def _history_cache(params, spec: EngineSpec, prompt_RxP, prompt_mask_RxP, tokens
     fill_R = P - 1 + n_R  # the slot `last` is fed at; everything before it is in the cache
     real_RxC = jnp.concatenate([prompt_mask_RxP.astype(bool), jnp.ones((R, C - P), bool)], axis=1)
     written_RxC = real_RxC & (jnp.arange(C) < fill_R[:, None])
-    kv, experts_RxCxLxK = fill_layers(params, cfg, seq_RxC, written_RxC, spec.expert_parallel)
+    kv, experts_RxCxLxK = fill_layers(params, cfg, seq_RxC, written_RxC, spec.parallel)
     if experts_RxCxLxK is not None:
         experts_RxCxLxK = jnp.where(written_RxC[:, :, None, None], experts_RxCxLxK, 0)
     # As `admit` leaves a slot: the prompt's padding invalid, every slot from P-1 on readable up to the fill level.

@@ -154,7 +154,7 @@ def _draft(drafter, spec: SpeculativeEngineSpec, s: EngineState, fill_S, key, te
         window, fed_SxW, q_SxWxV = c
         tok_S = lax.dynamic_index_in_dim(fed_SxW, i, axis=1, keepdims=False)
         logits_Sx1xN, window, _ = window_layers(
-            dparams, dcfg, tok_S[:, None], s.cache, fill_S, window, i, d_layers, spec.expert_parallel
+            dparams, dcfg, tok_S[:, None], s.cache, fill_S, window, i, d_layers, spec.parallel
         )
         if spec.greedy:
             d_S = to_token(first_argmax(logits_Sx1xN[:, 0]))
@@ -183,7 +183,7 @@ def _speculative_step(lparams, drafter, spec: SpeculativeEngineSpec, s: EngineSt
     fed_SxW, q_SxWxV = _draft(drafter, spec, s, fill_S, key_draft, temperature)
     window = empty_window(s.cache, W, cfg.n_layers)
     logits_SxWxV, window, experts_SxWxLxK = window_layers(
-        lparams, cfg, fed_SxW, s.cache, fill_S, window, 0, expert_parallel=spec.expert_parallel
+        lparams, cfg, fed_SxW, s.cache, fill_S, window, 0, parallel=spec.parallel
     )
     drafted_SxW = jnp.broadcast_to(jnp.arange(W) >= 1, (S, W))
     if spec.greedy:

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl.config import ModelConfig, SpeculativeConfig
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 from jaxrl.rollout.sampler import SampleOutput, SamplingParams, prefill_groups, temperature_checked
 from jaxrl.rollout.speculative.calibrate import StepCosts, constant_costs
 from jaxrl.rollout.speculative.drafters import check_self_drafter, draft_view
@@ -75,7 +75,7 @@ def worth_speculating(
 @temperature_checked
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "spec", "group_size", "expert_parallel"),
+    static_argnames=("cfg", "spec", "group_size", "parallel"),
 )
 def sample_speculative(
     params,
@@ -93,7 +93,7 @@ def sample_speculative(
     draft_len_N: jax.Array | None = None,
     draft_logp_NxT: jax.Array | None = None,
     costs: StepCosts | None = None,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ):
     """`sampler.sample` with speculation -> (SampleOutput, SpecStats).
 
@@ -104,7 +104,7 @@ def sample_speculative(
     reused-token one; pass the previous rollout's `stats.acceptance` / `stats.reuse_acceptance` to
     carry them over. `costs` (calibrate.StepCosts, e.g. measured by
     `calibrate.measure_step_costs`) replace spec.verify_cost / spec.draft_cost in the control.
-    `expert_parallel` (MoE): the experts' mesh axis, as `sampler.sample` and the update are given; the
+    `parallel` (MoE): the experts' mesh axis, as `sampler.sample` and the update are given; the
     prefill, the verify forwards and the self-drafter's forwards all dispatch with it."""
     B, P = prompt_BxP.shape
     N, T = B * group_size, sampling.max_new_tokens
@@ -112,7 +112,7 @@ def sample_speculative(
     costs = constant_costs(spec) if costs is None else costs
     W_max = max(1, spec.max_draft + 1 if self_drafter else 1, spec.reuse_width + 1 if reuse else 1)
     cache, lparams, routing, last_N = prefill_groups(
-        params, cfg, prompt_BxP, prompt_mask_BxP, group_size, P + T + W_max, P + T + W_max, expert_parallel
+        params, cfg, prompt_BxP, prompt_mask_BxP, group_size, P + T + W_max, P + T + W_max, parallel
     )
     # Slots from P-1 on are decoded tokens: what a row may see of them is bounded by its fill level.
     cache = cache._replace(valid_BxS=cache.valid_BxS.at[:, P - 1 :].set(True))
@@ -148,7 +148,7 @@ def sample_speculative(
         draft_NxT=draft_NxT,
         draft_len_N=draft_len_N,
         draft_logp_NxT=draft_logp_NxT,
-        expert_parallel=expert_parallel,
+        parallel=parallel,
     )
     state = initial_state(ctx, cache, last_N, routing, rng)
     state = lax.while_loop(lambda s: ~jnp.all(s.done_N), functools.partial(loop_step, ctx), state)

@@ -18,7 +18,7 @@ from jax import lax
 
 from jaxrl.config import ModelConfig, SpeculativeConfig
 from jaxrl.models.decode import LayerCache, commit_window, empty_window, window_layers
-from jaxrl.models.moe_dispatch import ExpertParallel
+from jaxrl.models.parallel import Parallel
 from jaxrl.rollout.sampler import SamplingParams, first_argmax, scaled_logits
 from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative.calibrate import StepCosts
@@ -84,7 +84,7 @@ class SpecContext(NamedTuple):
     draft_NxT: jax.Array | None  # reuse: each row's previous completion
     draft_len_N: jax.Array | None  # reuse: its length (0: no draft)
     draft_logp_NxT: jax.Array | None  # spec_rl only: the log-probs it was sampled with
-    expert_parallel: ExpertParallel | None = None  # MoE: the experts' mesh axis (None: one device)
+    parallel: Parallel | None = None  # MoE: the experts' mesh axis (None: one device)
 
     @property
     def T(self) -> int:
@@ -179,7 +179,7 @@ def _verify(ctx: SpecContext, s: SpecState, fed_NxW, drafted_NxW, q_NxWxV=None, 
     N, T, W, pad_id, eos_id = ctx.N, ctx.T, fed_NxW.shape[1], ctx.sampling.pad_id, ctx.sampling.eos_id
     window = empty_window(s.cache, ctx.W_max, ctx.cfg.n_layers)
     logits_NxWxV, window, experts = window_layers(
-        ctx.lparams, ctx.cfg, fed_NxW, s.cache, s.fill_N, window, 0, expert_parallel=ctx.expert_parallel
+        ctx.lparams, ctx.cfg, fed_NxW, s.cache, s.fill_N, window, 0, parallel=ctx.parallel
     )
     rng, key = jax.random.split(s.rng)
     if ctx.sampling.greedy:
@@ -250,7 +250,7 @@ def _self_draft(ctx: SpecContext, s: SpecState, k):
     def draft_one(i, c):
         window, tok_N, fed_NxW, q_NxWxV, rng = c
         logits_Nx1xV, window, _ = window_layers(
-            ctx.dparams, ctx.cfg, tok_N[:, None], s.cache, s.fill_N, window, i, ctx.d_layers, ctx.expert_parallel
+            ctx.dparams, ctx.cfg, tok_N[:, None], s.cache, s.fill_N, window, i, ctx.d_layers, ctx.parallel
         )
         rng, key = jax.random.split(rng)
         if greedy:
