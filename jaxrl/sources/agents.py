@@ -9,15 +9,24 @@ and the observations, `completion_mask_BxT` = 1 on the model's tokens only. Rewa
 trajectory's return, column 1 the optional per-turn shaping (agent.shaping_weight); with
 keep_top_variance < 1 the groups whose rewards vary most are kept (StarPO-S). The source has no state
 to checkpoint: a step's episodes finish inside it and a resumed step replays them (docs/agents.md).
+
+With P processes the step's draw is split into P contiguous blocks (`processes.ProcessShare.block`):
+process p plays the p-th on its own episode engine (its own devices, rollout.engine.slots / P slots;
+its environments and tools in its own threads), episode j of the draw seeded as in one process, so
+the step's rows in process order are a one-process run's (StarPO-S keeps the most varied groups of
+each process's block). The stream position stays the run's, the same on every process, so there is
+still nothing to checkpoint, and a run resumes with any number of processes. The metrics and the
+evaluation's means are computed over every process's episodes (gathered), as one process does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
+from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from jaxrl.agents.env import AlphabetChecked
@@ -28,7 +37,9 @@ from jaxrl.data.stream import StreamState, next_batch
 from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.rollout.episodes.driver import EpisodeEngine
 from jaxrl.rollout.sampler import SamplingParams
+from jaxrl.sharding import gather_objects
 from jaxrl.sources.base import Produced
+from jaxrl.sources.processes import LocalLayout, ProcessShare, combine_metrics
 from jaxrl.sources.scoring import combined_reward, reward_metrics
 
 
@@ -50,10 +61,7 @@ def check_agent_config(cfg: Config) -> None:
             "data.skip_long_prompts: not available with multi-turn episodes (every record's prompt "
             "is the environment's reset text); raise data.max_prompt_len instead"
         )
-    if jax.process_count() > 1:
-        raise ConfigError(
-            f"data.task={cfg.data.task!r}: multi-turn episodes run in one process; this run has {jax.process_count()}"
-        )
+    ProcessShare.current().rollout(cfg.rollout, group_slots=False)  # each process's share divides
 
 
 def make_episode_engine(
@@ -114,12 +122,16 @@ def keep_most_varied(rewards: list[np.ndarray], n: int, reward_weights) -> list[
     return sorted(order[:n])
 
 
-def episode_batch(groups, rewards: list[np.ndarray]) -> RolloutBatch:
-    """Episode groups -> the update's batch (rows of group i contiguous, group_id_B = i; the loss sees
-    the model's tokens; no token is stale: no episode outlives its step)."""
+def episode_batch(groups, rewards: list[np.ndarray], first_id: int = 0) -> RolloutBatch:
+    """Episode groups -> the update's batch (rows of group i contiguous, group_id_B = first_id + i: a
+    process's ids differ from every other's; the loss sees the model's tokens; no token is stale: no
+    episode outlives its step)."""
     batch = RolloutBatch.from_groups(groups, [g.loss_mask_GxT for g in groups], [g.truncated_G for g in groups])
+    assert batch.group_id_B is not None  # from_groups numbers the groups
     stale_BxT = np.zeros(batch.tokens_BxT.shape, np.float32)
-    return batch._replace(rewards_BxK=np.concatenate(rewards), stale_BxT=stale_BxT)
+    return batch._replace(
+        rewards_BxK=np.concatenate(rewards), stale_BxT=stale_BxT, group_id_B=batch.group_id_B + np.int32(first_id)
+    )
 
 
 def episode_metrics(groups, rewards: list[np.ndarray], reward_weights) -> dict:
@@ -155,78 +167,165 @@ def timing_metrics(stats: dict, before: dict) -> dict:
     }
 
 
-class AgentSource:
-    """The step's episode groups, scored by their environments (see the module docstring)."""
+def _process_share(cfg: Config, param_sh, who: str) -> tuple[Config, LocalLayout | None]:
+    """(this process's config: its share of prompts_per_step and rollout.engine.slots, where its
+    episodes run: the run's preset on its own devices); one process: (cfg, None)."""
+    share = ProcessShare.current()
+    if share.count == 1:
+        return cfg, None
+    if param_sh is None:
+        raise ValueError(f"{who}: param_sh (the params' shardings) is needed with several processes")
+    rollout = share.rollout(cfg.rollout, group_slots=False)  # an episode holds one slot
+    return dataclasses.replace(cfg, rollout=rollout), LocalLayout.of(cfg.mesh, param_sh)
 
-    def __init__(self, cfg: Config, model_cfg, tokenizer, task, suite, host: dict, parallel=None):
-        del host  # nothing to restore: no episode outlives its step
+
+class _Drawn(NamedTuple):
+    """One process's part of a step's metrics: what every process's are gathered and combined from."""
+
+    groups: list  # the EpisodeGroups drawn, their token arrays dropped (the agent/* columns stay)
+    rewards: list  # each group's rewards_GxK
+    kept: list  # the indices of the groups in the batch
+    rewards_BxK: np.ndarray  # the batch's
+    completion_mask_BxT: np.ndarray
+    truncated_B: np.ndarray
+    tokens: float  # the model's tokens over every episode drawn
+    seconds: dict  # {"rollout/seconds", agent/env_* timings}: reduced by combine_metrics
+
+
+_TOKEN_ARRAYS = dict.fromkeys(("prompt_P", "prompt_mask_P", "tokens_GxT", "logp_GxT", "version_GxT", "routing_GxCxLxK"))
+
+
+def _step_metrics(everyone: list[_Drawn], n_samples: int, starpo: bool, reward_weights) -> dict:
+    """The step's metrics over every process's episodes (one process: its own), in process order:
+    reward/* over the batch's rows, agent/* over every episode drawn, timings summed (the wall-clock
+    rollout/seconds: the slowest process's)."""
+    drawn = [g for d in everyone for g in d.groups]
+    rewards = [r for d in everyone for r in d.rewards]
+    timings = combine_metrics([d.seconds for d in everyone])
+
+    def cat(field):
+        return np.concatenate([getattr(d, field) for d in everyone])
+
+    metrics = reward_metrics(
+        cat("rewards_BxK"), cat("completion_mask_BxT"), cat("truncated_B") == 0, 0, 0, reward_weights
+    )
+    seconds = timings.pop("rollout/seconds")
+    metrics.update(
+        {
+            "rollout/tokens_per_s": sum(d.tokens for d in everyone) / max(seconds, 1e-9),
+            "rollout/seconds": seconds,
+            "rollout/samples": n_samples,
+            **episode_metrics(drawn, rewards, reward_weights),
+            **timings,
+        }
+    )
+    if starpo:
+        kept = [d.groups[i] for d in everyone for i in d.kept]
+        kept_rewards = [d.rewards[i] for d in everyone for i in d.kept]
+        metrics["agent/kept_reward_std_mean"] = episode_metrics(kept, kept_rewards, reward_weights)[
+            "agent/reward_std_mean"
+        ]
+    return metrics
+
+
+class AgentSource:
+    """The step's episode groups, scored by their environments (see the module docstring).
+    parallel (MoE, one process): the run's `sharding.parallel_for(mesh, preset)`, as the update's;
+    param_sh: the params' shardings (needed with several processes)."""
+
+    def __init__(self, cfg: Config, model_cfg, tokenizer, task, suite, host: dict, parallel=None, param_sh=None):
+        del host  # nothing to restore: no episode outlives its step, the stream position is the run's
         check_agent_config(cfg)
+        self.share = ProcessShare.current()
+        cfg, self.local = _process_share(cfg, param_sh, "AgentSource")
+        if self.local is not None:
+            parallel = self.local.parallel
         self.cfg, self.task, self.errors = cfg, task, []
-        ep = parallel
-        self.engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, self.errors, parallel=ep)
+        self.engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, self.errors, parallel=parallel)
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
         """`rng` is unused: the episodes' environment seeds and token keys come from (train.seed, step,
-        episode index), so a replayed step plays the same episodes whatever the timing. With StarPO-S
-        the agent/* metrics describe every episode drawn, reward/* the groups kept for the update."""
+        episode index in the step's draw), so a replayed step plays the same episodes whatever the
+        timing or the number of processes. With StarPO-S the agent/* metrics describe every episode
+        drawn, reward/* the groups kept for the update. Several processes: this process's block of
+        the draw, the batch its rows; `stream` and the metrics are the run's (a collective)."""
         del rng
-        cfg, t0, stats0 = self.cfg, time.perf_counter(), dict(self.engine.stats)
-        n = cfg.rollout.prompts_per_step
+        cfg, share, t0, stats0 = self.cfg, self.share, time.perf_counter(), dict(self.engine.stats)
+        n = cfg.rollout.prompts_per_step  # this process's share
         n_draw = math.ceil(n / cfg.agent.keep_top_variance - 1e-9)
-        records, stream = next_batch(self.task.train, stream, n_draw, cfg.data.seed)
+        records, stream = next_batch(self.task.train, stream, n_draw * share.count, cfg.data.seed)
+        mine = share.block(len(records))
+        if self.local is not None:
+            params = self.local.params(params)
         groups = self.engine.run(
-            params, step - 1, [(r, r) for r in records], cfg.rollout.group_size, seed=(cfg.train.seed, step)
+            params,
+            step - 1,
+            [(r, r) for r in records[mine]],
+            cfg.rollout.group_size,
+            seed=(cfg.train.seed, step),
+            first=mine.start,
         )
         raise_first(self.errors)
         seconds = time.perf_counter() - t0
         rewards = episode_rewards(groups, cfg.agent.shaping_weight)
         kept = keep_most_varied(rewards, n, cfg.loss.reward_weights) if n_draw > n else list(range(n))
-        drawn_metrics = episode_metrics(groups, rewards, cfg.loss.reward_weights)
-        drawn_tokens = sum(float(g.loss_mask_GxT.sum()) for g in groups)  # the model's tokens, all episodes
-        groups, rewards = [groups[i] for i in kept], [rewards[i] for i in kept]
-        batch = episode_batch(groups, rewards)
-        mask_BxT = batch.completion_mask_BxT
-        metrics = reward_metrics(batch.rewards_BxK, mask_BxT, batch.truncated_B == 0, 0, 0, cfg.loss.reward_weights)
-        metrics.update(
-            {
-                "rollout/tokens_per_s": drawn_tokens / max(seconds, 1e-9),
-                "rollout/seconds": seconds,
-                "rollout/samples": n_draw * cfg.rollout.group_size,
-                **drawn_metrics,
-                **timing_metrics(self.engine.stats, stats0),
-            }
+        batch = episode_batch([groups[i] for i in kept], [rewards[i] for i in kept], first_id=share.index * n)
+        assert batch.rewards_BxK is not None  # episode_batch sets them
+        mine_drawn = _Drawn(
+            [g._replace(**_TOKEN_ARRAYS) for g in groups],
+            rewards,
+            kept,
+            batch.rewards_BxK,
+            batch.completion_mask_BxT,
+            batch.truncated_B,
+            sum(float(g.loss_mask_GxT.sum()) for g in groups),  # the model's tokens, all episodes
+            {"rollout/seconds": seconds, **timing_metrics(self.engine.stats, stats0)},
         )
-        if n_draw > n:
-            metrics["agent/kept_reward_std_mean"] = episode_metrics(groups, rewards, cfg.loss.reward_weights)[
-                "agent/reward_std_mean"
-            ]
+        n_samples = n_draw * share.count * cfg.rollout.group_size
+        metrics = _step_metrics(gather_objects(mine_drawn), n_samples, n_draw > n, cfg.loss.reward_weights)
         return Produced(batch, None, metrics, stream)
 
     def checkpoint_state(self) -> dict:
         return {}
 
 
-def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list[dict], parallel=None):
+def make_agent_evaluator(cfg: Config, model_cfg, tokenizer, suite, records: list[dict], parallel=None, param_sh=None):
     """evaluate(params) -> eval/accuracy (greedy episodes' success rate on the test records), eval/return,
     eval/turns, eval/tool_calls, eval/response_len (model tokens per episode). Environment seeds are
-    fixed, so a slippery environment plays the same dice at every evaluation."""
+    fixed, so a slippery environment plays the same dice at every evaluation. Several processes (give
+    param_sh): each plays its block of the records, the means are over all of them (a collective),
+    the numbers one process reports."""
+    cfg, local = _process_share(cfg, param_sh, "make_agent_evaluator")
     errors: list = []
-    engine = make_episode_engine(cfg, model_cfg, tokenizer, suite, errors, greedy=True, parallel=parallel)
+    engine = make_episode_engine(
+        cfg, model_cfg, tokenizer, suite, errors, greedy=True, parallel=parallel if local is None else local.parallel
+    )
+    mine = ProcessShare.current().block(len(records))
 
     def evaluate(params) -> dict:
+        if local is not None:
+            params = local.params(params)
         # seed (train.seed, 0): training steps use (train.seed, step >= 1)
-        groups = engine.run(params, 0, [(r, r) for r in records], 1, seed=(cfg.train.seed, 0))
+        requests = [(r, r) for r in records[mine]]
+        groups = engine.run(params, 0, requests, 1, seed=(cfg.train.seed, 0), first=mine.start)
         raise_first(errors)
 
         def col(name):
-            return np.concatenate([getattr(g, name) for g in groups]).astype(np.float64)
+            return np.concatenate([getattr(g, name) for g in groups] or [np.zeros(0)]).astype(np.float64)
+
+        cols = {name: col(name) for name in ("success_G", "return_G", "turns_G", "tool_calls_G")}
+        lengths = np.concatenate([g.loss_mask_GxT.sum(1) for g in groups] or [np.zeros(0, np.float32)])
+        everyone = gather_objects((cols, lengths))  # in process order: the records' order
+
+        def mean(name):
+            return float(np.concatenate([c[name] for c, _ in everyone]).mean())
 
         return {
-            "eval/accuracy": float(col("success_G").mean()),
-            "eval/return": float(col("return_G").mean()),
-            "eval/turns": float(col("turns_G").mean()),
-            "eval/tool_calls": float(col("tool_calls_G").mean()),
-            "eval/response_len": float(np.concatenate([g.loss_mask_GxT.sum(1) for g in groups]).mean()),
+            "eval/accuracy": mean("success_G"),
+            "eval/return": mean("return_G"),
+            "eval/turns": mean("turns_G"),
+            "eval/tool_calls": mean("tool_calls_G"),
+            "eval/response_len": float(np.concatenate([n for _, n in everyone]).mean()),
         }
 
     return evaluate

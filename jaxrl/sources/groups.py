@@ -142,7 +142,7 @@ class EngineSource:
         if self.share.count > 1:
             if param_sh is None:
                 raise ValueError("EngineSource: param_sh (the params' shardings) is needed with several processes")
-            cfg = dataclasses.replace(cfg, rollout=self._process_rollout(rc))
+            cfg = dataclasses.replace(cfg, rollout=self.share.rollout(rc, group_slots=True))
             self.local = LocalLayout.of(cfg.mesh, param_sh)
             parallel, rng = self.local.parallel, jax.random.fold_in(rng, self.share.index)
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
@@ -170,17 +170,6 @@ class EngineSource:
         self.prompt_filter = BetaPromptFilter.from_config(
             cfg.rollout.engine, cfg.train.seed, saved.get(_FILTER_KEY), process=self.share.index
         )
-
-    def _process_rollout(self, rc):
-        """This process's share of the rollout config: prompts_per_step / P prompts, slots / P slots."""
-        n_prompts = self.share.split(rc.prompts_per_step, "rollout.prompts_per_step")
-        slots = self.share.split(rc.engine.slots, "rollout.engine.slots")
-        if slots < rc.group_size:
-            raise ConfigError(
-                f"rollout.engine.slots={rc.engine.slots}: {slots} per process over {self.share.count} processes, "
-                f"expected at least group_size={rc.group_size} each"
-            )
-        return dataclasses.replace(rc, prompts_per_step=n_prompts, engine=dataclasses.replace(rc.engine, slots=slots))
 
     def _saved(self, host: dict) -> tuple[dict, dict]:
         """(this process's saved source state, its arrays) from the checkpoint's host item ({} fresh):

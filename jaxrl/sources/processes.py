@@ -2,6 +2,8 @@
 
     share = ProcessShare.current()                             # (index p, count P)
     n = share.split(cfg.rollout.prompts_per_step, "rollout.prompts_per_step")  # P must divide it
+    rc = share.rollout(cfg.rollout, group_slots=True)          # prompts_per_step / P, engine.slots / P
+    mine = records[share.block(len(records))]                  # a contiguous block of a list all share
     local = LocalLayout.of(cfg.mesh, param_sh)                 # the run's preset on jax.local_devices()
     local_params = local.params(params)                        # once per policy version
     stream = share.first_position(records, stream, seed)       # process p starts at stream position p
@@ -11,21 +13,25 @@
 
 Process p of P consumes global stream positions p, p+P, p+2P, ... (`PromptFeed(stride=P)`), so with
 synchronous admission the union of a step's prompts over the processes is the one-process step's.
-A process's rollout needs no other process within a step; the step's rows meet in one global array
-(`sharding.put_rows`). What a process keeps between steps (the engine's slots, the prompt filter, its
-stream position) is checkpointed as one entry per process under `PROCESSES`; a resume checks that the
-process count is the one that saved it. One process: `count == 1` and none of this changes anything.
+Multi-turn episodes (sources/agents.py), whose step draws a fixed number of records, instead split that
+draw into contiguous blocks (`block`): process p plays the p-th block, so the step's rows in process
+order are the one-process step's rows. A process's rollout needs no other process within a step; the
+step's rows meet in one global array (`sharding.put_rows`). What a process keeps between steps (the
+engine's slots, the prompt filter, its stream position) is checkpointed as one entry per process under
+`PROCESSES`; a resume checks that the process count is the one that saved it. One process: `count == 1`
+and none of this changes anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxrl.config import ConfigError, MeshConfig
+from jaxrl.config import ConfigError, MeshConfig, RolloutConfig
 from jaxrl.data.stream import StreamState, next_batch
 from jaxrl.sharding import gather_objects, make_mesh, parallel_for, process_local
 from jaxrl.sources.base import ARRAYS
@@ -49,6 +55,24 @@ class ProcessShare(NamedTuple):
                 f"its own share); use a multiple of {self.count}"
             )
         return n // self.count
+
+    def rollout(self, rc: RolloutConfig, group_slots: bool) -> RolloutConfig:
+        """This process's share of the rollout config: prompts_per_step / P prompts and
+        rollout.engine.slots / P slots (P must divide each; ConfigError naming the field). group_slots:
+        each share of slots must hold a group (the slot engine draws a group's samples together)."""
+        n_prompts = self.split(rc.prompts_per_step, "rollout.prompts_per_step")
+        slots = self.split(rc.engine.slots, "rollout.engine.slots")
+        if group_slots and slots < rc.group_size:
+            raise ConfigError(
+                f"rollout.engine.slots={rc.engine.slots}: {slots} per process over {self.count} processes, "
+                f"expected at least group_size={rc.group_size} each"
+            )
+        return dataclasses.replace(rc, prompts_per_step=n_prompts, engine=dataclasses.replace(rc.engine, slots=slots))
+
+    def block(self, n: int) -> slice:
+        """This process's contiguous block of n items (blocks in process order, sizes differing by at
+        most one; all of them for one process)."""
+        return slice(n * self.index // self.count, n * (self.index + 1) // self.count)
 
     def first_position(self, records, stream: StreamState, seed: int) -> StreamState:
         """The stream position this process starts at: `stream` moved on by p records."""
@@ -115,6 +139,10 @@ SUMMED = frozenset(
         "engine/filtered_prompts",
         "engine/filter_forced",
         "engine/filter_prompts_seen",
+        "agent/env_steps",  # multi-turn episodes: environment steps and time, every process's
+        "agent/env_seconds",
+        "agent/env_exposed_seconds",
+        "agent/env_hidden_seconds",
     }
 )
 MAXED = frozenset({"engine/dyn_cap_hit", "engine/vigor_max_group", "engine/vigor_draws", "rollout/seconds"})

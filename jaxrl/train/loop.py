@@ -286,8 +286,8 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
     if task.spec.episodic:  # multi-turn episodes (jaxrl.sources.agents)
         suite = task.spec.suite
         return (
-            AgentSource(cfg, model_cfg, tokenizer, task, suite, host, ep),
-            make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test), ep),
+            AgentSource(cfg, model_cfg, tokenizer, task, suite, host, ep, param_sh=param_sh),
+            make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test), ep, param_sh=param_sh),
         )
     if cfg.rollout.engine.enabled:
         source = EngineSource(cfg, model_cfg, tokenizer, task, host, ep, param_sh=param_sh)

@@ -3,16 +3,19 @@
     engine = EpisodeEngine(model_cfg, cfg.rollout.engine, cfg.agent, make_env=suite.make, tokenizer=tok,
                            end_of_turn="]", prompt_len=P, sampling=SamplingParams(max_new_tokens=T, ...))
     groups = engine.run(params, version, requests, group_size, seed)  # requests: [(tag, record), ...]
+    groups = engine.run(params, version, requests, group_size, seed, first=j0)  # a block of a larger draw
     engine.stats  # chunks, place_calls, env_steps, env_seconds, env_exposed_seconds, decode_seconds, place_seconds
 
-`run` plays group_size episodes per request and returns one `EpisodeGroup` per request, in request
-order (never completion order). Episode (j, g) resets its environment with
+`run` plays group_size episodes per request and returns one `EpisodeGroup` per request, in request order
+(never completion order). Episode (j, g) resets its environment with
 np.random.default_rng([*seed, j, g]) and samples with its own key (`episode_keys`; `seed` an int or a
 sequence of ints): its tokens depend on that key, the params and its history only, never on the slot,
-the other episodes or the environments' timing. With agent.overlap an episode leaves its slot when
-its turn ends, `env.step` runs in a thread pool meanwhile, and the episode comes back through `place`
-with its whole history prefilled; agent.overlap=False is turn-synchronous, with the same episodes.
-docs/agents.md describes an episode's lifecycle (turn text, observations, how it ends).
+the other episodes or the environments' timing. j counts from `first` (default 0): a process of a
+multi-process run plays requests first, first+1, ... of the step's draw as one process would. With
+agent.overlap an episode leaves its slot when its turn ends, `env.step` runs in a thread pool meanwhile,
+and the episode comes back through `place` with its whole history prefilled; agent.overlap=False is
+turn-synchronous, with the same episodes. docs/agents.md describes an episode's lifecycle (turn text,
+observations, how it ends).
 """
 
 from __future__ import annotations
@@ -106,17 +109,18 @@ class EpisodeEngine:
 
     # ---- episodes
 
-    def _start(self, requests: list, group_size: int, seed) -> list:
-        """One Episode per (request j, member g), environments reset, in order j*G+g."""
+    def _start(self, requests: list, group_size: int, seed, first: int) -> list:
+        """One Episode per (request j, member g), environments reset, in order j*G+g; request j is the
+        step's first + j (its environment seed and key)."""
         P, T, tok = self.spec.prompt_len, self.spec.max_new_tokens, self.tokenizer
-        keys = episode_keys(seed, len(requests), group_size)
+        keys = episode_keys(seed, len(requests), group_size, first)
         seed = [int(s) for s in np.atleast_1d(seed)]
         bos = [tok.bos_id] if getattr(tok, "add_bos", True) else []
         episodes = []
         for j, (_, record) in enumerate(requests):
             for g in range(group_size):
                 env = self.make_env()
-                ids = bos + list(tok.encode(env.reset(record, np.random.default_rng([*seed, j, g]))))
+                ids = bos + list(tok.encode(env.reset(record, np.random.default_rng([*seed, first + j, g]))))
                 if not 0 < len(ids) <= P:
                     raise ValueError(
                         f"record {record.get('id')!r}: prompt of {len(ids)} tokens, expected 1..prompt_len={P}"
@@ -250,9 +254,10 @@ class EpisodeEngine:
 
     # ---- the two schedules
 
-    def run(self, params, version: int, requests: list, group_size: int, seed) -> list:
-        """group_size episodes per (tag, record) request -> one EpisodeGroup per request, in request order."""
-        episodes = self._start(list(requests), group_size, seed)
+    def run(self, params, version: int, requests: list, group_size: int, seed, first: int = 0) -> list:
+        """group_size episodes per (tag, record) request -> one EpisodeGroup per request, in request
+        order; first: the index of requests[0] in the step's draw (a process's block of it)."""
+        episodes = self._start(list(requests), group_size, seed, first)
         run = _Run(
             SlotPool(self.spec, init_state(self.spec, jax.random.PRNGKey(0))),
             params,

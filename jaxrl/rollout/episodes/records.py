@@ -83,13 +83,15 @@ def env_step(env, tokenizer, action_ids, final: bool) -> StepOutcome:
         return StepOutcome(None, [], err, time.perf_counter() - start)
 
 
-def episode_keys(seed, n_requests: int, group_size: int) -> np.ndarray:
-    """(n_requests * group_size, key) raw keys: row j*G+g = fold_in(fold_in(K, j), g), K = the seed folded."""
+def episode_keys(seed, n_requests: int, group_size: int, first: int = 0) -> np.ndarray:
+    """(n_requests * group_size, key) raw keys: row j*G+g = fold_in(fold_in(K, first + j), g), K = the
+    seed folded (first: the index of the first request among all of the step's, on every process)."""
     seed = [int(s) for s in np.atleast_1d(seed)]
     base = jax.random.PRNGKey(seed[0])
     for s in seed[1:]:
         base = jax.random.fold_in(base, s)
     j, g = np.divmod(np.arange(n_requests * group_size), group_size)
+    j = j + first
     fold = jax.vmap(lambda a, b: jax.random.fold_in(jax.random.fold_in(base, a), b))
     return np.asarray(fold(j.astype(np.uint32), g.astype(np.uint32)))
 
