@@ -10,6 +10,10 @@
 * `jaxrl train` with the engine on two processes: SIGKILL one process mid-run (partial rollouts in
   flight): the other exits with one error line well before its timeout; both resumed reach the
   metrics of an uninterrupted two-process run.
+* Multi-turn episodes (AgentSource, agent_calculator from its warm start) on two processes x 4 devices
+  play, at temperature 1, the episodes one process x 8 devices plays: the update's global batch row for
+  row, the metrics, the stream position (the same on both processes) and the greedy evaluation; with
+  StarPO-S the same episodes are drawn; a source rebuilt from a checkpoint replays the step.
 """
 
 import json
@@ -148,6 +152,51 @@ def test_two_processes_draw_what_one_process_draws(tmp_path, cache_env):
     assert two["vigor"][0]["metrics"]["engine/vigor_draws"] >= 2
 
 
+TIMINGS = {
+    "rollout/seconds",
+    "rollout/tokens_per_s",
+    "agent/env_seconds",
+    "agent/env_exposed_seconds",
+    "agent/env_hidden_seconds",
+}
+
+
+@pytest.mark.slow
+def test_two_processes_play_the_episodes_one_process_plays(tmp_path, cache_env):
+    clean, port = without_cluster_vars(cache_env), free_port()
+    variants = ["agent", "agent_starpo"]
+    procs = [
+        _script(tmp_path / "two.json", 2, p, port, variants, device_env(clean, 4, tmp_path / "cache2")) for p in (0, 1)
+    ]
+    procs.append(_script(tmp_path / "one.json", 1, 0, 0, variants, device_env(clean, 8)))
+    for proc in procs:
+        try:
+            out = proc.communicate(timeout=300)[0]
+        finally:
+            proc.kill()
+        assert proc.returncode == 0 and out.rstrip().endswith("engine processes OK"), out[-3000:]
+    one, two = json.loads((tmp_path / "one.json").read_text()), json.loads((tmp_path / "two.json").read_text())
+    for name in variants:
+        # the greedy evaluation: 7 records, blocks of 3 and 4, the means over all of them
+        assert two[name]["eval"] == one[name]["eval"], name
+        for step, (a, b) in enumerate(zip(one[name]["steps"], two[name]["steps"], strict=True)):
+            # one stream position for the run, on both processes: the one-process run's
+            assert b["all_streams"] == [a["stream"]] * 2 == [b["stream"]] * 2, (name, step)
+            assert len(b["rows"]) == 8 and b["metrics"]["rollout/samples"] == a["metrics"]["rollout/samples"]
+            drawn = [k for k in a["metrics"] if k.startswith("agent/") and k not in TIMINGS]
+            assert {k: b["metrics"][k] for k in drawn} == {k: a["metrics"][k] for k in drawn}, (name, step)
+    steps = zip(one["agent"]["steps"], two["agent"]["steps"], strict=True)
+    for step, (a, b) in enumerate(steps):
+        assert b["rows"] == a["rows"], step  # prompt, model + observation tokens and group id of every row
+        assert {k: v for k, v in b["metrics"].items() if k not in TIMINGS} == {
+            k: v for k, v in a["metrics"].items() if k not in TIMINGS
+        }, step
+    played = [s["metrics"] for s in one["agent"]["steps"]]
+    assert sum(m["agent/tool_calls_mean"] for m in played) > 0 and max(m["agent/turns_mean"] for m in played) > 1
+    # StarPO-S keeps the most varied of each process's own block: 16 drawn, 8 kept, ids per process
+    assert {g for _, _, g in two["agent_starpo"]["steps"][0]["rows"]} == {0, 1, 2, 3}
+
+
 def _train_args(workdir, steps: int) -> list[str]:
     return [
         *run_args(steps),
@@ -280,3 +329,28 @@ def test_prompt_feeds_of_two_processes_interleave_into_the_one_process_stream(in
     assert got == want
     # each passes over the other's next prompt: process 0 stands where one process does, process 1 one on
     assert (feeds[0].stream, feeds[1].stream) == (one.stream, StreamState(1, 7)) and one.stream == StreamState(1, 6)
+
+
+def test_process_blocks_and_episode_keys_continue_the_one_process_draw(in_process_cache, monkeypatch):
+    """Process p's block of a draw, and the keys its episodes get, are the one-process draw's."""
+    import jax
+
+    from jaxrl.config import ConfigError, load_config
+    from jaxrl.rollout.episodes.records import episode_keys
+    from jaxrl.sources.agents import check_agent_config
+    from jaxrl.sources.processes import ProcessShare
+
+    assert [ProcessShare(p, 2).block(7) for p in (0, 1)] == [slice(0, 3), slice(3, 7)]
+    assert [ProcessShare(p, 3).block(2) for p in range(3)] == [slice(0, 0), slice(0, 1), slice(1, 2)]
+    assert ProcessShare(0, 1).block(5) == slice(0, 5)
+    whole = episode_keys((7, 3), 5, 2)
+    np.testing.assert_array_equal(episode_keys((7, 3), 3, 2, first=2), whole[4:])
+    cfg = load_config(REPO / "configs" / "agent_calculator.py", ["rollout.prompts_per_step=4"])
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step=4 does not divide over the run's 3 processes"):
+        check_agent_config(cfg)
+    cfg = load_config(
+        REPO / "configs" / "agent_calculator.py", ["rollout.prompts_per_step=6", "rollout.engine.slots=8"]
+    )
+    with pytest.raises(ConfigError, match="rollout.engine.slots=8 does not divide over the run's 3 processes"):
+        check_agent_config(cfg)
