@@ -53,6 +53,7 @@ PRESETS = {
             ("heads", "tensor"),
             ("kv_heads", "tensor"),
             ("vocab", "tensor"),
+            ("sequence", "tensor"),  # the residual stream between layers, split by position (`models.parallel`)
         ),
     ),
     # fsdp x expert parallelism: experts split over `expert` (mesh.expert), the batch over both axes.
@@ -148,7 +149,8 @@ def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_
 
 def parallel_for(mesh: Mesh, preset: MeshPreset) -> Parallel | None:
     """How every forward of a run splits over `mesh` under `preset` (`models.parallel.Parallel`): the
-    batch's mesh axes, and for MoE the one axis the `expert` parameter axis splits over when that axis
+    batch's mesh axes, the axis the residual stream's positions split over (`sequence`, tensor
+    parallelism's), and for MoE the one axis the `expert` parameter axis splits over when that axis
     has more than one device. None on one device. A run gives the same one to its rollout, its update
     and its evaluation, so all split (and MoE layers dispatch) alike."""
     if mesh.size <= 1:
@@ -156,7 +158,8 @@ def parallel_for(mesh: Mesh, preset: MeshPreset) -> Parallel | None:
     rules = dict(preset.rules)
     axis = rules.get("expert")
     expert = axis if isinstance(axis, str) and mesh.shape[axis] > 1 else None
-    return Parallel(mesh, rules.get("batch"), expert)
+    seq = rules.get("sequence")
+    return Parallel(mesh, rules.get("batch"), expert, seq if isinstance(seq, str) and mesh.shape[seq] > 1 else None)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -87,7 +87,7 @@ def run(name, sizes):
     step = jax.jit(update_fn(ep), in_shardings=(state_sh, rows), out_shardings=(state_sh, rep))
     lowered = step.lower(state, batch)  # no context mesh: the spec alone says where the experts go
     hlo = lowered.compile().as_text()
-    if ep is not None and ep.expert is not None:  # an ambient mesh no longer makes a layer built without the spec expert-parallel
+    if ep is not None and ep.expert is not None:  # an ambient mesh no longer makes a layer built without the spec EP
         assert "all_to_all" in lowered.as_text()
         plain = jax.jit(update_fn(None), in_shardings=(state_sh, rows), out_shardings=(state_sh, rep))
         with jax.set_mesh(mesh):
