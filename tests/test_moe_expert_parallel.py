@@ -57,6 +57,8 @@ for gmm in ("ragged", "blocked"):
         want_m = moe_dispatch.dispatch_naive(x, *ws, ids, gates * mask[:, None])  # 0 on the padding tokens
         np.testing.assert_allclose(y_m, want_m, rtol=1e-5, atol=1e-5)
         assert not np.asarray(y_m)[~np.asarray(mask)].any()
+        if gmm == "ragged":
+            continue  # the gradients of the blocked form (its hand-written backward) are the ones at risk
         g_m = jax.jit(jax.grad(lambda ws, x: jnp.sum(counted(x, *ws)[0] * r), argnums=(0, 1)))(sharded, x)
         g_want = jax.grad(lambda ws, x: jnp.sum(moe_dispatch.dispatch_naive(x, *ws, ids, gates * mask[:, None]) * r),
                           argnums=(0, 1))(ws, x)
