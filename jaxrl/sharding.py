@@ -18,6 +18,7 @@ and each process feeds and reads only the rows its own devices hold (`process_ro
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -268,6 +269,27 @@ def any_process(flag: bool) -> bool:
 
 def is_primary() -> bool:
     return jax.process_index() == 0
+
+
+def from_primary(compute: Callable[[], Any]) -> Any:
+    """`compute()` run by process 0 only, its result (JSON-able: e.g. a dict of floats, which survive
+    the round trip exactly) returned on every process; in one process simply `compute()`. Every
+    process must call it (two broadcasts: the length, then the bytes)."""
+    if jax.process_count() == 1:
+        return compute()
+    import json
+
+    from jax.experimental import multihost_utils
+
+    payload = (
+        np.frombuffer(json.dumps(compute(), default=float).encode(), np.uint8)
+        if is_primary()
+        else np.zeros(0, np.uint8)
+    )
+    n = int(multihost_utils.broadcast_one_to_all(np.asarray(len(payload), np.int64)))
+    buf = np.zeros(n, np.uint8)
+    buf[: len(payload)] = payload
+    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
 
 
 # ---------------------------------------------------------------------------------------------

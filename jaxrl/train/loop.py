@@ -313,7 +313,9 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
             rows,
         )
     records = eval_records(cfg, task.test)
-    evaluate = make_evaluator(cfg, model_cfg, tokenizer, records, task.verifier, out_sharding=rep, parallel=ep)
+    evaluate = make_evaluator(
+        cfg, model_cfg, tokenizer, records, task.verifier, parallel=ep
+    )  # rows split as the rollout's
     return source, evaluate
 
 
