@@ -291,6 +291,27 @@ def _convert(args) -> int:
     return 0
 
 
+def _train_or_lose_a_peer(train, cfg, workdir: pathlib.Path, allow_config_change: bool) -> None:
+    """`train`; in a multi-process run a collective that fails because another process is gone (killed,
+    crashed) ends this one at once with one error line and exit code 1, instead of the runtime's
+    traceback and, at exit, JAX's shutdown barrier waiting for the lost process until it aborts."""
+    import jax
+
+    try:
+        train(cfg, workdir, allow_config_change=allow_config_change)
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        line = (
+            f"process {jax.process_index()} of {jax.process_count()}: the run lost another process "
+            f"({_one_line(e)[:300]}); restart every process with the same command: the run resumes from its "
+            f"last checkpoint in {workdir}"
+        )
+        print(f"jaxrl: error: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # skips JAX's exit-time shutdown, which would wait for the lost process
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -307,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     init_distributed(**dist)
             from jaxrl.train.loop import train  # heavy imports only once the config is known good
 
-            train(cfg, workdir, allow_config_change=args.allow_config_change)
+            _train_or_lose_a_peer(train, cfg, workdir, args.allow_config_change)
             return 0
         if args.command == "eval":
             from jaxrl.eval import run as evaluation

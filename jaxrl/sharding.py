@@ -254,6 +254,45 @@ def gather_rows(sharding: NamedSharding, local: np.ndarray, n_rows: int) -> np.n
     return np.asarray(multihost_utils.process_allgather(put_rows(sharding, local, n_rows), tiled=True))
 
 
+def gather_objects(obj: Any) -> list:
+    """Every process's `obj` (picklable: numpy arrays, JSON-able dicts), in process order, on every
+    process; a collective every process must call in the same order. One process: [obj]."""
+    if jax.process_count() == 1:
+        return [obj]
+    import pickle
+
+    from jax.experimental import multihost_utils
+
+    blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: blob.size] = blob
+    blobs = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [pickle.loads(b[:n].tobytes()) for b, n in zip(blobs, sizes)]
+
+
+def process_local(tree: Any, local_shardings: Any) -> Any:
+    """Global arrays (laid out over every process's devices) -> the same values on this process's own
+    devices, laid out by `local_shardings` (NamedShardings on a mesh of `jax.local_devices()`). A
+    replicated leaf is taken from this process's copies (no transfer); any other leaf is first
+    all-gathered to replicated, a collective every process must call in the same order."""
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]
+    if split:
+        mesh = leaves[split[0]].sharding.mesh
+        gathered = jax.jit(lambda xs: xs, out_shardings=replicated(mesh))([leaves[i] for i in split])
+        for i, x in zip(split, gathered):
+            leaves[i] = x
+    out = []
+    for x, sh in zip(leaves, jax.tree.leaves(local_shardings)):
+        local_rep = NamedSharding(sh.mesh, P())
+        by_device = {s.device: s.data for s in x.addressable_shards}
+        copies = [by_device[d] for d in local_rep.addressable_devices_indices_map(x.shape)]
+        local = jax.make_array_from_single_device_arrays(x.shape, local_rep, copies)
+        out.append(local if sh.spec == P() else jax.device_put(local, sh))
+    return jax.tree.unflatten(treedef, out)
+
+
 def all_processes_sum(x: float) -> float:
     if jax.process_count() == 1:
         return x

@@ -113,8 +113,17 @@ def test_grpo_trains_with_the_engine(tmp_path, in_process_cache):
             assert math.isfinite(row[key]), key
 
 
-def test_engine_in_several_processes_is_a_config_error(in_process_cache, monkeypatch):
-    cfg = _cfg()
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ConfigError, match="rollout.engine.enabled"):
-        EngineSource(cfg, cfg.model, CharTokenizer(), None, {})
+def test_engine_shares_that_do_not_divide_over_processes_are_config_errors(in_process_cache, monkeypatch):
+    """Several processes split prompts_per_step and slots: each must divide, each share hold a group."""
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    cases = [
+        (_cfg("rollout.prompts_per_step=4"), "rollout.prompts_per_step=4 does not divide over the run's 3 processes"),
+        (_cfg("rollout.prompts_per_step=3", "rollout.engine.slots=16"), "rollout.engine.slots=16 does not divide"),
+        (
+            _cfg("rollout.prompts_per_step=3", "rollout.engine.slots=9", "rollout.group_size=4"),
+            "rollout.engine.slots=9: 3 per process over 3 processes, expected at least group_size=4 each",
+        ),
+    ]
+    for cfg, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            EngineSource(cfg, cfg.model, CharTokenizer(), None, {}, param_sh={})

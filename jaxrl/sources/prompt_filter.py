@@ -32,15 +32,16 @@ class BetaPromptFilter:
         self.n_forced = 0  # prompts admitted after MAX_SKIPS_IN_A_ROW skips, over the run
 
     @classmethod
-    def from_config(cls, ecfg, seed: int, state: dict | None = None) -> BetaPromptFilter | None:
-        """The filter `rollout.engine.prompt_filter` asks for (None when "none"), resumed from `state`."""
+    def from_config(cls, ecfg, seed: int, state: dict | None = None, process: int = 0) -> BetaPromptFilter | None:
+        """The filter `rollout.engine.prompt_filter` asks for (None when "none"), resumed from `state`.
+        process: the process index of a multi-process run (each process filters its own prompts with
+        a generator of its own; 0 draws as a one-process run)."""
         if ecfg.prompt_filter == "none":
             return None
         if state is not None:
             return cls.from_state(state, ecfg.filter_low, ecfg.filter_high, ecfg.filter_prior)
-        return cls(
-            ecfg.filter_low, ecfg.filter_high, ecfg.filter_prior, np.random.default_rng((seed, _FILTER_SEED_SALT))
-        )
+        entropy = (seed, _FILTER_SEED_SALT) if process == 0 else (seed, _FILTER_SEED_SALT, process)
+        return cls(ecfg.filter_low, ecfg.filter_high, ecfg.filter_prior, np.random.default_rng(entropy))
 
     def admit(self, prompt_id) -> bool:
         """One Thompson decision for the prompt (draws only for prompts seen before)."""

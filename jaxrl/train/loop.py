@@ -292,7 +292,7 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
             make_agent_evaluator(cfg, model_cfg, tokenizer, suite, eval_records(cfg, task.test), ep),
         )
     if cfg.rollout.engine.enabled:
-        source = EngineSource(cfg, model_cfg, tokenizer, task, host, ep)
+        source = EngineSource(cfg, model_cfg, tokenizer, task, host, ep, param_sh=param_sh)
     else:
         source = StaticSource(
             cfg,

@@ -19,7 +19,7 @@ import numpy as np
 from jaxrl.config import ConfigError
 from jaxrl.rollout.engine.host import EngineHostState
 from jaxrl.rollout.engine.slots import SlotPool
-from jaxrl.rollout.engine.state import EngineSpec, EngineState, SlotReadout, init_state
+from jaxrl.rollout.engine.state import EngineSpec, EngineState, SlotReadout, init_state, state_shardings
 
 # host["shape"] key -> the config field that sets it (named by the error when a resume changes it).
 _SHAPE_FIELDS = {
@@ -119,4 +119,6 @@ def _device_state(spec: EngineSpec, saved: dict) -> EngineState:
                 "(use a new --workdir)"
             )
         out.append(jax.random.wrap_key_data(jax.numpy.asarray(x)) if _is_key(like) else jax.numpy.array(x))  # a copy
-    return jax.tree.unflatten(treedef, out)
+    state = jax.tree.unflatten(treedef, out)
+    shardings = state_shardings(spec, state)  # laid out as the engine's programs leave it: no recompile
+    return state if shardings is None else jax.device_put(state, shardings)

@@ -124,7 +124,7 @@ class Engine:
         """(JSON-able bookkeeping, {name: numpy copy}) for a checkpoint (checkpoint.py)."""
         return engine_to_state(self.pool, self.host)
 
-    def load_state(self, host: dict, arrays: dict) -> None:
+    def load_state(self, host: dict, arrays: dict | None) -> None:
         """Continue from `to_state()`'s output: samples in flight, ready groups, counters, RNG."""
         self.host = load_engine_state(self.pool, host, arrays, self.host.counts)
 

@@ -20,15 +20,14 @@ import jax.numpy as jnp
 
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, fill_layers
-from jaxrl.rollout.engine.state import EngineSpec, EngineState
+from jaxrl.rollout.engine.state import EngineSpec, EngineState, laid_out
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
 def release_slots(spec: EngineSpec, state: EngineState, free_S) -> EngineState:
     """Slots marked in free_S stop decoding (done, not EOS); their records stay until re-admitted."""
-    del spec
     free_S = jnp.asarray(free_S, bool)
-    return state._replace(done_S=state.done_S | free_S, eos_S=state.eos_S & ~free_S)
+    return laid_out(spec, state._replace(done_S=state.done_S | free_S, eos_S=state.eos_S & ~free_S))
 
 
 def fed_mask(spec: EngineSpec, state: EngineState, prompt_mask_SxP):
@@ -61,4 +60,5 @@ def reprefill(params, spec: EngineSpec, state: EngineState, prompt_SxP, prompt_m
     if experts_SxCxLxK is not None:
         assert routing is not None  # a MoE engine's state carries its routing
         routing = jnp.where(take_SxC[:, :, None, None], experts_SxCxLxK.astype(routing.dtype), routing)
-    return state._replace(cache=LayerCache(kv, state.cache.valid_BxS, state.cache.pos_B), routing_SxCxLxK=routing)
+    new = state._replace(cache=LayerCache(kv, state.cache.valid_BxS, state.cache.pos_B), routing_SxCxLxK=routing)
+    return laid_out(spec, new)

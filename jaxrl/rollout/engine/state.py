@@ -7,6 +7,12 @@ Pure jitted functions over an explicit `EngineState` (static shapes; `EngineSpec
     state = decode_chunk(params, spec, state, n_steps, version, temperature, stop_at=None)
     out   = read_slots(spec, state, slot_R)                          # tokens, masks, log-probs, versions
     out   = read_host_slots(spec, host_slots(state), slot_R)         # the same from one host copy
+    shardings = state_shardings(spec, state)                         # where every program leaves the state
+
+Under a mesh (`spec.parallel`), every program that returns a state lays it out by `state_shardings`:
+the per-slot fields split by slot over the batch axes (replicated when the slots do not divide), the
+RNG replicated. A state's layout never depends on the call that produced it, so each program compiles
+once per spec, not once more when its own output comes back as its input.
 
 Completion token t of a slot is fed at cache slot P-1+t, so each slot decodes at its own fill level; a
 slot that is not decoding runs through the forward but records nothing and does not advance. Tokens
@@ -27,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import LayerKV
@@ -143,6 +151,29 @@ def _blank_rows(spec: EngineSpec, n: int, done: bool):
     )
 
 
+def state_shardings(spec: EngineSpec, state: EngineState) -> EngineState | None:
+    """The state's layout on `spec.parallel`'s mesh (an EngineState of NamedShardings, None fields
+    kept), or None on one device (no mesh): slot-leading fields split over the batch axes when
+    spec.slots divides over them, else replicated; the RNG replicated."""
+    par = spec.parallel
+    if par is None:
+        return None
+    n = par.n_rows_devices
+    replicated = NamedSharding(par.mesh, P())
+    by_slot = NamedSharding(par.mesh, P(par.batch)) if n > 1 and spec.slots % n == 0 else replicated
+    laid = jax.tree.map(lambda _: by_slot, state._replace(rng=None))
+    return laid._replace(rng=replicated)
+
+
+def laid_out(spec: EngineSpec, state: EngineState) -> EngineState:
+    """`state` constrained to `state_shardings(spec, state)` (inside a jitted program; unchanged on
+    one device)."""
+    shardings = state_shardings(spec, state)
+    if shardings is None:
+        return state
+    return jax.tree.map(jax.lax.with_sharding_constraint, state, shardings)
+
+
 @functools.partial(jax.jit, static_argnames="spec")
 def init_state(spec: EngineSpec, rng) -> EngineState:
     """Every slot free (done, nothing recorded); an empty cache."""
@@ -159,7 +190,7 @@ def init_state(spec: EngineSpec, rng) -> EngineState:
     if cfg.n_experts:
         routing = jnp.zeros((S, C, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
     key_S = jnp.broadcast_to(rng, (S,) + rng.shape) if spec.slot_keys else None  # placement overwrites them
-    return EngineState(cache, *_blank_rows(spec, S, True), rng, routing, key_S)
+    return laid_out(spec, EngineState(cache, *_blank_rows(spec, S, True), rng, routing, key_S))
 
 
 def admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_AxP, dest_N) -> EngineState:
@@ -191,7 +222,7 @@ def _admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask
     kv = tuple(LayerKV(put(k, nk), put(v, nv)) for (k, v), (nk, nv) in zip(state.cache.kv, cache.kv))
     new_cache = LayerCache(kv, put(state.cache.valid_BxS, cache.valid_BxS), put(state.cache.pos_B, cache.pos_B))
     last, col, done, eos, tokens, logp, mask, version = _blank_rows(spec, N, False)
-    return state._replace(
+    new = state._replace(
         cache=new_cache,
         last_S=put(state.last_S, last_N),
         col_S=put(state.col_S, col),
@@ -203,6 +234,7 @@ def _admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask
         version_SxT=put(state.version_SxT, version),
         routing_SxCxLxK=None if routing_NxCxLxK is None else put(state.routing_SxCxLxK, routing_NxCxLxK),
     )
+    return laid_out(spec, new)
 
 
 def _put_column(buf_SxT, col_S, value_S, write_S):
@@ -290,7 +322,7 @@ def decode_chunk(
         return (carry[0] < n_steps) & (n_done < jnp.minimum(stop_at, spec.slots))
 
     _, state = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-    return state
+    return laid_out(spec, state)
 
 
 def _readout(spec: EngineSpec, state: EngineState, slot_R, xp) -> SlotReadout:

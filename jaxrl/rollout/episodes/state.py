@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, fill_layers
-from jaxrl.rollout.engine.state import EngineSpec, EngineState
+from jaxrl.rollout.engine.state import EngineSpec, EngineState, laid_out
 
 
 def _history_cache(params, spec: EngineSpec, prompt_RxP, prompt_mask_RxP, tokens_RxT, n_R):
@@ -85,7 +85,7 @@ def place(
     if experts is not None:
         assert routing is not None  # a MoE engine's state carries its routing
         routing = routing.at[slot_R, : experts.shape[1]].set(experts.astype(routing.dtype), mode="drop")
-    return state._replace(
+    new = state._replace(
         cache=cache,
         last_S=put(state.last_S, last_R),
         col_S=put(state.col_S, n_R),
@@ -98,3 +98,4 @@ def place(
         routing_SxCxLxK=routing,
         key_S=put(state.key_S, key_R),
     )
+    return laid_out(spec, new)

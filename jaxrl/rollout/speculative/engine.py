@@ -25,7 +25,7 @@ from jax import lax
 
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
 from jaxrl.models.decode import commit_window, empty_window, layer_params, window_layers
-from jaxrl.rollout.engine.state import EngineSpec, EngineState, decode_chunk
+from jaxrl.rollout.engine.state import EngineSpec, EngineState, decode_chunk, laid_out
 from jaxrl.rollout.sampler import first_argmax, scaled_logits
 from jaxrl.rollout.speculative import acceptance
 from jaxrl.rollout.speculative.draft_vocab import check_draft_ids, subset_head
@@ -247,7 +247,7 @@ def speculative_chunk(params, spec: SpeculativeEngineSpec, state: EngineState, n
         return (carry[0] < n_steps) & ~jnp.all(carry[1].done_S)
 
     _, state, drafted, accepted = lax.while_loop(cond, body, (zero, state, zero, zero))
-    return state, drafted, accepted
+    return laid_out(spec, state), drafted, accepted
 
 
 def _take_rows(state: EngineState, rows_R) -> EngineState:
@@ -281,4 +281,4 @@ def speculative_rows_chunk(
     sub_spec = dataclasses.replace(spec, slots=rows_R.shape[0])
     sub = _take_rows(state, rows_R)
     sub, drafted, accepted = speculative_chunk(params, sub_spec, sub, n_steps, version, temperature)
-    return _put_rows(state, sub, rows_R), drafted, accepted
+    return laid_out(spec, _put_rows(state, sub, rows_R)), drafted, accepted
