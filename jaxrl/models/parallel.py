@@ -52,6 +52,10 @@ class Parallel(NamedTuple):
         return n
 
     @property
+    def n_sequence_devices(self) -> int:
+        return 1 if self.sequence is None else self.mesh.shape[self.sequence]
+
+    @property
     def experts(self) -> ExpertParallel | None:
         """The MoE layers' expert parallelism (`moe_dispatch.ExpertParallel`), or None."""
         return None if self.expert is None else ExpertParallel(self.mesh, self.expert)
@@ -68,10 +72,10 @@ class Parallel(NamedTuple):
     def residual(self, x_BxTxD: jax.Array) -> jax.Array:
         """The hidden states between layers: rows split as `rows` does, and positions over the
         `sequence` axis when there is one and T divides over it (a decode step's T = 1 does not)."""
-        seq = self.sequence
-        if seq is None or x_BxTxD.shape[1] % self.mesh.shape[seq] or x_BxTxD.shape[0] % self.n_rows_devices:
+        n_seq = self.n_sequence_devices
+        if n_seq <= 1 or x_BxTxD.shape[1] % n_seq or x_BxTxD.shape[0] % self.n_rows_devices:
             return self.rows(x_BxTxD)
-        return jax.lax.with_sharding_constraint(x_BxTxD, NamedSharding(self.mesh, P(self.batch, seq, None)))
+        return jax.lax.with_sharding_constraint(x_BxTxD, NamedSharding(self.mesh, P(self.batch, self.sequence, None)))
 
     def rows_of(self, tree: dict, leading: int = 0) -> dict:
         """A dict of arrays named with shape letters (`tokens_BxT`, `routing_LxBxTxk`), each

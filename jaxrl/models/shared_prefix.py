@@ -83,10 +83,8 @@ def token_logprobs_shared(
         # 2. The completions of all B rows over [the group's prompt keys, their own causal keys]: tokens
         # 0..T-2 predict 1..T-1. Under sequence parallelism one more (the last token, its output unused)
         # when that makes the positions divide over the sequence axis (T - 1 rarely does).
-        R = T - 1
-        seq = None if parallel is None else parallel.sequence
-        if seq is not None and R % parallel.mesh.shape[seq] and T % parallel.mesh.shape[seq] == 0:
-            R = T
+        n_seq = 1 if parallel is None else parallel.n_sequence_devices
+        R = T if n_seq > 1 and (T - 1) % n_seq and T % n_seq == 0 else T - 1
 
         def per_row(x_LxNxPxKxHd):  # repeat to the group's rows, then room for the R completion slots
             x_LxBxPxKxHd = jnp.repeat(x_LxNxPxKxHd, G, axis=1)
