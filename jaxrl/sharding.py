@@ -18,6 +18,7 @@ and each process feeds and reads only the rows its own devices hold (`process_ro
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -53,6 +54,7 @@ PRESETS = {
             ("heads", "tensor"),
             ("kv_heads", "tensor"),
             ("vocab", "tensor"),
+            ("sequence", "tensor"),  # the residual stream between layers, split by position (`models.parallel`)
         ),
     ),
     # fsdp x expert parallelism: experts split over `expert` (mesh.expert), the batch over both axes.
@@ -148,7 +150,8 @@ def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_
 
 def parallel_for(mesh: Mesh, preset: MeshPreset) -> Parallel | None:
     """How every forward of a run splits over `mesh` under `preset` (`models.parallel.Parallel`): the
-    batch's mesh axes, and for MoE the one axis the `expert` parameter axis splits over when that axis
+    batch's mesh axes, the axis the residual stream's positions split over (`sequence`, tensor
+    parallelism's), and for MoE the one axis the `expert` parameter axis splits over when that axis
     has more than one device. None on one device. A run gives the same one to its rollout, its update
     and its evaluation, so all split (and MoE layers dispatch) alike."""
     if mesh.size <= 1:
@@ -156,7 +159,8 @@ def parallel_for(mesh: Mesh, preset: MeshPreset) -> Parallel | None:
     rules = dict(preset.rules)
     axis = rules.get("expert")
     expert = axis if isinstance(axis, str) and mesh.shape[axis] > 1 else None
-    return Parallel(mesh, rules.get("batch"), expert)
+    seq = rules.get("sequence")
+    return Parallel(mesh, rules.get("batch"), expert, seq if isinstance(seq, str) and mesh.shape[seq] > 1 else None)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -304,6 +308,27 @@ def any_process(flag: bool) -> bool:
 
 def is_primary() -> bool:
     return jax.process_index() == 0
+
+
+def from_primary(compute: Callable[[], Any]) -> Any:
+    """`compute()` run by process 0 only, its result (JSON-able: e.g. a dict of floats, which survive
+    the round trip exactly) returned on every process; in one process simply `compute()`. Every
+    process must call it (two broadcasts: the length, then the bytes)."""
+    if jax.process_count() == 1:
+        return compute()
+    import json
+
+    from jax.experimental import multihost_utils
+
+    payload = (
+        np.frombuffer(json.dumps(compute(), default=float).encode(), np.uint8)
+        if is_primary()
+        else np.zeros(0, np.uint8)
+    )
+    n = int(multihost_utils.broadcast_one_to_all(np.asarray(len(payload), np.int64)))
+    buf = np.zeros(n, np.uint8)
+    buf[: len(payload)] = payload
+    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
 
 
 # ---------------------------------------------------------------------------------------------

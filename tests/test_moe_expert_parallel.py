@@ -41,6 +41,32 @@ g_ref = jax.grad(lambda ws, x: jnp.sum(moe_dispatch.dispatch_naive(x, *ws, exper
 for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 assert {s.data.shape for s in g_ep[0][0].addressable_shards} == {(1, D, F)}  # gradients stay expert-sharded
+
+# Padding: a token that is not live is sent nowhere and computed by no expert, also when routing replay gives
+# it expert 0 (the recorded routing of a padding slot): the rows the devices receive are exactly the live
+# token-slots (before: all 8 x 128 buffer rows went through the experts, the empty ones to expert 0).
+mask = jnp.asarray(rng.random(N) < 0.6)
+replay = jnp.where(mask[:, None], experts, 0)
+for gmm in ("ragged", "blocked"):
+    for ids in (experts, replay):
+        def counted(x, a, b, c):
+            args = (x, a, b, c, ids, gates, mesh, "expert", gmm)
+            return moe_dispatch.dispatch_expert_parallel_counted(*args, mask_N=mask)
+        y_m, received = jax.jit(counted)(x, *sharded)
+        assert received.shape == (8,) and int(received.sum()) == int(mask.sum()) * K, (gmm, received)
+        want_m = moe_dispatch.dispatch_naive(x, *ws, ids, gates * mask[:, None])  # 0 on the padding tokens
+        np.testing.assert_allclose(y_m, want_m, rtol=1e-5, atol=1e-5)
+        assert not np.asarray(y_m)[~np.asarray(mask)].any()
+        if gmm == "ragged":
+            continue  # the gradients of the blocked form (its hand-written backward) are the ones at risk
+        g_m = jax.jit(jax.grad(lambda ws, x: jnp.sum(counted(x, *ws)[0] * r), argnums=(0, 1)))(sharded, x)
+        g_want = jax.grad(lambda ws, x: jnp.sum(moe_dispatch.dispatch_naive(x, *ws, ids, gates * mask[:, None]) * r),
+                          argnums=(0, 1))(ws, x)
+        for a, b in zip(jax.tree.leaves(g_m), jax.tree.leaves(g_want)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    _, received = jax.jit(lambda x, a, b, c: moe_dispatch.dispatch_expert_parallel_counted(
+        x, a, b, c, experts, gates, mesh, "expert", gmm))(x, *sharded)
+    assert int(received.sum()) == N * K  # no mask: every token is live
 print("dispatch OK", flush=True)
 """
 
@@ -49,6 +75,7 @@ MODEL_SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jaxrl.config import LossConfig, MeshConfig, ModelConfig, OptimConfig
 from jaxrl.losses import make_loss
+from jaxrl.models import moe, moe_dispatch
 from jaxrl.models.transformer import init_params, param_logical_axes
 from jaxrl.sharding import batch_sharding, make_mesh, parallel_for, param_shardings, replicated
 from jaxrl.train.state import init_state, make_optimizer, state_shardings
@@ -87,7 +114,7 @@ def run(name, sizes):
     step = jax.jit(update_fn(ep), in_shardings=(state_sh, rows), out_shardings=(state_sh, rep))
     lowered = step.lower(state, batch)  # no context mesh: the spec alone says where the experts go
     hlo = lowered.compile().as_text()
-    if ep is not None and ep.expert is not None:  # an ambient mesh no longer makes a layer built without the spec expert-parallel
+    if ep is not None and ep.expert is not None:  # a context mesh alone makes no layer built without the spec EP
         assert "all_to_all" in lowered.as_text()
         plain = jax.jit(update_fn(None), in_shardings=(state_sh, rows), out_shardings=(state_sh, rep))
         with jax.set_mesh(mesh):
@@ -109,6 +136,32 @@ np.testing.assert_allclose(got_loss, ref_loss, atol=1e-4, rtol=0)  # loss and gr
 for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=5e-3)
 print("losses, grad norms", got_loss, flush=True)
+
+# Routing replay over padding, through the model: left-padded prompts, rows that finished early, and a recorded
+# routing of zeros (expert 0) at every padding slot. The expert-parallel forward sends each MoE layer only the
+# live tokens (a spy reads each dispatch's received-row count) and gives one device's log-probs on them.
+pad_batch = dict(batch, prompt_mask_BxP=(np.arange(P)[None] >= rng.integers(0, 3, B)[:, None]).astype(np.int32))
+live_BxS = np.concatenate([pad_batch["prompt_mask_BxP"] > 0, pad_batch["completion_mask_BxT"] > 0], 1)
+assert 0 < live_BxS.sum() < live_BxS.size
+chosen = np.argsort(rng.random((B, P + T, cfg.n_layers, cfg.n_experts)), -1)[..., : cfg.experts_per_token]
+pad_batch["routing_BxSxLxK"] = np.where(live_BxS[:, :, None, None], chosen, 0).astype(np.int32)
+received = []
+_dispatch = moe.dispatch_expert_parallel
+def _counting(*args, **kwargs):
+    y, count = moe_dispatch.dispatch_expert_parallel_counted(*args, **kwargs)
+    jax.debug.callback(lambda c: received.append(int(np.sum(c))), count)
+    return y
+moe.dispatch_expert_parallel = _counting
+want_logp = make_logp_fn(cfg, 1.0, routing_replay=True)(base, pad_batch)[0]
+mesh, preset = make_mesh(MeshConfig(preset="fsdp_expert", expert=4))
+sharded_base = jax.device_put(base, param_shardings(mesh, preset, param_logical_axes(cfg), base))
+ep_logp_fn = make_logp_fn(cfg, 1.0, routing_replay=True, parallel=parallel_for(mesh, preset))
+got_logp = np.asarray(jax.jit(ep_logp_fn)(sharded_base, pad_batch)[0])
+jax.effects_barrier()  # the spy's callbacks have run
+moe.dispatch_expert_parallel = _dispatch
+assert received == [int(live_BxS.sum()) * cfg.experts_per_token] * cfg.n_layers, (received, live_BxS.sum())
+live_T = pad_batch["completion_mask_BxT"] > 0
+np.testing.assert_allclose(np.asarray(got_logp)[live_T], np.asarray(want_logp)[live_T], atol=1e-5, rtol=0)
 print("model OK", flush=True)
 """
 
@@ -136,7 +189,20 @@ source = SamplerSource(run_cfg, cfg, tok, mesh, preset, param_sh, params, key, {
 assert "all_to_all" in source._rollout.lower(params, prompt_NxP, pmask_NxP, key, {}).as_text()
 got, _ = source.produce(params, prompt_NxP, pmask_NxP, key, 1)
 np.testing.assert_array_equal(got.tokens_BxT, want.tokens_BxT)
-np.testing.assert_array_equal(np.asarray(got.routing_BxSxLxK), want.routing_BxSxLxK)
+
+
+def assert_live_routing_equal(got_BxSxLxK, want_BxSxLxK, pmask_BxP, completion_mask_BxT):
+    # The recorded routing, compared at the slots of live tokens. Expert-parallel dispatch sends a left-padding
+    # token nowhere (its routed output is 0: no live token reads it), so the experts its own hidden state picks
+    # in later layers differ from one device's there; they are never used (the update sends that slot nowhere).
+    live_BxS = np.concatenate([np.asarray(pmask_BxP) > 0, np.asarray(completion_mask_BxT) > 0], 1)
+    assert (~live_BxS).any()
+    np.testing.assert_array_equal(np.asarray(got_BxSxLxK)[live_BxS], np.asarray(want_BxSxLxK)[live_BxS])
+
+
+assert_live_routing_equal(
+    got.routing_BxSxLxK, want.routing_BxSxLxK, np.repeat(pmask_NxP, G2, 0), want.completion_mask_BxT
+)
 np.testing.assert_allclose(got.logp_BxT, want.logp_BxT, atol=1e-5, rtol=0)
 assert got.completion_mask_BxT.sum() > n_prompts * G2  # rows drew more than one token: decode steps ran
 print("rollout OK")
@@ -177,7 +243,9 @@ got, metrics = source.produce(params, prompt_NxP, pmask_NxP, key, 1)
 expect_ep_in("_prefill_prompts", "_self_draft", "_verify")
 assert int(want_stats.self_steps) > 0 and metrics["spec/speculated_frac"] == 1.0, metrics
 np.testing.assert_array_equal(got.tokens_BxT, want.tokens_BxT)
-np.testing.assert_array_equal(np.asarray(got.routing_BxSxLxK), want.routing_BxSxLxK)
+assert_live_routing_equal(
+    got.routing_BxSxLxK, want.routing_BxSxLxK, np.repeat(pmask_NxP, G2, 0), want.completion_mask_BxT
+)
 np.testing.assert_allclose(got.logp_BxT, want.logp_BxT, atol=1e-5, rtol=0)
 assert metrics["spec/acceptance_estimate"] == float(want_stats.acceptance)
 print("speculative OK", flush=True)
@@ -208,8 +276,11 @@ _, want = run_engine(base, None)
 assert not ep_sites
 engine, got = run_engine(params, ep)
 expect_ep_in("_admit", "_decode_step")
-for name in ("tokens_BxT", "completion_mask_BxT", "version_BxT", "routing_BxSxLxK"):
+for name in ("tokens_BxT", "completion_mask_BxT", "version_BxT"):
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+assert_live_routing_equal(
+    got["routing_BxSxLxK"], want["routing_BxSxLxK"], want["prompt_mask_BxP"], want["completion_mask_BxT"]
+)
 np.testing.assert_allclose(got["rollout_logp_BxT"], want["rollout_logp_BxT"], atol=1e-5, rtol=0)
 assert len(got["tokens_BxT"]) == 12 and got["completion_mask_BxT"].sum() > 12  # slots reused; several steps each
 

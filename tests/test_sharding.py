@@ -30,7 +30,7 @@ def _worker() -> None:
     from jaxrl.config import LossConfig, MeshConfig, ModelConfig, OptimConfig
     from jaxrl.losses import make_loss
     from jaxrl.models.transformer import init_params, param_logical_axes
-    from jaxrl.sharding import batch_sharding, layout_line, make_mesh, param_shardings, replicated
+    from jaxrl.sharding import batch_sharding, layout_line, make_mesh, parallel_for, param_shardings, replicated
     from jaxrl.train.state import init_state, make_optimizer, state_shardings
     from jaxrl.train.steps import make_logp_fn, make_update_step
 
@@ -53,20 +53,24 @@ def _worker() -> None:
     loss = make_loss(LossConfig(preset="grpo", kl_beta=0.05))
     optimizer = make_optimizer(OptimConfig(learning_rate=3e-2, warmup_steps=0), 10)
     base = jax.tree.map(np.asarray, init_params(model_cfg, jax.random.key(1)))
-    update_fn = make_update_step(
-        make_logp_fn(model_cfg, 1.0),
-        loss,
-        optimizer,
-        ppo_epochs=1,
-        microbatches=2,
-        max_new_tokens=T,
-        use_ref=True,
-        group_size=G,
-    )
+
+    def update_fn(parallel):  # what the train loop builds: the logp function and the update share one Parallel
+        return make_update_step(
+            make_logp_fn(model_cfg, 1.0, prompt_groups=G, logits_chunk=12, parallel=parallel),
+            loss,
+            optimizer,
+            ppo_epochs=1,
+            microbatches=2,
+            max_new_tokens=T,
+            use_ref=True,
+            group_size=G,
+            parallel=parallel,
+        )
 
     results = {}
     for name, sizes in PRESETS.items():
         mesh, preset = make_mesh(MeshConfig(preset=name, **sizes))
+        parallel = parallel_for(mesh, preset)
         rep, rows = replicated(mesh), batch_sharding(mesh, preset)
         param_sh = param_shardings(mesh, preset, param_logical_axes(model_cfg), base)
 
@@ -75,7 +79,8 @@ def _worker() -> None:
 
         state_sh = state_shardings(optimizer, jax.eval_shape(make_state, base, base), param_sh, rep)
         state = jax.jit(make_state, in_shardings=(param_sh, param_sh), out_shardings=state_sh)(base, base)
-        step = jax.jit(update_fn, in_shardings=(state_sh, rows), out_shardings=(state_sh, rep), donate_argnums=0)
+        update = update_fn(parallel)
+        step = jax.jit(update, in_shardings=(state_sh, rows), out_shardings=(state_sh, rep), donate_argnums=0)
         losses, norms = [], []
         for _ in range(STEPS):
             state, metrics = step(state, batch)

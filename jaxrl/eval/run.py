@@ -29,6 +29,7 @@ from jaxrl.data.rewards import score
 from jaxrl.data.tokenizer import decode_completions
 from jaxrl.eval.metrics import ks_up_to, sample_metrics
 from jaxrl.eval.sources import EvalError, Located, Policy, load_policy, locate, run_model
+from jaxrl.sharding import from_primary
 from jaxrl.sources.agents import make_agent_evaluator
 from jaxrl.train.evaluate import EVAL_CHUNK, encode_records, make_chunk_sampler, make_evaluator, sample_in_chunks
 
@@ -60,21 +61,18 @@ def split_records(cfg: Config, task, prompts: int | None) -> list[dict]:
     return [task.test[i] for i in range(prompts or n)]
 
 
-def greedy_metrics(cfg: Config, policy: Policy, records: list[dict], verifier, out_sharding, ep=None) -> dict:
+def greedy_metrics(cfg: Config, policy: Policy, records: list[dict], verifier, ep=None) -> dict:
     """The trainer's held-out evaluator over these records: greedy accuracy, format, response length.
-    ep (MoE): the experts' mesh axis (`sharding.parallel`)."""
-    evaluate = make_evaluator(
-        cfg, policy.model_cfg, policy.tokenizer, records, verifier, out_sharding=out_sharding, parallel=ep
-    )
+    ep: the run's `sharding.parallel_for(mesh, preset)` (rows split over its batch axes; MoE experts)."""
+    evaluate = make_evaluator(cfg, policy.model_cfg, policy.tokenizer, records, verifier, parallel=ep)
     with tqdm(total=len(records), desc="greedy", unit="prompt", disable=not cfg.train.progress) as bar:
         found = evaluate(policy.params, on_chunk=bar.update)
     return {f"greedy/{k.split('/', 1)[1]}": v for k, v in found.items()}
 
 
-def sampled_metrics(
-    cfg: Config, policy: Policy, records: list[dict], verifier, req: EvalRequest, out_sharding, ep=None
-) -> dict:
-    """pass@k and maj@k from K samples per prompt, and the samples' format and length (ep: as greedy_metrics)."""
+def sampled_metrics(cfg: Config, policy: Policy, records: list[dict], verifier, req: EvalRequest, ep=None) -> dict:
+    """pass@k and maj@k from K samples per prompt, and the samples' format and length (ep: as greedy_metrics;
+    every process samples its rows, process 0 scores)."""
     K, B = req.samples, len(records)
     temperature = cfg.rollout.temperature if req.temperature is None else req.temperature
     _, tok_BxP, mask_BxP = encode_records(cfg, policy.tokenizer, records, "test prompts")
@@ -82,13 +80,19 @@ def sampled_metrics(
     chunk = min(B, max(1, max(EVAL_CHUNK, cfg.rollout.prompts_per_step * cfg.rollout.group_size) // K))
     sampler = make_chunk_sampler(
         cfg, policy.model_cfg, policy.tokenizer, group_size=K, greedy=False, temperature=temperature,
-        out_sharding=out_sharding, parallel=ep,
+        parallel=ep,
     )  # fmt: skip
     rng = jax.random.key(req.seed)
     with tqdm(total=B, desc=f"sampling {K} per prompt", unit="prompt", disable=not cfg.train.progress) as bar:
         tokens_NxT, finished_N, length_N = sample_in_chunks(
-            sampler, policy.params, tok_BxP, mask_BxP, chunk, rng, K, bar.update
+            sampler, policy.params, tok_BxP, mask_BxP, chunk, rng, K, bar.update, ep
         )
+    return from_primary(lambda: _score_samples(cfg, policy, records, verifier, (tokens_NxT, finished_N, length_N), K))
+
+
+def _score_samples(cfg: Config, policy: Policy, records: list[dict], verifier, drawn: tuple, K: int) -> dict:
+    tokens_NxT, finished_N, length_N = drawn
+    B = len(records)
     texts, _ = decode_completions(policy.tokenizer, tokens_NxT)
     rewards_NxR, _ = score(verifier, texts, list(finished_N), [r for r in records for _ in range(K)])
     correct_BxK = (rewards_NxR[:, 0] >= 1.0).reshape(B, K)
@@ -123,7 +127,7 @@ def report_path(req: EvalRequest, located: Located) -> pathlib.Path:
 def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pathlib.Path]:
     """Score the located policy on the config's test split; write the JSON report. -> (report, its path)."""
     from jaxrl.data.tasks import load_task
-    from jaxrl.sharding import make_mesh, parallel_for, replicated
+    from jaxrl.sharding import is_primary, make_mesh, parallel_for
 
     check_request(req)
     if get_task(cfg.data.task).episodic and req.samples > 1:
@@ -136,15 +140,15 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
     records = split_records(cfg, task, req.prompts)
     mesh, preset = make_mesh(cfg.mesh)
     policy = load_policy(cfg, located, mesh, preset, task, cfg.train.progress)
-    rep, ep = replicated(mesh), parallel_for(mesh, preset)  # MoE: experts split as training splits them
+    ep = parallel_for(mesh, preset)  # rows split over the batch axes, MoE experts as training splits them
     if task.spec.episodic:  # the trainer's held-out episodes (jaxrl.sources.agents)
         kept = records
         evaluate = make_agent_evaluator(cfg, policy.model_cfg, policy.tokenizer, task.spec.suite, records, ep)
         metrics = {f"greedy/{k.split('/', 1)[1]}": v for k, v in evaluate(policy.params).items()}
     else:
         kept, _, _ = encode_records(cfg, policy.tokenizer, records, "test prompts")
-        metrics = greedy_metrics(cfg, policy, kept, task.verifier, rep, ep)
-        metrics.update(sampled_metrics(cfg, policy, kept, task.verifier, req, rep, ep))
+        metrics = greedy_metrics(cfg, policy, kept, task.verifier, ep)
+        metrics.update(sampled_metrics(cfg, policy, kept, task.verifier, req, ep))
     report = {
         "config": req.config_path,
         "source": {"kind": located.kind, "path": None if located.path is None else str(located.path)},
@@ -163,8 +167,9 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
         "metrics": metrics,
     }
     path = report_path(req, located)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    if is_primary():  # every process holds the same report
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
     return report, path
 
 

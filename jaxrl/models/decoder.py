@@ -24,7 +24,7 @@ from jax import lax
 from jaxrl.config import ModelConfig
 from jaxrl.models.layers import AttnOptions, Block, RMSNorm
 from jaxrl.models.moe import MoEBlock, MoESpec
-from jaxrl.models.parallel import Parallel
+from jaxrl.models.parallel import Parallel, residual, rows
 from jaxrl.models.remat import remat_fn
 
 
@@ -140,6 +140,7 @@ def _scanned(params, cfg: ModelConfig, x_BxTxD, kv, call: _Call, replay_LxBxTxK,
             moe_stats = None
             for sub, moe, module in modules:
                 carry, st = _apply_layer(module, moe, p_unit if sub is None else p_unit[sub], carry, replay_BxTxK, call)
+                carry = (residual(ep, carry[0]), *carry[1:])  # each device keeps its own rows (`models.parallel`)
                 moe_stats = st if moe else moe_stats
             return carry, moe_stats
 
@@ -166,6 +167,7 @@ def _unrolled(
         (x_BxTxD, kv_out[i], _), st = _apply_layer(
             module, s.moe, p if s.sub is None else p[s.sub], carry, replay_BxTxK, call
         )
+        x_BxTxD = residual(ep, x_BxTxD)
         if s.moe:
             stats.append(st)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if stats else None
@@ -201,6 +203,7 @@ def run_decoder(
     `remat` (stacked only): the scanned units' rematerialisation (`models.remat`)."""
     index = jnp.asarray(index, jnp.int32)
     x_BxTxD = jnp.take(params["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(jnp.dtype(cfg.dtype))
+    x_BxTxD = residual(parallel, x_BxTxD)  # the rows stay where the batch is, whatever splits the weights
     per_layer = isinstance(params["blocks"], tuple)
     if moe_mask_BxT is None and cfg.n_experts:
         T = tokens_BxT.shape[1]
@@ -215,7 +218,7 @@ def run_decoder(
         if n_layers not in (None, cfg.n_layers):
             raise ValueError(f"run_decoder: n_layers={n_layers} needs per-layer params (`layer_params`)")
         x_BxTxD, kv, stats = _scanned(params, cfg, x_BxTxD, kv, call, replay_LxBxTxK, remat, parallel)
-    return _head(params, cfg, x_BxTxD, num_logits, return_hidden), kv, _moe_out(stats)
+    return rows(parallel, _head(params, cfg, x_BxTxD, num_logits, return_hidden)), kv, _moe_out(stats)
 
 
 def _head(params, cfg: ModelConfig, x_BxTxD, num_logits: int | None, return_hidden: bool) -> jax.Array:

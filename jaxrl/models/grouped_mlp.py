@@ -31,15 +31,18 @@ def block_layout(sizes_E, n_slots: int, block: int):
     -> (row_M: the sorted slot each padded row holds, n_slots for a pad row; row_of_slot_S: the padded
     row of each sorted slot; expert_J: the expert of each block; n_used: how many blocks hold slots,
     all before any unused one). Static M = J * block with J = ceil(n_slots / block) + E, enough for
-    any group sizes."""
+    any group sizes. Sorted slots past the groups (sizes_E summing to less than n_slots: slots no
+    expert runs) get row M, i.e. no row."""
     E = sizes_E.shape[0]
     J = -(-n_slots // block) + E
     blocks_E = (sizes_E + block - 1) // block
     pad_end_E = jnp.cumsum(blocks_E * block)
     pad_start_E, start_E = pad_end_E - blocks_E * block, jnp.cumsum(sizes_E) - sizes_E
     slot_S = jnp.arange(n_slots)
-    expert_S = jnp.searchsorted(jnp.cumsum(sizes_E), slot_S, side="right")  # sorted slots: groups are contiguous
+    ends_E = jnp.cumsum(sizes_E)
+    expert_S = jnp.searchsorted(ends_E, slot_S, side="right")  # sorted slots: groups are contiguous
     row_of_slot_S = (pad_start_E[expert_S] + slot_S - start_E[expert_S]).astype(jnp.int32)
+    row_of_slot_S = jnp.where(slot_S < ends_E[-1], row_of_slot_S, J * block)  # the scatter below drops row M
     row_M = jnp.full((J * block,), n_slots, jnp.int32).at[row_of_slot_S].set(slot_S.astype(jnp.int32))
     expert_J = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(J) * block, side="right"), E - 1)
     return row_M, row_of_slot_S, expert_J.astype(jnp.int32), jnp.sum(blocks_E)

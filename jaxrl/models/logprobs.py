@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl.models.parallel import Parallel, rows
+
 
 def logprob_and_entropy(logits_NxV: jax.Array, tokens_N: jax.Array, temperature) -> tuple[jax.Array, jax.Array]:
     """(log-prob of tokens_N, entropy) under softmax(logits / temperature), over the last axis; also
@@ -28,32 +30,46 @@ def logprob_and_entropy(logits_NxV: jax.Array, tokens_N: jax.Array, temperature)
 
 
 def chunked_token_logprobs(
-    hidden_BxTxD: jax.Array, head_DxV: jax.Array, tokens_BxT: jax.Array, temperature, chunk_rows: int
+    hidden_BxTxD: jax.Array,
+    head_DxV: jax.Array,
+    tokens_BxT: jax.Array,
+    temperature,
+    chunk_rows: int,
+    parallel: Parallel | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(logp_BxT, entropy_BxT) with at most `chunk_rows` rows' logits alive at a time (forward and
-    backward). The last chunk is zero-padded; padded rows are computed and dropped."""
+    backward). The last chunk is zero-padded; padded rows are computed and dropped.
+
+    With `parallel` splitting the B rows over d devices, each device cuts its own B/d * T rows into
+    chunks of chunk_rows / d (rounded up), and chunk c is every device's c-th piece: all devices work
+    on every chunk, on rows they hold. On one device (d = 1) that is the plain contiguous cut."""
     B, T, D = hidden_BxTxD.shape
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
-    n_rows = B * T
-    n_chunks = -(-n_rows // chunk_rows)
-    pad = n_chunks * chunk_rows - n_rows
-    h_NxD = jnp.pad(hidden_BxTxD.reshape(n_rows, D), ((0, pad), (0, 0)))
-    tok_N = jnp.pad(tokens_BxT.reshape(n_rows).astype(jnp.int32), (0, pad))
+    d = 1 if parallel is None or B % parallel.n_rows_devices else parallel.n_rows_devices
+    n_rows = B * T // d  # per device
+    rows_per_chunk = -(-chunk_rows // d)
+    n_chunks = -(-n_rows // rows_per_chunk)
+    pad = n_chunks * rows_per_chunk - n_rows
+
+    def chunked(x_dxN, fill=0):  # (d, N, ...) -> (n_chunks, d, rows_per_chunk, ...), devices on axis 1
+        x_dxN = jnp.pad(x_dxN, [(0, 0), (0, pad)] + [(0, 0)] * (x_dxN.ndim - 2), constant_values=fill)
+        x = jnp.swapaxes(x_dxN.reshape((d, n_chunks, rows_per_chunk) + x_dxN.shape[2:]), 0, 1)
+        return rows(parallel, x, axis=1)
+
+    h_CxdxRxD = chunked(hidden_BxTxD.reshape(d, n_rows, D))
+    tok_CxdxR = chunked(tokens_BxT.reshape(d, n_rows).astype(jnp.int32))
     head_DxV = head_DxV.astype(hidden_BxTxD.dtype)
 
     @jax.checkpoint  # residuals per chunk: its hidden rows only; the logits are recomputed in the backward
-    def chunk(h_RxD, tok_R):
-        logits_RxV = jnp.dot(h_RxD, head_DxV, preferred_element_type=jnp.float32)
-        return logprob_and_entropy(logits_RxV, tok_R, temperature)
+    def chunk(h_dxRxD, tok_dxR):
+        logits_NxV = jnp.dot(h_dxRxD.reshape(-1, D), head_DxV, preferred_element_type=jnp.float32)
+        logp_N, entropy_N = logprob_and_entropy(logits_NxV, tok_dxR.reshape(-1), temperature)
+        return logp_N.reshape(tok_dxR.shape), entropy_N.reshape(tok_dxR.shape)
 
-    _, (logp_CxR, entropy_CxR) = lax.scan(
-        lambda c, xs: (c, chunk(*xs)),
-        None,
-        (h_NxD.reshape(n_chunks, chunk_rows, D), tok_N.reshape(n_chunks, chunk_rows)),
-    )
+    _, (logp_CxdxR, entropy_CxdxR) = lax.scan(lambda c, xs: (c, chunk(*xs)), None, (h_CxdxRxD, tok_CxdxR))
 
-    def unpad(x_CxR):
-        return x_CxR.reshape(-1)[:n_rows].reshape(B, T)
+    def unpad(x_CxdxR):
+        return jnp.swapaxes(x_CxdxR, 0, 1).reshape(d, -1)[:, :n_rows].reshape(B, T)
 
-    return unpad(logp_CxR), unpad(entropy_CxR)
+    return unpad(logp_CxdxR), unpad(entropy_CxdxR)

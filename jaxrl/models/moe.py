@@ -98,11 +98,26 @@ def router_z_loss(logits_NxE, mask_N) -> jax.Array:
     return jnp.sum(m_N * jnp.square(z_N)) / jnp.maximum(jnp.sum(m_N), 1.0)
 
 
+def read_span(mask_BxT: jax.Array) -> jax.Array:
+    """bool_BxT: each row's tokens from its first live token to its last (none in a row with none).
+    The tokens outside (left padding, a row's tail after its last live token) are the ones no live
+    token reads: they come after every live token of the row, or are padding keys that attention
+    masks, and their own logits predict nothing scored. Tokens inside that are not live (an agent
+    episode's observation tokens, masked from the losses) are read as keys by later tokens and must
+    keep their expert outputs. Expert-parallel dispatch sends only the span."""
+    live_BxT = mask_BxT.astype(bool)
+    after_first_BxT = jnp.cumsum(live_BxT, axis=1) > 0
+    before_last_BxT = jnp.flip(jnp.cumsum(jnp.flip(live_BxT, 1), axis=1), 1) > 0
+    return after_first_BxT & before_last_BxT
+
+
 class MoE(nn.Module):
     """x_BxTxD -> (y_BxTxD, MoEStats): routed SwiGLU experts plus optional always-on shared experts.
 
-    `mask_BxT` marks live tokens: the losses average over them, and capacity dispatch gives padding no
-    slot. The router runs in float32 whatever `dtype` is (top-k choices must not flip with precision).
+    `mask_BxT` marks live tokens: the losses average over them, capacity dispatch gives padding no
+    slot, and expert-parallel dispatch sends only the tokens of `read_span(mask_BxT)` (the others'
+    routed output is 0; nothing reads it). The router runs in float32 whatever `dtype` is (top-k
+    choices must not flip with precision).
     """
 
     d_model: int
@@ -132,8 +147,9 @@ class MoE(nn.Module):
             ep = s.expert_parallel
             if ep is not None and ep.applies(E, B * T):
                 y_NxD = dispatch_expert_parallel(
-                    x_NxD, *ws, experts_NxK, gates_NxK, ep.mesh, ep.axis, gmm, ep.token_axes(B * T)
-                )
+                    x_NxD, *ws, experts_NxK, gates_NxK, ep.mesh, ep.axis, gmm, ep.token_axes(B * T),
+                    mask_N=read_span(mask_BxT).reshape(B * T),
+                )  # fmt: skip
             else:
                 y_NxD = dispatch_dropless(x_NxD, *ws, experts_NxK, gates_NxK, gmm)
         elif s.dispatch == "capacity":

@@ -51,18 +51,30 @@ BLOCK = 128  # the most rows per block of the blocked (CPU) grouped expert MLP
 
 
 def dispatch_dropless(
-    x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK, grouped_matmul: str = "ragged"
+    x_NxD,
+    w_gate_ExDxF,
+    w_up_ExDxF,
+    w_down_ExFxD,
+    experts_NxK,
+    gates_NxK,
+    grouped_matmul: str = "ragged",
+    live_NxK=None,
 ):
     """Sort the N*K token-slots by expert, run each expert on its contiguous group, combine by gates.
 
     grouped_matmul `ragged`: `lax.ragged_dot` (a real grouped GEMM on GPU/TPU; XLA:CPU computes every
     group densely, E times the work). `blocked`: the groups padded to blocks of at most BLOCK rows and
     a loop over the blocks in use (`grouped_mlp.blocked_swiglu`): the fast CPU form. Tokens are
-    gathered straight into their padded rows and the outputs read straight back per slot."""
+    gathered straight into their padded rows and the outputs read straight back per slot.
+
+    live_NxK (bool, optional): the slots to run; the others are sorted after every expert group, no
+    expert computes them (ragged: past the groups; blocked: in no block) and their output is 0."""
     N, K = experts_NxK.shape
     E = w_gate_ExDxF.shape[0]
     S = N * K
     expert_S = experts_NxK.reshape(-1)
+    if live_NxK is not None:  # a dead slot's key E sorts it last and bincount(length=E) leaves it out
+        expert_S = jnp.where(live_NxK.reshape(-1), expert_S, E)
     order_S = jnp.argsort(expert_S, stable=True)  # sorted slot s is flat slot order_S[s] = (n, k) = divmod(., K)
     sizes_E = jnp.bincount(expert_S, length=E).astype(jnp.int32)
     if grouped_matmul == "blocked":
@@ -149,27 +161,58 @@ def dispatch_expert_parallel(
     axis: str = "expert",
     grouped_matmul: str = "ragged",
     token_axes=None,
+    mask_N=None,
 ):
     """Dropless dispatch with experts sharded over mesh axis `axis` (P devices, E/P experts each) and
     tokens split over the same devices. Per device: sort its token-slots by destination device, one
     `all_to_all` sends them (in fixed buffers of S_local rows per destination, so nothing is ever
-    dropped), the device runs its local experts (dropless, grouped), a second `all_to_all` returns the
-    outputs, and the gates combine them. Same outputs as `dispatch_dropless` on one device.
+    dropped), the device runs its local experts (dropless, grouped) on the rows it received, a second
+    `all_to_all` returns the outputs, and the gates combine them. Same outputs as `dispatch_dropless`
+    on one device, on the live tokens.
+
+    `mask_N` (bool, optional; None: every token live): only live tokens' slots take a buffer row; a
+    token that is not live (left padding, a finished row's tail, whatever experts routing replay
+    gives it) is sent nowhere, no expert computes it, and its output is 0. The rows of a buffer that
+    no slot fills are not computed either (`dispatch_expert_parallel_counted` also says how many rows
+    each device computed).
 
     N must divide by P. The buffers cost P x the local slots in memory: dropless at any imbalance.
     `token_axes` (default `(axis,)`): the mesh axes the tokens are split over; with more axes than
     `axis` (e.g. ("fsdp", "expert")), each group of devices along `axis` exchanges only its own
     tokens, instead of every such group repeating the whole batch. N must divide over all of them."""
+    args = (x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK, mesh, axis, grouped_matmul)
+    return dispatch_expert_parallel_counted(*args, token_axes, mask_N)[0]
+
+
+def dispatch_expert_parallel_counted(
+    x_NxD,
+    w_gate_ExDxF,
+    w_up_ExDxF,
+    w_down_ExFxD,
+    experts_NxK,
+    gates_NxK,
+    mesh,
+    axis: str = "expert",
+    grouped_matmul: str = "ragged",
+    token_axes=None,
+    mask_N=None,
+):
+    """`dispatch_expert_parallel` -> (out_NxD, received_Q): received_Q[q], the rows token device q
+    received and ran through its experts (Q devices: those of `token_axes`). Their sum is the number
+    of live token-slots, mask_N.sum() * K: no padding token and no empty buffer row is computed."""
     E, K = w_gate_ExDxF.shape[0], experts_NxK.shape[1]
     n_dev = mesh.shape[axis]
     E_local = E // n_dev
+    if mask_N is None:
+        mask_N = jnp.ones(experts_NxK.shape[:1], bool)
 
-    def local(x_nxD, wg, wu, wd, experts_nxK, gates_nxK):
+    def local(x_nxD, wg, wu, wd, experts_nxK, gates_nxK, mask_n):
         n = x_nxD.shape[0]
         S = n * K
         expert_S = experts_nxK.reshape(-1)
-        dest_S = expert_S // E_local
-        # Rank of each slot among the slots going to the same device: its row in that device's buffer.
+        live_S = jnp.repeat(mask_n.astype(bool), K)
+        dest_S = jnp.where(live_S, expert_S // E_local, n_dev)  # n_dev: no device (the scatters drop it)
+        # Rank of each live slot among the slots going to the same device: its row in that device's buffer.
         onehot_SxP = jax.nn.one_hot(dest_S, n_dev, dtype=jnp.int32)
         row_S = jnp.sum((jnp.cumsum(onehot_SxP, axis=0) - 1) * onehot_SxP, axis=-1)
         x_SxD = jnp.take(x_nxD, jnp.arange(S) // K, axis=0)
@@ -177,16 +220,25 @@ def dispatch_expert_parallel(
         send_ids_PxS = jnp.full((n_dev, S), -1, jnp.int32).at[dest_S, row_S].set(expert_S % E_local)
         recv_PxSxD = lax.all_to_all(send_PxSxD, axis, 0, 0)
         recv_ids_PxS = lax.all_to_all(send_ids_PxS, axis, 0, 0)
-        valid_R = recv_ids_PxS.reshape(-1) >= 0
+        valid_Rx1 = recv_ids_PxS.reshape(-1, 1) >= 0
         ids_Rx1 = jnp.maximum(recv_ids_PxS.reshape(-1, 1), 0)
         y_RxD = dispatch_dropless(
-            recv_PxSxD.reshape(n_dev * S, -1), wg, wu, wd, ids_Rx1, valid_R[:, None].astype(jnp.float32), grouped_matmul
+            recv_PxSxD.reshape(n_dev * S, -1),
+            wg,
+            wu,
+            wd,
+            ids_Rx1,
+            jnp.ones(ids_Rx1.shape, jnp.float32),
+            grouped_matmul,
+            live_NxK=valid_Rx1,
         )
         back_PxSxD = lax.all_to_all(y_RxD.reshape(n_dev, S, -1), axis, 0, 0)
-        y_SxD = back_PxSxD[dest_S, row_S]
-        return jnp.einsum("nkd,nk->nd", y_SxD.reshape(n, K, -1), gates_nxK.astype(x_nxD.dtype))
+        y_SxD = jnp.where(live_S[:, None], back_PxSxD[jnp.minimum(dest_S, n_dev - 1), row_S], 0)
+        y_nxD = jnp.einsum("nkd,nk->nd", y_SxD.reshape(n, K, -1), gates_nxK.astype(x_nxD.dtype))
+        return y_nxD, jnp.sum(valid_Rx1, dtype=jnp.int32)[None]
 
     rows, experts = PS(tuple(token_axes) if token_axes else axis), PS(axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, experts, experts, experts, rows, rows), out_specs=rows)(
-        x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK
-    )
+    y_NxD, received_Q = jax.shard_map(
+        local, mesh=mesh, in_specs=(rows, experts, experts, experts, rows, rows, rows), out_specs=(rows, rows)
+    )(x_NxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, experts_NxK, gates_NxK, mask_N)
+    return y_NxD, received_Q

@@ -23,6 +23,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import StackedKV
 from jaxrl.models.decoder import head_weights, positions_from_mask, run_decoder
 from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
+from jaxrl.models.parallel import Parallel, rows
 
 
 def group_prompts(prompt_BxP: jax.Array, group_size: int) -> jax.Array:
@@ -31,7 +32,7 @@ def group_prompts(prompt_BxP: jax.Array, group_size: int) -> jax.Array:
     return prompt_BxP.reshape(B // group_size, group_size, P)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "group_size", "logits_chunk", "remat"))
+@functools.partial(jax.jit, static_argnames=("cfg", "group_size", "logits_chunk", "remat", "parallel"))
 def token_logprobs_shared(
     params,
     cfg: ModelConfig,
@@ -43,6 +44,7 @@ def token_logprobs_shared(
     group_size: int,
     logits_chunk: int = 0,
     remat: str = "none",
+    parallel: Parallel | None = None,
 ):
     """`token_logprobs` (dense) of a batch of contiguous groups of `group_size` rows with identical prompts;
     `logits_chunk` and `remat` as there."""
@@ -74,29 +76,38 @@ def token_logprobs_shared(
         num_logits=1,
         return_hidden=hidden,
         remat=remat,
+        parallel=parallel,
     )
     out_BxTxX = jnp.repeat(first_Nx1xX, G, axis=0)
     if T > 1:
-        # 2. The completions of all B rows over [the group's prompt keys, their own causal keys].
-        def per_row(x_LxNxPxKxHd):  # repeat to the group's rows, then room for the T-1 completion slots
+        # 2. The completions of all B rows over [the group's prompt keys, their own causal keys]: tokens
+        # 0..T-2 predict 1..T-1. Under sequence parallelism one more (the last token, its output unused)
+        # when that makes the positions divide over the sequence axis (T - 1 rarely does).
+        n_seq = 1 if parallel is None else parallel.n_sequence_devices
+        R = T if n_seq > 1 and (T - 1) % n_seq and T % n_seq == 0 else T - 1
+
+        def per_row(x_LxNxPxKxHd):  # repeat to the group's rows, then room for the R completion slots
             x_LxBxPxKxHd = jnp.repeat(x_LxNxPxKxHd, G, axis=1)
-            return jnp.pad(x_LxBxPxKxHd, ((0, 0), (0, 0), (0, T - 1), (0, 0), (0, 0)))
+            return rows(parallel, jnp.pad(x_LxBxPxKxHd, ((0, 0), (0, 0), (0, R), (0, 0), (0, 0))), axis=1)
 
         n_real_B = jnp.repeat(jnp.sum(pmask_NxP, axis=1, dtype=jnp.int32), G)
-        positions_BxT1 = n_real_B[:, None] + jnp.arange(T - 1, dtype=jnp.int32)
-        key_valid_BxS = jnp.concatenate([jnp.repeat(pmask_NxP, G, axis=0), jnp.ones((B, T - 1), bool)], axis=1)
-        rest_BxT1xX, _, _ = run_decoder(
+        positions_BxR = n_real_B[:, None] + jnp.arange(R, dtype=jnp.int32)
+        key_valid_BxS = jnp.concatenate([jnp.repeat(pmask_NxP, G, axis=0), jnp.ones((B, R), bool)], axis=1)
+        rest_BxRxX, _, _ = run_decoder(
             params,
             cfg,
-            tokens_BxT[:, :-1],
-            positions_BxT1,
+            tokens_BxT[:, :R],
+            positions_BxR,
             key_valid_BxS,
             P,
             StackedKV(per_row(k_LxNxPxKxHd), per_row(v_LxNxPxKxHd)),
             return_hidden=hidden,
             remat=remat,
+            parallel=parallel,
         )
-        out_BxTxX = jnp.concatenate([out_BxTxX, rest_BxT1xX], axis=1)
+        out_BxTxX = jnp.concatenate([out_BxTxX, rest_BxRxX[:, : T - 1]], axis=1)
     if hidden:
-        return chunked_token_logprobs(out_BxTxX, head_weights(params, cfg), tokens_BxT, temperature, logits_chunk)
+        return chunked_token_logprobs(
+            out_BxTxX, head_weights(params, cfg), tokens_BxT, temperature, logits_chunk, parallel
+        )
     return logprob_and_entropy(out_BxTxX, tokens_BxT, temperature)

@@ -200,7 +200,7 @@ def token_logprobs(
     )
     if logits_chunk > 0:  # out = final hidden states; the head runs chunk by chunk
         logp_BxT, entropy_BxT = chunked_token_logprobs(
-            out_BxTxX[:, :-1], head_weights(params, cfg), tokens_BxT, temperature, logits_chunk
+            out_BxTxX[:, :-1], head_weights(params, cfg), tokens_BxT, temperature, logits_chunk, parallel
         )
     else:
         logp_BxT, entropy_BxT = logprob_and_entropy(out_BxTxX[:, :-1], tokens_BxT, temperature)

@@ -223,6 +223,7 @@ def build_run(
     policy = lora_state.policy_fn(lora, state_sh, param_sh)
     log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
 
+    parallel = parallel_for(mesh, preset)  # the rollout's too (rollout_source), not an ambient mesh
     logp_fn = make_logp_fn(
         model_cfg,
         rc.temperature,
@@ -230,7 +231,7 @@ def build_run(
         prompt_groups=prompt_groups(cfg),
         logits_chunk=tc.logits_chunk,
         remat=tc.remat,
-        parallel=parallel_for(mesh, preset),  # the rollout's too (rollout_source), not an ambient mesh
+        parallel=parallel,
     )
     # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
     update_fn = functools.partial(
@@ -244,6 +245,7 @@ def build_run(
         group_size=G,
         use_ref=loss.needs_ref,
         merge=lora_state.merge_fn(lora),
+        parallel=parallel,
     )
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
     # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
@@ -311,7 +313,9 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
             rows,
         )
     records = eval_records(cfg, task.test)
-    evaluate = make_evaluator(cfg, model_cfg, tokenizer, records, task.verifier, out_sharding=rep, parallel=ep)
+    evaluate = make_evaluator(
+        cfg, model_cfg, tokenizer, records, task.verifier, parallel=ep
+    )  # rows split as the rollout's
     return source, evaluate
 
 

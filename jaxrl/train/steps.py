@@ -80,6 +80,7 @@ def make_logp_fn(
                     group_size=G,
                     logits_chunk=logits_chunk,
                     remat=remat,
+                    parallel=parallel,
                 )
             return token_logprobs(
                 params,
@@ -91,6 +92,7 @@ def make_logp_fn(
                 temperature,
                 logits_chunk=logits_chunk,
                 remat=remat,
+                parallel=parallel,
             )
 
         return logp_fn
@@ -125,23 +127,34 @@ def make_logp_fn(
     return moe_logp_fn
 
 
-def split_microbatches(batch: dict, n: int) -> dict:
-    """B-leading arrays -> (n, B/n, ...): rows stay in order, so groups stay adjacent."""
-    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+def split_microbatches(batch: dict, n: int, parallel: Parallel | None = None) -> dict:
+    """B-leading arrays -> (n, B/n, ...): rows stay in order, so groups stay adjacent. With `parallel`,
+    each microbatch's rows are split over the batch devices (`Parallel.rows_of`): the one exchange of
+    the batch's rows that keeps every device on its own share of every microbatch (a contiguous split
+    of a batch already split by devices would leave each microbatch on B/n of them)."""
+    mbs = jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+    return mbs if parallel is None else parallel.rows_of(mbs, leading=1)
 
 
 def merge_microbatches(x):
     return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), x)
 
 
-def microbatched_logp(logp_fn: LogpFn, params, batch: dict, n: int):
+def microbatched_logp(logp_fn: LogpFn, params, batch: dict, n: int, parallel: Parallel | None = None):
     """Log-probs of the whole batch computed n rows-chunks at a time (bounded activation memory)."""
-    _, out = lax.scan(lambda c, mb: (c, tuple(logp_fn(params, mb)[:2])), None, split_microbatches(batch, n))
+    mbs = split_microbatches(batch, n, parallel)
+    _, out = lax.scan(lambda c, mb: (c, tuple(logp_fn(params, mb)[:2])), None, mbs)
     return merge_microbatches(out)
 
 
 def make_grad_fn(
-    logp_fn: LogpFn, loss: Loss, *, microbatches: int, old_logp_recorded: bool, detailed_stats: bool = False
+    logp_fn: LogpFn,
+    loss: Loss,
+    *,
+    microbatches: int,
+    old_logp_recorded: bool,
+    detailed_stats: bool = False,
+    parallel: Parallel | None = None,
 ):
     """(params, batch with weights_BxT) -> (loss, grads, stat partials). Exact full-batch gradient.
 
@@ -189,7 +202,7 @@ def make_grad_fn(
             g_acc, v_acc, p_acc = carry
             return (jax.tree.map(jnp.add, g_acc, grads), v_acc + value, merge_stat_partials(p_acc, partials)), None
 
-        mbs = split_microbatches(batch, microbatches)
+        mbs = split_microbatches(batch, microbatches, parallel)
         first = jax.tree.map(lambda x: x[0], mbs)
         partials_shape = jax.eval_shape(lambda p, mb: microbatch_loss(p, mb)[1], params, first)
         init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), empty_stat_partials(partials_shape))
@@ -265,6 +278,7 @@ def make_update_step(
     use_ref: bool | None = None,
     merge: Callable | None = None,
     minibatches: int = 1,
+    parallel: Parallel | None = None,
 ):
     """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
 
@@ -290,13 +304,18 @@ def make_update_step(
 
     def grad_fn_for(policy_logp_fn: LogpFn):
         return make_grad_fn(
-            policy_logp_fn, loss, microbatches=microbatches, old_logp_recorded=record_old, detailed_stats=True
+            policy_logp_fn,
+            loss,
+            microbatches=microbatches,
+            old_logp_recorded=record_old,
+            detailed_stats=True,
+            parallel=parallel,
         )
 
     grad_fn = grad_fn_for(logp_fn)
 
     def split_minibatches(batch):  # each mini-batch normalised over its own live tokens
-        mbs = split_microbatches(batch, minibatches)
+        mbs = split_microbatches(batch, minibatches, parallel)
         return dict(mbs, weights_BxT=jax.vmap(loss.weights, (0, None))(mbs["completion_mask_BxT"], max_new_tokens))
 
     def update_step(state: TrainState, batch: dict):
@@ -307,7 +326,9 @@ def make_update_step(
             policy_logp_fn = _on_merged(logp_fn, merge, state.base)
             grads_of = grad_fn_for(policy_logp_fn)
         if record_old:  # old log-probs recorded once, before the first epoch
-            old_logp_BxT, old_entropy_BxT = microbatched_logp(policy_logp_fn, state.params, batch, microbatches)
+            old_logp_BxT, old_entropy_BxT = microbatched_logp(
+                policy_logp_fn, state.params, batch, microbatches, parallel
+            )
             batch["old_logp_BxT"] = lax.stop_gradient(old_logp_BxT)
             batch["old_entropy_BxT"] = lax.stop_gradient(old_entropy_BxT)
         if use_ref:
@@ -317,7 +338,9 @@ def make_update_step(
                     "the update uses a reference policy but state.ref_params is None: create the "
                     "state with ref_params (jaxrl.train.state.init_state)"
                 )
-            batch["ref_logp_BxT"] = lax.stop_gradient(microbatched_logp(logp_fn, ref_params, batch, microbatches)[0])
+            batch["ref_logp_BxT"] = lax.stop_gradient(
+                microbatched_logp(logp_fn, ref_params, batch, microbatches, parallel)[0]
+            )
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
 
