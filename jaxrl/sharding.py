@@ -23,13 +23,14 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.config import ConfigError, MeshConfig
 from jaxrl.models.parallel import Parallel, rows_axis
 
 Rule = tuple  # (logical name, mesh axis | tuple of mesh axes)
+AnyMesh = Mesh | AbstractMesh  # the layout functions read only the axis sizes
 
 
 class MeshPreset(NamedTuple):
@@ -115,7 +116,7 @@ def layout_line(mesh: Mesh, preset_name: str, shardings, params) -> str:
     )
 
 
-def _axis_size(mesh: Mesh, axis) -> int:
+def _axis_size(mesh: AnyMesh, axis) -> int:
     if axis is None:
         return 1
     return int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
@@ -150,7 +151,7 @@ class NotDividing(NamedTuple):
         )
 
 
-def _dims(mesh: Mesh, preset: MeshPreset, logical: tuple, shape: tuple) -> list[tuple[Any, NotDividing | None]]:
+def _dims(mesh: AnyMesh, preset: MeshPreset, logical: tuple, shape: tuple) -> list[tuple[Any, NotDividing | None]]:
     """Per dimension: (its mesh axis or None, the NotDividing when its axis does not divide it)."""
     rules = dict(preset.rules)
     out = []
@@ -161,7 +162,7 @@ def _dims(mesh: Mesh, preset: MeshPreset, logical: tuple, shape: tuple) -> list[
     return out
 
 
-def spec_for(mesh: Mesh, preset: MeshPreset, logical: tuple, shape: tuple | None = None, name: str = "") -> P:
+def spec_for(mesh: AnyMesh, preset: MeshPreset, logical: tuple, shape: tuple | None = None, name: str = "") -> P:
     """Logical axis names -> PartitionSpec. With `shape` (of the parameter `name`), a dimension that
     does not divide over its mesh axis (e.g. 1 kv head over tensor=2) is a ConfigError naming the
     parameter, the dimension and the axis, or replicated when `preset.allow_replicated` matches `name`."""
@@ -195,7 +196,7 @@ def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_
     )
 
 
-def layout_of(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_tree: Any) -> dict:
+def layout_of(mesh: AnyMesh, preset: MeshPreset, logical_tree: Any, abstract_tree: Any) -> dict:
     """Which parameters `param_shardings` splits and which it replicates, and why:
     {"split": [{name, shape, spec}], "replicated": [{name, shape, why}]}."""
     split, kept = [], []
