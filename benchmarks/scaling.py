@@ -15,7 +15,8 @@ and d > 1, and every case's ratios. Each device count compiles in its own child 
 device count is fixed when JAX starts).
 
     PYTHONPATH=. python benchmarks/scaling.py            # bench-small, 1/2/4/8 devices (minutes)
-    PYTHONPATH=. python benchmarks/scaling.py --small    # a tiny model and shape, 1/2 devices (tests)
+    PYTHONPATH=. python benchmarks/scaling.py --small    # a tiny model and shape, 1/2 devices
+    PYTHONPATH=. python benchmarks/scaling.py --small --presets data --microbatches 1   # the test's run
 """
 
 from __future__ import annotations
@@ -53,16 +54,17 @@ def bench_config(preset: str, microbatches: int, small: bool):
     return dataclasses.replace(cfg, model=model).validate()
 
 
-def worker(small: bool) -> None:
-    """On this process's devices: one record per (preset, microbatches, program), printed as RESULT."""
+def worker(small: bool, presets: list[str], microbatches: list[int]) -> None:
+    """On this process's devices: one record per (preset, microbatches, program), printed as RESULT.
+    The rollout and the engine chunk do not depend on the microbatches: compiled once, recorded for each."""
     from jaxrl.train.plan import plan
 
     out = []
-    for preset in PRESETS:
-        for mb in MICROBATCHES:
-            programs = PROGRAMS if mb == MICROBATCHES[0] else ("update",)
+    for preset in presets:
+        for mb in microbatches:
+            programs = PROGRAMS if mb == microbatches[0] else ("update",)
             for record in plan(bench_config(preset, mb, small), programs):
-                mbs = [mb] if record["program"] == "update" else list(MICROBATCHES)
+                mbs = [mb] if record["program"] == "update" else microbatches
                 for m in mbs:
                     out.append(
                         {
@@ -78,11 +80,11 @@ def worker(small: bool) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_devices(n: int, small: bool) -> list[dict]:
+def run_devices(n: int, small: bool, flags: list[str]) -> list[dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", *(["--small"] if small else [])]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", *(["--small"] if small else []), *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         sys.exit(f"scaling.py: the {n}-device child failed:\n{proc.stderr[-3000:]}")
@@ -112,20 +114,24 @@ def ratios(records: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="a tiny model and shape on 1 and 2 devices (seconds)")
     p.add_argument("--devices", default=None, help="comma-separated device counts (default 1,2,4,8; --small 1,2)")
+    p.add_argument("--presets", default=",".join(PRESETS), help="mesh presets (default data,fsdp)")
+    p.add_argument("--microbatches", default=",".join(map(str, MICROBATCHES)), help="train.microbatches (default 1,4)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    presets, microbatches = args.presets.split(","), [int(x) for x in args.microbatches.split(",")]
     if args.worker:
-        worker(args.small)
+        worker(args.small, presets, microbatches)
         return
     counts = [int(x) for x in (args.devices or ("1,2" if args.small else "1,2,4,8")).split(",")]
     if 1 not in counts:
         sys.exit("scaling.py: --devices must include 1 (the ratios are against one device)")
     t0 = time.perf_counter()
-    records = [r for n in counts for r in run_devices(n, args.small)]
+    flags = ["--presets", args.presets, "--microbatches", args.microbatches]
+    records = [r for n in counts for r in run_devices(n, args.small, flags)]
     cases = ratios(records)
     print(f"{'preset':6} {'mb':>2} {'program':12} {'d':>2} {'flops/dev':>12} {'ratio':>6} {'temp MiB':>9} {'ratio':>6}")
     for c in cases:
@@ -138,6 +144,8 @@ def main() -> None:
     summary = {
         "config": "tiny" if args.small else "bench-small",
         "devices": counts,
+        "presets": presets,
+        "microbatches": microbatches,
         "dp_flops_ratio_max": max(flops) if flops else None,
         "dp_temp_ratio_max": max(temps) if temps else None,
         "seconds": round(time.perf_counter() - t0, 1),

@@ -198,7 +198,8 @@ def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_
 
 def layout_of(mesh: AnyMesh, preset: MeshPreset, logical_tree: Any, abstract_tree: Any) -> dict:
     """Which parameters `param_shardings` splits and which it replicates, and why:
-    {"split": [{name, shape, spec}], "replicated": [{name, shape, why}]}."""
+    {"split": [{name, shape, spec, and `why` when a dimension was replicated by mesh.allow_replicated}],
+    "replicated": [{name, shape, why}]}."""
     split, kept = [], []
     rules = dict(preset.rules)
 
@@ -206,12 +207,13 @@ def layout_of(mesh: AnyMesh, preset: MeshPreset, logical_tree: Any, abstract_tre
         name, logical, shape = param_path(path), tuple(ax), tuple(a.shape)
         dims = _dims(mesh, preset, logical, shape)
         spec = spec_for(mesh, preset, logical, shape, name)
-        if any(s is not None for s in spec):
-            split.append({"name": name, "shape": list(shape), "spec": str(spec)})
-            return
         bad = [b for _, b in dims if b is not None]
+        allowed = "; ".join(b.describe(name) for b in bad) + " (replicated: mesh.allow_replicated)"
+        if any(s is not None for s in spec):
+            split.append({"name": name, "shape": list(shape), "spec": str(spec), **({"why": allowed} if bad else {})})
+            return
         if bad:
-            why = "; ".join(b.describe(name) for b in bad) + " (mesh.allow_replicated)"
+            why = allowed
         elif mesh.size == 1:
             why = "one device"
         elif any(axis is not None for axis, _ in dims):

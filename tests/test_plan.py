@@ -54,10 +54,13 @@ def _worker() -> None:
     import jax
 
     assert jax.device_count() == 8
-    plan = ["plan", str(DEFAULT_CONFIG), *TINY_ARGS, "--devices", "8", "--programs", "update,rollout"]
+    # 8 prompts: the update forwards each group's prompt once (train.share_prefix), so fewer prompts than
+    # devices would leave that forward unsplit.
+    plan = ["plan", str(DEFAULT_CONFIG), *TINY_ARGS, "--set", "rollout.prompts_per_step=8", "--devices", "8"]
+    plan += ["--programs", "update,rollout"]
     results = {preset: _main(*plan, "--set", f"mesh.preset={preset}") for preset in ("single", "data", "fsdp")}
     results["error"] = _main(*plan, *KV)
-    results["allowed"] = _main(*plan, *KV, "--set", "mesh.allow_replicated=blocks/attn/[kv]")
+    results["allowed"] = _main(*plan, *KV, "--set", "mesh.allow_replicated=blocks/attn/[kv]*,embedding")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["JAXRL_CACHE_DIR"] = str(pathlib.Path(tmp) / "cache")
         os.environ["JAXRL_DATA_DIR"] = str(pathlib.Path(tmp) / "data")
@@ -150,8 +153,13 @@ def test_a_dimension_that_does_not_divide_is_one_line_naming_it(results):
 def test_allow_replicated_opts_in_and_the_layout_says_why(results):
     got = _by_program(results["allowed"])
     layout = got["update"]["layout"]
-    kept = {r["name"]: r for r in layout["replicated"]}
-    assert sorted(kept) == ["blocks/attn/k", "blocks/attn/v"]
+    # k and v keep their embed axis split over fsdp; the kv-head axis is the one replicated, and said so.
+    # (The character vocabulary of 23 tokens does not split over tensor=2 either: the embedding opts in too.)
+    assert layout["replicated"] == []
+    kept = {r["name"]: r for r in layout["split"] if "why" in r}
+    assert sorted(kept) == ["blocks/attn/k", "blocks/attn/v", "embedding"]
+    assert kept["blocks/attn/k"]["spec"] == "P(None, 'fsdp', None, None)"
+    assert "dimension 0 ('vocab', size 23)" in kept["embedding"]["why"]
     assert (
         "dimension 2 ('kv_heads', size 1) does not divide over mesh axis 'tensor' of 2" in kept["blocks/attn/k"]["why"]
     )
@@ -192,6 +200,8 @@ def test_allow_replicated_is_validated():
     MeshConfig(preset="fsdp", allow_replicated=("blocks/*",)).validate()
     with pytest.raises(ConfigError, match=r"^mesh\.allow_replicated: got \(' x',\), expected parameter path"):
         MeshConfig(allow_replicated=(" x",)).validate()
+    with pytest.raises(ConfigError, match=r"balanced \[\.\.\.\]"):  # --set strips a trailing ']'
+        MeshConfig(allow_replicated=("blocks/attn/[kv",)).validate()
 
 
 def test_collectives_are_counted_by_kind_from_the_hlo_text():

@@ -316,6 +316,13 @@ class MeshConfig:
                 "parameter path patterns such as 'blocks/attn/k' or '*' (non-empty, no surrounding spaces)",
                 self.allow_replicated,
             )
+            _check(
+                pattern.count("[") == pattern.count("]"),
+                f"{prefix}.allow_replicated",
+                "patterns with balanced [...] (--set drops a trailing ']': end the pattern with '*' or set it in "
+                "the config file)",
+                self.allow_replicated,
+            )
 
 
 @dataclasses.dataclass(frozen=True)
