@@ -82,8 +82,8 @@ def worker(small: bool, presets: list[str], microbatches: list[int]) -> None:
 
 def run_devices(n: int, small: bool, flags: list[str]) -> list[dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    xla = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
+    env["XLA_FLAGS"] = " ".join([*xla, f"--xla_force_host_platform_device_count={n}"])
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", *(["--small"] if small else []), *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
