@@ -1,4 +1,4 @@
-"""`jaxrl train|eval|convert|variants` — the command line. User mistakes exit with one line on stderr, code 2; a
+"""`jaxrl train|eval|convert|variants|plan` — the command line. User mistakes exit with one line on stderr, code 2; a
 run that cannot go on (no checkpoint restores, the loss went NaN) with one line, code 1. Ctrl-C: one line,
 code 130 (128 + SIGINT, the shell's code for an interrupted command, so `jaxrl train ... && next` stops
 there); `jaxrl train` first finishes and saves its step (a second Ctrl-C skips that). SIGTERM (a
@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_convert_parser(sub)
     _add_eval_parser(sub)
+    _add_plan_parser(sub)
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
     v.add_argument(
         "config", nargs="?", default=None, help="a config file, loaded first: the presets it registers are listed too"
@@ -155,6 +156,32 @@ def _add_eval_parser(sub) -> None:
         "else runs/eval/<config stem>_<hf|checkpoint|initial>[_<dir name>][_step_<N>].json)",
     )
     e.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
+    )
+
+
+def _add_plan_parser(sub) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="compile a run's programs on abstract shapes (nothing runs, no weights, no data) and print per-device "
+        "FLOPs, bytes, memory, collectives and layout, one JSON line per program",
+    )
+    pl.add_argument("config", help="a config file, e.g. configs/grpo_arithmetic.py")
+    pl.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="plan for N fake CPU devices (sets --xla_force_host_platform_device_count before JAX starts); "
+        "default: the devices JAX sees",
+    )
+    pl.add_argument(
+        "--programs",
+        default=None,
+        metavar="A,B",
+        help="which of update, rollout, engine_chunk, eval (default: the run's update, rollout or engine chunk, eval)",
+    )
+    pl.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
     )
 
@@ -312,6 +339,40 @@ def _train_or_lose_a_peer(train, cfg, workdir: pathlib.Path, allow_config_change
         os._exit(1)  # skips JAX's exit-time shutdown, which would wait for the lost process
 
 
+def _fake_devices(n: int) -> None:
+    """Make JAX (not yet imported) start with n CPU devices; checked once JAX has started (`_plan`)."""
+    if n < 1:
+        raise UserError(f"--devices {n}: expected a positive number of devices")
+    if "jax" in sys.modules:
+        return  # too late to choose; _plan refuses a device count that does not match
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _plan(args) -> int:
+    """`jaxrl plan`: one JSON line per program on stdout, a summary line each on stderr."""
+    import json
+
+    if args.devices is not None:
+        _fake_devices(args.devices)
+    cfg = load_config(args.config, args.overrides)
+    import jax
+
+    from jaxrl.train.plan import parse_programs, plan, summary_line
+
+    if args.devices is not None and jax.device_count() != args.devices:
+        raise UserError(
+            f"--devices {args.devices}: JAX had already started in this process with {jax.device_count()} "
+            "device(s); run `jaxrl plan` in a fresh process"
+        )
+    programs = parse_programs(args.programs) if args.programs is not None else None
+    for record in plan(cfg, programs):
+        print(json.dumps(record), flush=True)
+        print(summary_line(record), file=sys.stderr, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -345,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "convert":
             return _convert(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "variants":
             if args.config is not None:
                 load_config(args.config)  # runs the file: its register_preset calls

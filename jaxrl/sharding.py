@@ -18,23 +18,28 @@ and each process feeds and reads only the rows its own devices hold (`process_ro
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.config import ConfigError, MeshConfig
 from jaxrl.models.parallel import Parallel, rows_axis
 
 Rule = tuple  # (logical name, mesh axis | tuple of mesh axes)
+AnyMesh = Mesh | AbstractMesh  # the layout functions read only the axis sizes
 
 
 class MeshPreset(NamedTuple):
     axis_names: tuple[str, ...]
     rules: tuple[Rule, ...]  # logical name -> mesh axis (or axes)
+    # `mesh.allow_replicated`: patterns (fnmatch) of parameter paths ("blocks/attn/k") whose dimensions
+    # that do not divide over their mesh axis are replicated instead of an error; make_mesh sets it.
+    allow_replicated: tuple[str, ...] = ()
 
 
 PRESETS = {
@@ -82,7 +87,7 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> tuple[Mesh, MeshPreset]:
     devices = list(devices if devices is not None else jax.devices())
-    preset = PRESETS[cfg.preset]
+    preset = PRESETS[cfg.preset]._replace(allow_replicated=tuple(cfg.allow_replicated))
     shape = mesh_shape(cfg, len(devices))
     if cfg.preset == "single" and jax.process_count() > 1:
         raise ConfigError(
@@ -113,7 +118,7 @@ def layout_line(mesh: Mesh, preset_name: str, shardings, params) -> str:
     )
 
 
-def _axis_size(mesh: Mesh, axis) -> int:
+def _axis_size(mesh: AnyMesh, axis) -> int:
     if axis is None:
         return 1
     return int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
@@ -123,29 +128,107 @@ def _is_axes(x) -> bool:
     return isinstance(x, P) or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
 
 
-def spec_for(mesh: Mesh, preset: MeshPreset, logical: tuple, shape: tuple | None = None) -> P:
-    """Logical axis names -> PartitionSpec; with `shape`, a dimension that does not divide over its
-    mesh axis (e.g. 1 kv head over tensor=2) is replicated instead."""
+def param_path(path) -> str:
+    """A pytree key path as the parameter name errors and `mesh.allow_replicated` use: "blocks/attn/k"."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def replication_allowed(preset: MeshPreset, name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in preset.allow_replicated)
+
+
+class NotDividing(NamedTuple):
+    """A parameter dimension that does not divide over the mesh axis its logical name maps to."""
+
+    dim: int  # index into the shape
+    size: int
+    logical: str
+    axis: Any  # mesh axis name or tuple of names
+    devices: int  # the axis's size
+
+    def describe(self, name: str) -> str:
+        return (
+            f"parameter {name}: dimension {self.dim} ({self.logical!r}, size {self.size}) does not divide over "
+            f"mesh axis {self.axis!r} of {self.devices} devices"
+        )
+
+
+def _dims(mesh: AnyMesh, preset: MeshPreset, logical: tuple, shape: tuple) -> list[tuple[Any, NotDividing | None]]:
+    """Per dimension: (its mesh axis or None, the NotDividing when its axis does not divide it)."""
     rules = dict(preset.rules)
-    axes = [rules.get(name) if name is not None else None for name in logical]
-    if shape is not None:
-        axes = [a if a is not None and dim % _axis_size(mesh, a) == 0 else None for a, dim in zip(axes, shape)]
+    out = []
+    for i, (name, dim) in enumerate(zip(logical, shape)):
+        axis = rules.get(name) if name is not None else None
+        n = _axis_size(mesh, axis)
+        out.append((axis, None) if axis is None or dim % n == 0 else (axis, NotDividing(i, dim, str(name), axis, n)))
+    return out
+
+
+def spec_for(mesh: AnyMesh, preset: MeshPreset, logical: tuple, shape: tuple | None = None, name: str = "") -> P:
+    """Logical axis names -> PartitionSpec. With `shape` (of the parameter `name`), a dimension that
+    does not divide over its mesh axis (e.g. 1 kv head over tensor=2) is a ConfigError naming the
+    parameter, the dimension and the axis, or replicated when `preset.allow_replicated` matches `name`."""
+    if shape is None:
+        rules = dict(preset.rules)
+        return P(*(rules.get(n) if n is not None else None for n in logical))
+    axes = []
+    for axis, bad in _dims(mesh, preset, logical, shape):
+        if bad is not None and not replication_allowed(preset, name):
+            raise ConfigError(
+                f"{bad.describe(name or '?')}: choose a device count or mesh size that divides it, or replicate "
+                f"that dimension with mesh.allow_replicated (e.g. --set mesh.allow_replicated={name or '*'})"
+            )
+        axes.append(None if bad is not None else axis)
     return P(*axes)
 
 
 def param_shardings(mesh: Mesh, preset: MeshPreset, logical_tree: Any, abstract_tree: Any = None) -> Any:
     """A pytree of logical-axis specs (e.g. `param_logical_axes(cfg)`) -> NamedShardings. With the
-    matching abstract (or concrete) params, non-dividing dimensions are replicated."""
+    matching abstract (or concrete) params, a dimension that does not divide over its mesh axis is a
+    ConfigError (`spec_for`) unless `preset.allow_replicated` names the parameter."""
     if abstract_tree is None:
         return jax.tree.map(
             lambda ax: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax))), logical_tree, is_leaf=_is_axes
         )
-    return jax.tree.map(
-        lambda ax, a: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax), a.shape)),
+    return jax.tree_util.tree_map_with_path(
+        lambda path, ax, a: NamedSharding(mesh, spec_for(mesh, preset, tuple(ax), a.shape, param_path(path))),
         logical_tree,
         abstract_tree,
         is_leaf=_is_axes,
     )
+
+
+def layout_of(mesh: AnyMesh, preset: MeshPreset, logical_tree: Any, abstract_tree: Any) -> dict:
+    """Which parameters `param_shardings` splits and which it replicates, and why:
+    {"split": [{name, shape, spec, and `why` when a dimension was replicated by mesh.allow_replicated}],
+    "replicated": [{name, shape, why}]}."""
+    split, kept = [], []
+    rules = dict(preset.rules)
+
+    def visit(path, ax, a):
+        name, logical, shape = param_path(path), tuple(ax), tuple(a.shape)
+        dims = _dims(mesh, preset, logical, shape)
+        spec = spec_for(mesh, preset, logical, shape, name)
+        bad = [b for _, b in dims if b is not None]
+        allowed = "; ".join(b.describe(name) for b in bad) + " (replicated: mesh.allow_replicated)"
+        if any(s is not None for s in spec):
+            split.append({"name": name, "shape": list(shape), "spec": str(spec), **({"why": allowed} if bad else {})})
+            return
+        if bad:
+            why = allowed
+        elif mesh.size == 1:
+            why = "one device"
+        elif any(axis is not None for axis, _ in dims):
+            why = "its mesh axes have one device"
+        else:
+            named = [n for n in logical if n is not None]
+            why = f"mesh.preset maps none of its logical axes {named} to a mesh axis" + (
+                "" if rules else " (the preset replicates every parameter)"
+            )
+        kept.append({"name": name, "shape": list(shape), "why": why})
+
+    jax.tree_util.tree_map_with_path(visit, logical_tree, abstract_tree, is_leaf=_is_axes)
+    return {"split": split, "replicated": kept}
 
 
 def parallel_for(mesh: Mesh, preset: MeshPreset) -> Parallel | None:

@@ -31,6 +31,21 @@ def test_rollout_small_prints_json_last(capsys):
     assert result["decode_segments"] == 2
 
 
+@pytest.mark.slow
+def test_scaling_small_prints_ratios_against_one_device(capsys):
+    """scaling.py --small on 1 and 2 fake devices (each its own child), data preset, one microbatch."""
+    result = run_benchmark_here("scaling.py", "--small", "--presets", "data", "--microbatches", "1", capsys=capsys)
+    assert result["config"] == "tiny" and result["devices"] == [1, 2]
+    cases = {c["program"]: c for c in result["cases"]}
+    assert sorted(cases) == ["engine_chunk", "rollout", "update"] and all(c["devices"] == 2 for c in cases.values())
+    for c in cases.values():  # the ratio is the 2-device figure x 2 over the one-device figure
+        one = [r for r in result["one_device"] if r["program"] == c["program"]][0]
+        assert c["flops_ratio"] == round(c["flops_per_device"] * 2 / one["flops"], 3)
+    assert result["dp_flops_ratio_max"] == max(c["flops_ratio"] for c in cases.values())
+    assert result["dp_temp_ratio_max"] == max(c["temp_ratio"] for c in cases.values())
+    assert cases["update"]["collectives"].get("all-reduce", 0) > 0  # the gradients are summed over the devices
+
+
 def test_model_flops_per_token_matches_hand_count():
     cfg = ModelConfig(
         vocab_size=10, d_model=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=3, mlp_dim=5, tie_embeddings=False

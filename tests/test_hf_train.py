@@ -186,7 +186,9 @@ from jaxrl.sharding import parallel_for, make_mesh
 
 assert jax.device_count() == 8
 out = {}
-for d, preset, sizes in ((sys.argv[1], "fsdp_tensor", {"tensor": 2}), (sys.argv[2], "fsdp_expert", {"expert": 2})):
+# The stand-in has 1 kv head: under tensor=2 its k and v projections (and biases) are replicated, by opt-in.
+TP = {"tensor": 2, "allow_replicated": ("blocks/attn/[kv]*",)}
+for d, preset, sizes in ((sys.argv[1], "fsdp_tensor", TP), (sys.argv[2], "fsdp_expert", {"expert": 2})):
     cfg, ref = hf.load(d)
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (8, 12)))
     want = np.asarray(forward(ref, cfg, tokens, jnp.ones(tokens.shape, bool)))

@@ -286,11 +286,16 @@ class MeshConfig:
     """How devices are laid out (jaxrl.sharding.PRESETS). `single`: one device; `data`: batch over
     all devices, params replicated; `fsdp`: batch and params' embed axis over all devices;
     `fsdp_tensor`: (fsdp, tensor) with mlp/heads/vocab over `tensor`; `fsdp_expert`: (fsdp, expert)
-    with experts over `expert`. fsdp is the devices left over: devices / tensor (or / expert)."""
+    with experts over `expert`. fsdp is the devices left over: devices / tensor (or / expert).
+
+    allow_replicated: parameter paths (fnmatch patterns such as "blocks/attn/k", "blocks/*" or "*")
+    whose dimensions that do not divide over their mesh axis are replicated; for any other parameter such
+    a dimension is an error naming it (jaxrl.sharding.spec_for). () = none allowed."""
 
     preset: str = "single"
     tensor: int = 1  # size of the tensor axis (fsdp_tensor only)
     expert: int = 1  # size of the expert axis (fsdp_expert only)
+    allow_replicated: tuple[str, ...] = ()
 
     def validate(self, prefix: str = "mesh") -> None:
         presets = ("single", "data", "fsdp", "fsdp_tensor", "fsdp_expert")
@@ -303,6 +308,20 @@ class MeshConfig:
                 f"{prefix}.{name}",
                 f"1 unless mesh.preset={owner!r} (preset is {self.preset!r})",
                 v,
+            )
+        for pattern in self.allow_replicated:
+            _check(
+                isinstance(pattern, str) and pattern.strip() == pattern and pattern != "",
+                f"{prefix}.allow_replicated",
+                "parameter path patterns such as 'blocks/attn/k' or '*' (non-empty, no surrounding spaces)",
+                self.allow_replicated,
+            )
+            _check(
+                pattern.count("[") == pattern.count("]"),
+                f"{prefix}.allow_replicated",
+                "patterns with balanced [...] (--set drops a trailing ']': end the pattern with '*' or set it in "
+                "the config file)",
+                self.allow_replicated,
             )
 
 

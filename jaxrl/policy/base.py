@@ -28,6 +28,8 @@ def build_base(cfg: Config, progress: bool, mesh, preset):
     """-> (tokenizer, model config, task, the base params laid out by the preset, the base's path, their
     shardings)."""
     tokenizer, model_cfg = resolve_policy(cfg)  # the task brings its alphabet (an environment's: its suite's)
+    # The params' layout first: a dimension that does not divide its mesh axis is an error before any work.
+    param_sh = shardings_for(model_cfg, mesh, preset)
     spec = get_task(cfg.data.task)
     alphabet = None if cfg.model.hf_path else tokenizer.alphabet  # records the character model cannot read
     if spec.episodic:  # a prompt that cannot fit is an error before the warm start, not after it
@@ -42,8 +44,7 @@ def build_base(cfg: Config, progress: bool, mesh, preset):
         task = task or load_task(cfg.data, alphabet=alphabet)
     else:
         task = load_task(cfg.data, alphabet=alphabet)
-    # The base policy is restored straight into its sharded layout.
-    param_sh = shardings_for(model_cfg, mesh, preset)
+    # The base policy is restored straight into its sharded layout (param_sh).
     if cfg.model.hf_path:  # a pretrained checkpoint brings its tokenizer, architecture and weights
         base_path = pathlib.Path(cfg.model.hf_path)
         return tokenizer, model_cfg, task, load_params(base_path.expanduser(), model_cfg, param_sh), base_path, param_sh

@@ -68,5 +68,6 @@ def checkpoint_config(model: ModelConfig) -> ModelConfig:
 
 
 def shardings_for(model_cfg: ModelConfig, mesh, preset) -> Any:
-    """The params' NamedShardings under the mesh preset (non-dividing dimensions replicated)."""
+    """The params' NamedShardings under the mesh preset; a dimension that does not divide over its mesh
+    axis is a ConfigError unless `mesh.allow_replicated` (carried by `preset`) names the parameter."""
     return param_shardings(mesh, preset, param_logical_axes(model_cfg), abstract_params(model_cfg))

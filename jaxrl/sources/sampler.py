@@ -54,6 +54,25 @@ class Rollout(NamedTuple):
     routing_BxSxLxK: jax.Array | None = None  # MoE only: the global array, laid out by its name
 
 
+def prompt_sharding(mesh, preset, n_prompts: int):
+    """The step's prompts split over the batch axes when they divide (else replicated); the completion
+    rows always are (`rollout.prompts_per_step*group_size` is checked to divide)."""
+    return batch_sharding(mesh, preset) if n_prompts % batch_devices(mesh, preset) == 0 else replicated(mesh)
+
+
+def jit_plain_rollout(model_cfg, sample_kw: dict, mesh, preset, param_sh, prompt_sh, args: tuple):
+    """The static sampler jitted on the run's layout: (params, prompt_BxP, prompt_mask_BxP, rng) ->
+    SampleOutput laid out by field name; `args` (abstract is enough) give the output's shapes.
+    `jaxrl plan` compiles this same program."""
+    ep = parallel_for(mesh, preset)  # MoE: the experts' mesh axis, as the update's (`make_logp_fn`)
+
+    def rollout(p, t, m, r):
+        return sample(p, model_cfg, t, m, r, **sample_kw, parallel=ep)
+
+    out_sh = named_shardings(mesh, preset, jax.eval_shape(rollout, *args))
+    return jax.jit(rollout, in_shardings=(param_sh, prompt_sh, prompt_sh, replicated(mesh)), out_shardings=out_sh)
+
+
 class SamplerSource:
     """The static sampler; speculative (with its host-side control) when configured.
     `produce(params, prompt_BxP, prompt_mask_BxP, rng, step) -> (Rollout, metrics)`: completions for
@@ -77,9 +96,8 @@ class SamplerSource:
         rc, self.spec = cfg.rollout, cfg.rollout.speculative
         self.G, self.T, self.pad_id = rc.group_size, rc.max_new_tokens, tokenizer.pad_id
         self.n_prompts, self.B = rc.prompts_per_step, rc.prompts_per_step * rc.group_size
-        self.rows_sh, rep = batch_sharding(mesh, preset), replicated(mesh)
-        # Prompts are split over the batch axes when they divide (else replicated); completion rows always are.
-        self.prompt_sh = self.rows_sh if self.n_prompts % batch_devices(mesh, preset) == 0 else rep
+        self.rows_sh = batch_sharding(mesh, preset)
+        self.prompt_sh = prompt_sharding(mesh, preset, self.n_prompts)
         self.drafts = None
         if self.spec.enabled and self.spec.drafter == "reuse":  # the store is checkpointed: a resume drafts alike
             self.drafts = DraftStore.from_state(host["spec_drafts"]) if "spec_drafts" in host else DraftStore()
@@ -129,10 +147,8 @@ class SamplerSource:
             in_shardings=(param_sh, self.prompt_sh, self.prompt_sh, rep, self.spec_sh),
             out_shardings=(out_sh, rep if spec.enabled else None),
         )
-        self._rollout_plain = jax.jit(
-            lambda p, t, m, r: sample(p, model_cfg, t, m, r, **sample_kw, parallel=ep),
-            in_shardings=(param_sh, self.prompt_sh, self.prompt_sh, rep),
-            out_shardings=out_sh,
+        self._rollout_plain = jit_plain_rollout(
+            model_cfg, sample_kw, mesh, preset, param_sh, self.prompt_sh, (params, prompts_spec, prompts_spec, rng)
         )
 
     def _spec_inputs(self, prompt_BxP, prompt_mask_BxP) -> dict:

@@ -207,7 +207,7 @@ def build_run(
     tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)
     if mesh.size > 1 and is_primary():
         print(layout_line(mesh, cfg.mesh.preset, param_sh, base_params), file=sys.stderr)
-    optimizer = make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs * tc.minibatches)
+    optimizer = run_optimizer(cfg)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     layout = (mesh, preset, param_sh, rep)
     if cfg.model.lora.enabled:  # adapters trained, the base frozen; the reference is the base (no copy)
@@ -223,30 +223,7 @@ def build_run(
     policy = lora_state.policy_fn(lora, state_sh, param_sh)
     log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
 
-    parallel = parallel_for(mesh, preset)  # the rollout's too (rollout_source), not an ambient mesh
-    logp_fn = make_logp_fn(
-        model_cfg,
-        rc.temperature,
-        routing_replay=tc.routing_replay,
-        prompt_groups=prompt_groups(cfg),
-        logits_chunk=tc.logits_chunk,
-        remat=tc.remat,
-        parallel=parallel,
-    )
-    # The advantages (and a reference forward, when the loss needs one) are computed inside the update.
-    update_fn = functools.partial(
-        make_update_step,
-        logp_fn,
-        loss,
-        optimizer,
-        ppo_epochs=tc.ppo_epochs,
-        minibatches=tc.minibatches,
-        max_new_tokens=rc.max_new_tokens,
-        group_size=G,
-        use_ref=loss.needs_ref,
-        merge=lora_state.merge_fn(lora),
-        parallel=parallel,
-    )
+    update_fn = update_builder(cfg, model_cfg, loss, optimizer, parallel_for(mesh, preset), lora)
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
     # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
     source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, layout, (policy(state), state.rng), rows, host)
@@ -268,6 +245,54 @@ def build_run(
         lora,
     )
     return run, state, stream, resumed_step or 0
+
+
+def run_optimizer(cfg: Config):
+    """The run's optimizer; its schedule counts optimizer updates: steps x PPO epochs x mini-batches."""
+    tc = cfg.train
+    return make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs * tc.minibatches)
+
+
+def update_builder(cfg: Config, model_cfg, loss: Loss, optimizer, parallel, lora) -> Callable:
+    """update_for(microbatches=n) -> the pure update step (`make_update_step`) a run with `cfg` jits:
+    the logp function of the resolved `model_cfg` with the train.* memory options and the run's one
+    `parallel` (`sharding.parallel_for`, the rollout's too, not an ambient mesh); the advantages (and a
+    reference forward when the loss needs one) are computed inside the update. `jaxrl plan` compiles
+    the same step."""
+    tc, rc = cfg.train, cfg.rollout
+    logp_fn = make_logp_fn(
+        model_cfg,
+        rc.temperature,
+        routing_replay=tc.routing_replay,
+        prompt_groups=prompt_groups(cfg),
+        logits_chunk=tc.logits_chunk,
+        remat=tc.remat,
+        parallel=parallel,
+    )
+    return functools.partial(
+        make_update_step,
+        logp_fn,
+        loss,
+        optimizer,
+        ppo_epochs=tc.ppo_epochs,
+        minibatches=tc.minibatches,
+        max_new_tokens=rc.max_new_tokens,
+        group_size=rc.group_size,
+        use_ref=loss.needs_ref,
+        merge=lora_state.merge_fn(lora),
+        parallel=parallel,
+    )
+
+
+def jit_update(update_for: Callable, microbatches: int, shardings: tuple, rep) -> Callable:
+    """The jitted update with `microbatches`: shardings = (the state's, the batch's {name: sharding});
+    metrics replicated, the state donated."""
+    return jax.jit(
+        update_for(microbatches=microbatches),
+        in_shardings=shardings,
+        out_shardings=(shardings[0], rep),
+        donate_argnums=0,
+    )
 
 
 def prompt_groups(cfg: Config) -> int:
@@ -347,12 +372,7 @@ def _lazily_jitted_update(update_for, tc, state_sh, rep) -> Callable:
             shardings = (state_sh, {k: v.sharding for k, v in batch.items()})
 
             def jit_for(n):
-                return jax.jit(
-                    update_for(microbatches=n),
-                    in_shardings=shardings,
-                    out_shardings=(state_sh, rep),
-                    donate_argnums=0,
-                )
+                return jit_update(update_for, n, shardings, rep)
 
             rows = batch["completion_mask_BxT"].shape[0] // tc.minibatches  # per optimizer step
             jitted.append(
@@ -403,16 +423,28 @@ def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int,
     return still_pending, stopping
 
 
-def _initial_state(base_params, optimizer, seed: int, param_sh, rep, *, with_ref: bool):
-    """(state, its shardings), laid out by the preset: eval_shape -> shardings -> jit(init, out_shardings).
-    `with_ref` (the loss's needs_ref) adds a reference copy of the base params; without it
-    state.ref_params is None and no checkpoint holds one."""
+def state_maker(optimizer, seed: int) -> Callable:
+    """make_state(params[, ref_params]) -> the initial TrainState (a reference copy when given one)."""
 
     def make_state(params, *ref_params):
         return init_state(params, optimizer, jax.random.key(seed), ref_params=ref_params[0] if ref_params else None)
 
+    return make_state
+
+
+def full_state_shardings(base_params, optimizer, seed: int, param_sh, rep, *, with_ref: bool) -> TrainState:
+    """The shardings of a full fine-tuning state over `base_params` (concrete or abstract): params, the
+    optimizer's moments and the reference copy laid out like the params, scalars replicated."""
+    args = (base_params,) * (2 if with_ref else 1)
+    return state_shardings(optimizer, jax.eval_shape(state_maker(optimizer, seed), *args), param_sh, rep)
+
+
+def _initial_state(base_params, optimizer, seed: int, param_sh, rep, *, with_ref: bool):
+    """(state, its shardings), laid out by the preset: eval_shape -> shardings -> jit(init, out_shardings).
+    `with_ref` (the loss's needs_ref) adds a reference copy of the base params; without it
+    state.ref_params is None and no checkpoint holds one."""
     # The reference is a copy: donating a state whose two fields share buffers is an error.
     args = (base_params, jax.tree.map(jnp.copy, base_params)) if with_ref else (base_params,)
-    state_sh = state_shardings(optimizer, jax.eval_shape(make_state, *args), param_sh, rep)
-    state = jax.jit(make_state, in_shardings=(param_sh,) * len(args), out_shardings=state_sh)(*args)
+    state_sh = full_state_shardings(base_params, optimizer, seed, param_sh, rep, with_ref=with_ref)
+    state = jax.jit(state_maker(optimizer, seed), in_shardings=(param_sh,) * len(args), out_shardings=state_sh)(*args)
     return state, state_sh

@@ -49,7 +49,17 @@ def initial_state(
     """(state, its shardings, `run` with the base's fingerprint): adapters from `init_adapters` (B = 0:
     the policy is the base) and the base from `store_base`. layout = (mesh, preset, param_sh, rep):
     adapters and base are sharded by the preset's rules through their logical axes, as params are."""
-    mesh, preset, param_sh, rep = layout
+    make_state, state_sh = state_layout(base_params, optimizer, seed, run, layout)
+    state = jax.jit(make_state, in_shardings=(layout[2],), out_shardings=state_sh)(base_params)
+    return state, state_sh, run._replace(fingerprint=lora.fingerprint(state.base))
+
+
+def state_layout(
+    base_params: Any, optimizer: optax.GradientTransformation, seed: int, run: LoraRun, layout: tuple
+) -> tuple[Callable, TrainState]:
+    """(make_state: base params -> the initial LoRA state, the state's shardings) for base params that
+    may be abstract (`jaxrl plan`). layout = (mesh, preset, param_sh, rep)."""
+    mesh, preset, _, rep = layout
 
     def make_state(params):
         adapters = lora.init_adapters(params, run.logical, run.cfg, adapter_key(seed))
@@ -61,9 +71,7 @@ def initial_state(
         mesh, preset, lora.adapter_logical_axes(base_params, run.logical, run.cfg), abstract.params
     )
     base_sh = param_shardings(mesh, preset, lora.base_logical_axes(run.logical, run.cfg, base_params), abstract.base)
-    state_sh = state_shardings(optimizer, abstract, adapter_sh, rep, base_sh)
-    state = jax.jit(make_state, in_shardings=(param_sh,), out_shardings=state_sh)(base_params)
-    return state, state_sh, run._replace(fingerprint=lora.fingerprint(state.base))
+    return make_state, state_shardings(optimizer, abstract, adapter_sh, rep, base_sh)
 
 
 def merge_fn(run: LoraRun | None) -> Callable | None:

@@ -1,0 +1,336 @@
+"""`jaxrl plan`: what each of a run's programs costs per device, from XLA, before anything runs.
+
+    records = plan(cfg)                       # one dict per program, on the devices JAX sees
+    records = plan(cfg, ("update", "engine_chunk"))
+
+Every program is lowered and compiled on abstract inputs (`jax.ShapeDtypeStruct`s placed with the
+run's shardings): no weights are loaded, no dataset is read, nothing is executed. The model comes from
+the config (`model.hf_path`: its config.json only). The programs are the ones `jaxrl train` builds:
+
+    update        the jitted update (`loop.update_builder`, `loop.jit_update`), on the batch the rollout
+                  hands it (the static sampler's fields, or the engine's with group_id_B and stale_BxT)
+    rollout       the static sampler (`rollout.sampler.sample`, as `sources.sampler.SamplerSource`
+                  jits it; the speculative sampler is not planned)
+    engine_chunk  one `decode_chunk` of the slot engine on its split params, the slots' rows split
+                  over the batch axes when they divide
+    eval          the evaluator's greedy chunk sampler (`train.evaluate.make_chunk_sampler`)
+
+Each record: per-device FLOPs and bytes accessed (XLA's cost analysis of the partitioned program),
+per-device memory in MiB (arguments, temporaries, outputs, aliased), the collectives of the compiled
+HLO by kind (static counts in the program text: one inside a loop body counts once), and the layout
+(which parameters are split, which replicated and why; how the other inputs are laid out). A
+parameter dimension that does not divide over its mesh axis is a ConfigError (`sharding.spec_for`)
+before anything compiles, unless `mesh.allow_replicated` names the parameter.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.config import Config, ConfigError
+from jaxrl.data.registry import get_task
+from jaxrl.data.rewards import REWARD_NAMES
+from jaxrl.losses import check_rollout, make_loss
+from jaxrl.models.transformer import abstract_params, param_logical_axes
+from jaxrl.policy.resolve import checkpoint_config, resolve_policy, shardings_for
+from jaxrl.rollout.engine.state import EngineSpec, decode_chunk, init_state, split_params, state_shardings
+from jaxrl.rollout.sampler import SamplingParams
+from jaxrl.sharding import (
+    check_batch_divides,
+    layout_of,
+    make_mesh,
+    named_sharding,
+    parallel_for,
+    replicated,
+)
+from jaxrl.sources.sampler import jit_plain_rollout, prompt_sharding
+from jaxrl.train import lora_state
+from jaxrl.train.evaluate import EVAL_CHUNK, make_chunk_sampler, rows_sharding
+from jaxrl.train.loop import full_state_shardings, jit_update, run_optimizer, state_maker, update_builder
+from jaxrl.train.memory_budget import choose_microbatches
+
+PROGRAMS = ("update", "rollout", "engine_chunk", "eval")
+COLLECTIVES: tuple[str, ...] = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+_COLLECTIVE_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+MIB = 2**20
+
+
+class _Ids(NamedTuple):
+    """The token ids a program's graph depends on (SamplingParams' eos/pad), without a tokenizer file."""
+
+    eos_id: int
+    pad_id: int
+
+
+class _Run(NamedTuple):
+    """What every program's plan needs, built once."""
+
+    cfg: Config
+    model_cfg: Any
+    ids: _Ids
+    mesh: Any
+    preset: Any
+    params: Any  # abstract params placed with their shardings
+    param_sh: Any
+    rep: Any
+    parallel: Any
+    layout: dict  # `sharding.layout_of` the params
+
+
+def default_programs(cfg: Config) -> tuple[str, ...]:
+    """The programs a run with `cfg` compiles: its update, its rollout (the static sampler, or the slot
+    engine's chunk for the engine and for episodes), its evaluation."""
+    engine = cfg.rollout.engine.enabled or get_task(cfg.data.task).episodic
+    return ("update", "engine_chunk" if engine else "rollout", "eval")
+
+
+def parse_programs(text: str) -> tuple[str, ...]:
+    """`update,rollout` -> ("update", "rollout"); a ConfigError naming --programs otherwise."""
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [n for n in names if n not in PROGRAMS]
+    if not names or bad:
+        raise ConfigError(f"--programs: got {text!r}, expected a comma-separated subset of {', '.join(PROGRAMS)}")
+    return names
+
+
+def plan(cfg: Config, programs: tuple[str, ...] | None = None) -> list[dict]:
+    """One record per program (module docstring), compiled for the devices JAX sees. Config mistakes
+    (a batch or parameter dimension that does not divide, a bad loss) are ConfigErrors before any compile."""
+    run = _setup(cfg)
+    builders: dict[str, Callable[[_Run], tuple[Any, dict]]] = {
+        "update": _update,
+        "rollout": _rollout,
+        "engine_chunk": _engine_chunk,
+        "eval": _eval,
+    }
+    records = []
+    for name in programs or default_programs(cfg):
+        compiled, extra = builders[name](run)
+        records.append(describe(name, compiled, run, extra))
+    return records
+
+
+def _setup(cfg: Config) -> _Run:
+    rc = cfg.rollout
+    mesh, preset = make_mesh(cfg.mesh)
+    B = rc.prompts_per_step * rc.group_size
+    check_batch_divides(mesh, preset, B, "rollout.prompts_per_step*rollout.group_size")
+    if cfg.model.hf_path:  # the architecture from config.json; token ids only fix two constants of the graph
+        model_cfg, ids = checkpoint_config(cfg.model), _Ids(0, 0)
+    else:
+        tokenizer, model_cfg = resolve_policy(cfg)
+        ids = _Ids(tokenizer.eos_id, tokenizer.pad_id)
+    param_sh = shardings_for(model_cfg, mesh, preset)  # the non-dividing check, before any compile
+    layout = layout_of(mesh, preset, param_logical_axes(model_cfg), abstract_params(model_cfg))
+    return _Run(
+        cfg,
+        model_cfg,
+        ids,
+        mesh,
+        preset,
+        abstract_params(model_cfg, param_sh),
+        param_sh,
+        replicated(mesh),
+        parallel_for(mesh, preset),
+        layout,
+    )
+
+
+def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _placed(tree, shardings):
+    return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), tree, shardings)
+
+
+def _key(rep) -> jax.ShapeDtypeStruct:
+    k = jax.eval_shape(lambda: jax.random.key(0))
+    return _sds(k.shape, k.dtype, rep)
+
+
+def abstract_batch(cfg: Config, model_cfg, routing=None) -> dict:
+    """The update's batch as ShapeDtypeStructs, by field name: the static sampler's fields, plus the
+    engine's group_id_B and stale_BxT when it draws the rows; `routing` (MoE replay): its struct."""
+    rc = cfg.rollout
+    B, P, T = rc.prompts_per_step * rc.group_size, cfg.data.max_prompt_len, rc.max_new_tokens
+    f32, i32 = jnp.float32, jnp.int32
+    batch = {
+        "prompt_tokens_BxP": ((B, P), i32),
+        "prompt_mask_BxP": ((B, P), jnp.bool_),
+        "tokens_BxT": ((B, T), i32),
+        "completion_mask_BxT": ((B, T), f32),
+        "rollout_logp_BxT": ((B, T), f32),
+        "truncated_B": ((B,), f32),
+        "rewards_BxK": ((B, len(REWARD_NAMES)), f32),
+    }
+    if cfg.rollout.engine.enabled or get_task(cfg.data.task).episodic:
+        batch.update({"group_id_B": ((B,), i32), "stale_BxT": ((B, T), f32)})
+    out = {k: jax.ShapeDtypeStruct(*v) for k, v in batch.items()}
+    if routing is not None:
+        out["routing_BxSxLxK"] = routing
+    return out
+
+
+def _rollout_jit(run: _Run):
+    """(the static sampler jitted as the loop's SamplerSource jits it, its abstract arguments)."""
+    cfg, rc = run.cfg, run.cfg.rollout
+    sampling = SamplingParams.of_rollout(rc, eos_id=run.ids.eos_id, pad_id=run.ids.pad_id)
+    prompt_sh = prompt_sharding(run.mesh, run.preset, rc.prompts_per_step)
+    prompts = _sds((rc.prompts_per_step, cfg.data.max_prompt_len), jnp.int32, prompt_sh)
+    args = (run.params, prompts, prompts, _key(run.rep))
+    kw = dict(sampling=sampling, group_size=rc.group_size)
+    return jit_plain_rollout(run.model_cfg, kw, run.mesh, run.preset, run.param_sh, prompt_sh, args), args
+
+
+def _rollout(run: _Run) -> tuple[Any, dict]:
+    jitted, args = _rollout_jit(run)
+    note = "the plain sampler (rollout.speculative is not planned)" if run.cfg.rollout.speculative.enabled else None
+    inputs = {"prompt_tokens_BxP": str(args[1].sharding.spec), "rng": "P()"}
+    return jitted.lower(*args).compile(), {"inputs": inputs, **({"note": note} if note else {})}
+
+
+def _update(run: _Run) -> tuple[Any, dict]:
+    cfg, tc = run.cfg, run.cfg.train
+    loss = make_loss(cfg.loss)
+    check_rollout(cfg.loss.preset, cfg.rollout.group_size)
+    optimizer = run_optimizer(cfg)
+    base = abstract_params(run.model_cfg)
+    lora = None
+    if cfg.model.lora.enabled:
+        lora = lora_state.LoraRun(cfg.model.lora, param_logical_axes(run.model_cfg), pathlib.Path(""), [])
+        make_state, state_sh = lora_state.state_layout(
+            base, optimizer, tc.seed, lora, (run.mesh, run.preset, run.param_sh, run.rep)
+        )
+        state = jax.eval_shape(make_state, base)
+    else:
+        args = (base,) * (2 if loss.needs_ref else 1)
+        state_sh = full_state_shardings(base, optimizer, tc.seed, run.param_sh, run.rep, with_ref=loss.needs_ref)
+        state = jax.eval_shape(state_maker(optimizer, tc.seed), *args)
+    routing = None
+    if run.model_cfg.n_experts and tc.routing_replay and not cfg.rollout.engine.enabled:
+        jitted, args = _rollout_jit(run)
+        routing = jax.eval_shape(jitted, *args).routing_BxSxLxK
+    batch = abstract_batch(cfg, run.model_cfg, routing)
+    batch_sh = {k: named_sharding(run.mesh, run.preset, k) for k in batch}
+    shardings = (state_sh, batch_sh)
+    state, batch = _placed(state, state_sh), _placed(batch, batch_sh)
+    update_for = update_builder(cfg, run.model_cfg, loss, optimizer, run.parallel, lora)
+    compiled: dict[int, Any] = {}
+
+    def compile_for(n: int):
+        compiled[n] = jit_update(update_for, n, shardings, run.rep).lower(state, batch).compile()
+        return compiled[n]
+
+    extra: dict[str, Any] = {"inputs": {k: str(s.spec) for k, s in batch_sh.items()}}
+    if tc.microbatches == 0:  # as the loop chooses: the fewest that fit train.memory_budget_gib
+        rows = next(iter(batch.values())).shape[0] // tc.minibatches
+        n, tried = choose_microbatches(compile_for, rows, tc.memory_budget_gib)
+        extra["microbatches_tried_gib"] = {str(k): round(v, 4) for k, v in sorted(tried.items())}
+    else:
+        n = tc.microbatches
+        compile_for(n)
+    return compiled[n], {"microbatches": n, **extra}
+
+
+def _engine_chunk(run: _Run) -> tuple[Any, dict]:
+    cfg, rc = run.cfg, run.cfg.rollout
+    if rc.speculative.enabled:
+        raise ConfigError("--programs engine_chunk: rollout.speculative on the engine is not planned; leave it off")
+    sampling = SamplingParams.of_rollout(rc, eos_id=run.ids.eos_id, pad_id=run.ids.pad_id)
+    spec = EngineSpec.of_sampling(
+        run.model_cfg,
+        sampling,
+        slots=rc.engine.slots,
+        prompt_len=cfg.data.max_prompt_len,
+        group_size=rc.group_size,
+        parallel=run.parallel,
+    )
+    # The engine runs its chunks on split_params(params) (split once per collect): their layout is XLA's choice.
+    split = split_params.lower(run.params, cfg=run.model_cfg).compile()
+    lparams = _placed(jax.eval_shape(lambda p: split_params(p, cfg=run.model_cfg), run.params), split.output_shardings)
+    state = jax.eval_shape(lambda: init_state(spec, jax.random.key(0)))
+    state_sh = state_shardings(spec, state) or jax.tree.map(lambda _: run.rep, state)  # the engine's own layout
+    i32 = _sds((), jnp.int32, run.rep)
+    temperature = _sds((), jnp.float32, run.rep)
+    lowered = decode_chunk.lower(lparams, spec, _placed(state, state_sh), i32, i32, temperature)
+    slot_rows: Any = state_sh.last_S  # a NamedSharding in an EngineState-shaped tree
+    inputs = {"state (slot rows)": str(slot_rows.spec), "slots": rc.engine.slots}
+    return lowered.compile(), {"inputs": inputs}
+
+
+def _eval(run: _Run) -> tuple[Any, dict]:
+    cfg = run.cfg
+    n_dev = 1 if run.parallel is None else run.parallel.n_rows_devices
+    chunk = -(-min(EVAL_CHUNK, cfg.train.eval_prompts) // n_dev) * n_dev  # padded as `sample_in_chunks` pads
+    sampler = make_chunk_sampler(cfg, run.model_cfg, run.ids, group_size=1, greedy=True, parallel=run.parallel)
+    rows = run.rep if run.parallel is None else rows_sharding(run.parallel)
+    prompts = _sds((chunk, cfg.data.max_prompt_len), jnp.int32, rows)
+    mask = _sds((chunk, cfg.data.max_prompt_len), jnp.bool_, rows)
+    compiled = sampler.lower(run.params, prompt_BxP=prompts, prompt_mask_BxP=mask, rng=_key(run.rep)).compile()
+    return compiled, {"inputs": {"prompt_tokens_BxP": str(rows.spec), "prompts_per_call": chunk}}
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """{kind: number of such ops in the compiled HLO text} (async `-start` forms counted once)."""
+    counts: dict[str, int] = dict.fromkeys(COLLECTIVES, 0)
+    for m in _COLLECTIVE_OP.finditer(hlo_text):
+        counts[m.group(1)] += 1
+    return counts
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per module
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
+
+
+def memory_mib(compiled) -> dict[str, float]:
+    m = compiled.memory_analysis()
+
+    def mib(field: str) -> float:
+        return round(float(getattr(m, field, 0) or 0) / MIB, 3) if m is not None else 0.0
+
+    return {
+        "argument": mib("argument_size_in_bytes"),
+        "temp": mib("temp_size_in_bytes"),
+        "output": mib("output_size_in_bytes"),
+        "alias": mib("alias_size_in_bytes"),
+    }
+
+
+def describe(program: str, compiled, run: _Run, extra: dict) -> dict:
+    """The JSON record of one compiled program (module docstring)."""
+    cost = _cost(compiled)
+    return {
+        "program": program,
+        "devices": run.mesh.size,
+        "mesh": {"preset": run.cfg.mesh.preset, **{k: int(v) for k, v in run.mesh.shape.items()}},
+        "flops_per_device": float(cost.get("flops", 0.0)),
+        "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)),
+        "memory_mib": memory_mib(compiled),
+        "collectives": count_collectives(compiled.as_text()),
+        **extra,
+        "layout": run.layout,
+    }
+
+
+def summary_line(record: dict) -> str:
+    """One human line of a record (stderr)."""
+    mem = record["memory_mib"]
+    coll = ", ".join(f"{k} {v}" for k, v in record["collectives"].items() if v) or "none"
+    axes = ", ".join(f"{k}={v}" for k, v in record["mesh"].items() if k != "preset")
+    n_split, n_rep = len(record["layout"]["split"]), len(record["layout"]["replicated"])
+    return (
+        f"jaxrl plan: {record['program']} on {record['devices']} devices (mesh.preset={record['mesh']['preset']}: "
+        f"{axes}): {record['flops_per_device'] / 1e9:.4g} GFLOP and {record['bytes_accessed_per_device'] / MIB:.4g} "
+        f"MiB accessed per device; memory per device: arguments {mem['argument']:.4g}, temporaries {mem['temp']:.4g}, "
+        f"outputs {mem['output']:.4g} MiB; collectives: {coll}; params {n_split} split, {n_rep} replicated"
+    )
