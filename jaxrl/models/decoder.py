@@ -167,7 +167,6 @@ def _unrolled(
         (x_BxTxD, kv_out[i], _), st = _apply_layer(
             module, s.moe, p if s.sub is None else p[s.sub], carry, replay_BxTxK, call
         )
-        x_BxTxD = residual(ep, x_BxTxD)
         if s.moe:
             stats.append(st)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if stats else None
@@ -203,8 +202,13 @@ def run_decoder(
     `remat` (stacked only): the scanned units' rematerialisation (`models.remat`)."""
     index = jnp.asarray(index, jnp.int32)
     x_BxTxD = jnp.take(params["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(jnp.dtype(cfg.dtype))
-    x_BxTxD = residual(parallel, x_BxTxD)  # the rows stay where the batch is, whatever splits the weights
     per_layer = isinstance(params["blocks"], tuple)
+    # Stacked params (scoring, training, prefill): the rows stay where the batch is, whatever splits the
+    # weights, so fsdp gathers one layer's weights at a time inside the scan. Per-layer params (the decode
+    # loops): the layout is left to XLA, which keeps split weights in place and reduces the few rows'
+    # activations instead of holding a gathered copy of every layer for the whole loop.
+    layout = None if per_layer else parallel
+    x_BxTxD = residual(layout, x_BxTxD)
     if moe_mask_BxT is None and cfg.n_experts:
         T = tokens_BxT.shape[1]
         moe_mask_BxT = (
@@ -218,7 +222,7 @@ def run_decoder(
         if n_layers not in (None, cfg.n_layers):
             raise ValueError(f"run_decoder: n_layers={n_layers} needs per-layer params (`layer_params`)")
         x_BxTxD, kv, stats = _scanned(params, cfg, x_BxTxD, kv, call, replay_LxBxTxK, remat, parallel)
-    return rows(parallel, _head(params, cfg, x_BxTxD, num_logits, return_hidden)), kv, _moe_out(stats)
+    return rows(layout, _head(params, cfg, x_BxTxD, num_logits, return_hidden)), kv, _moe_out(stats)
 
 
 def _head(params, cfg: ModelConfig, x_BxTxD, num_logits: int | None, return_hidden: bool) -> jax.Array:

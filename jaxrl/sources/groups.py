@@ -165,7 +165,7 @@ class EngineSource:
         saved, arrays = self._saved(host)
         if _ENGINE_ITEM in saved:  # resumed: the samples in flight continue where the save left them
             self.engine.load_state(saved[_ENGINE_ITEM], arrays.get(_ENGINE_ITEM))
-        if "stream" in saved:
+        if self.local is not None and "stream" in saved:  # one process: the loop's own stream, not ours
             self.stream = from_arrays(saved["stream"])
         self.prompt_filter = BetaPromptFilter.from_config(
             cfg.rollout.engine, cfg.train.seed, saved.get(_FILTER_KEY), process=self.share.index
