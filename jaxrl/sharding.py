@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.config import ConfigError, MeshConfig
+from jaxrl.config import Config, ConfigError, MeshConfig
 from jaxrl.models.parallel import Parallel, rows_axis
 
 Rule = tuple  # (logical name, mesh axis | tuple of mesh axes)
@@ -69,8 +69,9 @@ PRESETS = {
 }
 
 
-def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
-    """The preset's mesh shape on `n_devices`; ConfigError naming the field if it does not fit."""
+def mesh_shape(cfg: MeshConfig, n_devices: int, prefix: str = "mesh") -> tuple[int, ...]:
+    """The preset's mesh shape on `n_devices`; ConfigError naming the field (under `prefix`: "mesh",
+    or "rollout.mesh" for the rollout's own layout) if it does not fit."""
     if cfg.preset == "single":
         return (1,)
     if cfg.preset in ("data", "fsdp"):
@@ -79,16 +80,17 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
     size = getattr(cfg, field)
     if n_devices % size:
         raise ConfigError(
-            f"mesh.{field}={size} does not divide the {n_devices} devices "
-            f"(mesh.preset={cfg.preset!r} needs devices = fsdp * {field})"
+            f"{prefix}.{field}={size} does not divide the {n_devices} devices "
+            f"({prefix}.preset={cfg.preset!r} needs devices = fsdp * {field})"
         )
     return (n_devices // size, size)
 
 
-def make_mesh(cfg: MeshConfig, devices: list | None = None) -> tuple[Mesh, MeshPreset]:
+def make_mesh(cfg: MeshConfig, devices: list | None = None, prefix: str = "mesh") -> tuple[Mesh, MeshPreset]:
+    """The mesh of `cfg` on `devices` (default `jax.devices()`), in their order; errors name `prefix`'s fields."""
     devices = list(devices if devices is not None else jax.devices())
     preset = PRESETS[cfg.preset]._replace(allow_replicated=tuple(cfg.allow_replicated))
-    shape = mesh_shape(cfg, len(devices))
+    shape = mesh_shape(cfg, len(devices), prefix)
     if cfg.preset == "single" and jax.process_count() > 1:
         raise ConfigError(
             f"mesh.preset='single' uses one device, but this run has {jax.process_count()} "
@@ -103,16 +105,49 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> tuple[Mesh, MeshP
     return mesh, preset
 
 
-def layout_line(mesh: Mesh, preset_name: str, shardings, params) -> str:
-    """One line on how a run is laid out: the mesh's axes, and the parameters' bytes in all and on the
-    most loaded device under `shardings` (a pytree of NamedSharding matching `params`)."""
+def rollout_mesh_config(cfg: Config) -> MeshConfig:
+    """The mesh config the rollout decodes under: training's (`cfg.mesh`, the same object) unless
+    `rollout.mesh.preset` names another layout, which keeps training's `mesh.allow_replicated`."""
+    rm = cfg.rollout.mesh
+    if not rm.preset or (rm.preset == cfg.mesh.preset and rm.tensor == cfg.mesh.tensor):
+        return cfg.mesh
+    return MeshConfig(rm.preset, tensor=rm.tensor, allow_replicated=cfg.mesh.allow_replicated)
+
+
+def rollout_mesh_prefix(cfg: Config) -> str:
+    """The config fields the rollout's mesh comes from: "mesh", or "rollout.mesh" for a layout of its own."""
+    return "mesh" if rollout_mesh_config(cfg) is cfg.mesh else "rollout.mesh"
+
+
+def rollout_mesh(cfg: Config, mesh: Mesh) -> tuple[Mesh, MeshPreset] | None:
+    """The rollout's own mesh over training's `mesh`'s devices (in the same order), or None when the
+    rollout decodes under training's layout (`rollout.mesh.preset` "" or training's own)."""
+    rollout_cfg = rollout_mesh_config(cfg)
+    if rollout_cfg is cfg.mesh:
+        return None
+    own_mesh, preset = make_mesh(rollout_cfg, list(mesh.devices.flat), prefix="rollout.mesh")
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    check_batch_divides(own_mesh, preset, rows, f"rollout.mesh.preset={rollout_cfg.preset!r}")
+    return own_mesh, preset
+
+
+def resharder(shardings: Any) -> Callable[[Any], Any]:
+    """params -> a copy laid out by `shardings` (NamedShardings on a mesh of the same devices as the
+    params'): one jitted program, called once per policy version."""
+    return jax.jit(lambda params: params, out_shardings=shardings)
+
+
+def layout_line(mesh: Mesh, preset_name: str, shardings, params, field: str = "mesh.preset") -> str:
+    """One line on how a run (or, field="rollout.mesh.preset", its rollout) is laid out: the mesh's axes,
+    and the parameters' bytes in all and on the most loaded device under `shardings` (a pytree of
+    NamedSharding matching `params`)."""
     leaves, shards = jax.tree.leaves(params), jax.tree.leaves(shardings)
     total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
     per_device = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize for x, s in zip(leaves, shards))
     split = sum(s.shard_shape(x.shape) != tuple(x.shape) for x, s in zip(leaves, shards))
     axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
     return (
-        f"jaxrl: mesh.preset={preset_name} on {mesh.size} devices ({axes}); params {total / 2**20:.2f} MiB, "
+        f"jaxrl: {field}={preset_name} on {mesh.size} devices ({axes}); params {total / 2**20:.2f} MiB, "
         f"{per_device / 2**20:.2f} MiB per device ({split} of {len(leaves)} arrays split); each step's "
         f"rows split over {_axis_size(mesh, dict(PRESETS[preset_name].rules).get('batch'))} devices"
     )

@@ -6,7 +6,7 @@ from jaxrl.config.errors import CheckpointError, ConfigError, NonFiniteError, Ru
 from jaxrl.config.load import apply_overrides, check_types, load_file, override, to_dict
 from jaxrl.config.lora import LoraConfig
 from jaxrl.config.model import ModelConfig
-from jaxrl.config.rollout import EngineConfig, RolloutConfig, SpeculativeConfig
+from jaxrl.config.rollout import EngineConfig, RolloutConfig, RolloutMeshConfig, SpeculativeConfig
 from jaxrl.config.schema import (
     REMAT,
     CheckpointConfig,
@@ -37,6 +37,7 @@ __all__ = [
     "NonFiniteError",
     "OptimConfig",
     "RolloutConfig",
+    "RolloutMeshConfig",
     "RunError",
     "SpeculativeConfig",
     "TrainConfig",

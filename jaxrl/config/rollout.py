@@ -188,6 +188,33 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutMeshConfig:
+    """A layout of the rollout's own on the training mesh's devices (docs/scale.md): preset "" decodes
+    under training's layout (mesh.*); "data" with the params replicated, each device decoding its rows;
+    "fsdp"; "fsdp_tensor" with a `tensor` axis of `tensor` devices (Megatron tensor-parallel decode).
+    The policy is resharded into it once per policy version; mesh.allow_replicated applies to it too."""
+
+    preset: str = ""
+    tensor: int = 1  # the rollout's tensor axis (preset="fsdp_tensor" only)
+
+    def validate(self, prefix: str = "rollout.mesh") -> None:
+        presets = ("", "data", "fsdp", "fsdp_tensor")
+        _check(
+            self.preset in presets,
+            f"{prefix}.preset",
+            "'' (training's layout), 'data', 'fsdp' or 'fsdp_tensor'",
+            self.preset,
+        )
+        _check(self.tensor > 0, f"{prefix}.tensor", "a positive integer", self.tensor)
+        _check(
+            self.tensor == 1 or self.preset == "fsdp_tensor",
+            f"{prefix}.tensor",
+            f"1 unless {prefix}.preset='fsdp_tensor' (it is {self.preset!r})",
+            self.tensor,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     group_size: int = 8
     prompts_per_step: int = 16
@@ -197,6 +224,7 @@ class RolloutConfig:
     top_p: float = 1.0  # 1.0 = off
     speculative: SpeculativeConfig = SpeculativeConfig()
     engine: EngineConfig = EngineConfig()
+    mesh: RolloutMeshConfig = RolloutMeshConfig()  # "": decode under training's layout
 
     def validate(self, prefix: str = "rollout") -> None:
         _check(self.group_size > 0, f"{prefix}.group_size", "a positive integer", self.group_size)
@@ -207,6 +235,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, f"{prefix}.top_p", "a number in (0, 1]", self.top_p)
         self.speculative.validate(f"{prefix}.speculative")
         self.engine.validate(f"{prefix}.engine")
+        self.mesh.validate(f"{prefix}.mesh")
         self.engine.check_allocation(self.group_size, f"{prefix}.engine")
         _check(
             not (self.engine.enabled and self.speculative.enabled) or self.speculative.drafter == "early_exit",

@@ -348,6 +348,7 @@ class Config:
             "not 'checkpoint' with model.hf_path (the run starts from that Hugging Face checkpoint)",
             self.warmstart.source,
         )
+        self._check_rollout_layout()
         b = self.rollout.prompts_per_step * self.rollout.group_size
         _check(
             b % self.train.minibatches == 0,
@@ -363,6 +364,25 @@ class Config:
             self.train.microbatches,
         )
         return self
+
+    def _check_rollout_layout(self) -> None:
+        """rollout.mesh.preset against the training mesh: the same devices (not one), and no expert axis
+        (the rollout's MoE dispatch must split experts as the update's, which routing replay relies on)."""
+        rm = self.rollout.mesh
+        if not rm.preset:
+            return
+        _check(
+            self.mesh.preset != "single",
+            "rollout.mesh.preset",
+            "'' with mesh.preset='single' (a rollout layout uses the training mesh's devices; there is one)",
+            rm.preset,
+        )
+        _check(
+            self.mesh.preset != "fsdp_expert",
+            "rollout.mesh.preset",
+            "'' with mesh.preset='fsdp_expert' (the rollout must split the experts as the update does)",
+            rm.preset,
+        )
 
 
 def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) -> Config:

@@ -169,14 +169,14 @@ def timing_metrics(stats: dict, before: dict) -> dict:
 
 def _process_share(cfg: Config, param_sh, who: str) -> tuple[Config, LocalLayout | None]:
     """(this process's config: its share of prompts_per_step and rollout.engine.slots, where its
-    episodes run: the run's preset on its own devices); one process: (cfg, None)."""
+    episodes run: the rollout's preset on its own devices); one process: (cfg, None)."""
     share = ProcessShare.current()
     if share.count == 1:
         return cfg, None
     if param_sh is None:
         raise ValueError(f"{who}: param_sh (the params' shardings) is needed with several processes")
     rollout = share.rollout(cfg.rollout, group_slots=False)  # an episode holds one slot
-    return dataclasses.replace(cfg, rollout=rollout), LocalLayout.of(cfg.mesh, param_sh)
+    return dataclasses.replace(cfg, rollout=rollout), LocalLayout.of_rollout(cfg, param_sh)
 
 
 class _Drawn(NamedTuple):
@@ -230,8 +230,8 @@ def _step_metrics(everyone: list[_Drawn], n_samples: int, starpo: bool, reward_w
 
 class AgentSource:
     """The step's episode groups, scored by their environments (see the module docstring).
-    parallel (MoE, one process): the run's `sharding.parallel_for(mesh, preset)`, as the update's;
-    param_sh: the params' shardings (needed with several processes)."""
+    parallel (one process): the rollout layout's `sharding.parallel_for` (training's unless rollout.mesh
+    sets one); param_sh: the params' shardings under that layout (needed with several processes)."""
 
     def __init__(self, cfg: Config, model_cfg, tokenizer, task, suite, host: dict, parallel=None, param_sh=None):
         del host  # nothing to restore: no episode outlives its step, the stream position is the run's

@@ -51,6 +51,14 @@ class StaticSource:
     """The step's prompts -> one static rollout (`SamplerSource`) -> scores."""
 
     def __init__(self, cfg: Config, sampler: SamplerSource, task, tokenizer, rows: RowLayout):
+        """rows: the update's; the sampler's (under its own layout, rollout.mesh) must give this
+        process the same rows, which it scores and feeds to the update."""
+        if sampler.rows != rows.mine:
+            raise ConfigError(
+                f"rollout.mesh.preset={cfg.rollout.mesh.preset!r}: this process's devices hold rows {sampler.rows} "
+                f"of the rollout's batch but {rows.mine} of the update's; choose a rollout layout whose batch "
+                "axis splits the rows over the processes as training's does (e.g. a smaller rollout.mesh.tensor)"
+            )
         self.cfg, self.sampler, self.task, self.tokenizer, self.rows = cfg, sampler, task, tokenizer, rows
 
     def produce(self, params, stream: StreamState, rng, step: int) -> Produced:
@@ -129,11 +137,12 @@ class PromptFeed:
 
 class EngineSource:
     """The step's groups from the slot engine, scored. With several processes each runs its own engine
-    on its own devices (`processes.LocalLayout`: the run's preset on `jax.local_devices()`) over its
-    share of the step: prompts_per_step / P groups from stream positions p, p+P, ... and
+    on its own devices (`processes.LocalLayout.of_rollout`: the rollout's preset on `jax.local_devices()`)
+    over its share of the step: prompts_per_step / P groups from stream positions p, p+P, ... and
     rollout.engine.slots / P slots (both must divide); the step's batch is every process's rows, the
-    metrics are over all of them. parallel (MoE, one process): the run's `sharding.parallel_for(mesh,
-    preset)`, as the update's; param_sh: the params' shardings (needed with several processes)."""
+    metrics are over all of them. parallel (one process): the rollout layout's `sharding.parallel_for`
+    (training's unless rollout.mesh sets one); param_sh: the params' shardings under that layout
+    (needed with several processes)."""
 
     def __init__(self, cfg: Config, model_cfg, tokenizer, task, host: dict, parallel=None, param_sh=None):
         self.share, rc = ProcessShare.current(), cfg.rollout
@@ -143,7 +152,7 @@ class EngineSource:
             if param_sh is None:
                 raise ValueError("EngineSource: param_sh (the params' shardings) is needed with several processes")
             cfg = dataclasses.replace(cfg, rollout=self.share.rollout(rc, group_slots=True))
-            self.local = LocalLayout.of(cfg.mesh, param_sh)
+            self.local = LocalLayout.of_rollout(cfg, param_sh)
             parallel, rng = self.local.parallel, jax.random.fold_in(rng, self.share.index)
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
         # model_cfg: the resolved model (the tokenizer's vocabulary, or the HF checkpoint's architecture)

@@ -4,7 +4,7 @@
     n = share.split(cfg.rollout.prompts_per_step, "rollout.prompts_per_step")  # P must divide it
     rc = share.rollout(cfg.rollout, group_slots=True)          # prompts_per_step / P, engine.slots / P
     mine = records[share.block(len(records))]                  # a contiguous block of a list all share
-    local = LocalLayout.of(cfg.mesh, param_sh)                 # the run's preset on jax.local_devices()
+    local = LocalLayout.of_rollout(cfg, param_sh)              # the rollout's preset on jax.local_devices()
     local_params = local.params(params)                        # once per policy version
     stream = share.first_position(records, stream, seed)       # process p starts at stream position p
     saved = share.checkpoint_item(state, arrays)               # every process's state, on every process
@@ -31,9 +31,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxrl.config import ConfigError, MeshConfig, RolloutConfig
+from jaxrl.config import Config, ConfigError, MeshConfig, RolloutConfig
 from jaxrl.data.stream import StreamState, next_batch
-from jaxrl.sharding import gather_objects, make_mesh, parallel_for, process_local
+from jaxrl.sharding import (
+    gather_objects,
+    make_mesh,
+    parallel_for,
+    process_local,
+    rollout_mesh_config,
+    rollout_mesh_prefix,
+)
 from jaxrl.sources.base import ARRAYS
 
 PROCESSES = "processes"  # the checkpoint's JSON key: one entry per process, in process order
@@ -118,10 +125,18 @@ class LocalLayout(NamedTuple):
     param_sh: Any  # the params' shardings: the run's partition specs on the local mesh
 
     @classmethod
-    def of(cls, mesh_cfg: MeshConfig, param_sh) -> LocalLayout:
-        mesh, preset = make_mesh(mesh_cfg, jax.local_devices())
+    def of(cls, mesh_cfg: MeshConfig, param_sh, prefix: str = "mesh") -> LocalLayout:
+        """`mesh_cfg`'s preset on this process's devices, the params laid out by `param_sh`'s specs
+        (shardings on the global mesh of that preset); errors name `prefix`'s fields."""
+        mesh, preset = make_mesh(mesh_cfg, jax.local_devices(), prefix)
         local_sh = jax.tree.map(lambda s: NamedSharding(mesh, s.spec), param_sh)
         return cls(parallel_for(mesh, preset), local_sh)
+
+    @classmethod
+    def of_rollout(cls, cfg: Config, param_sh) -> LocalLayout:
+        """The rollout's layout (`sharding.rollout_mesh_config`: training's, or rollout.mesh's own) on
+        this process's devices; `param_sh`: the params' shardings under that layout."""
+        return cls.of(rollout_mesh_config(cfg), param_sh, rollout_mesh_prefix(cfg))
 
     def params(self, params):
         """The run's params (global arrays) on this process's devices, laid out by `param_sh`."""

@@ -95,11 +95,15 @@ def reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed: int, n_skipped: 
 
 def assemble_batch(host_batch: RolloutBatch, routing_BxSxLxK, mesh, preset, n_rows: int) -> dict:
     """The update's batch: global arrays, each field laid out by its name. `routing_BxSxLxK` (MoE,
-    else None) is a global array already laid out by its name: replayed in the update."""
+    else None) is a global array laid out by its name on the rollout's mesh (replayed in the update):
+    moved onto training's when the rollout has a layout of its own (rollout.mesh)."""
     fields = host_batch.fields().items()
     batch = {k: put_rows(named_sharding(mesh, preset, k), v, n_rows) for k, v in fields}
     if routing_BxSxLxK is not None:
-        batch["routing_BxSxLxK"] = routing_BxSxLxK
+        sh = named_sharding(mesh, preset, "routing_BxSxLxK")
+        batch["routing_BxSxLxK"] = (
+            routing_BxSxLxK if routing_BxSxLxK.sharding == sh else jax.device_put(routing_BxSxLxK, sh)
+        )
     return batch
 
 

@@ -34,6 +34,7 @@ from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.losses import Loss, check_loss, check_rollout, make_loss
 from jaxrl.models.transformer import param_logical_axes
 from jaxrl.policy.base import build_base
+from jaxrl.policy.resolve import shardings_for
 from jaxrl.policy.warmstart import cache_root
 from jaxrl.runlog.metrics import MetricsLog, plot
 from jaxrl.runlog.report import emit
@@ -48,6 +49,8 @@ from jaxrl.sharding import (
     parallel_for,
     process_rows,
     replicated,
+    resharder,
+    rollout_mesh,
 )
 from jaxrl.sources.agents import AgentSource, check_agent_config, make_agent_evaluator
 from jaxrl.sources.groups import EngineSource, StaticSource
@@ -205,11 +208,15 @@ def build_run(
     if get_task(cfg.data.task).episodic:
         check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)
-    if mesh.size > 1 and is_primary():
-        print(layout_line(mesh, cfg.mesh.preset, param_sh, base_params), file=sys.stderr)
     optimizer = run_optimizer(cfg)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     layout = (mesh, preset, param_sh, rep)
+    own = rollout_layout(cfg, model_cfg, mesh)  # rollout.mesh: a layout of the rollout's own, else None
+    if mesh.size > 1 and is_primary():
+        print(layout_line(mesh, cfg.mesh.preset, param_sh, base_params), file=sys.stderr)
+        if own is not None:
+            line = layout_line(own[0], cfg.rollout.mesh.preset, own[2], base_params, "rollout.mesh.preset")
+            print(line, file=sys.stderr)
     if cfg.model.lora.enabled:  # adapters trained, the base frozen; the reference is the base (no copy)
         lora = lora_state.LoraRun(cfg.model.lora, param_logical_axes(model_cfg), base_path, [])
         state, state_sh, lora = lora_state.initial_state(base_params, optimizer, tc.seed, lora, layout)
@@ -220,13 +227,15 @@ def build_run(
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
     resumed_step, state, stream, host = _restore(manager, state, loss, record, lora)
-    policy = lora_state.policy_fn(lora, state_sh, param_sh)
+    policy = policy_for(lora, state_sh, param_sh, own)
     log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
 
     update_fn = update_builder(cfg, model_cfg, loss, optimizer, parallel_for(mesh, preset), lora)
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)
     # host: the restored checkpoint's JSON item, whose rollout state the source takes back.
-    source, evaluate = _rollout_side(cfg, model_cfg, tokenizer, task, layout, (policy(state), state.rng), rows, host)
+    source, evaluate = _rollout_side(
+        cfg, model_cfg, tokenizer, task, own or layout, (policy(state), state.rng), rows, host
+    )
     run = Run(
         cfg,
         workdir,
@@ -245,6 +254,28 @@ def build_run(
         lora,
     )
     return run, state, stream, resumed_step or 0
+
+
+def rollout_layout(cfg: Config, model_cfg, mesh) -> tuple | None:
+    """(mesh, preset, param_sh, rep) of the rollout's own layout over training's `mesh`'s devices when
+    rollout.mesh sets one (`sharding.rollout_mesh`), else None: the rollout decodes under training's."""
+    own = rollout_mesh(cfg, mesh)
+    if own is None:
+        return None
+    r_mesh, r_preset = own
+    return r_mesh, r_preset, shardings_for(model_cfg, r_mesh, r_preset), replicated(r_mesh)
+
+
+def policy_for(lora, state_sh: TrainState, param_sh, own: tuple | None) -> Callable:
+    """state -> the params every rollout and evaluation forward takes, once per policy version: under
+    training's layout `state.params` itself (LoRA: merged, laid out by `param_sh`); with a rollout
+    layout of its own (`own`, from `rollout_layout`) a copy resharded into it (LoRA: merged into it)."""
+    if own is None:
+        return lora_state.policy_fn(lora, state_sh, param_sh)
+    if lora is not None:
+        return lora_state.policy_fn(lora, state_sh, own[2])
+    reshard = resharder(own[2])
+    return lambda state: reshard(state.params)
 
 
 def run_optimizer(cfg: Config):
@@ -306,10 +337,11 @@ def prompt_groups(cfg: Config) -> int:
 
 def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: tuple, rows: RowLayout, host: dict):
     """(the rollout source, the evaluator): multi-turn episodes for an environment task, else the slot
-    engine or the static sampler, each with its held-out evaluation. policy_rng: the params the
-    rollout uses (for shapes and step costs) and the state's RNG."""
+    engine or the static sampler, each with its held-out evaluation. layout: the rollout's (mesh,
+    preset, param_sh, rep), training's or rollout.mesh's own. policy_rng: the params the rollout uses
+    (laid out by `layout`; for shapes and step costs) and the state's RNG."""
     mesh, preset, param_sh, rep = layout
-    ep = parallel_for(mesh, preset)  # MoE: every rollout and evaluation forward takes the update's axis
+    ep = parallel_for(mesh, preset)  # every rollout and evaluation forward (MoE: the update's expert axis)
     if task.spec.episodic:  # multi-turn episodes (jaxrl.sources.agents)
         suite = task.spec.suite
         return (

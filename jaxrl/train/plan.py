@@ -15,6 +15,10 @@ the config (`model.hf_path`: its config.json only). The programs are the ones `j
                   over the batch axes when they divide
     eval          the evaluator's greedy chunk sampler (`train.evaluate.make_chunk_sampler`)
 
+With `rollout.mesh` set, the rollout programs (rollout, engine_chunk, eval) compile under the
+rollout's own layout (their record's `mesh` is it) and carry `rollout_copy_mib_per_device`: the
+policy copy resharded into that layout once per policy version, held besides training's params.
+
 Each record: per-device FLOPs and bytes accessed (XLA's cost analysis of the partitioned program),
 per-device memory in MiB (arguments, temporaries, outputs, aliased), the collectives of the compiled
 HLO by kind (static counts in the program text: one inside a loop body counts once), and the layout
@@ -25,6 +29,7 @@ before anything compiles, unless `mesh.allow_replicated` names the parameter.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
 from collections.abc import Callable
@@ -48,6 +53,7 @@ from jaxrl.sharding import (
     named_sharding,
     parallel_for,
     replicated,
+    rollout_mesh,
 )
 from jaxrl.sources.sampler import jit_plain_rollout, prompt_sharding
 from jaxrl.train import lora_state
@@ -81,6 +87,9 @@ class _Run(NamedTuple):
     rep: Any
     parallel: Any
     layout: dict  # `sharding.layout_of` the params
+    preset_name: str  # the mesh.preset (or rollout.mesh.preset) the mesh is of
+    rollout: Any = None  # the rollout programs' _Run when rollout.mesh sets a layout of their own, else None
+    copy_mib: float = 0.0  # (rollout's own) the resharded policy copy's MiB per device
 
 
 def default_programs(cfg: Config) -> tuple[str, ...]:
@@ -111,8 +120,11 @@ def plan(cfg: Config, programs: tuple[str, ...] | None = None) -> list[dict]:
     }
     records = []
     for name in programs or default_programs(cfg):
-        compiled, extra = builders[name](run)
-        records.append(describe(name, compiled, run, extra))
+        on = run if name == "update" or run.rollout is None else run.rollout
+        compiled, extra = builders[name](on)
+        if on is not run:  # the policy resharded into rollout.mesh once per version, besides training's params
+            extra = {**extra, "rollout_copy_mib_per_device": on.copy_mib}
+        records.append(describe(name, compiled, on, extra))
     return records
 
 
@@ -126,7 +138,18 @@ def _setup(cfg: Config) -> _Run:
     else:
         tokenizer, model_cfg = resolve_policy(cfg)
         ids = _Ids(tokenizer.eos_id, tokenizer.pad_id)
-    param_sh = shardings_for(model_cfg, mesh, preset)  # the non-dividing check, before any compile
+    run = _on(cfg, model_cfg, ids, mesh, preset, cfg.mesh.preset)
+    own = rollout_mesh(cfg, mesh)  # rollout.mesh: the rollout programs compile under a layout of their own
+    if own is None:
+        return run
+    rollout = _on(cfg, model_cfg, ids, *own, cfg.rollout.mesh.preset)
+    return run._replace(rollout=rollout._replace(copy_mib=round(_bytes_per_device(rollout.params) / MIB, 3)))
+
+
+def _on(cfg: Config, model_cfg, ids: _Ids, mesh, preset, preset_name: str) -> _Run:
+    """The plan's _Run on `mesh` under `preset`: the params' shardings (a dimension that does not divide
+    is a ConfigError, before any compile), the abstract params placed with them, the layout report."""
+    param_sh = shardings_for(model_cfg, mesh, preset)
     layout = layout_of(mesh, preset, param_logical_axes(model_cfg), abstract_params(model_cfg))
     return _Run(
         cfg,
@@ -139,6 +162,14 @@ def _setup(cfg: Config) -> _Run:
         replicated(mesh),
         parallel_for(mesh, preset),
         layout,
+        preset_name,
+    )
+
+
+def _bytes_per_device(placed) -> int:
+    """The bytes one device holds of a pytree of placed ShapeDtypeStructs (even shards)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(placed)
     )
 
 
@@ -312,7 +343,7 @@ def describe(program: str, compiled, run: _Run, extra: dict) -> dict:
     return {
         "program": program,
         "devices": run.mesh.size,
-        "mesh": {"preset": run.cfg.mesh.preset, **{k: int(v) for k, v in run.mesh.shape.items()}},
+        "mesh": {"preset": run.preset_name, **{k: int(v) for k, v in run.mesh.shape.items()}},
         "flops_per_device": float(cost.get("flops", 0.0)),
         "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)),
         "memory_mib": memory_mib(compiled),
@@ -328,9 +359,12 @@ def summary_line(record: dict) -> str:
     coll = ", ".join(f"{k} {v}" for k, v in record["collectives"].items() if v) or "none"
     axes = ", ".join(f"{k}={v}" for k, v in record["mesh"].items() if k != "preset")
     n_split, n_rep = len(record["layout"]["split"]), len(record["layout"]["replicated"])
+    own = "rollout_copy_mib_per_device" in record
+    copy = f"; the rollout's params copy {record['rollout_copy_mib_per_device']:.4g} MiB per device" if own else ""
+    field = "rollout.mesh.preset" if own else "mesh.preset"
     return (
-        f"jaxrl plan: {record['program']} on {record['devices']} devices (mesh.preset={record['mesh']['preset']}: "
+        f"jaxrl plan: {record['program']} on {record['devices']} devices ({field}={record['mesh']['preset']}: "
         f"{axes}): {record['flops_per_device'] / 1e9:.4g} GFLOP and {record['bytes_accessed_per_device'] / MIB:.4g} "
         f"MiB accessed per device; memory per device: arguments {mem['argument']:.4g}, temporaries {mem['temp']:.4g}, "
-        f"outputs {mem['output']:.4g} MiB; collectives: {coll}; params {n_split} split, {n_rep} replicated"
+        f"outputs {mem['output']:.4g} MiB; collectives: {coll}; params {n_split} split, {n_rep} replicated{copy}"
     )
