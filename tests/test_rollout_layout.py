@@ -159,12 +159,13 @@ def test_tokens_equal_the_shared_layouts(results):
 
 @pytest.mark.slow
 def test_the_engine_chunk_under_the_rollout_layout_holds_less(results):
-    """The compiled chunk (memory_analysis, HLO text via `jaxrl plan`): fsdp decode gathers each layer's
-    weights inside the chunk; data-parallel decode gathers far fewer and holds a fraction of the temporaries;
-    tensor-parallel decode holds fewer than fsdp's. The records report the resharded copy's bytes."""
+    """The compiled chunk (memory_analysis, HLO text via `jaxrl plan`): fsdp decode keeps the weights
+    split and reduces every layer's activations across devices; data-parallel decode has no such
+    reductions and holds a fraction of the temporaries; tensor-parallel decode holds fewer than fsdp's.
+    The records report the resharded copy's bytes."""
     shared, data, tensor = (results[v]["chunk"] for v in ("shared", "data", "tensor"))
     assert shared["mesh"] == {"preset": "fsdp", "fsdp": 8} and data["mesh"] == {"preset": "data", "data": 8}
-    assert data["collectives"]["all-gather"] < shared["collectives"]["all-gather"] / 2  # no weight gathers
+    assert data["collectives"]["all-reduce"] < shared["collectives"]["all-reduce"] / 2  # no per-layer reductions
     assert data["memory_mib"]["temp"] < shared["memory_mib"]["temp"] / 2, (data["memory_mib"], shared["memory_mib"])
     assert tensor["memory_mib"]["temp"] < shared["memory_mib"]["temp"], (tensor["memory_mib"], shared["memory_mib"])
     assert "rollout_copy_mib_per_device" not in shared
