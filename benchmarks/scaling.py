@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "grpo_arithmetic.py")
-PRESETS = ("data", "fsdp")
+PRESETS = ("data", "fsdp", "fsdp+rollout=data")  # "P+rollout=R": mesh.preset=P, rollout.mesh.preset=R
 MICROBATCHES = (1, 4)
 PROGRAMS = ("update", "rollout", "engine_chunk")
 
@@ -49,7 +49,9 @@ def bench_config(preset: str, microbatches: int, small: bool):
     else:
         model, shape = common.bench_small(), ["rollout.prompts_per_step=8", "rollout.group_size=8"]
         shape += ["rollout.max_new_tokens=128", "data.max_prompt_len=64", "rollout.engine.slots=64"]
-    sets = [*shape, f"mesh.preset={preset}", f"train.microbatches={microbatches}", "train.eval_prompts=100"]
+    train_preset, _, rollout_preset = preset.partition("+rollout=")
+    sets = [*shape, f"mesh.preset={train_preset}", f"train.microbatches={microbatches}", "train.eval_prompts=100"]
+    sets += [f"rollout.mesh.preset={rollout_preset}"] if rollout_preset else []
     cfg = load_config(CONFIG, sets)
     return dataclasses.replace(cfg, model=model).validate()
 
@@ -75,6 +77,7 @@ def worker(small: bool, presets: list[str], microbatches: list[int]) -> None:
                             "flops": record["flops_per_device"],
                             "temp_mib": record["memory_mib"]["temp"],
                             "collectives": record["collectives"],
+                            "rollout_copy_mib": record.get("rollout_copy_mib_per_device"),
                         }
                     )
     print("RESULT " + json.dumps(out), flush=True)
@@ -109,6 +112,7 @@ def ratios(records: list[dict]) -> list[dict]:
                 "flops_per_device": r["flops"],
                 "temp_mib": r["temp_mib"],
                 "collectives": {k: v for k, v in r["collectives"].items() if v},
+                **({"rollout_copy_mib": r["rollout_copy_mib"]} if r.get("rollout_copy_mib") else {}),
             }
         )
     return out
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="a tiny model and shape on 1 and 2 devices (seconds)")
     p.add_argument("--devices", default=None, help="comma-separated device counts (default 1,2,4,8; --small 1,2)")
-    p.add_argument("--presets", default=",".join(PRESETS), help="mesh presets (default data,fsdp)")
+    p.add_argument("--presets", default=",".join(PRESETS), help=f"mesh presets (default {','.join(PRESETS)})")
     p.add_argument("--microbatches", default=",".join(map(str, MICROBATCHES)), help="train.microbatches (default 1,4)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -133,10 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     flags = ["--presets", args.presets, "--microbatches", args.microbatches]
     records = [r for n in counts for r in run_devices(n, args.small, flags)]
     cases = ratios(records)
-    print(f"{'preset':6} {'mb':>2} {'program':12} {'d':>2} {'flops/dev':>12} {'ratio':>6} {'temp MiB':>9} {'ratio':>6}")
+    print(
+        f"{'preset':17} {'mb':>2} {'program':12} {'d':>2} {'flops/dev':>12} {'ratio':>6} {'temp MiB':>9} {'ratio':>6}"
+    )
     for c in cases:
         print(
-            f"{c['preset']:6} {c['microbatches']:>2} {c['program']:12} {c['devices']:>2} "
+            f"{c['preset']:17} {c['microbatches']:>2} {c['program']:12} {c['devices']:>2} "
             f"{c['flops_per_device']:>12.4g} {c['flops_ratio']:>6} {c['temp_mib']:>9.2f} {c['temp_ratio']:>6}"
         )
     flops = [c["flops_ratio"] for c in cases if c["flops_ratio"] is not None]
