@@ -17,7 +17,8 @@ options:
                       together). CONFIG must exist here; it is passed as its path inside the repository
   --repo-dir DIR      the repository on the workers, relative to the home directory (default: jaxrl)
   --sync              first copy this checkout's HEAD (git archive: committed files only) to --repo-dir
-  --install           first create REPO_DIR/.venv on every worker and pip install the repository + jax[tpu]
+  --install           first create REPO_DIR/.venv on every worker and pip install the repository
+                      with its tpu and hf extras (jax[tpu], the tokenizer library)
   --init-timeout S    give up if not every worker joined within S seconds (default 300)
   --dry-run           print the commands instead of running them
   -h, --help          this text"
@@ -68,7 +69,7 @@ if [ "$SYNC" = 1 ]; then
     on_all_workers "$(quoted mkdir -p "$REPO_DIR") && $(quoted tar -xzf jaxrl-src.tar.gz -C "$REPO_DIR")"
 fi
 if [ "$INSTALL" = 1 ]; then
-    on_all_workers "cd $(quoted "$REPO_DIR") && python3 -m venv .venv && .venv/bin/pip install -q -e . 'jax[tpu]'"
+    on_all_workers "cd $(quoted "$REPO_DIR") && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu,hf]'"
 fi
 TRAIN=(.venv/bin/jaxrl train "$CONFIG" --workdir "$WORKDIR" --cluster auto --init-timeout "$INIT_TIMEOUT" "$@")
 on_all_workers "cd $(quoted "$REPO_DIR") && $(quoted "${TRAIN[@]}")"

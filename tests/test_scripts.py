@@ -51,7 +51,7 @@ def test_tpu_pod_dry_run_syncs_and_installs_first():
         assert line[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod"] and line[6:-2] == where
     assert shlex.split(unpack[-1]) == ["mkdir", "-p", "src/jaxrl", "&&", "tar", "-xzf", "jaxrl-src.tar.gz", "-C",
                                        "src/jaxrl"]  # fmt: skip
-    assert shlex.split(install[-1])[:3] == ["cd", "src/jaxrl", "&&"] and "jax[tpu]" in shlex.split(install[-1])
+    assert shlex.split(install[-1])[:3] == ["cd", "src/jaxrl", "&&"] and ".[tpu,hf]" in shlex.split(install[-1])
     assert shlex.split(train[-1])[-7:] == [CONFIG, "--workdir", "/w", "--cluster", "auto", "--init-timeout", "60"]
 
 
