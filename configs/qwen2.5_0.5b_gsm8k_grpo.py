@@ -9,8 +9,11 @@ Nothing is downloaded. Point the run at local files, with environment variables 
 The prompt is written in Qwen's ChatML (the instruct model's chat format) and asks for the final
 answer after "####"; the reward is the math-answer verifier's correctness (jaxrl.data.math_jsonl:
 the final number equals the reference), format logged only. GRPO: Shao et al. 2024, DeepSeekMath,
-arXiv:2402.03300. Sizes fit one 80 GB accelerator in bfloat16 activations (params float32); scale
-rollout.prompts_per_step and mesh.preset=fsdp for more devices.
+arXiv:2402.03300. Memory per device (`jaxrl plan`, bfloat16 compute, float32 params and Adam;
+benchmarks/plan_sizes.py, docs/accelerators.md): on 8 devices (fsdp) the update holds 0.7 GiB of state
+and 21.5 GiB of temporaries, so it fits 8 GPUs of 40 GB or more. On one device it needs 142 GiB of
+temporaries, more than one 80 GB accelerator: there add --set train.microbatches=32 --set train.remat=full
+--set train.logits_chunk=4096 (5.5 GiB of state, 14.4 GiB of temporaries).
 """
 
 import os
