@@ -239,7 +239,9 @@ class TrainConfig:
     # verl's mini-batches): with more than one, the later steps are off-policy and ratio clipping acts.
     minibatches: int = 1
     microbatches: int = 1  # per optimizer step; 0: the fewest that fit memory_budget_gib (jaxrl.train.memory_budget)
-    memory_budget_gib: float = 2.0  # XLA temporaries of the compiled update, for microbatches=0
+    # XLA temporaries of the compiled update, for microbatches=0. 0: from the device
+    # (jaxrl.train.memory_budget.resolve_budget_gib): a share of what the accelerator reports, 2 GiB on CPU.
+    memory_budget_gib: float = 0.0
     # The update forward's memory options (jaxrl.models.transformer.token_logprobs): the LM head and
     # log-softmax on logits_chunk (row, position) pairs at a time (0: all at once), and what each
     # layer keeps for the backward (remat: none | full | dots).
@@ -268,9 +270,9 @@ class TrainConfig:
             self.microbatches,
         )
         _check(
-            self.memory_budget_gib > 0,
+            self.memory_budget_gib >= 0,
             f"{prefix}.memory_budget_gib",
-            "a positive number of GiB",
+            "0 (from the device) or a positive number of GiB",
             self.memory_budget_gib,
         )
         _check(
