@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import DEFAULT_CONFIG, TINY
 
@@ -10,7 +11,7 @@ from jaxrl.config import CheckpointConfig, ConfigError, OptimConfig, load_config
 from jaxrl.config.errors import WorkdirError
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import loop
-from jaxrl.train.state import init_state, make_optimizer, saved_part
+from jaxrl.train.state import init_state, make_optimizer, opt_state_in, saved_part
 
 # Orbax leaves the cancelled reads of a failed restore as never-awaited coroutines: noise, not a fault.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -110,6 +111,8 @@ def test_training_with_bfloat16_moments_is_finite_and_follows_float32():
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="optim.state_dtype"):
         load_config(DEFAULT_CONFIG, ["optim.state_dtype=float16"])
+    with pytest.raises(ConfigError, match="optim.state_memory"):
+        load_config(DEFAULT_CONFIG, ["optim.state_memory=unpinned_host"])
     # b2 = 0.999: 1 - b2 is under bfloat16's half-step, so a bfloat16 nu would never decay.
     with pytest.raises(ConfigError, match=r"optim.b2.*state_dtype='bfloat16'"):
         load_config(DEFAULT_CONFIG, ["optim.state_dtype=bfloat16", "optim.b2=0.999"])
@@ -149,3 +152,69 @@ def test_run_resumed_with_another_state_dtype_needs_the_flag(tmp_path, in_proces
         loop.train(bf16, tmp_path)
     rows = loop.train(bf16, tmp_path, allow_config_change=True)  # the moments are cast on restore
     assert rows[-1]["step"] == 2 and np.isfinite(rows[-1]["loss"])
+
+
+def _has_pinned_host() -> bool:
+    return any(m.kind == "pinned_host" for m in jax.devices()[0].addressable_memories())
+
+
+@pytest.mark.skipif(not _has_pinned_host(), reason="this backend has no pinned_host memory")
+def test_host_offloaded_state_is_in_host_memory_and_updates_alike():
+    # optim.state_memory=pinned_host: the compiled update takes and returns the optimizer state in host
+    # memory (XLA's memory space S(5) in the entry layout), moves it to the device for the AdamW step
+    # and back, and computes exactly what the device-resident update does.
+    mesh = jax.make_mesh((1,), ("data",))
+    device_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = jax.device_put(_params(), device_sh)
+    grads = jax.tree.map(lambda x: 0.1 * x, params)
+    results = {}
+    for memory in ("device", "pinned_host"):
+        opt = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0, state_memory=memory), 100)
+        state = init_state(params, opt, jax.random.key(0))
+        state_sh = opt_state_in(jax.tree.map(lambda _: device_sh, state), memory)
+        state = jax.device_put(state, state_sh)
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {memory}
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
+
+        def step(state, grads, opt=opt):
+            updates, opt_state = opt.update(grads, state.opt_state, state.params)
+            return state._replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+
+        jitted = jax.jit(step, in_shardings=(state_sh, device_sh), out_shardings=state_sh)
+        text = jitted.lower(state, grads).compile().as_text()
+        assert text is not None
+        layout = text.split("entry_computation_layout=")[1].split("\n")[0]
+        for _ in range(3):
+            state = jitted(state, grads)
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {memory}
+        results[memory] = (state, layout)
+    # Host memory: the two moments' 2 x 2 arrays in S(5), on the way in and on the way out.
+    assert results["device"][1].count("S(5)") == 0
+    assert results["pinned_host"][1].count("S(5)") >= 2 * 2 * 2, results["pinned_host"][1]
+    (dev, _), (host, _) = results["device"], results["pinned_host"]
+    for a, b in zip(jax.tree.leaves((dev.params, dev.opt_state)), jax.tree.leaves((host.params, host.opt_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_pinned_host(), reason="this backend has no pinned_host memory")
+def test_run_with_host_offloaded_state_matches_and_resumes(tmp_path, in_process_cache):
+    base = [t for t in TINY if not t.startswith("train.eval_")] + [
+        "train.eval_every=0",
+        "train.eval_prompts=2",
+        "checkpoint.every=1",
+        "train.minibatches=2",
+    ]
+    timing = {"rollout/tokens_per_s", "rollout/seconds", "step_seconds", "wall_time"}
+
+    def untimed(rows):
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows]
+
+    # The wiring (the state placed in host memory, the update's jit, checkpoints saved from and restored
+    # into host memory); the update's numbers with non-zero gradients are the test above's.
+    on_device = loop.train(load_config(DEFAULT_CONFIG, [*base, "train.steps=2"]), tmp_path / "device")
+    host = [*base, "optim.state_memory=pinned_host"]
+    on_host = loop.train(load_config(DEFAULT_CONFIG, [*host, "train.steps=2"]), tmp_path / "host")
+    assert untimed(on_host) == untimed(on_device)  # the same numbers, the state kept in host memory
+    resumed = loop.train(load_config(DEFAULT_CONFIG, [*host, "train.steps=3"]), tmp_path / "host", True)
+    assert resumed[-1]["step"] == 3 and np.isfinite(resumed[-1]["loss"])  # restored into host memory

@@ -156,6 +156,7 @@ class LossConfig:
 
 
 OPTIM_STATE_DTYPES = ("float32", "bfloat16")
+OPTIM_STATE_MEMORIES = ("device", "pinned_host")
 BF16_HALF_STEP = 2.0**-8  # the largest relative rounding step of bfloat16 (7 stored mantissa bits), halved
 
 
@@ -172,6 +173,9 @@ class OptimConfig:
     # What AdamW keeps its two moments in between updates (jaxrl.train.state.make_optimizer): float32, or
     # bfloat16 (half the optimizer state's memory; each update still computes in float32 and rounds once).
     state_dtype: str = "float32"
+    # Where the optimizer state lives between updates: "device", or "pinned_host" (JAX memory kinds: host
+    # RAM, moved to the device inside each update and back; jaxrl.train.state.opt_state_in).
+    state_memory: str = "device"
 
     def validate(self, prefix: str = "optim") -> None:
         _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
@@ -184,6 +188,10 @@ class OptimConfig:
         _check(self.grad_clip > 0, f"{prefix}.grad_clip", "a positive number", self.grad_clip)
         dtypes = OPTIM_STATE_DTYPES
         _check(self.state_dtype in dtypes, f"{prefix}.state_dtype", " or ".join(map(repr, dtypes)), self.state_dtype)
+        memories = OPTIM_STATE_MEMORIES
+        _check(
+            self.state_memory in memories, f"{prefix}.state_memory", " or ".join(map(repr, memories)), self.state_memory
+        )
         # A bfloat16 second moment must still shrink on a step with no gradient: b2 * nu rounds back to nu
         # once 1 - b2 is under bfloat16's relative half-step (2**-8 at worst), and nu would then never decay.
         _check(

@@ -60,7 +60,14 @@ from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.memory_budget import auto_jit, resolve_budget_gib
-from jaxrl.train.state import TrainState, init_state, make_optimizer, saved_part, state_shardings
+from jaxrl.train.state import (
+    TrainState,
+    init_state,
+    make_optimizer,
+    opt_state_in,
+    saved_part,
+    state_shardings,
+)
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.workdir import RunRecord, open_run
 
@@ -223,6 +230,9 @@ def build_run(
     else:
         state, state_sh = _initial_state(base_params, optimizer, tc.seed, param_sh, rep, with_ref=loss.needs_ref)
         lora = None
+    if cfg.optim.state_memory != "device":  # the optimizer state to host memory between updates
+        state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
+        state = state._replace(opt_state=jax.device_put(state.opt_state, state_sh.opt_state))
     del base_params
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)

@@ -60,6 +60,7 @@ from jaxrl.train import lora_state
 from jaxrl.train.evaluate import EVAL_CHUNK, make_chunk_sampler, rows_sharding
 from jaxrl.train.loop import full_state_shardings, jit_update, run_optimizer, state_maker, update_builder
 from jaxrl.train.memory_budget import choose_microbatches, resolve_budget_gib
+from jaxrl.train.state import opt_state_in
 
 PROGRAMS = ("update", "rollout", "engine_chunk", "eval")
 COLLECTIVES: tuple[str, ...] = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
@@ -244,6 +245,7 @@ def _update(run: _Run) -> tuple[Any, dict]:
         args = (base,) * (2 if loss.needs_ref else 1)
         state_sh = full_state_shardings(base, optimizer, tc.seed, run.param_sh, run.rep, with_ref=loss.needs_ref)
         state = jax.eval_shape(state_maker(optimizer, tc.seed), *args)
+    state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
     routing = None
     if run.model_cfg.n_experts and tc.routing_replay and not cfg.rollout.engine.enabled:
         jitted, args = _rollout_jit(run)

@@ -62,7 +62,29 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
             optax.add_decayed_weights(cfg.weight_decay),
             optax.scale_by_learning_rate(schedule),
         )
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    optimizer = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return optimizer if cfg.state_memory == "device" else state_on_host(optimizer)
+
+
+def state_on_host(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`optimizer` for a state kept in host memory (`opt_state_in`): each update brings the state
+    into device memory, updates it there and returns the new state to host memory. Inside a jitted
+    update these are XLA transfers (host -> device -> host); the numbers are the same."""
+
+    def update(updates, state, params=None):
+        updates, state = optimizer.update(updates, jax.device_put(state, jax.memory.Space.Device), params)
+        return updates, jax.device_put(state, jax.memory.Space.Host)
+
+    return optax.GradientTransformation(optimizer.init, update)
+
+
+def opt_state_in(shardings: TrainState, memory: str) -> TrainState:
+    """`shardings` (a state's) with every optimizer-state leaf in memory kind `memory` (optim.state_memory:
+    "device" changes nothing, "pinned_host" is host RAM). The update's jit takes and returns the state by
+    these shardings (its optimizer then being `state_on_host`'s), and checkpoints restore into them."""
+    if memory == "device":
+        return shardings
+    return shardings._replace(opt_state=jax.tree.map(lambda sh: sh.with_memory_kind(memory), shardings.opt_state))
 
 
 def moments_stored_as(dtype: Any, adam: optax.GradientTransformation) -> optax.GradientTransformation:
