@@ -391,12 +391,16 @@ def stage_pytest(args) -> dict:
     files = sorted({str(p.relative_to(REPO)) for n in PYTEST_NAMES for p in (REPO / "tests").glob(f"test_*{n}*.py")})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     try:  # stop short of the parent's timeout, to report what ran
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(args.stage_timeout - 15, 10))
+        # No preallocation: tests start children of their own, and each would take 75% of the device.
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(args.stage_timeout - 15, 10)
+        )
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         out = e.stdout or ""
         text, rc = (out.decode(errors="replace") if isinstance(out, bytes) else out), "timeout"
-    return {"files": files, "returncode": rc, **pytest_counts(text)}
+    return {"ok": rc == 0, "files": files, "returncode": rc, **pytest_counts(text)}  # a failing test fails the stage
 
 
 def pytest_counts(text: str) -> dict:
@@ -442,7 +446,7 @@ def run_stage_here(name: str, args) -> dict:
     """One stage in this process -> its record (`ok` false and `error` set when it raised)."""
     t0 = time.perf_counter()
     try:
-        record = {"stage": name, "ok": True, **RUNNERS[name](args)}
+        record = {"stage": name, "ok": True, **RUNNERS[name](args)}  # a runner may set ok false itself
     except Exception as e:  # noqa: BLE001  (the fence: the record says what went wrong)
         record = {"stage": name, "ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
     record["stage_seconds"] = time.perf_counter() - t0

@@ -330,3 +330,13 @@ def test_device_check_cpu_smoke_every_stage(tmp_path):
     assert last["summary"] and last["ok"] and last["failed"] == [] and last["train_completed"] is True
     assert last["stages"] == dict.fromkeys(by, True) and last["pytest"] is None
     assert last["update_tokens_per_s"] == up["tokens_per_s"] and finite(last["seconds"])
+
+
+def test_device_check_fences_a_failing_stage(tmp_path, capsys):
+    """A stage that raises gives an error record (what went wrong, named), not an exception: the plan stage
+    without the train stage's overrides."""
+    from benchmarks import device_check
+
+    [record] = device_check.main(["--stage", "plan", "--scratch", str(tmp_path)])
+    assert not record["ok"] and "train_sets.json is missing" in record["error"], record
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
