@@ -324,8 +324,9 @@ def train_files(scratch: pathlib.Path, smoke: bool) -> list[str]:
     if smoke:  # the recipe at CPU size (scripts/make_stand_in.py's sizes, one step)
         sets += ["model.dtype=float32", "mesh.preset=single", "rollout.prompts_per_step=2"]
         sets += ["rollout.group_size=2", "rollout.max_new_tokens=8", "train.steps=1", "train.microbatches=1"]
-    else:
-        sets += ["train.steps=3"]
+    else:  # 32 microbatches of 8 rows: at the recipe's 8 (32 rows), `jaxrl plan` (XLA:CPU) counts 145 GB of
+        # temporaries for the update, more than one H200 holds; at 32, 43 GB
+        sets += ["train.steps=3", "train.microbatches=32"]
     return sets
 
 
