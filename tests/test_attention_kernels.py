@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.models import transformer as tf
-from jaxrl.models.attention import attend, attend_slots, attend_slots_fused, resolve_kernel
+from jaxrl.models.attention import allowed_slots, attend, attend_slots, attend_slots_fused, resolve_kernel
 from jaxrl.models.cache_kinds import StackedKV
 
 B, T, S, K, R, HD = 3, 5, 9, 2, 3, 8  # GQA: K kv heads, R query heads each
@@ -33,24 +33,32 @@ def _qkv(seed=0, dtype=jnp.float32):
 KEY_VALID_BxS = jnp.asarray(np.arange(S)[None, :] >= np.array([0, 2, 5])[:, None])
 
 
-@pytest.mark.parametrize("index", [0, 4])
-def test_xla_kernel_matches_einsum_forward_and_gradient(index):
+@pytest.mark.parametrize(("index", "pad"), [(0, False), (4, False), (4, True)])
+def test_xla_kernel_matches_einsum_forward_and_gradient(index, pad):
     """Causal from the offset `index` (queries at slots index..index+T-1 of S keys), left padding,
-    GQA, float32: outputs and the gradients of q, k, v agree with `attend_slots` to 1e-5."""
+    GQA, float32: outputs and the gradients of q, k, v agree with `attend_slots` to 1e-5. `pad`: the
+    odd T and S padded to even as for cuDNN (one dropped query, one masked key) changes no query that
+    sees a key; a query that sees none (a pad: nothing reads it) averages over S+1 values instead of
+    S, so there the loss leaves it out."""
     q, k, v = _qkv()
     w_BxTxHxHd = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    sees_BxT = jnp.any(allowed_slots(KEY_VALID_BxS, jnp.int32(index), T, S), axis=-1)
+    assert not bool(jnp.all(sees_BxT))  # row 2's first query (slot 4) sees no key
+    if pad:
+        w_BxTxHxHd = w_BxTxHxHd * sees_BxT[:, :, None, None]
 
     def loss(kernel, q, k, v):
         if kernel == "cpu":
             o = attend_slots(q, k, v, KEY_VALID_BxS, jnp.int32(index), jnp.float32)
         else:
-            o = attend_slots_fused(q, k, v, KEY_VALID_BxS, jnp.int32(index), jnp.float32, kernel)
+            o = attend_slots_fused(q, k, v, KEY_VALID_BxS, jnp.int32(index), jnp.float32, kernel, pad_to_even=pad)
         return jnp.sum(o * w_BxTxHxHd), o
 
     (_, want), want_grads = jax.value_and_grad(lambda *a: loss("cpu", *a), argnums=(0, 1, 2), has_aux=True)(q, k, v)
     (_, got), got_grads = jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2), has_aux=True)(q, k, v)
     assert got.dtype == jnp.float32 and got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    rows = sees_BxT if pad else jnp.ones_like(sees_BxT)
+    np.testing.assert_allclose(got[rows], want[rows], rtol=1e-5, atol=1e-5)
     for name, g, w in zip("qkv", got_grads, want_grads):
         assert float(jnp.max(jnp.abs(w))) > 1e-3, name  # the gradient is not trivially zero
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
@@ -96,10 +104,10 @@ def test_config_names_model_attention():
         ModelConfig(attention="cudnn", dtype="bfloat16", head_dim=12).validate()
 
 
-def _logprob_batch():
+def _logprob_batch(P=6):
     rng = np.random.default_rng(3)
-    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 6)), jnp.int32)
-    pmask = jnp.asarray([[1] * 6, [0, 0, 0, 1, 1, 1]], jnp.int32)  # row 1 left padded
+    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, P)), jnp.int32)
+    pmask = jnp.asarray([[1] * P, [0] * 3 + [1] * (P - 3)], jnp.int32)  # row 1 left padded
     comp = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 4)), jnp.int32)
     return prompt, pmask, comp, jnp.ones((2, 4))
 
@@ -127,16 +135,18 @@ def test_model_token_logprobs_equal_under_cpu_and_xla():
         np.testing.assert_allclose(g_xla, g_cpu, rtol=1e-4, atol=1e-5)
 
 
-def test_cudnn_kernel_lowers_for_cuda(monkeypatch):
+@pytest.mark.parametrize("P", [6, 5])
+def test_cudnn_kernel_lowers_for_cuda(monkeypatch, P):
     """Training's forward and backward with attention=cudnn lower for CUDA to cuDNN's fused
-    attention calls (no GPU here: a stand-in cuDNN version; whether cuDNN accepts the program and
-    its numbers are the device check's)."""
+    attention calls, also for an odd length S = P + 4 = 9, which cuDNN's training kernel refuses
+    unpadded (no GPU here: a stand-in cuDNN version; whether cuDNN accepts the program and its
+    numbers are the device check's)."""
     from jax._src.cudnn import fused_attention_stablehlo
 
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
     cfg = dataclasses.replace(CFG, attention="cudnn", dtype="bfloat16")
     params = jax.eval_shape(tf.init_params, cfg, jax.random.PRNGKey(0))
-    batch = _logprob_batch()
+    batch = _logprob_batch(P)
 
     def lowered(cfg):
         def loss(p):
@@ -147,7 +157,7 @@ def test_cudnn_kernel_lowers_for_cuda(monkeypatch):
     text = lowered(cfg)
     assert "__cudnn$fmhaScaleBiasSoftmax(" in text  # forward: fused attention, the mask as a bias
     assert "__cudnn$fmhaScaleBiasSoftmaxBackward(" in text
-    # The einsum kernel's float32 B x K x R x T x S scores (S = 6 + 4) are gone; the cpu kernel has them.
-    scores = "tensor<2x2x2x10x10xf32>"
+    # The einsum kernel's float32 B x K x R x T x S scores (S = P + 4) are gone; the cpu kernel has them.
+    scores = f"tensor<2x2x2x{P + 4}x{P + 4}xf32>"
     assert scores not in text
     assert scores in lowered(dataclasses.replace(cfg, attention="cpu"))

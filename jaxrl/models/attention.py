@@ -123,14 +123,14 @@ def attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype
     # Group query heads by the kv head they share: head h reads kv head h // R.
     q_BxTxKxRxHd = q_BxTxHxHd.reshape(B, T, K, H // K, Hd)
     s_BxKxRxTxS = jnp.einsum("btkrd,bskd->bkrts", q_BxTxKxRxHd, k_BxSxKxHd, preferred_element_type=jnp.float32)
-    allowed_BxTxS = _allowed_slots(key_valid_BxS, index, T, S)
+    allowed_BxTxS = allowed_slots(key_valid_BxS, index, T, S)
     s_BxKxRxTxS = jnp.where(allowed_BxTxS[:, None, None], s_BxKxRxTxS, MASKED_SCORE)
     p_BxKxRxTxS = jax.nn.softmax(s_BxKxRxTxS, axis=-1).astype(dtype)
     o_BxTxKxRxHd = jnp.einsum("bkrts,bskd->btkrd", p_BxKxRxTxS, v_BxSxKxHd)
     return o_BxTxKxRxHd.reshape(B, T, H, Hd)
 
 
-def _allowed_slots(key_valid_BxS, index, T: int, S: int):
+def allowed_slots(key_valid_BxS, index, T: int, S: int):
     """allowed_BxTxS: query t (at slot index+t) sees key slot s iff s <= index+t and the key is valid."""
     q_slot_T = index + jnp.arange(T)
     causal_TxS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
@@ -138,27 +138,43 @@ def _allowed_slots(key_valid_BxS, index, T: int, S: int):
 
 
 def attend_slots_fused(
-    q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, implementation: Literal["xla", "cudnn"]
+    q_BxTxHxHd,
+    k_BxSxKxHd,
+    v_BxSxKxHd,
+    key_valid_BxS,
+    index,
+    dtype,
+    implementation: Literal["xla", "cudnn"],
+    pad_to_even: bool | None = None,
 ):
     """`attend_slots` through `jax.nn.dot_product_attention` (implementation "xla" or "cudnn"): the
     same visibility (causal by slot from `index`, `key_valid_BxS`) as one boolean B x 1 x T x S mask
     shared by the heads; GQA by the API's own grouping (head h reads kv head h // R); the queries
     arrive already scaled (layers.py), so scale=1. "xla" runs the softmax in float32; "cudnn" is
-    cuDNN's flash attention (16-bit dtypes only, head_dim a multiple of 8; the mask enters as an
-    additive bias, so cuDNN does not skip the causal upper triangle). On CPU "xla" is tested against
-    `attend_slots` (tests/test_attention_kernels.py); "cudnn" is only lowered for CUDA there (with a
-    stand-in cuDNN version), its numbers are left to the device check."""
+    cuDNN's flash attention (16-bit dtypes only, head_dim a multiple of 8; odd T or S padded by one,
+    as `pad_to_even` says: None = for cudnn only;
+    the mask enters as an additive bias, so cuDNN does not skip the causal upper triangle). On CPU
+    "xla" is tested against `attend_slots` (tests/test_attention_kernels.py); "cudnn" is only lowered
+    for CUDA there (with a stand-in cuDNN version), its numbers are left to the device check."""
     T, S = q_BxTxHxHd.shape[1], k_BxSxKxHd.shape[1]
-    allowed_Bx1xTxS = _allowed_slots(key_valid_BxS, index, T, S)[:, None]
+    allowed_BxTxS = allowed_slots(key_valid_BxS, index, T, S)
+    q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd = (x.astype(dtype) for x in (q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd))
+    if (implementation == "cudnn" if pad_to_even is None else pad_to_even) and (T % 2 or S % 2):
+        # cuDNN's training kernel takes even lengths only: one more query (its output dropped) and one
+        # more key (masked for every query).
+        dT, dS = T % 2, S % 2
+        q_BxTxHxHd = jnp.pad(q_BxTxHxHd, ((0, 0), (0, dT), (0, 0), (0, 0)))
+        k_BxSxKxHd, v_BxSxKxHd = (jnp.pad(x, ((0, 0), (0, dS), (0, 0), (0, 0))) for x in (k_BxSxKxHd, v_BxSxKxHd))
+        allowed_BxTxS = jnp.pad(allowed_BxTxS, ((0, 0), (0, dT), (0, dS)))
     o_BxTxHxHd = jax.nn.dot_product_attention(
-        q_BxTxHxHd.astype(dtype),
-        k_BxSxKxHd.astype(dtype),
-        v_BxSxKxHd.astype(dtype),
-        mask=allowed_Bx1xTxS,
+        q_BxTxHxHd,
+        k_BxSxKxHd,
+        v_BxSxKxHd,
+        mask=allowed_BxTxS[:, None],
         scale=1.0,
         implementation=implementation,
     )
-    return o_BxTxHxHd.astype(dtype)
+    return o_BxTxHxHd[:, :T].astype(dtype)
 
 
 def write_layer_kv(buf_BxKxSxHd, new_BxKxTxHd, index):
