@@ -203,6 +203,7 @@ def stage_update(args) -> dict:
         "model": "tiny" if args.cpu_smoke else "qwen2.5-1.5b-shape",
         "params": common.total_params(cfg),
         "dtype": cfg.dtype,
+        "attention": cfg.attention,  # model.attention: `auto` picks the kernel by backend
         "shape": {
             "batch": s.update_batch,
             "seq": s.update_seq,
@@ -238,6 +239,7 @@ def stage_rollout(args) -> dict:
         "model": "tiny" if args.cpu_smoke else "qwen2.5-1.5b-shape",
         "params": common.total_params(cfg),
         "rows": s.rollout_prompts * s.rollout_samples,
+        "attention": cfg.attention,
         "shape": {"prompts": s.rollout_prompts, "samples": s.rollout_samples, "prompt_len": s.rollout_prompt_len,
                   "new_tokens": [s.rollout_short, s.rollout_long]},
     }  # fmt: skip

@@ -312,7 +312,7 @@ def test_device_check_cpu_smoke_every_stage(tmp_path):
     assert env["backend"] == "cpu" and env["jax"] and env["jaxlib"] and env["device_count"] >= 1
     assert env["peak_bf16_flops"] is None  # no datasheet peak for a CPU: MFU and bandwidth fractions null
     up = by["update"]
-    assert up["dtype"] == "bfloat16" and up["mfu"] is None
+    assert up["dtype"] == "bfloat16" and up["mfu"] is None and up["attention"] == by["rollout"]["attention"] == "auto"
     assert all(finite(up[k]) and up[k] > 0 for k in ("tokens_per_s", "seconds", "update_tflop", "params"))
     assert up["tokens_per_s"] == pytest.approx(4 * 16 / up["seconds"])
     ro = by["rollout"]
