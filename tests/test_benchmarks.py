@@ -242,3 +242,101 @@ def test_lora_benchmark_small_counts_state_bytes_by_hand(capsys):
     ratios = result["state_bytes_ratio_by_base_dtype"]
     assert ratios["int8"] < ratios["bfloat16"] < ratios["float32"] < 1
     assert result["update_tokens_per_s_full"] > 0 and result["update_speed_ratio"] > 0
+
+
+def test_device_check_datasheet_peaks_by_device_kind():
+    from benchmarks.device_check import datasheet_peaks
+
+    assert datasheet_peaks("NVIDIA H200") == (989e12, 4.8e12)
+    assert datasheet_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert datasheet_peaks("NVIDIA H100 PCIe") == (756e12, 2.0e12)  # before the plain H100 row
+    assert datasheet_peaks("NVIDIA A100-SXM4-80GB") == (312e12, 2.0e12)
+    assert datasheet_peaks("TPU v5 lite") == (197e12, 0.82e12)
+    assert datasheet_peaks("TPU v6 lite") == (918e12, 1.64e12)
+    assert datasheet_peaks("cpu") == (None, None)
+
+
+def test_device_check_summary_judges_the_targets_and_pytest_counts():
+    from benchmarks.device_check import pytest_counts, summary
+
+    records = [
+        {"stage": "env", "ok": True},
+        {"stage": "update", "ok": True, "mfu": 0.41, "tokens_per_s": 5e4},
+        {"stage": "rollout", "ok": True, "bfloat16_weights": {"decode_hbm_fraction": 0.55, "tokens_per_s": 900.0}},
+        {"stage": "train", "ok": True, "completed": True, "peak_memory_bytes": 116 * 2**20},
+        {"stage": "plan", "ok": True, "update_predicted_mib": 100.0},
+        {"stage": "pytest", "ok": False, "error": "timed out after 9 s"},
+    ]
+    s = summary(records, 12.0)
+    assert s["targets"] == {
+        "update_mfu_ge_0.40": True,
+        "decode_hbm_fraction_ge_0.60": False,
+        "train_peak_within_plan_15pct": False,  # 116 MiB against 100 predicted: 16% over
+    }
+    assert not s["ok"] and s["failed"] == ["pytest"] and s["pytest"] == {"passed": None, "failed": None, "errors": None}
+    records[3]["peak_memory_bytes"] = 114 * 2**20
+    records[1]["mfu"] = None  # no datasheet peak for this device kind: not judged
+    assert summary(records, 1.0)["targets"]["train_peak_within_plan_15pct"] is True
+    assert summary(records, 1.0)["targets"]["update_mfu_ge_0.40"] is None
+    out = "..F.\nFAILED tests/test_sharding.py::test_x - boom\n1 failed, 40 passed, 2 skipped, 1 error in 9.10s"
+    counts = pytest_counts(out)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == (40, 1, 2, 1)
+    assert counts["failures"] == ["FAILED tests/test_sharding.py::test_x - boom"]
+
+
+@pytest.mark.slow
+def test_device_check_cpu_smoke_every_stage(tmp_path):
+    """device_check.py --cpu-smoke: each stage in its own child, one JSON line each, the summary last;
+    every figure finite, the 1-step `jaxrl train` of the GSM8K recipe completed."""
+    import math
+
+    from harness import child_env, run_python
+
+    out = tmp_path / "device.json"
+    proc = run_python(
+        ["benchmarks/device_check.py", "--cpu-smoke", "--scratch", str(tmp_path / "s"), "--out", str(out)],
+        child_env(),
+        timeout=600,
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == lines
+    *stages, last = lines
+    by = {r["stage"]: r for r in stages}
+    assert list(by) == ["env", "update", "rollout", "train", "plan"], [r.get("error") for r in stages]
+    assert all(r["ok"] for r in stages), {r["stage"]: r.get("error") for r in stages}
+
+    def finite(x):
+        return isinstance(x, (int, float)) and math.isfinite(x)
+
+    env = by["env"]
+    assert env["backend"] == "cpu" and env["jax"] and env["jaxlib"] and env["device_count"] >= 1
+    assert env["peak_bf16_flops"] is None  # no datasheet peak for a CPU: MFU and bandwidth fractions null
+    up = by["update"]
+    assert up["dtype"] == "bfloat16" and up["mfu"] is None and up["attention"] == by["rollout"]["attention"] == "auto"
+    assert all(finite(up[k]) and up[k] > 0 for k in ("tokens_per_s", "seconds", "update_tflop", "params"))
+    assert up["tokens_per_s"] == pytest.approx(4 * 16 / up["seconds"])
+    ro = by["rollout"]
+    f32, bf16 = ro["float32_weights"], ro["bfloat16_weights"]
+    for v in (f32, bf16):
+        assert all(finite(v[k]) and v[k] > 0 for k in ("tokens_per_s", "decode_step_s", "decode_weight_bytes_per_s"))
+        assert v["decode_hbm_fraction"] is None and v["mfu"] is None
+    assert (f32["weight_dtype"], bf16["weight_dtype"]) == ("float32", "bfloat16")
+    assert f32["weight_bytes"] == 2 * bf16["weight_bytes"]  # every weight cast once to 2 bytes
+    tr = by["train"]
+    assert tr["completed"] and tr["steps_logged"] == 1 and tr["last_step"]["step"] == 1
+    assert "configs/qwen2.5_0.5b_gsm8k_grpo.py" in tr["command"] and finite(tr["last_step"]["loss"])
+    assert by["plan"]["update_predicted_mib"] > 0 and by["plan"]["devices"] == 1
+    assert all(finite(r["stage_seconds"]) for r in stages)
+    assert last["summary"] and last["ok"] and last["failed"] == [] and last["train_completed"] is True
+    assert last["stages"] == dict.fromkeys(by, True) and last["pytest"] is None
+    assert last["update_tokens_per_s"] == up["tokens_per_s"] and finite(last["seconds"])
+
+
+def test_device_check_fences_a_failing_stage(tmp_path, capsys):
+    """A stage that raises gives an error record (what went wrong, named), not an exception: the plan stage
+    without the train stage's overrides."""
+    from benchmarks import device_check
+
+    [record] = device_check.main(["--stage", "plan", "--scratch", str(tmp_path)])
+    assert not record["ok"] and "train_sets.json is missing" in record["error"], record
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record

@@ -8,8 +8,8 @@ from jax import lax
 
 from jaxrl.config import REMAT, ConfigError, load_config
 from jaxrl.models.remat import REMAT_POLICIES
-from jaxrl.train import loop
-from jaxrl.train.memory_budget import GIB, auto_jit, choose_microbatches
+from jaxrl.train import loop, memory_budget
+from jaxrl.train.memory_budget import CPU_BUDGET_GIB, GIB, auto_jit, choose_microbatches, resolve_budget_gib
 
 
 class _FakeCompiled:
@@ -71,7 +71,7 @@ def test_config_fields_validated():
     cfg = load_config(DEFAULT_CONFIG, ["train.microbatches=0"])  # 0 (auto) passes the divisibility check
     assert cfg.train.microbatches == 0
     for bad, field in [
-        ("train.memory_budget_gib=0", "train.memory_budget_gib"),
+        ("train.memory_budget_gib=-1", "train.memory_budget_gib"),
         ("train.logits_chunk=-1", "train.logits_chunk"),
         ("train.remat=some", "train.remat"),
         ("train.microbatches=-1", "train.microbatches"),
@@ -79,10 +79,46 @@ def test_config_fields_validated():
         with pytest.raises(ConfigError, match=field):
             load_config(DEFAULT_CONFIG, [bad])
     assert set(REMAT) == set(REMAT_POLICIES)
+    assert load_config(DEFAULT_CONFIG, []).train.memory_budget_gib == 0  # the default: from the device
+
+
+class _FakeDevice:
+    """A device as `memory_stats` reports it: an accelerator's bytes_limit, or None as XLA:CPU says."""
+
+    def __init__(self, platform, stats):
+        self.platform, self.stats = platform, stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_budget_from_the_device():
+    gpu = _FakeDevice("gpu", {"bytes_limit": 100 * GIB, "bytes_in_use": 3 * GIB})
+    budget, source = resolve_budget_gib(0.0, gpu)
+    assert budget == memory_budget.DEVICE_SHARE * 100 and "gpu bytes_limit 100.00 GiB" in source
+    assert resolve_budget_gib(3.5, gpu) == (3.5, "train.memory_budget_gib=3.5")  # set: the device is not asked
+    for cpu_stats in (None, {}, {"bytes_limit": 0}):  # nothing reported: today's CPU budget
+        budget, source = resolve_budget_gib(0.0, _FakeDevice("cpu", cpu_stats))
+        assert budget == CPU_BUDGET_GIB == 2.0 and "reports no limit" in source
+    # The real XLA:CPU device reports no limit, so every CPU run keeps its 2 GiB.
+    assert resolve_budget_gib(0.0, jax.devices()[0])[0] == (2.0 if jax.devices()[0].platform == "cpu" else budget)
+
+
+def test_device_budget_picks_the_microbatches_and_is_logged_once():
+    # temp(n) = 7 / n GiB: a 16 GiB device gives an 8 GiB budget -> 1 microbatch, a 4 GiB one 2 GiB -> 4.
+    lines = []
+    for limit_gib, expected in [(16, 1), (4, 4)]:
+        budget, source = resolve_budget_gib(0.0, _FakeDevice("tpu", {"bytes_limit": limit_gib * GIB}))
+        n, tried = choose_microbatches(lambda n: _FakeCompiled(7 / n), 8, budget)
+        lines.append(memory_budget.report_choice(n, tried, budget, source))
+        assert n == expected, (limit_gib, n)
+    assert "<= 2.00 GiB (train.memory_budget_gib=0: 0.5 x tpu bytes_limit 4.00 GiB" in lines[1], lines[1]
 
 
 @pytest.mark.slow
-def test_training_run_with_auto_microbatches(tmp_path, in_process_cache):
+def test_training_run_with_auto_microbatches(tmp_path, in_process_cache, monkeypatch, capsys):
+    # The default budget (0: from the device) on a device said to allow 128 GiB: 64 GiB, logged once.
+    monkeypatch.setattr(memory_budget, "device_bytes_limit", lambda device: 128 * GIB)
     base = [t for t in TINY if not t.startswith("train.eval_")] + [
         "train.steps=1",
         "train.eval_every=0",
@@ -92,8 +128,10 @@ def test_training_run_with_auto_microbatches(tmp_path, in_process_cache):
     rows = loop.train(
         load_config(
             DEFAULT_CONFIG,
-            base + ["train.microbatches=0", "train.memory_budget_gib=64", "train.logits_chunk=8", "train.remat=full"],
+            base + ["train.microbatches=0", "train.logits_chunk=8", "train.remat=full"],
         ),
         tmp_path / "a",
     )
     assert rows[-1]["microbatches"] == 1  # recorded in the metrics row
+    logged = [line for line in capsys.readouterr().err.splitlines() if "train.microbatches=0 (auto)" in line]
+    assert len(logged) == 1 and "<= 64.00 GiB" in logged[0] and "bytes_limit 128.00 GiB" in logged[0]

@@ -96,6 +96,14 @@ def test_field_missing_from_an_older_config_counts_as_its_default(tmp_path):
     ) == {"rollout.speculative.probe_every": (10, 3)}
 
 
+def test_a_superseded_default_matches_its_new_spelling():
+    saved = to_dict(_cfg())
+    saved["train"]["memory_budget_gib"] = 2.0  # the automatic microbatch budget's default before 0 = "from the device"
+    assert _cfg().train.memory_budget_gib == 0.0 and wd.config_changes(saved, _cfg()) == {}
+    saved["train"]["memory_budget_gib"] = 3.0  # a budget the user chose is still a change
+    assert wd.config_changes(saved, _cfg()) == {"train.memory_budget_gib": (3.0, 0.0)}
+
+
 def test_second_holder_is_refused_naming_the_first(tmp_path):
     run = tmp_path / "run"
     with wd.open_run(_cfg(), run):

@@ -23,6 +23,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 64
     dtype: str = "float32"
+    # The kernel of training, scoring and prefill attention (jaxrl.models.attention.KERNELS): auto (by
+    # backend: cudnn on GPU, xla on TPU, cpu on CPU) | cpu (the einsum kernels) | xla | cudnn
+    # (jax.nn.dot_product_attention with that implementation). Decode keeps its own kernels.
+    attention: str = "auto"
     # Mixture of experts (jaxrl.models.moe); n_experts=0 is the dense model, bit for bit.
     n_experts: int = 0
     moe_every: int = 1  # every moe_every-th layer is MoE (layers moe_every-1, 2*moe_every-1, ...)
@@ -86,9 +90,29 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, f"{prefix}.head_dim", "an even integer (RoPE rotates pairs)", self.head_dim)
         _check(self.rope_theta > 0, f"{prefix}.rope_theta", "a positive number", self.rope_theta)
         _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "'float32' or 'bfloat16'", self.dtype)
+        self._validate_attention(prefix)
         self._validate_moe(prefix)
         self._validate_checkpoint_features(prefix)
         self.lora.validate(f"{prefix}.lora")
+
+    def _validate_attention(self, prefix: str) -> None:
+        kernels = ("auto", "cpu", "xla", "cudnn")  # = jaxrl.models.attention.KERNELS (config imports no model)
+        _check(self.attention in kernels, f"{prefix}.attention", "'auto', 'cpu', 'xla' or 'cudnn'", self.attention)
+        if self.attention == "cudnn":
+            _check(
+                self.dtype == "bfloat16",
+                f"{prefix}.attention",
+                f"not 'cudnn' with {prefix}.dtype={self.dtype!r} (cuDNN flash attention takes 16-bit inputs; "
+                f"set {prefix}.dtype=bfloat16 or attention=xla)",
+                self.attention,
+            )
+            _check(
+                self.head_dim % 8 == 0 and self.head_dim <= 256,
+                f"{prefix}.attention",
+                f"not 'cudnn' with {prefix}.head_dim={self.head_dim} (cuDNN needs a multiple of 8, <= 256 on "
+                "Hopper and later, <= 128 before)",
+                self.attention,
+            )
 
     def _validate_checkpoint_features(self, prefix: str) -> None:
         _check(

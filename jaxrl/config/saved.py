@@ -49,10 +49,20 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# Defaults an older jaxrl wrote that a newer one spells differently, field -> (old default, new default):
+# a run saved with the old one matches a config with the new one. 2 GiB was the automatic microbatch
+# budget; 0 now takes it from the device, which on a CPU (where it reports no limit) is that 2 GiB.
+SUPERSEDED_DEFAULTS = {"train.memory_budget_gib": (2.0, 0.0)}
+
+
 def config_changes(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
     """field -> (saved, new) for every field that differs. A field the saved file lacks (written by an
-    older jaxrl) counts as its default; a field jaxrl no longer has is ignored."""
+    older jaxrl) counts as its default, a superseded default as its new spelling
+    (`SUPERSEDED_DEFAULTS`); a field jaxrl no longer has is ignored."""
     new = _flatten(json.loads(json.dumps(to_dict(cfg))))  # tuples -> lists, as the file has them
     default = _flatten(json.loads(json.dumps(to_dict(Config()))))
     old = _flatten(json.loads(json.dumps(saved)))
+    for k, (was, now) in SUPERSEDED_DEFAULTS.items():
+        if old.get(k) == was:
+            old[k] = now
     return {k: (old.get(k, default.get(k)), v) for k, v in new.items() if old.get(k, default.get(k)) != v}

@@ -155,6 +155,11 @@ class LossConfig:
         parse_loss_options(self.options, f"{prefix}.options")
 
 
+OPTIM_STATE_DTYPES = ("float32", "bfloat16")
+OPTIM_STATE_MEMORIES = ("device", "pinned_host")
+BF16_HALF_STEP = 2.0**-8  # the largest relative rounding step of bfloat16 (7 stored mantissa bits), halved
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     learning_rate: float = 3e-4
@@ -165,6 +170,12 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.99
     grad_clip: float = 1.0
+    # What AdamW keeps its two moments in between updates (jaxrl.train.state.make_optimizer): float32, or
+    # bfloat16 (half the optimizer state's memory; each update still computes in float32 and rounds once).
+    state_dtype: str = "float32"
+    # Where the optimizer state lives between updates: "device", or "pinned_host" (JAX memory kinds: host
+    # RAM, moved to the device inside each update and back; jaxrl.train.state.opt_state_in).
+    state_memory: str = "device"
 
     def validate(self, prefix: str = "optim") -> None:
         _check_learning_rate(self.learning_rate, f"{prefix}.learning_rate")
@@ -175,6 +186,20 @@ class OptimConfig:
         _check(0 <= self.b1 < 1, f"{prefix}.b1", "a number in [0, 1)", self.b1)
         _check(0 <= self.b2 < 1, f"{prefix}.b2", "a number in [0, 1)", self.b2)
         _check(self.grad_clip > 0, f"{prefix}.grad_clip", "a positive number", self.grad_clip)
+        dtypes = OPTIM_STATE_DTYPES
+        _check(self.state_dtype in dtypes, f"{prefix}.state_dtype", " or ".join(map(repr, dtypes)), self.state_dtype)
+        memories = OPTIM_STATE_MEMORIES
+        _check(
+            self.state_memory in memories, f"{prefix}.state_memory", " or ".join(map(repr, memories)), self.state_memory
+        )
+        # A bfloat16 second moment must still shrink on a step with no gradient: b2 * nu rounds back to nu
+        # once 1 - b2 is under bfloat16's relative half-step (2**-8 at worst), and nu would then never decay.
+        _check(
+            self.state_dtype != "bfloat16" or 1 - self.b2 > BF16_HALF_STEP,
+            f"{prefix}.b2",
+            f"below {1 - BF16_HALF_STEP:.5f} with {prefix}.state_dtype='bfloat16' (else bfloat16 nu never decays)",
+            self.b2,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +247,9 @@ class TrainConfig:
     # verl's mini-batches): with more than one, the later steps are off-policy and ratio clipping acts.
     minibatches: int = 1
     microbatches: int = 1  # per optimizer step; 0: the fewest that fit memory_budget_gib (jaxrl.train.memory_budget)
-    memory_budget_gib: float = 2.0  # XLA temporaries of the compiled update, for microbatches=0
+    # XLA temporaries of the compiled update, for microbatches=0. 0: from the device
+    # (jaxrl.train.memory_budget.resolve_budget_gib): a share of what the accelerator reports, 2 GiB on CPU.
+    memory_budget_gib: float = 0.0
     # The update forward's memory options (jaxrl.models.transformer.token_logprobs): the LM head and
     # log-softmax on logits_chunk (row, position) pairs at a time (0: all at once), and what each
     # layer keeps for the backward (remat: none | full | dots).
@@ -251,9 +278,9 @@ class TrainConfig:
             self.microbatches,
         )
         _check(
-            self.memory_budget_gib > 0,
+            self.memory_budget_gib >= 0,
             f"{prefix}.memory_budget_gib",
-            "a positive number of GiB",
+            "0 (from the device) or a positive number of GiB",
             self.memory_budget_gib,
         )
         _check(

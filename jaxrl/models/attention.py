@@ -4,14 +4,18 @@ where the kind keeps them, then attend. `attend` picks the code by the cache's t
 The kernels for the unrolled decode kinds (LayerKV, WindowKV here; GroupKV in `prefix_attention`)
 are laid out for XLA:CPU: scores keys-major, both contractions explicit `dot_general`s and the
 softmax normalised after the value contraction, so XLA neither transposes a cache nor picks a
-strided GEMM. The no-cache and stacked kinds use the plain einsum form (`attend_slots`), which is
-what the backward of training differentiates.
+strided GEMM. The no-cache and stacked kinds (training, scoring, prefill) run one of the kernels
+in `KERNELS` (`model.attention`, resolved by `resolve_kernel`): "cpu" is the plain einsum form
+(`attend_slots`), which is what the backward of training differentiates on CPU; "xla" and "cudnn"
+are `jax.nn.dot_product_attention` with that implementation (`attend_slots_fused`), the same masks.
 
 Shape letters as in layers.py: B batch, T query tokens, S key slots, K kv heads, R query heads per
 kv head, Hd head dim, W window slots.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -20,42 +24,71 @@ from jax import lax
 from jaxrl.models.cache_kinds import GroupKV, LayerKV, StackedKV, WindowKV
 from jaxrl.models.prefix_attention import MASKED_SCORE, attend_group, write_own
 
+# model.attention's choices: "auto" resolves by backend at trace time (`resolve_kernel`).
+KERNELS = ("auto", "cpu", "xla", "cudnn")
 
-def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype):
+
+def resolve_kernel(choice: str, dtype, head_dim: int, backend: str | None = None) -> str:
+    """The kernel `choice` ("auto" or one of KERNELS) names on `backend` (default: jax.default_backend(),
+    read when the caller is traced): "auto" is "cudnn" on a GPU when cuDNN flash attention takes the
+    shapes (a 16-bit `dtype`, head_dim a multiple of 8 and <= 128), else "xla" there; "xla" on TPU
+    (no Pallas splash kernel yet); "cpu" elsewhere. Other choices are returned as they are."""
+    if choice not in KERNELS:
+        raise ValueError(f"model.attention: got {choice!r}; expected one of {', '.join(KERNELS)}")
+    if choice != "auto":
+        return choice
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "gpu":
+        cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+        return "cudnn" if cudnn_ok else "xla"
+    return "xla" if backend == "tpu" else "cpu"
+
+
+def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel="cpu"):
     """-> (o_BxTxHxHd, kv updated). Queries occupy key slots index..index+T-1 (`index` a scalar, or
     for a LayerKV also index_B: each row's own slots); a key is visible iff its slot is not after
     the query's (causal) and `key_valid_BxS` marks it real. `layer` (traced) picks a StackedKV's
     layer. With a GroupKV, `index` is the slot in each row's own completion buffer and
-    `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]."""
+    `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]. `kernel` (resolved: "cpu", "xla"
+    or "cudnn") picks the no-cache and StackedKV kernel; the decode kinds keep their own."""
     kind = type(kv)
     if kind not in _ATTEND:
         names = ", ".join(k.__name__ for k in _ATTEND)
         raise TypeError(f"attention: a cache entry of type {kind.__name__}; expected one of {names}")
-    return _ATTEND[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype)
+    return _ATTEND[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel)
 
 
-def _no_cache(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype):
-    return attend_slots(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, index, dtype), None
+def _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kernel):
+    if kernel == "cpu":
+        return attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype)
+    if kernel not in ("xla", "cudnn"):
+        raise ValueError(f"attention: kernel {kernel!r}; expected 'cpu', 'xla' or 'cudnn' ('auto' resolved first)")
+    implementation = "cudnn" if kernel == "cudnn" else "xla"
+    return attend_slots_fused(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, implementation)
 
 
-def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, index, layer, dtype):
+def _no_cache(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel):
+    return _slots(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, index, dtype, kernel), None
+
+
+def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, index, layer, dtype, kernel):
     start = (layer, 0, index, 0, 0)
     k_all = lax.dynamic_update_slice(kv.k_LxBxSxKxHd, k_BxTxKxHd[None].astype(kv.k_LxBxSxKxHd.dtype), start)
     v_all = lax.dynamic_update_slice(kv.v_LxBxSxKxHd, v_BxTxKxHd[None].astype(kv.v_LxBxSxKxHd.dtype), start)
     k_BxSxKxHd = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(dtype)
     v_BxSxKxHd = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(dtype)
-    o_BxTxHxHd = attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype)
+    o_BxTxHxHd = _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kernel)
     return o_BxTxHxHd, StackedKV(k_all, v_all)
 
 
-def _layer(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: LayerKV, key_valid_BxS, index, layer, dtype):
+def _layer(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: LayerKV, key_valid_BxS, index, layer, dtype, kernel):
     k_buf = write_layer_kv(kv.k_BxKxSxHd, k_BxTxKxHd.swapaxes(1, 2).astype(kv.k_BxKxSxHd.dtype), index)
     v_buf = write_layer_kv(kv.v_BxKxSxHd, v_BxTxKxHd.swapaxes(1, 2).astype(kv.v_BxKxSxHd.dtype), index)
     o_BxTxHxHd = attend_kv_head_major(q_BxTxHxHd, k_buf.astype(dtype), v_buf.astype(dtype), key_valid_BxS, index, dtype)
     return o_BxTxHxHd, LayerKV(k_buf, v_buf)
 
 
-def _window(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: WindowKV, key_valid_BxS, index, layer, dtype):
+def _window(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: WindowKV, key_valid_BxS, index, layer, dtype, kernel):
     win = tuple(
         lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), (0, 0, index, 0))
         for buf, new in zip((kv.win_k, kv.win_v), (k_BxTxKxHd, v_BxTxKxHd))
@@ -73,7 +106,7 @@ def _window(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: WindowKV, key_valid_BxS, ind
     return o_BxTxHxHd, kv._replace(win_k=win[0], win_v=win[1])
 
 
-def _group(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: GroupKV, key_valid_BxS, index, layer, dtype):
+def _group(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: GroupKV, key_valid_BxS, index, layer, dtype, kernel):
     own = tuple(write_own(buf, new, index) for buf, new in zip((kv.own_k, kv.own_v), (k_BxTxKxHd, v_BxTxKxHd)))
     kv = kv._replace(own_k=own[0], own_v=own[1])
     return attend_group(q_BxTxHxHd, kv, key_valid_BxS, index, dtype), kv
@@ -90,13 +123,58 @@ def attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype
     # Group query heads by the kv head they share: head h reads kv head h // R.
     q_BxTxKxRxHd = q_BxTxHxHd.reshape(B, T, K, H // K, Hd)
     s_BxKxRxTxS = jnp.einsum("btkrd,bskd->bkrts", q_BxTxKxRxHd, k_BxSxKxHd, preferred_element_type=jnp.float32)
-    q_slot_T = index + jnp.arange(T)
-    causal_TxS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
-    allowed_BxTxS = causal_TxS[None] & key_valid_BxS.astype(bool)[:, None, :]
+    allowed_BxTxS = allowed_slots(key_valid_BxS, index, T, S)
     s_BxKxRxTxS = jnp.where(allowed_BxTxS[:, None, None], s_BxKxRxTxS, MASKED_SCORE)
     p_BxKxRxTxS = jax.nn.softmax(s_BxKxRxTxS, axis=-1).astype(dtype)
     o_BxTxKxRxHd = jnp.einsum("bkrts,bskd->btkrd", p_BxKxRxTxS, v_BxSxKxHd)
     return o_BxTxKxRxHd.reshape(B, T, H, Hd)
+
+
+def allowed_slots(key_valid_BxS, index, T: int, S: int):
+    """allowed_BxTxS: query t (at slot index+t) sees key slot s iff s <= index+t and the key is valid."""
+    q_slot_T = index + jnp.arange(T)
+    causal_TxS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
+    return causal_TxS[None] & key_valid_BxS.astype(bool)[:, None, :]
+
+
+def attend_slots_fused(
+    q_BxTxHxHd,
+    k_BxSxKxHd,
+    v_BxSxKxHd,
+    key_valid_BxS,
+    index,
+    dtype,
+    implementation: Literal["xla", "cudnn"],
+    pad_to_even: bool | None = None,
+):
+    """`attend_slots` through `jax.nn.dot_product_attention` (implementation "xla" or "cudnn"): the
+    same visibility (causal by slot from `index`, `key_valid_BxS`) as one boolean B x 1 x T x S mask
+    shared by the heads; GQA by the API's own grouping (head h reads kv head h // R); the queries
+    arrive already scaled (layers.py), so scale=1. "xla" runs the softmax in float32; "cudnn" is
+    cuDNN's flash attention (16-bit dtypes only, head_dim a multiple of 8; odd T or S padded by one,
+    as `pad_to_even` says: None = for cudnn only;
+    the mask enters as an additive bias, so cuDNN does not skip the causal upper triangle). On CPU
+    "xla" is tested against `attend_slots` (tests/test_attention_kernels.py); "cudnn" is only lowered
+    for CUDA there (with a stand-in cuDNN version), its numbers are left to the device check."""
+    T, S = q_BxTxHxHd.shape[1], k_BxSxKxHd.shape[1]
+    allowed_BxTxS = allowed_slots(key_valid_BxS, index, T, S)
+    q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd = (x.astype(dtype) for x in (q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd))
+    if (implementation == "cudnn" if pad_to_even is None else pad_to_even) and (T % 2 or S % 2):
+        # cuDNN's training kernel takes even lengths only: one more query (its output dropped) and one
+        # more key (masked for every query).
+        dT, dS = T % 2, S % 2
+        q_BxTxHxHd = jnp.pad(q_BxTxHxHd, ((0, 0), (0, dT), (0, 0), (0, 0)))
+        k_BxSxKxHd, v_BxSxKxHd = (jnp.pad(x, ((0, 0), (0, dS), (0, 0), (0, 0))) for x in (k_BxSxKxHd, v_BxSxKxHd))
+        allowed_BxTxS = jnp.pad(allowed_BxTxS, ((0, 0), (0, dT), (0, dS)))
+    o_BxTxHxHd = jax.nn.dot_product_attention(
+        q_BxTxHxHd,
+        k_BxSxKxHd,
+        v_BxSxKxHd,
+        mask=allowed_BxTxS[:, None],
+        scale=1.0,
+        implementation=implementation,
+    )
+    return o_BxTxHxHd[:, :T].astype(dtype)
 
 
 def write_layer_kv(buf_BxKxSxHd, new_BxKxTxHd, index):

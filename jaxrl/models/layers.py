@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxrl.models.attention import attend
+from jaxrl.models.attention import attend, resolve_kernel
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
 _TRUNC_STD = 0.87962566103423978
@@ -72,12 +72,15 @@ class AttnOptions:
 
     qkv_bias: q/k/v projections have a bias (Qwen2). qk_norm: RMSNorm over head_dim of each query and
     key head before RoPE (Qwen3). rope_llama3: (factor, low_freq_factor, high_freq_factor,
-    original_max_len) of Llama 3's RoPE frequency rescale, or None.
+    original_max_len) of Llama 3's RoPE frequency rescale, or None. attention: the kernel of the
+    no-cache and stacked-cache attention (`attention.KERNELS`; "auto" is resolved when the layer is
+    traced, from the backend it is traced for).
     """
 
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_llama3: tuple[float, float, float, float] | None = None
+    attention: str = "auto"
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None = None):
@@ -151,7 +154,8 @@ class Attention(nn.Module):
         q_BxTxHxHd = apply_rope(q_BxTxHxHd, positions_BxT, self.rope_theta, llama3) * jnp.asarray(Hd**-0.5, self.dtype)
         k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta, llama3)
 
-        o_BxTxHxHd, kv = attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, self.dtype)
+        kernel = resolve_kernel(self.opts.attention, self.dtype, Hd)
+        o_BxTxHxHd, kv = attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, self.dtype, kernel)
         return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
 
 

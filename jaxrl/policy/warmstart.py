@@ -53,6 +53,7 @@ def _without_new_defaults(section, default) -> dict:
     later = (
         "qkv_bias",
         "qk_norm",
+        "attention",
         "rope_scaling",
         "rope_scaling_factor",
         "rope_low_freq_factor",

@@ -59,8 +59,15 @@ from jaxrl.sources.scoring import RowLayout, assemble_batch
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
 from jaxrl.train.evaluate import eval_records, make_evaluator
-from jaxrl.train.memory_budget import auto_jit
-from jaxrl.train.state import TrainState, init_state, make_optimizer, saved_part, state_shardings
+from jaxrl.train.memory_budget import auto_jit, resolve_budget_gib
+from jaxrl.train.state import (
+    TrainState,
+    init_state,
+    make_optimizer,
+    opt_state_in,
+    saved_part,
+    state_shardings,
+)
 from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.workdir import RunRecord, open_run
 
@@ -223,6 +230,9 @@ def build_run(
     else:
         state, state_sh = _initial_state(base_params, optimizer, tc.seed, param_sh, rep, with_ref=loss.needs_ref)
         lora = None
+    if cfg.optim.state_memory != "device":  # the optimizer state to host memory between updates
+        state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
+        state = state._replace(opt_state=jax.device_put(state.opt_state, state_sh.opt_state))
     del base_params
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
@@ -407,11 +417,11 @@ def _lazily_jitted_update(update_for, tc, state_sh, rep) -> Callable:
                 return jit_update(update_for, n, shardings, rep)
 
             rows = batch["completion_mask_BxT"].shape[0] // tc.minibatches  # per optimizer step
-            jitted.append(
-                auto_jit(jit_for, (state, batch), rows, tc.memory_budget_gib)
-                if tc.microbatches == 0
-                else (jit_for(tc.microbatches), None)
-            )
+            if tc.microbatches == 0:
+                budget, source = resolve_budget_gib(tc.memory_budget_gib, jax.local_devices()[0])
+                jitted.append(auto_jit(jit_for, (state, batch), rows, budget, source=source))
+            else:
+                jitted.append((jit_for(tc.microbatches), None))
         step, auto = jitted[0]
         state, metrics = step(state, batch)
         return state, metrics if auto is None else dict(metrics, microbatches=auto)

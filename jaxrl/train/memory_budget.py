@@ -5,6 +5,11 @@ before anything runs. Candidates are the divisors n of the batch's B rows. n = 1
 activations scale with a microbatch's rows and the rest does not, so temp(n) >= temp(1) / n and the
 search starts at the smallest divisor >= temp(1) / budget, walking up until one fits. The chosen
 update's compile is the one the run then uses (jit reuses it).
+
+`train.memory_budget_gib=0` (the default) takes the budget from the device (`resolve_budget_gib`): on a
+backend that reports its memory (GPU, TPU: `memory_stats()['bytes_limit']`, what XLA's allocator may
+use), DEVICE_SHARE of it, the rest left to what the update also holds (params, optimizer state,
+gradients, the batch); on CPU, which reports nothing, CPU_BUDGET_GIB, the budget every run had before.
 """
 
 from __future__ import annotations
@@ -16,6 +21,27 @@ from typing import Any
 from jaxrl.config.errors import ConfigError
 
 GIB = 2**30
+CPU_BUDGET_GIB = 2.0  # train.memory_budget_gib=0 where the device reports no memory limit (CPU)
+DEVICE_SHARE = 0.5  # ... and the share of its bytes_limit where it reports one
+
+
+def device_bytes_limit(device: Any) -> int | None:
+    """What XLA may allocate on `device` (`memory_stats()['bytes_limit']`); None where not reported (CPU)."""
+    stats = device.memory_stats()
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def resolve_budget_gib(configured: float, device: Any) -> tuple[float, str]:
+    """-> (the budget in GiB, where it came from): `configured` where positive, else DEVICE_SHARE of the
+    device's bytes_limit, else CPU_BUDGET_GIB."""
+    if configured > 0:
+        return configured, f"train.memory_budget_gib={configured:g}"
+    limit = device_bytes_limit(device)
+    if limit is None:
+        return CPU_BUDGET_GIB, f"train.memory_budget_gib=0: {device.platform} reports no limit, {CPU_BUDGET_GIB:g} GiB"
+    gib = DEVICE_SHARE * limit / GIB
+    return gib, f"train.memory_budget_gib=0: {DEVICE_SHARE:g} x {device.platform} bytes_limit {limit / GIB:.2f} GiB"
 
 
 def divisors(n: int) -> list[int]:
@@ -56,12 +82,13 @@ def choose_microbatches(
     )
 
 
-def report_choice(n: int, tried: dict[int, float], budget_gib: float) -> str:
-    """The one line printed when the run picks its microbatches."""
+def report_choice(n: int, tried: dict[int, float], budget_gib: float, source: str = "") -> str:
+    """The one line printed when the run picks its microbatches (`source`: resolve_budget_gib's)."""
     seen = ", ".join(f"{k}: {v:.2f} GiB" for k, v in sorted(tried.items()))
+    source = source or f"train.memory_budget_gib={budget_gib:g}"
     return (
         f"jaxrl: train.microbatches=0 (auto) -> {n} microbatch(es), XLA temporaries {tried[n]:.2f} GiB <= "
-        f"train.memory_budget_gib={budget_gib} (compiled: {seen})"
+        f"{budget_gib:.2f} GiB ({source}; compiled: {seen})"
     )
 
 
@@ -71,9 +98,11 @@ def auto_jit(
     batch_rows: int,
     budget_gib: float,
     log=lambda line: print(line, file=sys.stderr),
+    source: str = "",
 ) -> tuple[Any, int]:
     """(the jitted update for the chosen count, the count): jit_for(n) -> a jax.jit'ed update,
-    lowered and compiled on `args` (state, batch) for each candidate; the choice is logged once."""
+    lowered and compiled on `args` (state, batch) for each candidate; the choice is logged once, with
+    `source` (resolve_budget_gib's) saying where the budget came from."""
     jitted: dict[int, Any] = {}
 
     def compile_for(n: int):
@@ -81,5 +110,5 @@ def auto_jit(
         return jitted[n].lower(*args).compile()
 
     n, tried = choose_microbatches(compile_for, batch_rows, budget_gib)
-    log(report_choice(n, tried, budget_gib))
+    log(report_choice(n, tried, budget_gib, source))
     return jitted[n], n

@@ -59,7 +59,8 @@ from jaxrl.sources.sampler import jit_plain_rollout, prompt_sharding
 from jaxrl.train import lora_state
 from jaxrl.train.evaluate import EVAL_CHUNK, make_chunk_sampler, rows_sharding
 from jaxrl.train.loop import full_state_shardings, jit_update, run_optimizer, state_maker, update_builder
-from jaxrl.train.memory_budget import choose_microbatches
+from jaxrl.train.memory_budget import choose_microbatches, resolve_budget_gib
+from jaxrl.train.state import opt_state_in
 
 PROGRAMS = ("update", "rollout", "engine_chunk", "eval")
 COLLECTIVES: tuple[str, ...] = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
@@ -244,6 +245,7 @@ def _update(run: _Run) -> tuple[Any, dict]:
         args = (base,) * (2 if loss.needs_ref else 1)
         state_sh = full_state_shardings(base, optimizer, tc.seed, run.param_sh, run.rep, with_ref=loss.needs_ref)
         state = jax.eval_shape(state_maker(optimizer, tc.seed), *args)
+    state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
     routing = None
     if run.model_cfg.n_experts and tc.routing_replay and not cfg.rollout.engine.enabled:
         jitted, args = _rollout_jit(run)
@@ -262,8 +264,10 @@ def _update(run: _Run) -> tuple[Any, dict]:
     extra: dict[str, Any] = {"inputs": {k: str(s.spec) for k, s in batch_sh.items()}}
     if tc.microbatches == 0:  # as the loop chooses: the fewest that fit train.memory_budget_gib
         rows = next(iter(batch.values())).shape[0] // tc.minibatches
-        n, tried = choose_microbatches(compile_for, rows, tc.memory_budget_gib)
+        budget, source = resolve_budget_gib(tc.memory_budget_gib, jax.local_devices()[0])
+        n, tried = choose_microbatches(compile_for, rows, budget)
         extra["microbatches_tried_gib"] = {str(k): round(v, 4) for k, v in sorted(tried.items())}
+        extra["memory_budget_gib"] = {"gib": round(budget, 4), "from": source}
     else:
         n = tc.microbatches
         compile_for(n)

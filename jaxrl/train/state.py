@@ -50,11 +50,61 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with gradient-norm clipping; the schedule counts optimizer updates, not RL steps."""
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
-    )
+    """AdamW with gradient-norm clipping; the schedule counts optimizer updates, not RL steps. With
+    `optim.state_dtype=bfloat16` both moments are stored in bfloat16 (`moments_stored_as`); the state's
+    tree is the same as float32's, only its moment leaves' dtype differs."""
+    schedule = learning_rate_schedule(cfg, total_steps)
+    if cfg.state_dtype == "float32":
+        adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    else:  # optax.adamw's own chain, its scale_by_adam storing the moments in state_dtype
+        adamw = optax.chain(
+            moments_stored_as(jnp.dtype(cfg.state_dtype), optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2)),
+            optax.add_decayed_weights(cfg.weight_decay),
+            optax.scale_by_learning_rate(schedule),
+        )
+    optimizer = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return optimizer if cfg.state_memory == "device" else state_on_host(optimizer)
+
+
+def state_on_host(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`optimizer` for a state kept in host memory (`opt_state_in`): each update brings the state
+    into device memory, updates it there and returns the new state to host memory. Inside a jitted
+    update these are XLA transfers (host -> device -> host); the numbers are the same."""
+
+    def update(updates, state, params=None):
+        updates, state = optimizer.update(updates, jax.device_put(state, jax.memory.Space.Device), params)
+        return updates, jax.device_put(state, jax.memory.Space.Host)
+
+    return optax.GradientTransformation(optimizer.init, update)
+
+
+def opt_state_in(shardings: TrainState, memory: str) -> TrainState:
+    """`shardings` (a state's) with every optimizer-state leaf in memory kind `memory` (optim.state_memory:
+    "device" changes nothing, "pinned_host" is host RAM). The update's jit takes and returns the state by
+    these shardings (its optimizer then being `state_on_host`'s), and checkpoints restore into them."""
+    if memory == "device":
+        return shardings
+    return shardings._replace(opt_state=jax.tree.map(lambda sh: sh.with_memory_kind(memory), shardings.opt_state))
+
+
+def moments_stored_as(dtype: Any, adam: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`adam` (optax.scale_by_adam) keeping `mu` and `nu` in `dtype` between updates. Each update widens
+    them to float32, runs Adam there (the update it returns uses the unrounded moments) and rounds the
+    new moments to `dtype` once, to nearest. Both moments, not only mu (optax's `mu_dtype`): that halves
+    the state. A bfloat16 nu keeps float32's exponent range, so tiny squared gradients do not underflow;
+    what it loses is increments under its half-step, which OptimConfig.validate bounds through b2."""
+
+    def narrow(state):
+        return state._replace(mu=optax.tree.cast(state.mu, dtype), nu=optax.tree.cast(state.nu, dtype))
+
+    def widen(state):
+        return state._replace(mu=optax.tree.cast(state.mu, jnp.float32), nu=optax.tree.cast(state.nu, jnp.float32))
+
+    def update(updates, state, params=None):
+        updates, new_state = adam.update(updates, widen(state), params)
+        return updates, narrow(new_state)
+
+    return optax.GradientTransformation(lambda params: narrow(adam.init(params)), update)
 
 
 def init_state(

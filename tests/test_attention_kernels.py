@@ -1,0 +1,163 @@
+"""model.attention: the no-cache / stacked attention kernels by backend against the einsum reference.
+
+"xla" runs here (jax.nn.dot_product_attention, implementation="xla") and is compared with
+`attend_slots` forward and backward. "cudnn" cannot run on CPU: it is lowered for CUDA with a
+stand-in cuDNN version (JAX asks the installed cuDNN for it at trace time) and the test asserts
+that the program holds cuDNN's fused attention calls; its numbers are left to the device check.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.config import ConfigError, ModelConfig
+from jaxrl.models import transformer as tf
+from jaxrl.models.attention import allowed_slots, attend, attend_slots, attend_slots_fused, resolve_kernel
+from jaxrl.models.cache_kinds import StackedKV
+
+B, T, S, K, R, HD = 3, 5, 9, 2, 3, 8  # GQA: K kv heads, R query heads each
+CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
+
+
+def _qkv(seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, K * R, HD)) * HD**-0.5
+    k, v = rng.standard_normal((2, B, S, K, HD))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+# Row 0 unpadded, row 1 two left pads, row 2 five (so its first query at slot 4 sees no key at all).
+KEY_VALID_BxS = jnp.asarray(np.arange(S)[None, :] >= np.array([0, 2, 5])[:, None])
+
+
+@pytest.mark.parametrize(("index", "pad"), [(0, False), (4, False), (4, True)])
+def test_xla_kernel_matches_einsum_forward_and_gradient(index, pad):
+    """Causal from the offset `index` (queries at slots index..index+T-1 of S keys), left padding,
+    GQA, float32: outputs and the gradients of q, k, v agree with `attend_slots` to 1e-5. `pad`: the
+    odd T and S padded to even as for cuDNN (one dropped query, one masked key) changes no query that
+    sees a key; a query that sees none (a pad: nothing reads it) averages over S+1 values instead of
+    S, so there the loss leaves it out."""
+    q, k, v = _qkv()
+    w_BxTxHxHd = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    sees_BxT = jnp.any(allowed_slots(KEY_VALID_BxS, jnp.int32(index), T, S), axis=-1)
+    assert not bool(jnp.all(sees_BxT))  # row 2's first query (slot 4) sees no key
+    if pad:
+        w_BxTxHxHd = w_BxTxHxHd * sees_BxT[:, :, None, None]
+
+    def loss(kernel, q, k, v):
+        if kernel == "cpu":
+            o = attend_slots(q, k, v, KEY_VALID_BxS, jnp.int32(index), jnp.float32)
+        else:
+            o = attend_slots_fused(q, k, v, KEY_VALID_BxS, jnp.int32(index), jnp.float32, kernel, pad_to_even=pad)
+        return jnp.sum(o * w_BxTxHxHd), o
+
+    (_, want), want_grads = jax.value_and_grad(lambda *a: loss("cpu", *a), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, got), got_grads = jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    rows = sees_BxT if pad else jnp.ones_like(sees_BxT)
+    np.testing.assert_allclose(got[rows], want[rows], rtol=1e-5, atol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        assert float(jnp.max(jnp.abs(w))) > 1e-3, name  # the gradient is not trivially zero
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
+
+
+def test_stacked_cache_kernel_writes_and_matches():
+    """Through `attend` with a StackedKV (prefill): the cache is written the same and the output
+    matches the cpu kernel."""
+    q, k_new, v_new = _qkv(2)
+    k_new, v_new = k_new[:, :T], v_new[:, :T]
+    L = 2
+    zeros = jnp.zeros((L, B, S, K, HD), jnp.float32)
+    kv = StackedKV(zeros, zeros + 1.0)
+    index, layer = jnp.int32(3), jnp.int32(1)
+    outs = {
+        kern: attend(q, k_new, v_new, kv, KEY_VALID_BxS, index, layer, jnp.float32, kern) for kern in ("cpu", "xla")
+    }
+    (o_cpu, kv_cpu), (o_xla, kv_xla) = outs["cpu"], outs["xla"]
+    np.testing.assert_allclose(o_xla, o_cpu, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(kv_xla.k_LxBxSxKxHd, kv_cpu.k_LxBxSxKxHd)
+    np.testing.assert_array_equal(kv_xla.v_LxBxSxKxHd[1, :, 3 : 3 + T], v_new)
+
+
+def test_resolve_kernel_by_backend():
+    assert resolve_kernel("auto", jnp.float32, 8) == ("cpu" if jax.default_backend() == "cpu" else "xla")
+    assert resolve_kernel("auto", jnp.bfloat16, 128, backend="gpu") == "cudnn"
+    assert resolve_kernel("auto", jnp.float32, 128, backend="gpu") == "xla"  # cuDNN takes 16-bit only
+    assert resolve_kernel("auto", jnp.bfloat16, 100, backend="gpu") == "xla"  # head_dim not a multiple of 8
+    assert resolve_kernel("auto", jnp.bfloat16, 128, backend="tpu") == "xla"
+    assert resolve_kernel("cudnn", jnp.bfloat16, 128, backend="cpu") == "cudnn"  # an explicit choice stands
+    with pytest.raises(ValueError, match="model.attention"):
+        resolve_kernel("splash", jnp.bfloat16, 128)
+
+
+def test_config_names_model_attention():
+    ModelConfig(attention="xla").validate()
+    ModelConfig(attention="cudnn", dtype="bfloat16").validate()
+    with pytest.raises(ConfigError, match=r"model\.attention: got 'flash'"):
+        ModelConfig(attention="flash").validate()
+    with pytest.raises(ConfigError, match=r"model\.attention: got 'cudnn'.*model\.dtype='float32'"):
+        ModelConfig(attention="cudnn").validate()
+    with pytest.raises(ConfigError, match=r"model\.attention: got 'cudnn'.*model\.head_dim=12"):
+        ModelConfig(attention="cudnn", dtype="bfloat16", head_dim=12).validate()
+
+
+def _logprob_batch(P=6):
+    rng = np.random.default_rng(3)
+    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, P)), jnp.int32)
+    pmask = jnp.asarray([[1] * P, [0] * 3 + [1] * (P - 3)], jnp.int32)  # row 1 left padded
+    comp = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 4)), jnp.int32)
+    return prompt, pmask, comp, jnp.ones((2, 4))
+
+
+def test_model_token_logprobs_equal_under_cpu_and_xla():
+    """A tiny model's token_logprobs and their gradient: `auto` on CPU is the cpu kernels bit for bit
+    (the same program), `xla` agrees to float32 rounding."""
+    params = tf.init_params(CFG, jax.random.PRNGKey(0))
+    batch = _logprob_batch()
+
+    def logp(cfg):
+        return tf.token_logprobs(params, cfg, *batch, 1.0)[0]
+
+    cpu = logp(dataclasses.replace(CFG, attention="cpu"))
+    np.testing.assert_array_equal(logp(CFG), cpu)
+    xla_cfg = dataclasses.replace(CFG, attention="xla")
+    np.testing.assert_allclose(logp(xla_cfg), cpu, rtol=1e-5, atol=1e-5)
+    hlo = tf.token_logprobs.lower(params, xla_cfg, *batch, 1.0).as_text()
+    assert hlo != tf.token_logprobs.lower(params, CFG, *batch, 1.0).as_text()  # the option reached the layers
+
+    def grad(cfg):
+        return jax.grad(lambda p: jnp.sum(tf.token_logprobs(p, cfg, *batch, 1.0)[0]))(params)
+
+    for g_xla, g_cpu in zip(jax.tree.leaves(grad(xla_cfg)), jax.tree.leaves(grad(CFG))):
+        np.testing.assert_allclose(g_xla, g_cpu, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("P", [6, 5])
+def test_cudnn_kernel_lowers_for_cuda(monkeypatch, P):
+    """Training's forward and backward with attention=cudnn lower for CUDA to cuDNN's fused
+    attention calls, also for an odd length S = P + 4 = 9, which cuDNN's training kernel refuses
+    unpadded (no GPU here: a stand-in cuDNN version; whether cuDNN accepts the program and its
+    numbers are the device check's)."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
+    cfg = dataclasses.replace(CFG, attention="cudnn", dtype="bfloat16")
+    params = jax.eval_shape(tf.init_params, cfg, jax.random.PRNGKey(0))
+    batch = _logprob_batch(P)
+
+    def lowered(cfg):
+        def loss(p):
+            return jnp.sum(tf.token_logprobs(p, cfg, *batch, 1.0)[0])
+
+        return jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered(cfg)
+    assert "__cudnn$fmhaScaleBiasSoftmax(" in text  # forward: fused attention, the mask as a bias
+    assert "__cudnn$fmhaScaleBiasSoftmaxBackward(" in text
+    # The einsum kernel's float32 B x K x R x T x S scores (S = P + 4) are gone; the cpu kernel has them.
+    scores = f"tensor<2x2x2x{P + 4}x{P + 4}xf32>"
+    assert scores not in text
+    assert scores in lowered(dataclasses.replace(cfg, attention="cpu"))
