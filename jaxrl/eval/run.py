@@ -20,6 +20,7 @@ import pathlib
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -29,6 +30,7 @@ from jaxrl.data.rewards import score
 from jaxrl.data.tokenizer import decode_completions
 from jaxrl.eval.metrics import ks_up_to, sample_metrics
 from jaxrl.eval.sources import EvalError, Located, Policy, load_policy, locate, run_model
+from jaxrl.models.transformer import rollout_params
 from jaxrl.sharding import from_primary
 from jaxrl.sources.agents import make_agent_evaluator
 from jaxrl.train.evaluate import EVAL_CHUNK, encode_records, make_chunk_sampler, make_evaluator, sample_in_chunks
@@ -140,6 +142,8 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
     records = split_records(cfg, task, req.prompts)
     mesh, preset = make_mesh(cfg.mesh)
     policy = load_policy(cfg, located, mesh, preset, task, cfg.train.progress)
+    if jnp.dtype(policy.model_cfg.dtype) != jnp.float32:  # every forward below is a rollout's: cast once
+        policy = policy._replace(params=jax.jit(rollout_params, static_argnames="cfg")(policy.params, policy.model_cfg))
     ep = parallel_for(mesh, preset)  # rows split over the batch axes, MoE experts as training splits them
     if task.spec.episodic:  # the trainer's held-out episodes (jaxrl.sources.agents)
         kept = records

@@ -45,6 +45,7 @@ __all__ = [
     "init_params",
     "param_logical_axes",
     "positions_from_mask",
+    "rollout_params",
 ]
 
 LOGICAL_AXIS_NAMES = ("layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert")
@@ -131,6 +132,34 @@ def abstract_params(cfg: ModelConfig, shardings=None):
 def param_logical_axes(cfg: ModelConfig):
     """The pytree matching `init_params` whose leaves are PartitionSpecs of logical axis names."""
     return nn.get_partition_spec(_abstract_boxed(cfg))
+
+
+# Leaves every forward reads only as `w.astype(cfg.dtype)` (projections, their biases, MLP and expert
+# matrices, the shared-expert gate, the embedding taken then cast, the head): casting them once ahead
+# changes no value. Norm scales multiply float32 activations and the MoE router runs in float32.
+_CAST_AT_USE = frozenset({"q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "gate", "up", "down", "shared_gate"})
+_CAST_AT_USE |= {"embedding", "lm_head"}
+_FLOAT32_AT_USE = frozenset({"scale", "router"})
+
+
+def rollout_params(params, cfg: ModelConfig):
+    """`params` (stacked or per-layer) with every leaf that a forward reads only after
+    `.astype(cfg.dtype)` stored in cfg.dtype, the float32-read ones (norm scales, MoE routers) kept:
+    the same numbers at half the bytes a bfloat16 decode step reads. Do it once per policy version
+    (the update keeps its float32 masters). float32 models: `params` itself, untouched."""
+    dtype = jnp.dtype(cfg.dtype)
+    if dtype == jnp.float32:
+        return params
+
+    def one(path, w):
+        name = getattr(path[-1], "key", None)
+        if name in _CAST_AT_USE:
+            return w.astype(dtype)
+        if name in _FLOAT32_AT_USE:
+            return w
+        raise ValueError(f"rollout_params: parameter {jax.tree_util.keystr(path)} has no known use; list it")
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from jaxrl.config import Config, ConfigError, LossConfig
 from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.losses import Loss, check_loss, check_rollout, make_loss
-from jaxrl.models.transformer import param_logical_axes
+from jaxrl.models.transformer import param_logical_axes, rollout_params
 from jaxrl.policy.base import build_base
 from jaxrl.policy.resolve import shardings_for
 from jaxrl.policy.warmstart import cache_root
@@ -237,7 +237,7 @@ def build_run(
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
     resumed_step, state, stream, host = _restore(manager, state, loss, record, lora)
-    policy = policy_for(lora, state_sh, param_sh, own)
+    policy = policy_for(lora, state_sh, param_sh, own, model_cfg)
     log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
 
     update_fn = update_builder(cfg, model_cfg, loss, optimizer, parallel_for(mesh, preset), lora)
@@ -276,15 +276,18 @@ def rollout_layout(cfg: Config, model_cfg, mesh) -> tuple | None:
     return r_mesh, r_preset, shardings_for(model_cfg, r_mesh, r_preset), replicated(r_mesh)
 
 
-def policy_for(lora, state_sh: TrainState, param_sh, own: tuple | None) -> Callable:
+def policy_for(lora, state_sh: TrainState, param_sh, own: tuple | None, model_cfg=None) -> Callable:
     """state -> the params every rollout and evaluation forward takes, once per policy version: under
-    training's layout `state.params` itself (LoRA: merged, laid out by `param_sh`); with a rollout
-    layout of its own (`own`, from `rollout_layout`) a copy resharded into it (LoRA: merged into it)."""
-    if own is None:
-        return lora_state.policy_fn(lora, state_sh, param_sh)
-    if lora is not None:
-        return lora_state.policy_fn(lora, state_sh, own[2])
-    reshard = resharder(own[2])
+    training's layout `state.params` (LoRA: merged, laid out by `param_sh`); with a rollout layout of
+    its own (`own`, from `rollout_layout`) resharded into it (LoRA: merged into it). A `model_cfg`
+    whose dtype is not float32 gets its matrices cast to that dtype in the same program
+    (`transformer.rollout_params`); float32 (or no model_cfg): the params as they are."""
+    cast = None
+    if model_cfg is not None and jnp.dtype(model_cfg.dtype) != jnp.float32:
+        cast = functools.partial(rollout_params, cfg=model_cfg)
+    if own is None or lora is not None:
+        return lora_state.policy_fn(lora, state_sh, param_sh if own is None else own[2], cast)
+    reshard = resharder(own[2]) if cast is None else jax.jit(cast, out_shardings=own[2])
     return lambda state: reshard(state.params)
 
 

@@ -82,14 +82,25 @@ def merge_fn(run: LoraRun | None) -> Callable | None:
     return lambda base, adapters: lora.merge(base, adapters, cfg, logical)
 
 
-def policy_fn(run: LoraRun | None, state_sh: TrainState, param_sh: Any) -> Callable[[TrainState], Any]:
+def policy_fn(
+    run: LoraRun | None, state_sh: TrainState, param_sh: Any, cast: Callable[[Any], Any] | None = None
+) -> Callable[[TrainState], Any]:
     """state -> the params every rollout and evaluation forward uses: state.params for full
     fine-tuning; under LoRA one jitted merge laid out like the params (`param_sh`), so the samplers'
-    jitted programs take it as they take full params."""
+    jitted programs take it as they take full params. `cast` (params -> params, e.g. to the compute
+    dtype) runs on them in the same program; None: none."""
     merge = merge_fn(run)
     if merge is None:
-        return lambda state: state.params
-    jitted = jax.jit(merge, in_shardings=(state_sh.base, state_sh.params), out_shardings=param_sh)
+        if cast is None:
+            return lambda state: state.params
+        jitted_cast = jax.jit(cast, out_shardings=param_sh)
+        return lambda state: jitted_cast(state.params)
+    finish = cast or (lambda params: params)
+    jitted = jax.jit(
+        lambda base, adapters: finish(merge(base, adapters)),
+        in_shardings=(state_sh.base, state_sh.params),
+        out_shardings=param_sh,
+    )
     return lambda state: jitted(state.base, state.params)
 
 

@@ -40,6 +40,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, decode_rows, layer_params
 from jaxrl.models.parallel import Parallel
+from jaxrl.models.transformer import rollout_params
 from jaxrl.rollout.sampler import (
     SamplingParams,
     choose_tokens,
@@ -296,8 +297,11 @@ def choose_tokens_per_row(key_S, col_S, logits_SxV, temperature, spec: EngineSpe
     return first_argmax(scaled_SxV + gumbel_SxV)
 
 
-# The per-layer form of params that `decode_chunk` runs on; splitting copies every weight.
-split_params = jax.jit(layer_params, static_argnames="cfg")
+@functools.partial(jax.jit, static_argnames="cfg")
+def split_params(params, cfg):
+    """The per-layer form of params that `decode_chunk` runs on, its weights in the compute dtype
+    (`transformer.rollout_params`; a no-op on params already cast): splitting copies every weight."""
+    return layer_params(rollout_params(params, cfg), cfg)
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")

@@ -25,6 +25,7 @@ def quantize_int8(tree):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         if w.ndim < 2 or "router" in name:
             return w
+        w = w.astype(jnp.float32)  # rollout params may hold it in the compute dtype: quantise in float32
         scale = jnp.max(jnp.abs(w), axis=tuple(range(w.ndim - 1)), keepdims=True) / 127.0
         scale = jnp.where(scale > 0, scale, 1.0)
         return (jnp.round(w / scale).astype(jnp.int8), scale.astype(jnp.float32))
