@@ -42,7 +42,7 @@ from jaxrl.config import Config, ConfigError
 from jaxrl.data.registry import get_task
 from jaxrl.data.rewards import REWARD_NAMES
 from jaxrl.losses import check_rollout, make_loss
-from jaxrl.models.transformer import abstract_params, param_logical_axes
+from jaxrl.models.transformer import abstract_params, param_logical_axes, rollout_params
 from jaxrl.policy.resolve import checkpoint_config, resolve_policy, shardings_for
 from jaxrl.rollout.engine.state import EngineSpec, decode_chunk, init_state, split_params, state_shardings
 from jaxrl.rollout.sampler import SamplingParams
@@ -210,13 +210,19 @@ def abstract_batch(cfg: Config, model_cfg, routing=None) -> dict:
     return out
 
 
+def _rollout_params(run: _Run):
+    """The params the rollout reads: cast to the compute dtype once per policy version, as the loop
+    casts them (`transformer.rollout_params`; float32 models: the params themselves)."""
+    return _placed(jax.eval_shape(lambda p: rollout_params(p, run.model_cfg), run.params), run.param_sh)
+
+
 def _rollout_jit(run: _Run):
     """(the static sampler jitted as the loop's SamplerSource jits it, its abstract arguments)."""
     cfg, rc = run.cfg, run.cfg.rollout
     sampling = SamplingParams.of_rollout(rc, eos_id=run.ids.eos_id, pad_id=run.ids.pad_id)
     prompt_sh = prompt_sharding(run.mesh, run.preset, rc.prompts_per_step)
     prompts = _sds((rc.prompts_per_step, cfg.data.max_prompt_len), jnp.int32, prompt_sh)
-    args = (run.params, prompts, prompts, _key(run.rep))
+    args = (_rollout_params(run), prompts, prompts, _key(run.rep))
     kw = dict(sampling=sampling, group_size=rc.group_size)
     return jit_plain_rollout(run.model_cfg, kw, run.mesh, run.preset, run.param_sh, prompt_sh, args), args
 
@@ -308,7 +314,8 @@ def _eval(run: _Run) -> tuple[Any, dict]:
     rows = run.rep if run.parallel is None else rows_sharding(run.parallel)
     prompts = _sds((chunk, cfg.data.max_prompt_len), jnp.int32, rows)
     mask = _sds((chunk, cfg.data.max_prompt_len), jnp.bool_, rows)
-    compiled = sampler.lower(run.params, prompt_BxP=prompts, prompt_mask_BxP=mask, rng=_key(run.rep)).compile()
+    params = _rollout_params(run)
+    compiled = sampler.lower(params, prompt_BxP=prompts, prompt_mask_BxP=mask, rng=_key(run.rep)).compile()
     return compiled, {"inputs": {"prompt_tokens_BxP": str(rows.spec), "prompts_per_call": chunk}}
 
 
