@@ -244,7 +244,7 @@ def _cluster_args(cluster: str, coordinator, n, pid, timeout: int) -> dict:
             f"--cluster auto takes the process layout from the cluster; drop {', '.join(given)} "
             "(or unset the JAXRL_* variable)"
         )
-    from jaxrl.sharding import detect_cluster  # imports jax, touches no device
+    from jaxrl.multihost import detect_cluster  # imports jax, touches no device
 
     found = detect_cluster()
     if found is None:
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
             dist = distributed_args(args)
             if dist is not None:  # before anything touches devices
-                from jaxrl.sharding import init_distributed, init_distributed_auto
+                from jaxrl.multihost import init_distributed, init_distributed_auto
 
                 if "cluster" in dist:
                     init_distributed_auto(**dist)

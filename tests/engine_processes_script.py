@@ -12,7 +12,7 @@ n_processes, process_id = int(n_processes), int(process_id)
 
 import jax  # noqa: E402
 
-from jaxrl.sharding import init_distributed  # noqa: E402
+from jaxrl.multihost import init_distributed  # noqa: E402
 
 if n_processes > 1:
     init_distributed(f"localhost:{port}", n_processes, process_id, timeout_s=60)
@@ -28,8 +28,9 @@ from jaxrl.data.stream import StreamState  # noqa: E402
 from jaxrl.data.tasks import load_task  # noqa: E402
 from jaxrl.data.tokenizer import CharTokenizer  # noqa: E402
 from jaxrl.models.transformer import init_params, param_logical_axes  # noqa: E402
+from jaxrl.multihost import gather_objects, put_global  # noqa: E402
 from jaxrl.policy.base import build_base  # noqa: E402
-from jaxrl.sharding import gather_objects, make_mesh, parallel_for, param_shardings, put_global  # noqa: E402
+from jaxrl.sharding import make_mesh, parallel_for, param_shardings  # noqa: E402
 from jaxrl.sources.agents import AgentSource, make_agent_evaluator  # noqa: E402
 from jaxrl.sources.groups import EngineSource  # noqa: E402
 from jaxrl.sources.scoring import assemble_batch  # noqa: E402

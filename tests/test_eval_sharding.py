@@ -14,7 +14,8 @@ import jax, numpy as np
 from jaxrl.config import Config, DataConfig, MeshConfig, ModelConfig, RolloutConfig
 from jaxrl.data.tokenizer import CharTokenizer, decode_completions
 from jaxrl.models.transformer import init_params, param_logical_axes
-from jaxrl.sharding import make_mesh, parallel_for, param_shardings, put_rows
+from jaxrl.sharding import make_mesh, parallel_for, param_shardings
+from jaxrl.multihost import put_rows
 from jaxrl.train import evaluate as ev
 
 assert jax.device_count() == 8

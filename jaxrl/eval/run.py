@@ -31,7 +31,7 @@ from jaxrl.data.tokenizer import decode_completions
 from jaxrl.eval.metrics import ks_up_to, sample_metrics
 from jaxrl.eval.sources import EvalError, Located, Policy, load_policy, locate, run_model
 from jaxrl.models.transformer import rollout_params
-from jaxrl.sharding import from_primary
+from jaxrl.multihost import from_primary
 from jaxrl.sources.agents import make_agent_evaluator
 from jaxrl.train.evaluate import EVAL_CHUNK, encode_records, make_chunk_sampler, make_evaluator, sample_in_chunks
 
@@ -129,7 +129,8 @@ def report_path(req: EvalRequest, located: Located) -> pathlib.Path:
 def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pathlib.Path]:
     """Score the located policy on the config's test split; write the JSON report. -> (report, its path)."""
     from jaxrl.data.tasks import load_task
-    from jaxrl.sharding import is_primary, make_mesh, parallel_for
+    from jaxrl.multihost import is_primary
+    from jaxrl.sharding import make_mesh, parallel_for
 
     check_request(req)
     if get_task(cfg.data.task).episodic and req.samples > 1:

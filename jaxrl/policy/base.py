@@ -17,11 +17,11 @@ from jaxrl.config.errors import first_line
 from jaxrl.data.registry import get_task
 from jaxrl.data.tasks import load_task
 from jaxrl.models.transformer import abstract_params
+from jaxrl.multihost import is_primary, put_global
 from jaxrl.policy.lora_run import newest_step_dir
 from jaxrl.policy.pretrained import load_params
 from jaxrl.policy.resolve import resolve_policy, shardings_for
 from jaxrl.policy.warmstart import load_or_train_base
-from jaxrl.sharding import is_primary, put_global
 
 
 def build_base(cfg: Config, progress: bool, mesh, preset):

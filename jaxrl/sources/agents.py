@@ -34,10 +34,10 @@ from jaxrl.agents.formats import check_model_format, check_prompt_fits, episode_
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, next_batch
+from jaxrl.multihost import gather_objects
 from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.rollout.episodes.driver import EpisodeEngine
 from jaxrl.rollout.sampler import SamplingParams
-from jaxrl.sharding import gather_objects
 from jaxrl.sources.base import Produced
 from jaxrl.sources.processes import LocalLayout, ProcessShare, combine_metrics
 from jaxrl.sources.scoring import combined_reward, reward_metrics

@@ -25,11 +25,11 @@ import numpy as np
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.stream import StreamState, from_arrays, next_batch
 from jaxrl.data.tokenizer import encode_prompts
+from jaxrl.multihost import gather_objects
 from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.engine.groups import Group, batch_of_groups
 from jaxrl.rollout.speculative.draft_vocab import task_draft_ids
-from jaxrl.sharding import gather_objects
 from jaxrl.sources.base import ARRAYS, Produced
 from jaxrl.sources.filters import ScoredGroup, select_informative, selection_metrics
 from jaxrl.sources.processes import PROCESSES, LocalLayout, ProcessShare, combine_metrics

@@ -16,7 +16,7 @@ synchronous admission the union of a step's prompts over the processes is the on
 Multi-turn episodes (sources/agents.py), whose step draws a fixed number of records, instead split that
 draw into contiguous blocks (`block`): process p plays the p-th block, so the step's rows in process
 order are the one-process step's rows. A process's rollout needs no other process within a step; the
-step's rows meet in one global array (`sharding.put_rows`). What a process keeps between steps (the
+step's rows meet in one global array (`multihost.put_rows`). What a process keeps between steps (the
 engine's slots, the prompt filter, its stream position) is checkpointed as one entry per process under
 `PROCESSES`; a resume checks that the process count is the one that saved it. One process: `count == 1`
 and none of this changes anything.
@@ -33,14 +33,8 @@ from jax.sharding import NamedSharding
 
 from jaxrl.config import Config, ConfigError, MeshConfig, RolloutConfig
 from jaxrl.data.stream import StreamState, next_batch
-from jaxrl.sharding import (
-    gather_objects,
-    make_mesh,
-    parallel_for,
-    process_local,
-    rollout_mesh_config,
-    rollout_mesh_prefix,
-)
+from jaxrl.multihost import gather_objects, process_local
+from jaxrl.sharding import make_mesh, parallel_for, rollout_mesh_config, rollout_mesh_prefix
 from jaxrl.sources.base import ARRAYS
 
 PROCESSES = "processes"  # the checkpoint's JSON key: one entry per process, in process order

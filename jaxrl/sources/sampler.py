@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import Config
+from jaxrl.multihost import gather_rows, local_rows, process_rows, put_rows
 from jaxrl.rollout.sampler import SamplingParams, sample
 from jaxrl.rollout.speculative.control import (
     control_state,
@@ -30,17 +31,7 @@ from jaxrl.rollout.speculative.control import (
 from jaxrl.rollout.speculative.drafters import check_self_drafter
 from jaxrl.rollout.speculative.reuse import DraftStore, spec_metrics
 from jaxrl.rollout.speculative.sample import sample_speculative
-from jaxrl.sharding import (
-    batch_devices,
-    batch_sharding,
-    gather_rows,
-    local_rows,
-    named_shardings,
-    parallel_for,
-    process_rows,
-    put_rows,
-    replicated,
-)
+from jaxrl.sharding import batch_devices, batch_sharding, named_shardings, parallel_for, replicated
 
 
 class Rollout(NamedTuple):

@@ -17,8 +17,9 @@ import numpy as np
 
 from jaxrl.data.rewards import score
 from jaxrl.data.tokenizer import decode_completions
+from jaxrl.multihost import all_processes_sum, gather_rows, put_rows
 from jaxrl.rollout.batch import RolloutBatch
-from jaxrl.sharding import all_processes_sum, gather_rows, named_sharding, put_rows
+from jaxrl.sharding import named_sharding
 from jaxrl.sources.sampler import Rollout
 
 

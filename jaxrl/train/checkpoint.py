@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 
 from jaxrl.config import CheckpointConfig
 from jaxrl.config.errors import CheckpointError, ConfigError, NonFiniteError, first_line
-from jaxrl.sharding import any_process, is_primary
+from jaxrl.multihost import any_process, is_primary
 from jaxrl.sources.base import ARRAYS
 
 

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.config import Config, ConfigError, ModelConfig
 from jaxrl.data.tokenizer import encode_prompts
 from jaxrl.models.parallel import Parallel, rows_axis
+from jaxrl.multihost import from_primary, gather_rows, local_rows, process_rows, put_rows
 from jaxrl.rollout.sampler import SampleOutput, SamplingParams, sample
-from jaxrl.sharding import from_primary, gather_rows, local_rows, process_rows, put_rows
 from jaxrl.sources.scoring import score_completions
 
 EVAL_CHUNK = 100  # prompts per jitted call; the last chunk is padded so the shape never changes
@@ -72,7 +72,7 @@ def make_chunk_sampler(
     `parallel` (the run's `sharding.parallel_for(mesh, preset)`, None on one device): the prompts' and
     the completions' rows split over its batch axes, so each device decodes its share of the chunk
     (B must divide over them: `sample_in_chunks` pads), every other dimension of the outputs
-    replicated (each process reads its own rows, `sharding.local_rows`); MoE layers dispatch as the
+    replicated (each process reads its own rows, `multihost.local_rows`); MoE layers dispatch as the
     rollout's."""
     rc = cfg.rollout
     draw = functools.partial(
@@ -123,8 +123,8 @@ def sample_in_chunks(
     Every call gets the same number of rows: the chunk, padded to a multiple of `parallel`'s batch
     devices (the sampler's `parallel`), and the last chunk to that too, with copies of the first
     prompt that are dropped before anything reads them. Each process feeds its devices only its own
-    rows of a call (`sharding.put_rows`) and reads back its own rows of the completions, which
-    `sharding.gather_rows` then puts together on every process (one process: nothing to gather)."""
+    rows of a call (`multihost.put_rows`) and reads back its own rows of the completions, which
+    `multihost.gather_rows` then puts together on every process (one process: nothing to gather)."""
     n, G = len(tok_BxP), group_size
     n_dev = 1 if parallel is None else parallel.n_rows_devices
     width = chunk + (-chunk) % n_dev  # prompts per call

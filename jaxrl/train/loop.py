@@ -33,6 +33,7 @@ from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.losses import Loss, check_loss, check_rollout, make_loss
 from jaxrl.models.transformer import param_logical_axes, rollout_params
+from jaxrl.multihost import any_process, is_primary, process_rows
 from jaxrl.policy.base import build_base
 from jaxrl.policy.resolve import shardings_for
 from jaxrl.policy.warmstart import cache_root
@@ -40,14 +41,11 @@ from jaxrl.runlog.metrics import MetricsLog, plot
 from jaxrl.runlog.report import emit
 from jaxrl.runlog.summary import start_line, stopped_line, summary
 from jaxrl.sharding import (
-    any_process,
     batch_sharding,
     check_batch_divides,
-    is_primary,
     layout_line,
     make_mesh,
     parallel_for,
-    process_rows,
     replicated,
     resharder,
     rollout_mesh,

@@ -184,7 +184,7 @@ def open_run(cfg: Config, workdir: pathlib.Path, allow_change: bool = False) -> 
     """Check `workdir` for this config, lock it (process 0) and yield its RunRecord; see the module doc."""
     import jax
 
-    from jaxrl.sharding import any_process, is_primary
+    from jaxrl.multihost import any_process, is_primary
 
     workdir = pathlib.Path(workdir)
     check_directory(workdir)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import Config, SpeculativeConfig
+from jaxrl.multihost import is_primary
 from jaxrl.rollout.speculative.calibrate import (
     StepCosts,
     cached_step_costs,
@@ -29,7 +30,6 @@ from jaxrl.rollout.speculative.calibrate import (
 )
 from jaxrl.rollout.speculative.sample import worth_speculating
 from jaxrl.rollout.speculative.steps import SpecStats
-from jaxrl.sharding import is_primary
 
 
 class SpecControl(NamedTuple):
