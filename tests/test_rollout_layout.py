@@ -48,8 +48,8 @@ def _worker() -> None:  # noqa: PLR0915 (one script: the checks share their setu
     from jaxrl.rollout.engine.driver import Engine
     from jaxrl.sharding import make_mesh, parallel_for, rollout_mesh
     from jaxrl.sources.sampler import SamplerSource
-    from jaxrl.train.loop import policy_for, rollout_layout
     from jaxrl.train.plan import plan
+    from jaxrl.train.programs import policy_for, rollout_layout
 
     assert jax.device_count() == 8
     out: dict = {}

@@ -19,7 +19,7 @@ from jaxrl import losses
 from jaxrl.config import LossConfig, ModelConfig, load_config
 from jaxrl.models import transformer as tf
 from jaxrl.models.shared_prefix import token_logprobs_shared
-from jaxrl.train import loop
+from jaxrl.train import loop, programs
 from jaxrl.train import steps as steps_lib
 from jaxrl.train.state import init_state
 
@@ -197,11 +197,11 @@ def test_update_step_with_shared_prompts_equals_one_pass(monkeypatch):
 def test_loop_shares_prompts_for_the_static_sampler_only():
     cfg = load_config(DEFAULT_CONFIG, TINY)
     assert not cfg.rollout.engine.enabled and cfg.train.share_prefix  # the default config: the static sampler
-    assert loop.prompt_groups(cfg) == cfg.rollout.group_size == 4
-    assert loop.prompt_groups(load_config(DEFAULT_CONFIG, TINY + ["train.share_prefix=false"])) == 0
-    assert loop.prompt_groups(load_config(DEFAULT_CONFIG, TINY + ["rollout.engine.enabled=true"])) == 0
+    assert programs.prompt_groups(cfg) == cfg.rollout.group_size == 4
+    assert programs.prompt_groups(load_config(DEFAULT_CONFIG, TINY + ["train.share_prefix=false"])) == 0
+    assert programs.prompt_groups(load_config(DEFAULT_CONFIG, TINY + ["rollout.engine.enabled=true"])) == 0
     agent = load_config(DEFAULT_CONFIG.parent / "agent_gridworld.py", ["train.progress=false"])
-    assert agent.train.share_prefix and loop.prompt_groups(agent) == 0
+    assert agent.train.share_prefix and programs.prompt_groups(agent) == 0
 
 
 class _Built(Exception):
@@ -216,7 +216,7 @@ def test_loop_builds_its_update_with_shared_prompts(tmp_path, in_process_cache, 
         seen.update(kwargs)
         raise _Built
 
-    monkeypatch.setattr(loop, "make_logp_fn", stop)
+    monkeypatch.setattr(programs, "make_logp_fn", stop)
     with pytest.raises(_Built):
         loop.train(load_config(DEFAULT_CONFIG, TINY), tmp_path / "run")
     assert seen["prompt_groups"] == 4

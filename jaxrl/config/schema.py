@@ -264,7 +264,7 @@ class TrainConfig:
     # Dense models: the update forwards each group's prompt once for its G rows (same results, less
     # work), wherever the batch's rows are guaranteed to be contiguous groups with one prompt: the
     # static sampler's rollouts, with microbatches of whole groups. Elsewhere (the slot engine, agent
-    # episodes, MoE) the update runs the one-pass forward whatever this says (loop.prompt_groups).
+    # episodes, MoE) the update runs the one-pass forward whatever this says (programs.prompt_groups).
     share_prefix: bool = True
 
     def validate(self, prefix: str = "train") -> None:

@@ -15,7 +15,6 @@ signals); `build_run` sets up the mesh, loss, base policy, state, restore and so
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import pathlib
 import signal
@@ -32,10 +31,9 @@ from jaxrl.config import Config, ConfigError, LossConfig
 from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.losses import Loss, check_loss, check_rollout, make_loss
-from jaxrl.models.transformer import param_logical_axes, rollout_params
+from jaxrl.models.transformer import param_logical_axes
 from jaxrl.multihost import any_process, is_primary, process_rows
 from jaxrl.policy.base import build_base
-from jaxrl.policy.resolve import shardings_for
 from jaxrl.policy.warmstart import cache_root
 from jaxrl.runlog.metrics import MetricsLog, plot
 from jaxrl.runlog.report import emit
@@ -47,8 +45,6 @@ from jaxrl.sharding import (
     make_mesh,
     parallel_for,
     replicated,
-    resharder,
-    rollout_mesh,
 )
 from jaxrl.sources.agents import AgentSource, check_agent_config, make_agent_evaluator
 from jaxrl.sources.groups import EngineSource, StaticSource
@@ -58,15 +54,20 @@ from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.memory_budget import auto_jit, resolve_budget_gib
+from jaxrl.train.programs import (
+    full_state_shardings,
+    jit_update,
+    policy_for,
+    rollout_layout,
+    run_optimizer,
+    state_maker,
+    update_builder,
+)
 from jaxrl.train.state import (
     TrainState,
-    init_state,
-    make_optimizer,
     opt_state_in,
     saved_part,
-    state_shardings,
 )
-from jaxrl.train.steps import make_logp_fn, make_update_step
 from jaxrl.train.workdir import RunRecord, open_run
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -264,88 +265,6 @@ def build_run(
     return run, state, stream, resumed_step or 0
 
 
-def rollout_layout(cfg: Config, model_cfg, mesh) -> tuple | None:
-    """(mesh, preset, param_sh, rep) of the rollout's own layout over training's `mesh`'s devices when
-    rollout.mesh sets one (`sharding.rollout_mesh`), else None: the rollout decodes under training's."""
-    own = rollout_mesh(cfg, mesh)
-    if own is None:
-        return None
-    r_mesh, r_preset = own
-    return r_mesh, r_preset, shardings_for(model_cfg, r_mesh, r_preset), replicated(r_mesh)
-
-
-def policy_for(lora, state_sh: TrainState, param_sh, own: tuple | None, model_cfg=None) -> Callable:
-    """state -> the params every rollout and evaluation forward takes, once per policy version: under
-    training's layout `state.params` (LoRA: merged, laid out by `param_sh`); with a rollout layout of
-    its own (`own`, from `rollout_layout`) resharded into it (LoRA: merged into it). A `model_cfg`
-    whose dtype is not float32 gets its matrices cast to that dtype in the same program
-    (`transformer.rollout_params`); float32 (or no model_cfg): the params as they are."""
-    cast = None
-    if model_cfg is not None and jnp.dtype(model_cfg.dtype) != jnp.float32:
-        cast = functools.partial(rollout_params, cfg=model_cfg)
-    if own is None or lora is not None:
-        return lora_state.policy_fn(lora, state_sh, param_sh if own is None else own[2], cast)
-    reshard = resharder(own[2]) if cast is None else jax.jit(cast, out_shardings=own[2])
-    return lambda state: reshard(state.params)
-
-
-def run_optimizer(cfg: Config):
-    """The run's optimizer; its schedule counts optimizer updates: steps x PPO epochs x mini-batches."""
-    tc = cfg.train
-    return make_optimizer(cfg.optim, tc.steps * tc.ppo_epochs * tc.minibatches)
-
-
-def update_builder(cfg: Config, model_cfg, loss: Loss, optimizer, parallel, lora) -> Callable:
-    """update_for(microbatches=n) -> the pure update step (`make_update_step`) a run with `cfg` jits:
-    the logp function of the resolved `model_cfg` with the train.* memory options and the run's one
-    `parallel` (`sharding.parallel_for`, the rollout's too, not an ambient mesh); the advantages (and a
-    reference forward when the loss needs one) are computed inside the update. `jaxrl plan` compiles
-    the same step."""
-    tc, rc = cfg.train, cfg.rollout
-    logp_fn = make_logp_fn(
-        model_cfg,
-        rc.temperature,
-        routing_replay=tc.routing_replay,
-        prompt_groups=prompt_groups(cfg),
-        logits_chunk=tc.logits_chunk,
-        remat=tc.remat,
-        parallel=parallel,
-    )
-    return functools.partial(
-        make_update_step,
-        logp_fn,
-        loss,
-        optimizer,
-        ppo_epochs=tc.ppo_epochs,
-        minibatches=tc.minibatches,
-        max_new_tokens=rc.max_new_tokens,
-        group_size=rc.group_size,
-        use_ref=loss.needs_ref,
-        merge=lora_state.merge_fn(lora),
-        parallel=parallel,
-    )
-
-
-def jit_update(update_for: Callable, microbatches: int, shardings: tuple, rep) -> Callable:
-    """The jitted update with `microbatches`: shardings = (the state's, the batch's {name: sharding});
-    metrics replicated, the state donated."""
-    return jax.jit(
-        update_for(microbatches=microbatches),
-        in_shardings=shardings,
-        out_shardings=(shardings[0], rep),
-        donate_argnums=0,
-    )
-
-
-def prompt_groups(cfg: Config) -> int:
-    """G when every update batch is contiguous groups of G rows with one prompt each, so the update may
-    forward each prompt once (train.share_prefix): the static sampler's batches (scoring.score_groups
-    repeats each prompt G times). 0 for the slot engine (groups by group_id_B, of unequal sizes under
-    VIGOR, picked by dynamic sampling) and agent episodes (each row its own transcript)."""
-    static = not cfg.rollout.engine.enabled and not get_task(cfg.data.task).episodic
-    return cfg.rollout.group_size if cfg.train.share_prefix and static else 0
-
-
 def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: tuple, rows: RowLayout, host: dict):
     """(the rollout source, the evaluator): multi-turn episodes for an environment task, else the slot
     engine or the static sampler, each with its held-out evaluation. layout: the rollout's (mesh,
@@ -464,22 +383,6 @@ def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int,
     if stopping and stop.signal != "SIGINT":  # SIGINT's line is Interrupted's, printed by its catcher
         print(f"jaxrl: {stopped_line(run.workdir, step, stop.signal or OTHER_PROCESS)}", file=sys.stderr)
     return still_pending, stopping
-
-
-def state_maker(optimizer, seed: int) -> Callable:
-    """make_state(params[, ref_params]) -> the initial TrainState (a reference copy when given one)."""
-
-    def make_state(params, *ref_params):
-        return init_state(params, optimizer, jax.random.key(seed), ref_params=ref_params[0] if ref_params else None)
-
-    return make_state
-
-
-def full_state_shardings(base_params, optimizer, seed: int, param_sh, rep, *, with_ref: bool) -> TrainState:
-    """The shardings of a full fine-tuning state over `base_params` (concrete or abstract): params, the
-    optimizer's moments and the reference copy laid out like the params, scalars replicated."""
-    args = (base_params,) * (2 if with_ref else 1)
-    return state_shardings(optimizer, jax.eval_shape(state_maker(optimizer, seed), *args), param_sh, rep)
 
 
 def _initial_state(base_params, optimizer, seed: int, param_sh, rep, *, with_ref: bool):

@@ -7,7 +7,7 @@ Every program is lowered and compiled on abstract inputs (`jax.ShapeDtypeStruct`
 run's shardings): no weights are loaded, no dataset is read, nothing is executed. The model comes from
 the config (`model.hf_path`: its config.json only). The programs are the ones `jaxrl train` builds:
 
-    update        the jitted update (`loop.update_builder`, `loop.jit_update`), on the batch the rollout
+    update        the jitted update (`programs.update_builder`, `programs.jit_update`), on the batch the rollout
                   hands it (the static sampler's fields, or the engine's with group_id_B and stale_BxT)
     rollout       the static sampler (`rollout.sampler.sample`, as `sources.sampler.SamplerSource`
                   jits it; the speculative sampler is not planned)
@@ -58,8 +58,8 @@ from jaxrl.sharding import (
 from jaxrl.sources.sampler import jit_plain_rollout, prompt_sharding
 from jaxrl.train import lora_state
 from jaxrl.train.evaluate import EVAL_CHUNK, make_chunk_sampler, rows_sharding
-from jaxrl.train.loop import full_state_shardings, jit_update, run_optimizer, state_maker, update_builder
 from jaxrl.train.memory_budget import choose_microbatches, resolve_budget_gib
+from jaxrl.train.programs import full_state_shardings, jit_update, run_optimizer, state_maker, update_builder
 from jaxrl.train.state import opt_state_in
 
 PROGRAMS = ("update", "rollout", "engine_chunk", "eval")
