@@ -63,6 +63,14 @@ def run_python(args: list[str], env: dict, timeout: float = 300, check: bool = T
     return proc
 
 
+def worker_result(script: str, cache_env: dict, devices: int = 8, timeout: float = 600) -> tuple[dict, str]:
+    """`python SCRIPT worker` with `devices` fake CPU devices (XLA_FLAGS must be set before jax is
+    imported, so such checks run in a child): (its last `RESULT {json}` line, its stderr)."""
+    proc = run_python([script, "worker"], child_env(cache_env, devices=devices), timeout)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :]), proc.stderr
+
+
 def last_json_line(stdout: str, min_lines: int = 1) -> dict:
     """A benchmark's result: its last nonblank line, after at least `min_lines - 1` readable lines."""
     lines = [line for line in stdout.splitlines() if line.strip()]

@@ -11,12 +11,10 @@ compare like with like: each preset against one device at the same microbatch co
 """
 
 import json
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO
-from harness import child_env
+from harness import worker_result
 
 PRESETS = {"data": {}, "fsdp": {}, "fsdp_tensor": {"tensor": 2}}
 MICROBATCHES = (1, 4)
@@ -93,17 +91,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def ratios(cache_env):
-    proc = subprocess.run(
-        [sys.executable, __file__, "worker"],
-        env=child_env(cache_env, devices=8),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :])
+    return worker_result(__file__, cache_env, timeout=300)[0]
 
 
 @pytest.mark.slow

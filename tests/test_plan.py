@@ -12,13 +12,12 @@ import io
 import json
 import os
 import pathlib
-import subprocess
 import sys
 from contextlib import redirect_stdout
 
 import pytest
 from conftest import DEFAULT_CONFIG, REPO, TINY
-from harness import child_env
+from harness import worker_result
 
 TINY_ARGS = [a for t in TINY for a in ("--set", t)]
 KV = ["--set", "mesh.preset=fsdp_tensor", "--set", "mesh.tensor=2"]  # TINY has 1 kv head: it cannot split 2 ways
@@ -73,17 +72,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def results(cache_env):
-    proc = subprocess.run(
-        [sys.executable, __file__, "worker"],
-        env=child_env(cache_env, devices=8),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :])
+    return worker_result(__file__, cache_env, timeout=600)[0]
 
 
 def _by_program(result: dict) -> dict:

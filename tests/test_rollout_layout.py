@@ -11,12 +11,11 @@ rollout.mesh.tensor; and a two-step `jaxrl train` with rollout.mesh.preset=data 
 """
 
 import json
-import subprocess
 import sys
 
 import pytest
-from conftest import DEFAULT_CONFIG, REPO, TINY
-from harness import child_env
+from conftest import DEFAULT_CONFIG, TINY
+from harness import worker_result
 
 from jaxrl.config import ConfigError, load_config
 
@@ -124,17 +123,8 @@ def _worker() -> None:  # noqa: PLR0915 (one script: the checks share their setu
 
 @pytest.fixture(scope="module")
 def results(cache_env):
-    proc = subprocess.run(
-        [sys.executable, __file__, "worker"],
-        env=child_env(cache_env, devices=8),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :]) | {"stderr": proc.stderr}
+    result, stderr = worker_result(__file__, cache_env, timeout=600)
+    return result | {"stderr": stderr}
 
 
 @pytest.mark.slow
