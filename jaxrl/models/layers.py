@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from jaxrl.models import int8
 from jaxrl.models.attention import attend, resolve_kernel
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
@@ -138,11 +139,11 @@ class Attention(nn.Module):
         w_o_HxHdxD = logical_param(self, "o", (H, Hd, D), ("heads", "head_dim", "embed"), (H * Hd) ** -0.5)
 
         def cast(w):
-            return w.astype(self.dtype)
+            return int8.dense(w, self.dtype)
 
-        q_BxTxHxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_q_DxHxHd))
-        k_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_k_DxKxHd))
-        v_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_v_DxKxHd))
+        q_BxTxHxHd = int8.matmul("btd,dhk->bthk", x_BxTxD, w_q_DxHxHd, self.dtype)
+        k_BxTxKxHd = int8.matmul("btd,dhk->bthk", x_BxTxD, w_k_DxKxHd, self.dtype)
+        v_BxTxKxHd = int8.matmul("btd,dhk->bthk", x_BxTxD, w_v_DxKxHd, self.dtype)
         if self.opts.qkv_bias:  # zeros at init
             q_BxTxHxHd = q_BxTxHxHd + cast(logical_param(self, "q_bias", (H, Hd), ("heads", "head_dim"), 0.0))
             k_BxTxKxHd = k_BxTxKxHd + cast(logical_param(self, "k_bias", (K, Hd), ("kv_heads", "head_dim"), 0.0))
@@ -156,7 +157,7 @@ class Attention(nn.Module):
 
         kernel = resolve_kernel(self.opts.attention, self.dtype, Hd)
         o_BxTxHxHd, kv = attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, self.dtype, kernel)
-        return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
+        return int8.matmul("bthk,hkd->btd", o_BxTxHxHd, w_o_HxHdxD, self.dtype), kv
 
 
 class MLP(nn.Module):
@@ -172,9 +173,9 @@ class MLP(nn.Module):
         w_gate_DxF = logical_param(self, "gate", (D, F), ("embed", "mlp"), D**-0.5)
         w_up_DxF = logical_param(self, "up", (D, F), ("embed", "mlp"), D**-0.5)
         w_down_FxD = logical_param(self, "down", (F, D), ("mlp", "embed"), F**-0.5)
-        gate_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, w_gate_DxF.astype(self.dtype))
-        up_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, w_up_DxF.astype(self.dtype))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w_down_FxD.astype(self.dtype))
+        gate_BxTxF = int8.matmul("btd,df->btf", x_BxTxD, w_gate_DxF, self.dtype)
+        up_BxTxF = int8.matmul("btd,df->btf", x_BxTxD, w_up_DxF, self.dtype)
+        return int8.matmul("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w_down_FxD, self.dtype)
 
 
 def attention_residual(block: nn.Module, x_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer):
