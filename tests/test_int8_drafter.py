@@ -3,7 +3,8 @@
 `int8.matmul` on a plain array is the layers' einsum of `w.astype(dtype)`; on an `Int8Weight` it is
 (x @ values) * scale, equal to the dequantised weight's product to float32 rounding. The drafter's
 compiled forward takes the int8 tree as its arguments: its weight bytes are a quarter of float32 (plus
-one float32 scale per output column), and the program's parameters are s8. Exactness of speculative
+one float32 scale per output column), and the program's parameters are s8; the speculative
+sampler's decode loop carries the drafter's matrices as s8. Exactness of speculative
 rollouts with this drafter (greedy identity, the sampled distribution) is in test_speculative.py."""
 
 import dataclasses
@@ -138,3 +139,31 @@ def test_int8_tree_dequantises_to_within_half_a_step():
             assert float(jnp.max(jnp.abs(b - w) / a.scale)) <= 0.5 + 1e-6
         else:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+
+def test_speculative_decode_loop_holds_int8_weights():
+    """Compile-only: in the speculative sampler with the int8 drafter, the decode loop's state carries
+    every quantised matrix as s8 (the drafter reads int8 at each draft step), not a float32 copy."""
+    from jaxrl.config import SpeculativeConfig
+    from jaxrl.rollout.sampler import SamplingParams
+    from jaxrl.rollout.speculative.sample import sample_speculative
+
+    params = tf.init_params(CFG, jax.random.PRNGKey(0))
+    spec = SpeculativeConfig(enabled=True, drafter="int8", max_draft=2, adaptive=False, max_active_rows=1 << 20)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, eos_id=1, pad_id=0, greedy=True)
+    prompt = jnp.ones((2, 3), jnp.int32)
+
+    def run(p, x, m, k):
+        return sample_speculative(p, CFG, x, m, k, spec=spec, sampling=sp, group_size=2)
+
+    text = jax.jit(run).lower(params, prompt, jnp.ones_like(prompt), jax.random.PRNGKey(0)).compile().as_text()
+    assert text is not None
+    dparams, _ = draft_view(layer_params(params, CFG), "int8", 1, CFG.n_layers)
+    want = {
+        f"s8[{','.join(map(str, x.values.shape))}]"
+        for x in jax.tree.leaves(dparams, is_leaf=int8.is_int8)
+        if int8.is_int8(x)
+    }
+    assert len(want) == 6  # q, k = v, o, gate = up, down, the (tied) embedding
+    loop_states = [line.split(" while(")[0] for line in text.split("\n") if " while(" in line]
+    assert any(all(s in state for s in want) for state in loop_states), (want, [s[:300] for s in loop_states])
