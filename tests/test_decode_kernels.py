@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import test_engine as te
 import test_engine_speculative as ts
+from harness import run_benchmark_here
 
 from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.models import decode_attention as da
@@ -194,7 +195,6 @@ def test_decode_rows_reaches_the_configured_kernel(kernel):
         np.testing.assert_allclose(logits(cfg, dirty), logits(te.CFG, clean), atol=1e-5, rtol=0)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kernel,speculative", [("blocked", False), ("blocked", True), ("pallas", False)])
 def test_engine_greedy_through_each_kernel_equals_sampler(kernel, speculative):
     """The slot engine's greedy rollouts (slots reused, groups admitted at different times) with the
@@ -213,3 +213,15 @@ def test_engine_greedy_through_each_kernel_equals_sampler(kernel, speculative):
     te._check_same_rollout(batch_of_groups(te._by_tag(groups)).fields(), ref, te.CFG)
     if speculative:
         ts._check_drafts_tested(engine.counts)
+
+
+def test_benchmark_small_prints_json_last(capsys):
+    """benchmarks/decode_attention.py --small: every (program, kernel, fill) timed, ratios from them."""
+    result = run_benchmark_here("decode_attention.py", "--small", capsys=capsys)
+    assert result["benchmark"] == "decode_attention" and result["config"] == "tiny"
+    assert result["fills"] == {"eighth": 7, "full": 63}
+    for program in ("step", "attention"):
+        ms = result["ms"][program]
+        assert all(ms[k][f] > 0 for k in ("dense", "blocked") for f in ("eighth", "full")), ms
+        ratio = result["ratios"][program]["blocked_over_dense_full"]
+        assert ratio == round(ms["blocked"]["full"] / ms["dense"]["full"], 3)
