@@ -20,12 +20,13 @@ float32 and stop after the last block a query can see:
            read; a fill-bounded TPU read needs manual DMA from `memory_space=ANY` (left undone).
 
 No page table: rows keep their contiguous per-slot buffer (the engine's slot i of a row is cache
-slot i), and the bound is each row's fill. JAX's own `pallas.ops.tpu.paged_attention` and
-`ragged_paged_attention` take a page-indexed pool (k_pages [K, pages, page_size, Hd] and a page
-table per row); our buffer is that layout only for the trivial table `row b owns pages
-b*S/ps .. (b+1)*S/ps - 1` after a reshape of B x K x S x Hd -> K x (B*S/ps) x ps x Hd, which is a
-transpose (a copy of the whole cache per step) since K is not the leading axis here; so neither is
-used as is (TPU-only kernels in any case).
+slot i), and the bound is each row's fill. JAX's TPU kernels take a page pool instead (jax 0.10.2):
+`pallas.ops.tpu.paged_attention` k_pages/v_pages [K, pages, page_size, Hd] with a page table per
+row, `ragged_paged_attention` one kv_pages [pages, page_size, 2K, Hd] with keys and values
+interleaved by head. Our B x K x S x Hd buffers are the first only through a transpose putting K in
+front (and the second through a transpose and an interleave), i.e. a copy of the whole cache per
+step, so neither is used; they would fit a cache kept in their layout, which is the page-table
+rewrite this module avoids.
 
 All kernels compute the same function; they differ by float32 rounding (the online softmax rescales
 partial sums), so results match the dense kernel to float32 noise, not bitwise
