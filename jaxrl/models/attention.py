@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.models.cache_kinds import GroupKV, LayerKV, StackedKV, WindowKV
+from jaxrl.models.decode_attention import DENSE, DecodeKernel, attend_cache, attend_window_blocked
 from jaxrl.models.prefix_attention import MASKED_SCORE, attend_group, write_own
 
 # model.attention's choices: "auto" resolves by backend at trace time (`resolve_kernel`).
@@ -44,16 +45,19 @@ def resolve_kernel(choice: str, dtype, head_dim: int, backend: str | None = None
     return "xla" if backend == "tpu" else "cpu"
 
 
-def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel="cpu"):
+def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel="cpu", decode=DENSE):
     """-> (o_BxTxHxHd, kv updated). Queries occupy key slots index..index+T-1 (`index` a scalar, or
     for a LayerKV also index_B: each row's own slots); a key is visible iff its slot is not after
     the query's (causal) and `key_valid_BxS` marks it real. `layer` (traced) picks a StackedKV's
     layer. With a GroupKV, `index` is the slot in each row's own completion buffer and
     `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]. `kernel` (resolved: "cpu", "xla"
-    or "cudnn") picks the no-cache and StackedKV kernel; the decode kinds keep their own."""
+    or "cudnn") picks the no-cache and StackedKV kernel; `decode` (`decode_attention.DecodeKernel`,
+    resolved) the LayerKV and WindowKV cache read; GroupKV keeps its own."""
     kind = type(kv)
+    if kind in _DECODE_ATTEND:
+        return _DECODE_ATTEND[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, dtype, decode)
     if kind not in _ATTEND:
-        names = ", ".join(k.__name__ for k in _ATTEND)
+        names = ", ".join(k.__name__ for k in (*_ATTEND, *_DECODE_ATTEND))
         raise TypeError(f"attention: a cache entry of type {kind.__name__}; expected one of {names}")
     return _ATTEND[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel)
 
@@ -81,28 +85,28 @@ def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, i
     return o_BxTxHxHd, StackedKV(k_all, v_all)
 
 
-def _layer(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: LayerKV, key_valid_BxS, index, layer, dtype, kernel):
+def _layer(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: LayerKV, key_valid_BxS, index, dtype, decode: DecodeKernel):
     k_buf = write_layer_kv(kv.k_BxKxSxHd, k_BxTxKxHd.swapaxes(1, 2).astype(kv.k_BxKxSxHd.dtype), index)
     v_buf = write_layer_kv(kv.v_BxKxSxHd, v_BxTxKxHd.swapaxes(1, 2).astype(kv.v_BxKxSxHd.dtype), index)
-    o_BxTxHxHd = attend_kv_head_major(q_BxTxHxHd, k_buf.astype(dtype), v_buf.astype(dtype), key_valid_BxS, index, dtype)
-    return o_BxTxHxHd, LayerKV(k_buf, v_buf)
+    args = (q_BxTxHxHd, k_buf.astype(dtype), v_buf.astype(dtype), key_valid_BxS, index, dtype)
+    # A call that fills the whole cache (the engine's prefill, T = S) has nothing to bound.
+    if decode.name == "dense" or q_BxTxHxHd.shape[1] >= k_buf.shape[2]:
+        return attend_kv_head_major(*args), LayerKV(k_buf, v_buf)
+    return attend_cache(*args, decode), LayerKV(k_buf, v_buf)
 
 
-def _window(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: WindowKV, key_valid_BxS, index, layer, dtype, kernel):
+def _window(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: WindowKV, key_valid_BxS, index, dtype, decode: DecodeKernel):
     win = tuple(
         lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), (0, 0, index, 0))
         for buf, new in zip((kv.win_k, kv.win_v), (k_BxTxKxHd, v_BxTxKxHd))
     )
-    o_BxTxHxHd = attend_window(
-        q_BxTxHxHd,
-        kv.k_BxKxSxHd.astype(dtype),
-        kv.v_BxKxSxHd.astype(dtype),
-        key_valid_BxS,
-        win[0].astype(dtype),
-        win[1].astype(dtype),
-        index,
-        dtype,
-    )
+    cache = (kv.k_BxKxSxHd.astype(dtype), kv.v_BxKxSxHd.astype(dtype), key_valid_BxS)
+    window = (win[0].astype(dtype), win[1].astype(dtype), index, dtype)
+    # The window read has no Pallas form: "pallas" reads the cache as "blocked" does.
+    if decode.name == "dense":
+        o_BxTxHxHd = attend_window(q_BxTxHxHd, *cache, *window)
+    else:
+        o_BxTxHxHd = attend_window_blocked(q_BxTxHxHd, *cache, *window, block=decode.block)
     return o_BxTxHxHd, kv._replace(win_k=win[0], win_v=win[1])
 
 
@@ -112,7 +116,8 @@ def _group(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: GroupKV, key_valid_BxS, index
     return attend_group(q_BxTxHxHd, kv, key_valid_BxS, index, dtype), kv
 
 
-_ATTEND = {type(None): _no_cache, StackedKV: _stacked, LayerKV: _layer, WindowKV: _window, GroupKV: _group}
+_ATTEND = {type(None): _no_cache, StackedKV: _stacked, GroupKV: _group}
+_DECODE_ATTEND = {LayerKV: _layer, WindowKV: _window}
 
 
 def attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype):

@@ -82,7 +82,7 @@ def attn_options(cfg: ModelConfig) -> AttnOptions:
             cfg.rope_high_freq_factor,
             float(cfg.rope_original_max_len),
         )
-    return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3, cfg.attention)
+    return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3, cfg.attention, cfg.decode_attention, cfg.decode_block)
 
 
 def moe_spec(cfg: ModelConfig, parallel: Parallel | None = None) -> MoESpec:

@@ -23,6 +23,7 @@ from jax import lax
 
 from jaxrl.models import int8
 from jaxrl.models.attention import attend, resolve_kernel
+from jaxrl.models.decode_attention import resolve_decode_kernel
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
 _TRUNC_STD = 0.87962566103423978
@@ -75,13 +76,16 @@ class AttnOptions:
     key head before RoPE (Qwen3). rope_llama3: (factor, low_freq_factor, high_freq_factor,
     original_max_len) of Llama 3's RoPE frequency rescale, or None. attention: the kernel of the
     no-cache and stacked-cache attention (`attention.KERNELS`; "auto" is resolved when the layer is
-    traced, from the backend it is traced for).
+    traced, from the backend it is traced for). decode_attention, decode_block: the kernel of the
+    decode loops' LayerKV / WindowKV read (`decode_attention.DECODE_KERNELS`, resolved likewise).
     """
 
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_llama3: tuple[float, float, float, float] | None = None
     attention: str = "auto"
+    decode_attention: str = "auto"
+    decode_block: int = 128
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None = None):
@@ -156,7 +160,9 @@ class Attention(nn.Module):
         k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta, llama3)
 
         kernel = resolve_kernel(self.opts.attention, self.dtype, Hd)
-        o_BxTxHxHd, kv = attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, self.dtype, kernel)
+        decode = resolve_decode_kernel(self.opts.decode_attention, self.opts.decode_block)
+        qkv = (q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd)
+        o_BxTxHxHd, kv = attend(*qkv, kv, key_valid_BxS, index, layer, self.dtype, kernel, decode)
         return int8.matmul("bthk,hkd->btd", o_BxTxHxHd, w_o_HxHdxD, self.dtype), kv
 
 
