@@ -22,7 +22,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.models.cache_kinds import GroupKV, LayerKV, StackedKV, WindowKV
-from jaxrl.models.decode_attention import DENSE, DecodeKernel, attend_cache, attend_window_blocked
+from jaxrl.models.decode_attention import (
+    DENSE,
+    DecodeKernel,
+    attend_cache,
+    attend_window_blocked,
+    kv_head_major,
+    query_major,
+)
 from jaxrl.models.prefix_attention import MASKED_SCORE, attend_group, write_own
 
 # model.attention's choices: "auto" resolves by backend at trace time (`resolve_kernel`).
@@ -192,18 +199,6 @@ def write_layer_kv(buf_BxKxSxHd, new_BxKxTxHd, index):
     return write(buf_BxKxSxHd, new_BxKxTxHd, index)
 
 
-def _kv_head_major(q_BxTxHxHd, K: int):
-    """Queries grouped by the kv head they read (head h reads kv head h // R): q_BxKxQxHd, Q = T*R, t major."""
-    B, T, H, Hd = q_BxTxHxHd.shape
-    return q_BxTxHxHd.reshape(B, T, K, H // K, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * (H // K), Hd)
-
-
-def _query_major(o_BxKxQxHd, T: int):
-    """The inverse of `_kv_head_major`: o_BxTxHxHd."""
-    B, K, Q, Hd = o_BxKxQxHd.shape
-    return o_BxKxQxHd.reshape(B, K, T, Q // T, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, K * (Q // T), Hd)
-
-
 def attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, index, dtype):
     """Attention of queries at slots index.. (a scalar, or index_B: each row's own) over a
     kv-head-major cache; same math as
@@ -214,7 +209,7 @@ def attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, inde
     B, T, H, Hd = q_BxTxHxHd.shape
     K, S = k_BxKxSxHd.shape[1], k_BxKxSxHd.shape[2]
     R = H // K
-    q_BxKxQxHd = _kv_head_major(q_BxTxHxHd, K)
+    q_BxKxQxHd = kv_head_major(q_BxTxHxHd, K)
     batch = ((0, 1), (0, 1))
     s_BxKxSxQ = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
     q_slot_T = jnp.asarray(index)[..., None] + jnp.arange(T)  # (T,) or, per row, (B, T)
@@ -231,7 +226,7 @@ def attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, inde
         e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch), preferred_element_type=jnp.float32
     )
     o_BxKxQxHd = (o_BxKxQxHd / sum_BxKxQ[..., None]).astype(dtype)
-    return _query_major(o_BxKxQxHd, T)
+    return query_major(o_BxKxQxHd, T)
 
 
 def attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxHd, wv_BxKxWxHd, index, dtype):
@@ -240,7 +235,7 @@ def attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxH
     B, T, H, Hd = q_BxTxHxHd.shape
     K, W = k_BxKxSxHd.shape[1], wk_BxKxWxHd.shape[2]
     R = H // K
-    q_BxKxQxHd = _kv_head_major(q_BxTxHxHd, K)
+    q_BxKxQxHd = kv_head_major(q_BxTxHxHd, K)
     batch = ((0, 1), (0, 1))
     cache_scores = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
     s_BxKxSxQ = jnp.where(cache_seen_BxS[:, None, :, None], cache_scores, MASKED_SCORE)
@@ -257,4 +252,4 @@ def attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxH
     )
     window_mix = jnp.sum(e_BxKxWxQ[..., None] * wv_BxKxWxHd[:, :, :, None, :].astype(jnp.float32), axis=2)
     o_BxKxQxHd = ((cache_mix + window_mix) / sum_BxKxQ[..., None]).astype(dtype)
-    return _query_major(o_BxKxQxHd, T)
+    return query_major(o_BxKxQxHd, T)
