@@ -4,6 +4,8 @@
 `attend_slots` forward and backward. "cudnn" cannot run on CPU: it is lowered for CUDA with a
 stand-in cuDNN version (JAX asks the installed cuDNN for it at trace time) and the test asserts
 that the program holds cuDNN's fused attention calls; its numbers are left to the device check.
+"splash" (Pallas TPU splash attention) runs here in Pallas' interpreter, forward and backward,
+and is lowered for TPU to assert its three Mosaic kernels; no TPU has run it.
 """
 
 import dataclasses
@@ -15,7 +17,14 @@ import pytest
 
 from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.models import transformer as tf
-from jaxrl.models.attention import allowed_slots, attend, attend_slots, attend_slots_fused, resolve_kernel
+from jaxrl.models.attention import (
+    allowed_slots,
+    attend,
+    attend_slots,
+    attend_slots_fused,
+    attend_slots_splash,
+    resolve_kernel,
+)
 from jaxrl.models.cache_kinds import StackedKV
 
 B, T, S, K, R, HD = 3, 5, 9, 2, 3, 8  # GQA: K kv heads, R query heads each
@@ -87,16 +96,20 @@ def test_resolve_kernel_by_backend():
     assert resolve_kernel("auto", jnp.bfloat16, 128, backend="gpu") == "cudnn"
     assert resolve_kernel("auto", jnp.float32, 128, backend="gpu") == "xla"  # cuDNN takes 16-bit only
     assert resolve_kernel("auto", jnp.bfloat16, 100, backend="gpu") == "xla"  # head_dim not a multiple of 8
-    assert resolve_kernel("auto", jnp.bfloat16, 128, backend="tpu") == "xla"
+    assert resolve_kernel("auto", jnp.bfloat16, 128, backend="tpu") == "splash"
+    assert resolve_kernel("auto", jnp.float32, 64, backend="tpu") == "splash"
+    assert resolve_kernel("auto", jnp.bfloat16, 80, backend="tpu") == "xla"  # head_dim not a multiple of 64
     assert resolve_kernel("cudnn", jnp.bfloat16, 128, backend="cpu") == "cudnn"  # an explicit choice stands
+    assert resolve_kernel("splash", jnp.float32, 8, backend="cpu") == "splash"
     with pytest.raises(ValueError, match="model.attention"):
-        resolve_kernel("splash", jnp.bfloat16, 128)
+        resolve_kernel("flash", jnp.bfloat16, 128)
 
 
 def test_config_names_model_attention():
     ModelConfig(attention="xla").validate()
     ModelConfig(attention="cudnn", dtype="bfloat16").validate()
-    with pytest.raises(ConfigError, match=r"model\.attention: got 'flash'"):
+    ModelConfig(attention="splash").validate()
+    with pytest.raises(ConfigError, match=r"model\.attention: got 'flash'.*'splash'"):
         ModelConfig(attention="flash").validate()
     with pytest.raises(ConfigError, match=r"model\.attention: got 'cudnn'.*model\.dtype='float32'"):
         ModelConfig(attention="cudnn").validate()
@@ -161,3 +174,91 @@ def test_cudnn_kernel_lowers_for_cuda(monkeypatch, P):
     scores = f"tensor<2x2x2x{P + 4}x{P + 4}xf32>"
     assert scores not in text
     assert scores in lowered(dataclasses.replace(cfg, attention="cpu"))
+
+
+@pytest.mark.parametrize(
+    ("T", "dtype", "tol"),
+    [(S, jnp.float32, 1e-5), (T, jnp.float32, 1e-5), (S, jnp.bfloat16, 3e-2)],
+    ids=["nocache-f32", "offset4-f32", "nocache-bf16"],
+)
+def test_splash_kernel_matches_einsum_forward_and_gradient(T, dtype, tol):
+    """Splash in Pallas' interpreter against `attend_slots`: T = S queries at offset 0 (the no-cache
+    kind) or T = 5 at offset S - T = 4; left padding, GQA; values and the gradients of q, k, v. T and
+    S (9) are padded to one 128 tile each. The loss leaves out the queries that see no key (left-pad
+    queries: the two kernels average different keys there, both finite), as in the padded xla test."""
+    q, k, v = _qkv(4, dtype)
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((B, T, K * R, HD)) * HD**-0.5, dtype)
+    offset = S - T
+    sees_BxT = jnp.any(allowed_slots(KEY_VALID_BxS, jnp.int32(offset), T, S), axis=-1)
+    assert not bool(jnp.all(sees_BxT)) and bool(jnp.any(sees_BxT[2]))  # row 2 has queries of both kinds
+    w_BxTxHxHd = jnp.asarray(np.random.default_rng(6).standard_normal(q.shape), dtype) * sees_BxT[:, :, None, None]
+
+    def loss(kernel, q, k, v):
+        if kernel == "cpu":
+            o = attend_slots(q, k, v, KEY_VALID_BxS, jnp.int32(offset), dtype)
+        else:
+            o = attend_slots_splash(q, k, v, KEY_VALID_BxS, offset, dtype, interpret=True)
+        return jnp.sum((o * w_BxTxHxHd).astype(jnp.float32)), o
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)
+    (_, want), want_grads = grad("cpu", q, k, v)
+    (_, got), got_grads = grad("splash", q, k, v)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert bool(jnp.all(jnp.isfinite(got)))  # the queries that see no key too
+    f32 = np.float32
+    np.testing.assert_allclose(np.asarray(got[sees_BxT], f32), np.asarray(want[sees_BxT], f32), rtol=tol, atol=tol)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        assert g.dtype == dtype and float(jnp.max(jnp.abs(w))) > 1e-2, name  # the gradient is not trivially zero
+        np.testing.assert_allclose(np.asarray(g, f32), np.asarray(w, f32), rtol=tol, atol=tol, err_msg=f"d{name}")
+
+
+def test_splash_lowers_for_tpu_to_mosaic_kernels():
+    """Off the interpreter, training's forward and backward through splash lower for TPU to its
+    three Mosaic kernels (forward, dq, dkv), the key padding as segment ids; whether Mosaic compiles
+    them and their speed are the device check's (no TPU here). Qwen-like heads: bf16, head_dim 128."""
+    q_BxTxHxHd = jnp.zeros((2, 200, 6, 128), jnp.bfloat16)
+    k_BxSxKxHd = jnp.zeros((2, 200, 2, 128), jnp.bfloat16)
+    key_valid_BxS = jnp.ones((2, 200), bool)
+
+    def loss(q, k, v):
+        o = attend_slots_splash(q, k, v, key_valid_BxS, 0, jnp.bfloat16, interpret=False)
+        return jnp.sum(o.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    text = grad.trace(q_BxTxHxHd, k_BxSxKxHd, k_BxSxKxHd).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("@tpu_custom_call(") == 3
+    for kernel in ("fwd_segmented_residuals", "dq_segmented_no_residuals", "dkv_segmented_no_residuals"):
+        assert f'kernel_name = "splash_mha_{kernel}"' in text
+    # T = S = 200 padded to 256 (two 128 tiles), GQA without repeated keys: K = 2 heads reach the kernel.
+    assert "tensor<2x6x256x128xbf16>" in text and "tensor<2x2x256x128xbf16>" in text
+    assert "tensor<2x6x200x200xf32>" not in text  # no score tensor outside the kernel
+
+
+def test_model_token_logprobs_under_splash():
+    """A tiny model's token_logprobs and their gradient with attention=splash (interpreted) agree with
+    the cpu kernels (left-padded prompt row); the stacked-cache (prefill) kind runs xla under splash."""
+    params = tf.init_params(CFG, jax.random.PRNGKey(0))
+    batch = _logprob_batch()
+    splash_cfg = dataclasses.replace(CFG, attention="splash")
+    cpu_cfg = dataclasses.replace(CFG, attention="cpu")
+
+    def logp(cfg, p=params):
+        return tf.token_logprobs(p, cfg, *batch, 1.0)[0]
+
+    np.testing.assert_allclose(logp(splash_cfg), logp(cpu_cfg), rtol=1e-5, atol=1e-5)
+    grads = [jax.grad(lambda p, cfg=cfg: jnp.sum(logp(cfg, p)))(params) for cfg in (splash_cfg, cpu_cfg)]
+    for g_splash, g_cpu in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(g_splash, g_cpu, rtol=1e-4, atol=1e-5)
+    # The option reached the layers: the einsum's B x K x R x S x S float32 scores (S = 6 + 4) are gone,
+    # the interpreter's 128 x 128 tiles of the padded sequence are there.
+    scores = "tensor<2x2x2x10x10xf32>"
+    assert scores in tf.token_logprobs.lower(params, cpu_cfg, *batch, 1.0).as_text()
+    hlo = tf.token_logprobs.lower(params, splash_cfg, *batch, 1.0).as_text()
+    assert scores not in hlo and "tensor<128x128xf32>" in hlo
+
+    q, k_new, v_new = _qkv(2)
+    zeros = jnp.zeros((2, B, S, K, HD), jnp.float32)
+    args = (q, k_new[:, :T], v_new[:, :T], StackedKV(zeros, zeros + 1.0), KEY_VALID_BxS, jnp.int32(3), jnp.int32(1))
+    o_splash, _ = attend(*args, jnp.float32, "splash")
+    o_xla, _ = attend(*args, jnp.float32, "xla")
+    np.testing.assert_array_equal(o_splash, o_xla)

@@ -7,7 +7,9 @@ softmax normalised after the value contraction, so XLA neither transposes a cach
 strided GEMM. The no-cache and stacked kinds (training, scoring, prefill) run one of the kernels
 in `KERNELS` (`model.attention`, resolved by `resolve_kernel`): "cpu" is the plain einsum form
 (`attend_slots`), which is what the backward of training differentiates on CPU; "xla" and "cudnn"
-are `jax.nn.dot_product_attention` with that implementation (`attend_slots_fused`), the same masks.
+are `jax.nn.dot_product_attention` with that implementation (`attend_slots_fused`), the same masks;
+"splash" is JAX's Pallas TPU splash attention (`attend_slots_splash`) for the no-cache kind, "xla"
+for the StackedKV kind (whose query offset is traced; see `attend_slots_splash`).
 
 Shape letters as in layers.py: B batch, T query tokens, S key slots, K kv heads, R query heads per
 kv head, Hd head dim, W window slots.
@@ -15,24 +17,28 @@ kv head, Hd head dim, W window slots.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from jaxrl.models.cache_kinds import GroupKV, LayerKV, StackedKV, WindowKV
 from jaxrl.models.prefix_attention import MASKED_SCORE, attend_group, write_own
 
 # model.attention's choices: "auto" resolves by backend at trace time (`resolve_kernel`).
-KERNELS = ("auto", "cpu", "xla", "cudnn")
+KERNELS = ("auto", "cpu", "xla", "cudnn", "splash")
 
 
 def resolve_kernel(choice: str, dtype, head_dim: int, backend: str | None = None) -> str:
     """The kernel `choice` ("auto" or one of KERNELS) names on `backend` (default: jax.default_backend(),
     read when the caller is traced): "auto" is "cudnn" on a GPU when cuDNN flash attention takes the
-    shapes (a 16-bit `dtype`, head_dim a multiple of 8 and <= 128), else "xla" there; "xla" on TPU
-    (no Pallas splash kernel yet); "cpu" elsewhere. Other choices are returned as they are."""
+    shapes (a 16-bit `dtype`, head_dim a multiple of 8 and <= 128), else "xla" there; on TPU
+    "splash" when head_dim is a multiple of 64 (whole or half 128-lane vregs; any T and S fit, they
+    are padded to the block), else "xla"; "cpu" elsewhere. Other choices are returned as they are."""
     if choice not in KERNELS:
         raise ValueError(f"model.attention: got {choice!r}; expected one of {', '.join(KERNELS)}")
     if choice != "auto":
@@ -41,7 +47,9 @@ def resolve_kernel(choice: str, dtype, head_dim: int, backend: str | None = None
     if backend == "gpu":
         cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
         return "cudnn" if cudnn_ok else "xla"
-    return "xla" if backend == "tpu" else "cpu"
+    if backend == "tpu":
+        return "splash" if head_dim % 64 == 0 else "xla"
+    return "cpu"
 
 
 def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel="cpu"):
@@ -49,8 +57,8 @@ def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, 
     for a LayerKV also index_B: each row's own slots); a key is visible iff its slot is not after
     the query's (causal) and `key_valid_BxS` marks it real. `layer` (traced) picks a StackedKV's
     layer. With a GroupKV, `index` is the slot in each row's own completion buffer and
-    `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]. `kernel` (resolved: "cpu", "xla"
-    or "cudnn") picks the no-cache and StackedKV kernel; the decode kinds keep their own."""
+    `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]. `kernel` (resolved: "cpu", "xla",
+    "cudnn" or "splash") picks the no-cache and StackedKV kernel; the decode kinds keep their own."""
     kind = type(kv)
     if kind not in _ATTEND:
         names = ", ".join(k.__name__ for k in _ATTEND)
@@ -62,12 +70,18 @@ def _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kern
     if kernel == "cpu":
         return attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype)
     if kernel not in ("xla", "cudnn"):
-        raise ValueError(f"attention: kernel {kernel!r}; expected 'cpu', 'xla' or 'cudnn' ('auto' resolved first)")
+        raise ValueError(
+            f"attention: kernel {kernel!r}; expected 'cpu', 'xla', 'cudnn' or 'splash' ('auto' resolved first)"
+        )
     implementation = "cudnn" if kernel == "cudnn" else "xla"
     return attend_slots_fused(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, implementation)
 
 
 def _no_cache(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel):
+    if kernel == "splash":
+        # The keys are this call's own tokens: key t is query t's token, so the causal offset is 0
+        # whatever `index` is (the no-cache callers pass 0, where every kernel agrees).
+        return attend_slots_splash(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, 0, dtype), None
     return _slots(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, index, dtype, kernel), None
 
 
@@ -77,6 +91,8 @@ def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, i
     v_all = lax.dynamic_update_slice(kv.v_LxBxSxKxHd, v_BxTxKxHd[None].astype(kv.v_LxBxSxKxHd.dtype), start)
     k_BxSxKxHd = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(dtype)
     v_BxSxKxHd = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(dtype)
+    # splash takes a static causal offset; a StackedKV's `index` is traced (run_decoder), so "xla".
+    kernel = "xla" if kernel == "splash" else kernel
     o_BxTxHxHd = _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kernel)
     return o_BxTxHxHd, StackedKV(k_all, v_all)
 
@@ -175,6 +191,72 @@ def attend_slots_fused(
         implementation=implementation,
     )
     return o_BxTxHxHd[:, :T].astype(dtype)
+
+
+SPLASH_BLOCK = 512  # the largest splash tile along T and S (a multiple of 128, as the kernel needs)
+
+
+def _splash_block(n: int) -> int:
+    """The tile for a length-n axis: n rounded up to a multiple of 128, capped at SPLASH_BLOCK."""
+    return min(SPLASH_BLOCK, -(-n // 128) * 128)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(H: int, Tp: int, Sp: int, offset: int, bq: int, bkv: int, interpret: bool):
+    """The splash kernel of H heads over a Tp x Sp causal mask (query t sees key s <= t + offset),
+    built once per shape: its block-sparsity tables are computed in numpy from the static mask."""
+    causal = splash_mask.CausalMask((Tp, Sp), offset=offset)
+    blocks = splash.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=bq,
+        block_kv_dq=bkv,
+    )
+    mask = splash_mask.MultiHeadMask([causal] * H)
+    return splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def attend_slots_splash(
+    q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, offset: int, dtype, interpret: bool | None = None
+):
+    """`attend_slots` through JAX's Pallas TPU splash attention, for queries at the static slots
+    offset..offset+T-1 (the no-cache kind: 0). Splash rather than the Pallas flash kernel: it takes
+    GQA as it is (head h reads kv head h // R, no repeated K/V), skips the tiles above the causal
+    diagonal (flash's causal flag has no offset either), and both take padding as segment ids.
+
+    Visibility as `attend_slots`: the causal offset is the static mask; `key_valid_BxS` enters as
+    segment ids, every query segment 1 and each key 1 if valid else 0, so a query sees exactly the
+    valid keys at or before its slot. A query that sees none (a left-pad query at slot < the first
+    real key) gets the uniform average over the tiles it computes: finite, but not `attend_slots`'
+    average over all S (nobody reads those rows). T and S are padded up to their tiles
+    (`_splash_block`), the padded keys segment 0, the padded queries dropped. Queries arrive scaled
+    (scale 1); the logits, softmax and accumulation are float32 inside the kernel, the output in
+    `dtype`. Gradients: splash's own custom VJP (its dq and dkv kernels).
+
+    `interpret` (None: unless the default backend is a TPU) runs Pallas' interpreter: how it is
+    tested on CPU (tests/test_attention_kernels.py), slow, for tests only."""
+    B, T, H, Hd = q_BxTxHxHd.shape
+    S = k_BxSxKxHd.shape[1]
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    bq, bkv = _splash_block(T), _splash_block(S)
+    Tp, Sp = -(-T // bq) * bq, -(-S // bkv) * bkv
+    q_BxHxTpxHd = jnp.pad(q_BxTxHxHd.astype(dtype), ((0, 0), (0, Tp - T), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    k_BxKxSpxHd, v_BxKxSpxHd = (
+        jnp.pad(x.astype(dtype), ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+        for x in (k_BxSxKxHd, v_BxSxKxHd)
+    )
+    segments = splash.SegmentIds(
+        q=jnp.ones((B, Tp), jnp.int32),
+        kv=jnp.pad(key_valid_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S))),
+    )
+    kernel = _splash_kernel(H, Tp, Sp, offset, bq, bkv, interpret)
+    o_BxHxTpxHd = jax.vmap(kernel)(q_BxHxTpxHd, k_BxKxSpxHd, v_BxKxSpxHd, segments)
+    assert isinstance(o_BxHxTpxHd, jax.Array)  # save_residuals is off: the output alone
+    return o_BxHxTpxHd[:, :, :T].transpose(0, 2, 1, 3).astype(dtype)
 
 
 def write_layer_kv(buf_BxKxSxHd, new_BxKxTxHd, index):
