@@ -26,6 +26,7 @@ from jaxrl.models.attention import (
     resolve_kernel,
 )
 from jaxrl.models.cache_kinds import StackedKV
+from jaxrl.models.shared_prefix import token_logprobs_shared
 
 B, T, S, K, R, HD = 3, 5, 9, 2, 3, 8  # GQA: K kv heads, R query heads each
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -236,7 +237,8 @@ def test_splash_lowers_for_tpu_to_mosaic_kernels():
 
 def test_model_token_logprobs_under_splash():
     """A tiny model's token_logprobs and their gradient with attention=splash (interpreted) agree with
-    the cpu kernels (left-padded prompt row); the stacked-cache (prefill) kind runs xla under splash."""
+    the cpu kernels (left-padded prompt row): the one-pass forward's values, the shared-prefix
+    forward's (training's default) values and parameter gradients."""
     params = tf.init_params(CFG, jax.random.PRNGKey(0))
     batch = _logprob_batch()
     splash_cfg = dataclasses.replace(CFG, attention="splash")
@@ -246,9 +248,6 @@ def test_model_token_logprobs_under_splash():
         return tf.token_logprobs(p, cfg, *batch, 1.0)[0]
 
     np.testing.assert_allclose(logp(splash_cfg), logp(cpu_cfg), rtol=1e-5, atol=1e-5)
-    grads = [jax.grad(lambda p, cfg=cfg: jnp.sum(logp(cfg, p)))(params) for cfg in (splash_cfg, cpu_cfg)]
-    for g_splash, g_cpu in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
-        np.testing.assert_allclose(g_splash, g_cpu, rtol=1e-4, atol=1e-5)
     # The option reached the layers: the einsum's B x K x R x S x S float32 scores (S = 6 + 4) are gone,
     # the interpreter's 128 x 128 tiles of the padded sequence are there.
     scores = "tensor<2x2x2x10x10xf32>"
@@ -256,9 +255,31 @@ def test_model_token_logprobs_under_splash():
     hlo = tf.token_logprobs.lower(params, splash_cfg, *batch, 1.0).as_text()
     assert scores not in hlo and "tensor<128x128xf32>" in hlo
 
+    # The update's default forward (a group's prompt once, then its completions over the prompt's
+    # stacked keys at the traced offset P): splash through the query buffer, values and gradients.
+    prompt, pmask, comp, _ = batch
+    prompt, pmask = jnp.repeat(prompt[1:], 2, axis=0), jnp.repeat(pmask[1:], 2, axis=0)  # one group of 2
+
+    def shared(cfg, p=params):
+        return token_logprobs_shared(p, cfg, prompt, pmask, comp, 1.0, group_size=2)[0]
+
+    np.testing.assert_allclose(shared(splash_cfg), shared(cpu_cfg), rtol=1e-5, atol=1e-5)
+    grads = [jax.grad(lambda p, cfg=cfg: jnp.sum(shared(cfg, p)))(params) for cfg in (splash_cfg, cpu_cfg)]
+    for g_splash, g_cpu in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(g_splash, g_cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_cache_splash_at_a_traced_index():
+    """A StackedKV (prefill) under splash: queries at a traced index 3 ride in an S-slot buffer; the
+    cache is written as by the cpu kernel and every query that sees a key matches it."""
     q, k_new, v_new = _qkv(2)
     zeros = jnp.zeros((2, B, S, K, HD), jnp.float32)
-    args = (q, k_new[:, :T], v_new[:, :T], StackedKV(zeros, zeros + 1.0), KEY_VALID_BxS, jnp.int32(3), jnp.int32(1))
-    o_splash, _ = attend(*args, jnp.float32, "splash")
-    o_xla, _ = attend(*args, jnp.float32, "xla")
-    np.testing.assert_array_equal(o_splash, o_xla)
+    args = (q, k_new[:, :T], v_new[:, :T], StackedKV(zeros, zeros + 1.0), KEY_VALID_BxS)
+    run = jax.jit(attend, static_argnames=("dtype", "kernel"))
+    o_splash, kv_splash = run(*args, jnp.int32(3), jnp.int32(1), dtype=jnp.float32, kernel="splash")
+    o_cpu, kv_cpu = run(*args, jnp.int32(3), jnp.int32(1), dtype=jnp.float32, kernel="cpu")
+    sees_BxT = jnp.any(allowed_slots(KEY_VALID_BxS, jnp.int32(3), T, S), axis=-1)
+    assert not bool(jnp.all(sees_BxT))
+    assert bool(jnp.all(jnp.isfinite(o_splash)))
+    np.testing.assert_allclose(o_splash[sees_BxT], o_cpu[sees_BxT], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(kv_splash.k_LxBxSxKxHd, kv_cpu.k_LxBxSxKxHd)

@@ -8,8 +8,7 @@ strided GEMM. The no-cache and stacked kinds (training, scoring, prefill) run on
 in `KERNELS` (`model.attention`, resolved by `resolve_kernel`): "cpu" is the plain einsum form
 (`attend_slots`), which is what the backward of training differentiates on CPU; "xla" and "cudnn"
 are `jax.nn.dot_product_attention` with that implementation (`attend_slots_fused`), the same masks;
-"splash" is JAX's Pallas TPU splash attention (`attend_slots_splash`) for the no-cache kind, "xla"
-for the StackedKV kind (whose query offset is traced; see `attend_slots_splash`).
+"splash" is JAX's Pallas TPU splash attention (`attend_slots_splash`).
 
 Shape letters as in layers.py: B batch, T query tokens, S key slots, K kv heads, R query heads per
 kv head, Hd head dim, W window slots.
@@ -17,7 +16,6 @@ kv head, Hd head dim, W window slots.
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import jax
@@ -91,8 +89,9 @@ def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, i
     v_all = lax.dynamic_update_slice(kv.v_LxBxSxKxHd, v_BxTxKxHd[None].astype(kv.v_LxBxSxKxHd.dtype), start)
     k_BxSxKxHd = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(dtype)
     v_BxSxKxHd = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(dtype)
-    # splash takes a static causal offset; a StackedKV's `index` is traced (run_decoder), so "xla".
-    kernel = "xla" if kernel == "splash" else kernel
+    if kernel == "splash":  # `index` is traced (run_decoder): the queries ride in an S-slot buffer
+        o_BxTxHxHd = attend_slots_splash(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype)
+        return o_BxTxHxHd, StackedKV(k_all, v_all)
     o_BxTxHxHd = _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kernel)
     return o_BxTxHxHd, StackedKV(k_all, v_all)
 
@@ -201,10 +200,10 @@ def _splash_block(n: int) -> int:
     return min(SPLASH_BLOCK, -(-n // 128) * 128)
 
 
-@functools.lru_cache(maxsize=64)
 def _splash_kernel(H: int, Tp: int, Sp: int, offset: int, bq: int, bkv: int, interpret: bool):
     """The splash kernel of H heads over a Tp x Sp causal mask (query t sees key s <= t + offset),
-    built once per shape: its block-sparsity tables are computed in numpy from the static mask."""
+    built at trace time: its block-sparsity tables come from the static mask (numpy, cached by shape in
+    splash's mask_info); the kernel holds them as arrays of the trace, so it is not cached here."""
     causal = splash_mask.CausalMask((Tp, Sp), offset=offset)
     blocks = splash.BlockSizes(
         block_q=bq,
@@ -221,12 +220,18 @@ def _splash_kernel(H: int, Tp: int, Sp: int, offset: int, bq: int, bkv: int, int
 
 
 def attend_slots_splash(
-    q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, offset: int, dtype, interpret: bool | None = None
+    q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, offset: int | jax.Array, dtype, interpret: bool | None = None
 ):
-    """`attend_slots` through JAX's Pallas TPU splash attention, for queries at the static slots
+    """`attend_slots` through JAX's Pallas TPU splash attention, for queries at the slots
     offset..offset+T-1 (the no-cache kind: 0). Splash rather than the Pallas flash kernel: it takes
     GQA as it is (head h reads kv head h // R, no repeated K/V), skips the tiles above the causal
     diagonal (flash's causal flag has no offset either), and both take padding as segment ids.
+
+    Splash's causal mask is static. A Python int `offset` is that mask's offset. A traced one (a
+    StackedKV's `index`) cannot be: the T queries are then written at `offset` into an S-slot buffer
+    of zero queries (clamped to 0..S-T like the cache write), that buffer attends at offset 0 and
+    the T rows are read back. This costs the S - T buffer rows' attention, cheap in the update's
+    shared-prefix pass (offset P, T = the completion) and at most the S x S causal forward in prefill.
 
     Visibility as `attend_slots`: the causal offset is the static mask; `key_valid_BxS` enters as
     segment ids, every query segment 1 and each key 1 if valid else 0, so a query sees exactly the
@@ -241,6 +246,13 @@ def attend_slots_splash(
     tested on CPU (tests/test_attention_kernels.py), slow, for tests only."""
     B, T, H, Hd = q_BxTxHxHd.shape
     S = k_BxSxKxHd.shape[1]
+    if not isinstance(offset, int):
+        if T > S:
+            raise ValueError(f"attention: {T} queries at a traced offset over {S} key slots; expected T <= S")
+        buf_BxSxHxHd = jnp.zeros((B, S, H, Hd), dtype)
+        q_BxSxHxHd = lax.dynamic_update_slice(buf_BxSxHxHd, q_BxTxHxHd.astype(dtype), (0, offset, 0, 0))
+        o_BxSxHxHd = attend_slots_splash(q_BxSxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, 0, dtype, interpret)
+        return lax.dynamic_slice_in_dim(o_BxSxHxHd, offset, T, axis=1)
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     bq, bkv = _splash_block(T), _splash_block(S)
     Tp, Sp = -(-T // bq) * bq, -(-S // bkv) * bkv
