@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import child_env, run_python
 
 from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.models import transformer as tf
@@ -283,3 +284,76 @@ def test_stacked_cache_splash_at_a_traced_index():
     assert bool(jnp.all(jnp.isfinite(o_splash)))
     np.testing.assert_allclose(o_splash[sees_BxT], o_cpu[sees_BxT], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(kv_splash.k_LxBxSxKxHd, kv_cpu.k_LxBxSxKxHd)
+
+
+MESH_SCRIPT = r"""
+import dataclasses
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxrl.config import ModelConfig
+from jaxrl.models import transformer as tf
+from jaxrl.models.attention import KernelLayout, attend_slots_splash
+from jaxrl.models.parallel import Parallel
+
+assert jax.device_count() == 8
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tensor"))
+CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
+params = tf.init_params(CFG, jax.random.PRNGKey(0))
+rng = np.random.default_rng(3)
+rows = NamedSharding(mesh, P("fsdp"))
+pmask = np.arange(6)[None] >= np.array([0, 3, 1, 0])[:, None]  # rows 1 and 2 left padded
+batch = [rng.integers(0, 29, (4, 6)), pmask, rng.integers(0, 29, (4, 4)), np.ones((4, 4))]
+batch = [jax.device_put(jnp.asarray(x, jnp.float32 if i == 3 else jnp.int32), rows) for i, x in enumerate(batch)]
+
+
+def loss(p, cfg, parallel):
+    return jnp.sum(tf.token_logprobs(p, cfg, *batch, 1.0, parallel=parallel)[0])
+
+
+want, g_want = jax.value_and_grad(loss)(params, dataclasses.replace(CFG, attention="cpu"), None)
+splash_step = jax.jit(jax.value_and_grad(loss), static_argnums=(1, 2))
+splash_args = (params, dataclasses.replace(CFG, attention="splash"), Parallel(mesh, "fsdp", None, "tensor"))
+got, g_got = splash_step(*splash_args)
+assert "sdy.manual_computation" in splash_step.lower(*splash_args).as_text()  # the layers got the layout
+np.testing.assert_allclose(got, want, rtol=1e-5)
+for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+print("model OK")
+
+split = NamedSharding(mesh, P("fsdp", None, "tensor"))
+q = jax.device_put(jnp.zeros((8, 200, 4, 128), jnp.bfloat16), split)
+k = jax.device_put(jnp.zeros((8, 200, 2, 128), jnp.bfloat16), split)
+key_valid = jax.device_put(jnp.ones((8, 200), bool), rows)
+
+
+def tpu_text(layout):
+    def f(q, k, v):
+        o = attend_slots_splash(q, k, v, key_valid, 0, jnp.bfloat16, interpret=False, layout=layout)
+        return jnp.sum(o.astype(jnp.float32))
+
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("tpu",)).as_text()
+
+
+try:
+    tpu_text(None)
+    raise SystemExit("a Mosaic kernel over 8 devices lowered without shard_map")
+except NotImplementedError as e:
+    assert "cannot be automatically partitioned" in str(e), e
+text = tpu_text(KernelLayout(mesh, "fsdp", "tensor"))
+assert text.count("@tpu_custom_call(") == 3 and "sdy.manual_computation" in text
+# Each device's kernel gets its 8/4 rows and 4/2 query heads, 2/2 kv heads (T = S = 200 padded to 256).
+assert "tensor<2x2x256x128xbf16>" in text and "tensor<2x1x256x128xbf16>" in text
+print("tpu OK")
+"""
+
+
+@pytest.mark.slow
+def test_splash_under_a_mesh_on_8_fake_devices():
+    """XLA cannot partition a Mosaic kernel over several devices (lowering for TPU refuses it), so
+    splash runs under shard_map by the run's `Parallel` (rows over fsdp, heads over tensor): on a
+    4 x 2 mesh a tiny model's token_logprobs and parameter gradients (interpreted) equal one device's
+    cpu kernels, and lowered for TPU each device's kernel takes its shard of rows and heads."""
+    proc = run_python(["-c", MESH_SCRIPT], child_env(devices=8), check=False)
+    assert proc.returncode == 0 and proc.stdout.split() == ["model", "OK", "tpu", "OK"], (
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    )

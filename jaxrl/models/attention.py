@@ -16,16 +16,29 @@ kv head, Hd head dim, W window slots.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.models.cache_kinds import GroupKV, LayerKV, StackedKV, WindowKV
 from jaxrl.models.prefix_attention import MASKED_SCORE, attend_group, write_own
+
+
+class KernelLayout(NamedTuple):
+    """How a Mosaic kernel (splash) splits over the run's mesh: it cannot be partitioned by XLA, so
+    it runs under `shard_map`, each device on its rows (`batch`: the mesh axes the rows split over,
+    as `models.parallel.Parallel.batch`) and, when the head counts divide, its heads (`heads`: the
+    tensor-parallel axis, `Parallel.sequence`, or None). Hashable: a static module attribute."""
+
+    mesh: Any  # jax.sharding.Mesh
+    batch: str | tuple[str, ...] | None
+    heads: str | None = None
+
 
 # model.attention's choices: "auto" resolves by backend at trace time (`resolve_kernel`).
 KERNELS = ("auto", "cpu", "xla", "cudnn", "splash")
@@ -50,17 +63,22 @@ def resolve_kernel(choice: str, dtype, head_dim: int, backend: str | None = None
     return "cpu"
 
 
-def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel="cpu"):
+def attend(
+    q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel="cpu", layout=None
+) -> tuple[jax.Array, Any]:
     """-> (o_BxTxHxHd, kv updated). Queries occupy key slots index..index+T-1 (`index` a scalar, or
     for a LayerKV also index_B: each row's own slots); a key is visible iff its slot is not after
     the query's (causal) and `key_valid_BxS` marks it real. `layer` (traced) picks a StackedKV's
     layer. With a GroupKV, `index` is the slot in each row's own completion buffer and
     `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]. `kernel` (resolved: "cpu", "xla",
-    "cudnn" or "splash") picks the no-cache and StackedKV kernel; the decode kinds keep their own."""
+    "cudnn" or "splash") picks the no-cache and StackedKV kernel; the decode kinds keep their own.
+    `layout` (a KernelLayout or None: one device) is how splash splits over the mesh."""
     kind = type(kv)
     if kind not in _ATTEND:
         names = ", ".join(k.__name__ for k in _ATTEND)
         raise TypeError(f"attention: a cache entry of type {kind.__name__}; expected one of {names}")
+    if kernel == "splash" and kind in (type(None), StackedKV):
+        return _ATTEND_SPLASH[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, layout)
     return _ATTEND[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel)
 
 
@@ -69,31 +87,45 @@ def _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kern
         return attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype)
     if kernel not in ("xla", "cudnn"):
         raise ValueError(
-            f"attention: kernel {kernel!r}; expected 'cpu', 'xla', 'cudnn' or 'splash' ('auto' resolved first)"
+            f"attention: kernel {kernel!r}; expected 'cpu', 'xla' or 'cudnn' here ('auto' resolved first, "
+            "'splash' taken by `attend`)"
         )
     implementation = "cudnn" if kernel == "cudnn" else "xla"
     return attend_slots_fused(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, implementation)
 
 
 def _no_cache(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel):
-    if kernel == "splash":
-        # The keys are this call's own tokens: key t is query t's token, so the causal offset is 0
-        # whatever `index` is (the no-cache callers pass 0, where every kernel agrees).
-        return attend_slots_splash(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, 0, dtype), None
     return _slots(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, index, dtype, kernel), None
 
 
-def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, index, layer, dtype, kernel):
+def _write_stacked(k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, index, layer, dtype):
+    """Write this call's keys/values at slots index.. of `layer`: (k_BxSxKxHd, v_BxSxKxHd of that
+    layer in `dtype`, the StackedKV updated)."""
     start = (layer, 0, index, 0, 0)
     k_all = lax.dynamic_update_slice(kv.k_LxBxSxKxHd, k_BxTxKxHd[None].astype(kv.k_LxBxSxKxHd.dtype), start)
     v_all = lax.dynamic_update_slice(kv.v_LxBxSxKxHd, v_BxTxKxHd[None].astype(kv.v_LxBxSxKxHd.dtype), start)
     k_BxSxKxHd = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(dtype)
     v_BxSxKxHd = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(dtype)
-    if kernel == "splash":  # `index` is traced (run_decoder): the queries ride in an S-slot buffer
-        o_BxTxHxHd = attend_slots_splash(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype)
-        return o_BxTxHxHd, StackedKV(k_all, v_all)
+    return k_BxSxKxHd, v_BxSxKxHd, StackedKV(k_all, v_all)
+
+
+def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, index, layer, dtype, kernel):
+    k_BxSxKxHd, v_BxSxKxHd, kv = _write_stacked(k_BxTxKxHd, v_BxTxKxHd, kv, index, layer, dtype)
     o_BxTxHxHd = _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kernel)
-    return o_BxTxHxHd, StackedKV(k_all, v_all)
+    return o_BxTxHxHd, kv
+
+
+def _no_cache_splash(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, layout):
+    # The keys are this call's own tokens: key t is query t's token, so the causal offset is 0
+    # whatever `index` is (the no-cache callers pass 0, where every kernel agrees).
+    return attend_slots_splash(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, 0, dtype, layout=layout), None
+
+
+def _stacked_splash(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, layout):
+    # `index` is traced (run_decoder): the queries ride in an S-slot buffer (`attend_slots_splash`).
+    k_BxSxKxHd, v_BxSxKxHd, kv = _write_stacked(k_BxTxKxHd, v_BxTxKxHd, kv, index, layer, dtype)
+    o_BxTxHxHd = attend_slots_splash(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, layout=layout)
+    return o_BxTxHxHd, kv
 
 
 def _layer(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: LayerKV, key_valid_BxS, index, layer, dtype, kernel):
@@ -128,6 +160,7 @@ def _group(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: GroupKV, key_valid_BxS, index
 
 
 _ATTEND = {type(None): _no_cache, StackedKV: _stacked, LayerKV: _layer, WindowKV: _window, GroupKV: _group}
+_ATTEND_SPLASH = {type(None): _no_cache_splash, StackedKV: _stacked_splash}
 
 
 def attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype):
@@ -219,8 +252,34 @@ def _splash_kernel(H: int, Tp: int, Sp: int, offset: int, bq: int, bkv: int, int
     return splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
+def _splash_specs(layout: KernelLayout | None, B: int, H: int, K: int):
+    """(rows' mesh axes, heads' mesh axis, how many head shards) of splash's shard_map: the
+    layout's, each None (that dimension whole on every device) where it does not divide."""
+    if layout is None:
+        return None, None, 1
+
+    def size(axes) -> int:
+        names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        n = 1
+        for a in names:
+            n *= layout.mesh.shape[a]
+        return n
+
+    rows = layout.batch if B % size(layout.batch) == 0 else None
+    n_heads = size(layout.heads)
+    heads = layout.heads if H % n_heads == 0 and K % n_heads == 0 else None
+    return rows, heads, n_heads if heads is not None else 1
+
+
 def attend_slots_splash(
-    q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, offset: int | jax.Array, dtype, interpret: bool | None = None
+    q_BxTxHxHd,
+    k_BxSxKxHd,
+    v_BxSxKxHd,
+    key_valid_BxS,
+    offset: int | jax.Array,
+    dtype,
+    interpret: bool | None = None,
+    layout: KernelLayout | None = None,
 ):
     """`attend_slots` through JAX's Pallas TPU splash attention, for queries at the slots
     offset..offset+T-1 (the no-cache kind: 0). Splash rather than the Pallas flash kernel: it takes
@@ -243,7 +302,9 @@ def attend_slots_splash(
     `dtype`. Gradients: splash's own custom VJP (its dq and dkv kernels).
 
     `interpret` (None: unless the default backend is a TPU) runs Pallas' interpreter: how it is
-    tested on CPU (tests/test_attention_kernels.py), slow, for tests only."""
+    tested on CPU (tests/test_attention_kernels.py), slow, for tests only. `layout`: the kernel runs
+    under shard_map on the mesh (`KernelLayout`); None: one device (XLA refuses to partition a Mosaic
+    kernel over several)."""
     B, T, H, Hd = q_BxTxHxHd.shape
     S = k_BxSxKxHd.shape[1]
     if not isinstance(offset, int):
@@ -251,7 +312,7 @@ def attend_slots_splash(
             raise ValueError(f"attention: {T} queries at a traced offset over {S} key slots; expected T <= S")
         buf_BxSxHxHd = jnp.zeros((B, S, H, Hd), dtype)
         q_BxSxHxHd = lax.dynamic_update_slice(buf_BxSxHxHd, q_BxTxHxHd.astype(dtype), (0, offset, 0, 0))
-        o_BxSxHxHd = attend_slots_splash(q_BxSxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, 0, dtype, interpret)
+        o_BxSxHxHd = attend_slots_splash(q_BxSxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, 0, dtype, interpret, layout)
         return lax.dynamic_slice_in_dim(o_BxSxHxHd, offset, T, axis=1)
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     bq, bkv = _splash_block(T), _splash_block(S)
@@ -261,13 +322,22 @@ def attend_slots_splash(
         jnp.pad(x.astype(dtype), ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
         for x in (k_BxSxKxHd, v_BxSxKxHd)
     )
-    segments = splash.SegmentIds(
-        q=jnp.ones((B, Tp), jnp.int32),
-        kv=jnp.pad(key_valid_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S))),
-    )
-    kernel = _splash_kernel(H, Tp, Sp, offset, bq, bkv, interpret)
-    o_BxHxTpxHd = jax.vmap(kernel)(q_BxHxTpxHd, k_BxKxSpxHd, v_BxKxSpxHd, segments)
-    assert isinstance(o_BxHxTpxHd, jax.Array)  # save_residuals is off: the output alone
+    q_segment_BxTp = jnp.ones((B, Tp), jnp.int32)
+    kv_segment_BxSp = jnp.pad(key_valid_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S)))
+    rows_spec, heads_spec, n_head_shards = _splash_specs(layout, B, H, k_BxSxKxHd.shape[2])
+    kernel = _splash_kernel(H // n_head_shards, Tp, Sp, offset, bq, bkv, interpret)
+
+    def run(q_BxHxTpxHd, k_BxKxSpxHd, v_BxKxSpxHd, q_segment_BxTp, kv_segment_BxSp):
+        segments = splash.SegmentIds(q=q_segment_BxTp, kv=kv_segment_BxSp)
+        o_BxHxTpxHd = jax.vmap(kernel)(q_BxHxTpxHd, k_BxKxSpxHd, v_BxKxSpxHd, segments)
+        assert isinstance(o_BxHxTpxHd, jax.Array)  # save_residuals is off: the output alone
+        return o_BxHxTpxHd
+
+    if layout is not None:
+        heads, rows = P(rows_spec, heads_spec), P(rows_spec)
+        specs = (heads, heads, heads, rows, rows)
+        run = jax.shard_map(run, mesh=layout.mesh, in_specs=specs, out_specs=heads, check_vma=False)
+    o_BxHxTpxHd = run(q_BxHxTpxHd, k_BxKxSpxHd, v_BxKxSpxHd, q_segment_BxTp, kv_segment_BxSp)
     return o_BxHxTpxHd[:, :, :T].transpose(0, 2, 1, 3).astype(dtype)
 
 

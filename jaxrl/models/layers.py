@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxrl.models.attention import attend, resolve_kernel
+from jaxrl.models.attention import KernelLayout, attend, resolve_kernel
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
 _TRUNC_STD = 0.87962566103423978
@@ -74,13 +74,15 @@ class AttnOptions:
     key head before RoPE (Qwen3). rope_llama3: (factor, low_freq_factor, high_freq_factor,
     original_max_len) of Llama 3's RoPE frequency rescale, or None. attention: the kernel of the
     no-cache and stacked-cache attention (`attention.KERNELS`; "auto" is resolved when the layer is
-    traced, from the backend it is traced for).
+    traced, from the backend it is traced for). layout: how a Mosaic kernel (splash) splits over the
+    run's mesh (`attention.KernelLayout`; None: one device).
     """
 
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_llama3: tuple[float, float, float, float] | None = None
     attention: str = "auto"
+    layout: KernelLayout | None = None
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None = None):
@@ -155,7 +157,8 @@ class Attention(nn.Module):
         k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta, llama3)
 
         kernel = resolve_kernel(self.opts.attention, self.dtype, Hd)
-        o_BxTxHxHd, kv = attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, self.dtype, kernel)
+        qkv = (q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd)
+        o_BxTxHxHd, kv = attend(*qkv, kv, key_valid_BxS, index, layer, self.dtype, kernel, self.opts.layout)
         return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
 
 
