@@ -19,6 +19,7 @@ from harness import child_env, run_python
 from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.models.attention import (
+    _splash_tiles,
     allowed_slots,
     attend,
     attend_slots,
@@ -212,6 +213,18 @@ def test_splash_kernel_matches_einsum_forward_and_gradient(T, dtype, tol):
     for name, g, w in zip("qkv", got_grads, want_grads):
         assert g.dtype == dtype and float(jnp.max(jnp.abs(w))) > 1e-2, name  # the gradient is not trivially zero
         np.testing.assert_allclose(np.asarray(g, f32), np.asarray(w, f32), rtol=tol, atol=tol, err_msg=f"d{name}")
+
+
+def test_splash_tiles_pad_under_128():
+    """A length is padded to a multiple of 128 (the kernel's need), tiled by the largest block dividing it."""
+    assert [_splash_tiles(n) for n in (9, 128, 200, 600, 832, 1000)] == [
+        (128, 128),
+        (128, 128),
+        (256, 256),
+        (128, 640),
+        (128, 896),
+        (512, 1024),
+    ]
 
 
 def test_splash_lowers_for_tpu_to_mosaic_kernels():

@@ -225,12 +225,14 @@ def attend_slots_fused(
     return o_BxTxHxHd[:, :T].astype(dtype)
 
 
-SPLASH_BLOCK = 512  # the largest splash tile along T and S (a multiple of 128, as the kernel needs)
+SPLASH_BLOCKS = (512, 256, 128)  # splash's tiles along T and S, largest first (multiples of 128, as it needs)
 
 
-def _splash_block(n: int) -> int:
-    """The tile for a length-n axis: n rounded up to a multiple of 128, capped at SPLASH_BLOCK."""
-    return min(SPLASH_BLOCK, -(-n // 128) * 128)
+def _splash_tiles(n: int) -> tuple[int, int]:
+    """(tile, padded length) of a length-n axis: n rounded up to a multiple of 128 (under 128 rows
+    of padding), tiled by the largest of SPLASH_BLOCKS that divides it."""
+    padded = -(-n // 128) * 128
+    return next(b for b in SPLASH_BLOCKS if padded % b == 0), padded
 
 
 def _splash_kernel(H: int, Tp: int, Sp: int, offset: int, bq: int, bkv: int, interpret: bool):
@@ -296,8 +298,8 @@ def attend_slots_splash(
     segment ids, every query segment 1 and each key 1 if valid else 0, so a query sees exactly the
     valid keys at or before its slot. A query that sees none (a left-pad query at slot < the first
     real key) gets the uniform average over the tiles it computes: finite, but not `attend_slots`'
-    average over all S (nobody reads those rows). T and S are padded up to their tiles
-    (`_splash_block`), the padded keys segment 0, the padded queries dropped. Queries arrive scaled
+    average over all S (nobody reads those rows). T and S are padded up to multiples of 128
+    (`_splash_tiles`), the padded keys segment 0, the padded queries dropped. Queries arrive scaled
     (scale 1); the logits, softmax and accumulation are float32 inside the kernel, the output in
     `dtype`. Gradients: splash's own custom VJP (its dq and dkv kernels).
 
@@ -315,8 +317,7 @@ def attend_slots_splash(
         o_BxSxHxHd = attend_slots_splash(q_BxSxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, 0, dtype, interpret, layout)
         return lax.dynamic_slice_in_dim(o_BxSxHxHd, offset, T, axis=1)
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
-    bq, bkv = _splash_block(T), _splash_block(S)
-    Tp, Sp = -(-T // bq) * bq, -(-S // bkv) * bkv
+    (bq, Tp), (bkv, Sp) = _splash_tiles(T), _splash_tiles(S)
     q_BxHxTpxHd = jnp.pad(q_BxTxHxHd.astype(dtype), ((0, 0), (0, Tp - T), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
     k_BxKxSpxHd, v_BxKxSpxHd = (
         jnp.pad(x.astype(dtype), ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
