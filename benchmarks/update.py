@@ -143,9 +143,9 @@ class Variant:
         if not self.microbatches:  # what train.microbatches=0 does (jaxrl.train.memory_budget)
             from jaxrl.train.memory_budget import auto_jit
 
-            step, self.microbatches = auto_jit(
-                jit_for, (self.state, batch), args.batch, args.memory_budget_gib, log=print
-            )
+            jit_fit = lambda fit: jit_for(fit.microbatches)  # noqa: E731
+            step, fit, _ = auto_jit(jit_fit, (self.state, batch), args.batch, args.memory_budget_gib, log=print)
+            self.microbatches = fit.microbatches
         else:
             step = jit_for(self.microbatches)
         # What the logp function does: share only when every microbatch holds whole groups.

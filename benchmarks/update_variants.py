@@ -87,7 +87,11 @@ def build(name, spec, cfg, shape, budget_gib, seed=0):
 
     batch = jax.device_put(make_batch(cfg, B, P, T, G, seed))
     n = spec["microbatches"]
-    step, n = auto_jit(jit_for, (state, batch), B, budget_gib, log=print) if n == 0 else (jit_for(n), n)
+    if n == 0:  # what train.microbatches=0 does (jaxrl.train.memory_budget)
+        step, fit, _ = auto_jit(lambda fit: jit_for(fit.microbatches), (state, batch), B, budget_gib, log=print)
+        n = fit.microbatches
+    else:
+        step = jit_for(n)
     compiled = step.lower(state, batch).compile()
     return compiled, state, batch, n, compiled.memory_analysis().temp_size_in_bytes / 2**20
 

@@ -11,9 +11,11 @@ answer after "####"; the reward is the math-answer verifier's correctness (jaxrl
 the final number equals the reference), format logged only. GRPO: Shao et al. 2024, DeepSeekMath,
 arXiv:2402.03300. Memory per device (`jaxrl plan`, bfloat16 compute, float32 params and Adam;
 benchmarks/plan_sizes.py, docs/accelerators.md): on 8 devices (fsdp) the update holds 0.7 GiB of state
-and 21.5 GiB of temporaries, so it fits 8 GPUs of 40 GB or more. On one device it needs 142 GiB of
-temporaries, more than one 80 GB accelerator: there add --set train.microbatches=32 --set train.remat=full
---set train.logits_chunk=4096 (5.5 GiB of state, 14.4 GiB of temporaries).
+and 21.5 GiB of temporaries, so it fits 8 GPUs of 40 GB or more. On one device the plain update needs
+142 GiB of temporaries, more than one 80 GB accelerator; train.remat=auto (the default) then chooses
+full remat and logits chunks of 1024 from the device's budget (half of an 80 GB GPU's 59.5 GiB
+bytes_limit: 29.8 GiB), 26.4 GiB of temporaries beside 5.5 GiB of state (`jaxrl plan ... --set
+train.memory_budget_gib=29.8`, docs/accelerators.md).
 """
 
 import os

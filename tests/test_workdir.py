@@ -102,6 +102,11 @@ def test_a_superseded_default_matches_its_new_spelling():
     assert _cfg().train.memory_budget_gib == 0.0 and wd.config_changes(saved, _cfg()) == {}
     saved["train"]["memory_budget_gib"] = 3.0  # a budget the user chose is still a change
     assert wd.config_changes(saved, _cfg()) == {"train.memory_budget_gib": (3.0, 0.0)}
+    saved = to_dict(_cfg())
+    saved["train"]["remat"] = "none"  # the default before "auto" (which is "none" on CPU without a budget)
+    assert _cfg().train.remat == "auto" and wd.config_changes(saved, _cfg()) == {}
+    saved["train"]["remat"] = "full"
+    assert wd.config_changes(saved, _cfg()) == {"train.remat": ("full", "auto")}
 
 
 def test_second_holder_is_refused_naming_the_first(tmp_path):

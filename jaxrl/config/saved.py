@@ -52,7 +52,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 # Defaults an older jaxrl wrote that a newer one spells differently, field -> (old default, new default):
 # a run saved with the old one matches a config with the new one. 2 GiB was the automatic microbatch
 # budget; 0 now takes it from the device, which on a CPU (where it reports no limit) is that 2 GiB.
-SUPERSEDED_DEFAULTS = {"train.memory_budget_gib": (2.0, 0.0)}
+# remat "none" was the default; "auto" keeps it wherever the budget is that CPU stand-in.
+SUPERSEDED_DEFAULTS = {"train.memory_budget_gib": (2.0, 0.0), "train.remat": ("none", "auto")}
 
 
 def config_changes(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:

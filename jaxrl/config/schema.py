@@ -252,9 +252,10 @@ class TrainConfig:
     memory_budget_gib: float = 0.0
     # The update forward's memory options (jaxrl.models.transformer.token_logprobs): the LM head and
     # log-softmax on logits_chunk (row, position) pairs at a time (0: all at once), and what each
-    # layer keeps for the backward (remat: none | full | dots).
+    # layer keeps for the backward (remat: none | full | dots, or auto: remat and logits chunking
+    # chosen from memory_budget_gib, jaxrl.train.memory_budget; none where the budget is CPU's stand-in).
     logits_chunk: int = 0
-    remat: str = "none"
+    remat: str = "auto"
     eval_every: int = 20
     eval_prompts: int = 200
     log_every: int = 1
@@ -286,7 +287,7 @@ class TrainConfig:
         _check(
             self.logits_chunk >= 0, f"{prefix}.logits_chunk", "0 (unchunked) or a positive integer", self.logits_chunk
         )
-        _check(self.remat in REMAT, f"{prefix}.remat", " or ".join(map(repr, REMAT)), self.remat)
+        _check(self.remat in (*REMAT, "auto"), f"{prefix}.remat", " or ".join(map(repr, (*REMAT, "auto"))), self.remat)
         _check(
             self.eval_every >= 0,
             f"{prefix}.eval_every",

@@ -53,7 +53,7 @@ from jaxrl.sources.scoring import RowLayout, assemble_batch
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
 from jaxrl.train.evaluate import eval_records, make_evaluator
-from jaxrl.train.memory_budget import auto_jit, resolve_budget_gib
+from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.programs import (
     full_state_shardings,
     jit_update,
@@ -62,6 +62,7 @@ from jaxrl.train.programs import (
     run_optimizer,
     state_maker,
     update_builder,
+    update_memory,
 )
 from jaxrl.train.state import (
     TrainState,
@@ -325,26 +326,28 @@ def _restore(manager, state: TrainState, loss, record: RunRecord, lora):
 
 def _lazily_jitted_update(update_for, tc, state_sh, rep) -> Callable:
     """(state, batch) -> (state, metrics), jitted at the first batch with the batch's shardings
-    (chosen by field name); the state is donated. update_for(microbatches=n) builds the step; with
-    train.microbatches=0 the count is chosen then from the memory budget and logged as `microbatches`."""
+    (chosen by field name); the state is donated. update_for(fit) builds the step; where train.*
+    leaves the microbatches (0) or remat ("auto") to the memory budget they are chosen then
+    (`programs.update_memory`), and a chosen count is logged as `microbatches`."""
     jitted = []
 
     def update(state, batch):
         if not jitted:
             shardings = (state_sh, {k: v.sharding for k, v in batch.items()})
 
-            def jit_for(n):
-                return jit_update(update_for, n, shardings, rep)
+            def jit_for(fit):
+                return jit_update(update_for, fit, shardings, rep)
 
-            rows = batch["completion_mask_BxT"].shape[0] // tc.minibatches  # per optimizer step
-            if tc.microbatches == 0:
-                budget, source = resolve_budget_gib(tc.memory_budget_gib, jax.local_devices()[0])
-                jitted.append(auto_jit(jit_for, (state, batch), rows, budget, source=source))
+            fixed, auto = update_memory(tc, jax.local_devices()[0])
+            if fixed is None:
+                rows = batch["completion_mask_BxT"].shape[0] // tc.minibatches  # per optimizer step
+                step, fit, _ = auto_jit(jit_for, (state, batch), rows, **auto)
+                jitted.append((step, fit.microbatches if tc.microbatches == 0 else None))
             else:
-                jitted.append((jit_for(tc.microbatches), None))
-        step, auto = jitted[0]
+                jitted.append((jit_for(fixed), None))
+        step, auto_count = jitted[0]
         state, metrics = step(state, batch)
-        return state, metrics if auto is None else dict(metrics, microbatches=auto)
+        return state, metrics if auto_count is None else dict(metrics, microbatches=auto_count)
 
     return update
 

@@ -29,6 +29,7 @@ before anything compiles, unless `mesh.allow_replicated` names the parameter.
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 import re
@@ -58,8 +59,15 @@ from jaxrl.sharding import (
 from jaxrl.sources.sampler import jit_plain_rollout, prompt_sharding
 from jaxrl.train import lora_state
 from jaxrl.train.evaluate import EVAL_CHUNK, make_chunk_sampler, rows_sharding
-from jaxrl.train.memory_budget import choose_microbatches, resolve_budget_gib
-from jaxrl.train.programs import full_state_shardings, jit_update, run_optimizer, state_maker, update_builder
+from jaxrl.train.memory_budget import auto_jit
+from jaxrl.train.programs import (
+    full_state_shardings,
+    jit_update,
+    run_optimizer,
+    state_maker,
+    update_builder,
+    update_memory,
+)
 from jaxrl.train.state import opt_state_in
 
 PROGRAMS = ("update", "rollout", "engine_chunk", "eval")
@@ -261,23 +269,18 @@ def _update(run: _Run) -> tuple[Any, dict]:
     shardings = (state_sh, batch_sh)
     state, batch = _placed(state, state_sh), _placed(batch, batch_sh)
     update_for = update_builder(cfg, run.model_cfg, loss, optimizer, run.parallel, lora)
-    compiled: dict[int, Any] = {}
-
-    def compile_for(n: int):
-        compiled[n] = jit_update(update_for, n, shardings, run.rep).lower(state, batch).compile()
-        return compiled[n]
-
     extra: dict[str, Any] = {"inputs": {k: str(s.spec) for k, s in batch_sh.items()}}
-    if tc.microbatches == 0:  # as the loop chooses: the fewest that fit train.memory_budget_gib
+    fit, auto = update_memory(tc, jax.local_devices()[0])
+    jit_for = functools.partial(jit_update, update_for, shardings=shardings, rep=run.rep)
+    if fit is None:  # as the loop chooses (`memory_budget.choose_fit`), logged there, reported here
         rows = next(iter(batch.values())).shape[0] // tc.minibatches
-        budget, source = resolve_budget_gib(tc.memory_budget_gib, jax.local_devices()[0])
-        n, tried = choose_microbatches(compile_for, rows, budget)
-        extra["microbatches_tried_gib"] = {str(k): round(v, 4) for k, v in sorted(tried.items())}
-        extra["memory_budget_gib"] = {"gib": round(budget, 4), "from": source}
+        jitted, fit, tried = auto_jit(jit_for, (state, batch), rows, log=lambda line: None, **auto)
+        extra["tried_gib"] = {"/".join(map(str, k)): round(v, 4) for k, v in tried.items()}
+        extra["memory_budget_gib"] = {"gib": round(auto["budget_gib"], 4), "from": auto["source"]}
     else:
-        n = tc.microbatches
-        compile_for(n)
-    return compiled[n], {"microbatches": n, **extra}
+        jitted = jit_for(fit)
+    step = jitted.lower(state, batch).compile()  # auto_jit's compile, cached
+    return step, {"microbatches": fit.microbatches, "remat": fit.remat, "logits_chunk": fit.logits_chunk, **extra}
 
 
 def _engine_chunk(run: _Run) -> tuple[Any, dict]:

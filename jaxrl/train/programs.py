@@ -2,7 +2,7 @@
 its optimizer, the train state and its layout, and the params the rollout reads once per policy version.
 
     update_for = update_builder(cfg, model_cfg, loss, optimizer, parallel, lora)
-    step = jit_update(update_for, microbatches, (state_sh, batch_sh), rep)
+    step = jit_update(update_for, Fit(microbatches, remat, logits_chunk), (state_sh, batch_sh), rep)
     policy = policy_for(lora, state_sh, param_sh, rollout_layout(cfg, model_cfg, mesh), model_cfg)
 """
 
@@ -21,6 +21,7 @@ from jaxrl.models.transformer import rollout_params
 from jaxrl.policy.resolve import shardings_for
 from jaxrl.sharding import replicated, resharder, rollout_mesh
 from jaxrl.train import lora_state
+from jaxrl.train.memory_budget import Fit, is_stand_in, memory_rungs, resolve_budget_gib
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
 
@@ -57,45 +58,55 @@ def run_optimizer(cfg: Config):
 
 
 def update_builder(cfg: Config, model_cfg, loss: Loss, optimizer, parallel, lora) -> Callable:
-    """update_for(microbatches=n) -> the pure update step (`make_update_step`) a run with `cfg` jits:
-    the logp function of the resolved `model_cfg` with the train.* memory options and the run's one
-    `parallel` (`sharding.parallel_for`, the rollout's too, not an ambient mesh); the advantages (and a
-    reference forward when the loss needs one) are computed inside the update. `jaxrl plan` compiles
-    the same step."""
+    """update_for(fit) -> the pure update step (`make_update_step`) a run with `cfg` jits at `fit`
+    (`memory_budget.Fit`: microbatches, remat, logits_chunk, as configured or chosen from the memory
+    budget): the logp function of the resolved `model_cfg` with the run's one `parallel`
+    (`sharding.parallel_for`, the rollout's too, not an ambient mesh); the advantages (and a reference
+    forward when the loss needs one) are computed inside the update. `jaxrl plan` compiles the same step."""
     tc, rc = cfg.train, cfg.rollout
-    logp_fn = make_logp_fn(
-        model_cfg,
-        rc.temperature,
-        routing_replay=tc.routing_replay,
-        prompt_groups=prompt_groups(cfg),
-        logits_chunk=tc.logits_chunk,
-        remat=tc.remat,
-        parallel=parallel,
-    )
-    return functools.partial(
-        make_update_step,
-        logp_fn,
-        loss,
-        optimizer,
-        ppo_epochs=tc.ppo_epochs,
-        minibatches=tc.minibatches,
-        max_new_tokens=rc.max_new_tokens,
-        group_size=rc.group_size,
-        use_ref=loss.needs_ref,
-        merge=lora_state.merge_fn(lora),
-        parallel=parallel,
-    )
+
+    def update_for(fit: Fit):
+        logp_fn = make_logp_fn(
+            model_cfg,
+            rc.temperature,
+            routing_replay=tc.routing_replay,
+            prompt_groups=prompt_groups(cfg),
+            logits_chunk=fit.logits_chunk,
+            remat=fit.remat,
+            parallel=parallel,
+        )
+        return make_update_step(
+            logp_fn,
+            loss,
+            optimizer,
+            ppo_epochs=tc.ppo_epochs,
+            minibatches=tc.minibatches,
+            microbatches=fit.microbatches,
+            max_new_tokens=rc.max_new_tokens,
+            group_size=rc.group_size,
+            use_ref=loss.needs_ref,
+            merge=lora_state.merge_fn(lora),
+            parallel=parallel,
+        )
+
+    return update_for
 
 
-def jit_update(update_for: Callable, microbatches: int, shardings: tuple, rep) -> Callable:
-    """The jitted update with `microbatches`: shardings = (the state's, the batch's {name: sharding});
-    metrics replicated, the state donated."""
-    return jax.jit(
-        update_for(microbatches=microbatches),
-        in_shardings=shardings,
-        out_shardings=(shardings[0], rep),
-        donate_argnums=0,
-    )
+def jit_update(update_for: Callable, fit: Fit, shardings: tuple, rep) -> Callable:
+    """The jitted update at `fit`: shardings = (the state's, the batch's {name: sharding}); metrics
+    replicated, the state donated."""
+    return jax.jit(update_for(fit), in_shardings=shardings, out_shardings=(shardings[0], rep), donate_argnums=0)
+
+
+def update_memory(tc, device) -> tuple[Fit | None, dict]:
+    """How the run's update memory is settled: (the Fit when train.* fixes it, None) or (None, the
+    keyword arguments of `memory_budget.auto_jit`: budget_gib, source, microbatches, rungs) when
+    train.microbatches=0 or train.remat="auto" with a budget to measure against (`memory_budget`)."""
+    budget, source = resolve_budget_gib(tc.memory_budget_gib, device)
+    rungs = memory_rungs(tc.remat, tc.logits_chunk, is_stand_in(tc.memory_budget_gib, device))
+    if tc.microbatches and len(rungs) == 1:
+        return Fit(tc.microbatches, *rungs[0]), {}
+    return None, {"budget_gib": budget, "source": source, "microbatches": tc.microbatches, "rungs": rungs}
 
 
 def prompt_groups(cfg: Config) -> int:
