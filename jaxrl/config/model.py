@@ -24,8 +24,10 @@ class ModelConfig:
     max_seq_len: int = 64
     dtype: str = "float32"
     # The kernel of training, scoring and prefill attention (jaxrl.models.attention.KERNELS): auto (by
-    # backend: cudnn on GPU, xla on TPU, cpu on CPU) | cpu (the einsum kernels) | xla | cudnn
-    # (jax.nn.dot_product_attention with that implementation). Decode keeps its own kernels.
+    # backend: cudnn on GPU, splash on TPU, cpu on CPU) | cpu (the einsum kernels) | xla | cudnn
+    # (jax.nn.dot_product_attention with that implementation) | splash (Pallas TPU splash attention
+    # for training and scoring, xla for prefill; off a TPU it runs Pallas' interpreter, for tests).
+    # Decode keeps its own kernels.
     attention: str = "auto"
     # The kernel of the decode loops' cache read (jaxrl.models.decode_attention.DECODE_KERNELS): auto
     # (dense on CPU, blocked on GPU/TPU) | dense (every cache slot, masked; tuned for XLA:CPU) | blocked
@@ -110,8 +112,9 @@ class ModelConfig:
             self.decode_attention,
         )
         _check(self.decode_block > 0, f"{prefix}.decode_block", "a positive integer", self.decode_block)
-        kernels = ("auto", "cpu", "xla", "cudnn")  # = jaxrl.models.attention.KERNELS (config imports no model)
-        _check(self.attention in kernels, f"{prefix}.attention", "'auto', 'cpu', 'xla' or 'cudnn'", self.attention)
+        kernels = ("auto", "cpu", "xla", "cudnn", "splash")  # = models.attention.KERNELS (config imports no model)
+        expected = "'auto', 'cpu', 'xla', 'cudnn' or 'splash'"
+        _check(self.attention in kernels, f"{prefix}.attention", expected, self.attention)
         if self.attention == "cudnn":
             _check(
                 self.dtype == "bfloat16",

@@ -85,12 +85,14 @@ def attend_cache(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, index, dtype
     raise ValueError(f"decode attention: kernel {decode.name!r}; expected 'blocked' or 'pallas' (dense: attention.py)")
 
 
-def _to_kv_major(q_BxTxHxHd, K: int):
+def kv_head_major(q_BxTxHxHd, K: int):
+    """Queries grouped by the kv head they read (head h reads kv head h // R): q_BxKxQxHd, Q = T*R, t major."""
     B, T, H, Hd = q_BxTxHxHd.shape
     return q_BxTxHxHd.reshape(B, T, K, H // K, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * (H // K), Hd)
 
 
-def _to_query_major(o_BxKxQxHd, T: int):
+def query_major(o_BxKxQxHd, T: int):
+    """The inverse of `kv_head_major`: o_BxTxHxHd."""
     B, K, Q, Hd = o_BxKxQxHd.shape
     return o_BxKxQxHd.reshape(B, K, T, Q // T, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, K * (Q // T), Hd)
 
@@ -152,7 +154,7 @@ def attend_blocked(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, index, dty
     block = min(block, S)
     q_slot_BxT = jnp.broadcast_to(jnp.asarray(index, jnp.int32)[..., None] + jnp.arange(T), (B, T))
     R = H // K
-    q_slot_BxQ = jnp.repeat(q_slot_BxT, R, axis=1)  # query q = t * R + r (as `_to_kv_major` orders them)
+    q_slot_BxQ = jnp.repeat(q_slot_BxT, R, axis=1)  # query q = t * R + r (as `kv_head_major` orders them)
     valid_BxS = key_valid_BxS.astype(bool)
 
     def allowed(slot_C):
@@ -160,9 +162,9 @@ def attend_blocked(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, index, dty
         return (slot_C[None, None, :] <= q_slot_BxQ[:, :, None]) & valid_BxC[:, None, :]
 
     n = _n_blocks(jnp.max(q_slot_BxT), block)
-    q_BxKxQxHd = _to_kv_major(q_BxTxHxHd, K)
+    q_BxKxQxHd = kv_head_major(q_BxTxHxHd, K)
     _, l_BxKxQ, acc_BxKxQxHd = _blocked_partial(q_BxKxQxHd, k_BxKxSxHd, v_BxKxSxHd, allowed, n, block)
-    return _to_query_major((acc_BxKxQxHd / l_BxKxQ[..., None]).astype(dtype), T)
+    return query_major((acc_BxKxQxHd / l_BxKxQ[..., None]).astype(dtype), T)
 
 
 def attend_window_blocked(
@@ -180,13 +182,13 @@ def attend_window_blocked(
     def allowed(slot_C):
         return jnp.take(seen_BxS, slot_C, axis=1)[:, None, :]
 
-    q_BxKxQxHd = _to_kv_major(q_BxTxHxHd, K)
+    q_BxKxQxHd = kv_head_major(q_BxTxHxHd, K)
     end = jnp.max(jnp.where(seen_BxS, jnp.arange(1, S + 1), 0))  # one past the furthest seen slot
     carry = _blocked_partial(q_BxKxQxHd, k_BxKxSxHd, v_BxKxSxHd, allowed, _n_blocks(end - 1, block), block)
     causal_QxW = jnp.repeat(jnp.arange(W)[None, :] <= index + jnp.arange(T)[:, None], R, axis=0)
     s_BxKxQxW = jnp.einsum("bkqd,bkwd->bkqw", q_BxKxQxHd, wk_BxKxWxHd, preferred_element_type=jnp.float32)
     _, l_BxKxQ, acc_BxKxQxHd = _online_step(carry, s_BxKxQxW, causal_QxW, wv_BxKxWxHd)
-    return _to_query_major((acc_BxKxQxHd / l_BxKxQ[..., None]).astype(dtype), T)
+    return query_major((acc_BxKxQxHd / l_BxKxQ[..., None]).astype(dtype), T)
 
 
 def _pallas_program(last_ref, q_ref, k_ref, v_ref, valid_ref, o_ref, *, block: int, T: int, R: int, S: int, tpu: bool):
@@ -256,7 +258,7 @@ def attend_pallas(
     block = min(block, S)
     R = H // K
     tpu = platform == "tpu"
-    q_BxKxQxHd = _to_kv_major(q_BxTxHxHd, K).astype(dtype)
+    q_BxKxQxHd = kv_head_major(q_BxTxHxHd, K).astype(dtype)
     if platform == "gpu":
         _check_triton_shapes(block, Hd)
         # Triton tiles are powers of 2: zero queries pad Q (their outputs are dropped below).
@@ -300,7 +302,7 @@ def attend_pallas(
             compiler_params=params,
         )
         o_BxKxQxHd = call(last_B[:, None, None], q_BxKxQxHd, *kv, valid_Bx1xS)
-    return _to_query_major(o_BxKxQxHd[:, :, : T * R], T)
+    return query_major(o_BxKxQxHd[:, :, : T * R], T)
 
 
 def _pow2(n: int) -> int:

@@ -23,6 +23,7 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.models import int8
+from jaxrl.models.attention import KernelLayout
 from jaxrl.models.layers import AttnOptions, Block, RMSNorm
 from jaxrl.models.moe import MoEBlock, MoESpec
 from jaxrl.models.parallel import Parallel, residual, rows
@@ -72,8 +73,9 @@ def stack_units(cfg: ModelConfig) -> tuple[tuple[str, tuple[LayerSlot, ...], int
     return tuple(out)
 
 
-def attn_options(cfg: ModelConfig) -> AttnOptions:
-    """The attention variant of `cfg`: every Block is built with it (MoE blocks read it from moe_spec)."""
+def attn_options(cfg: ModelConfig, parallel: Parallel | None = None) -> AttnOptions:
+    """The attention variant of `cfg`: every Block is built with it (MoE blocks read it from moe_spec).
+    `parallel`: the run's split, which a Mosaic attention kernel (splash) runs under shard_map by."""
     llama3 = None
     if cfg.rope_scaling == "llama3":
         llama3 = (
@@ -82,7 +84,8 @@ def attn_options(cfg: ModelConfig) -> AttnOptions:
             cfg.rope_high_freq_factor,
             float(cfg.rope_original_max_len),
         )
-    return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3, cfg.attention, cfg.decode_attention, cfg.decode_block)
+    layout = None if parallel is None else KernelLayout(parallel.mesh, parallel.batch, parallel.sequence)
+    return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3, cfg.attention, cfg.decode_attention, cfg.decode_block, layout)
 
 
 def moe_spec(cfg: ModelConfig, parallel: Parallel | None = None) -> MoESpec:
@@ -97,7 +100,7 @@ def moe_spec(cfg: ModelConfig, parallel: Parallel | None = None) -> MoESpec:
         cfg.capacity_factor,
         norm_topk=cfg.router_norm_topk,
         shared_gate=cfg.shared_expert_gate,
-        attn_opts=attn_options(cfg),
+        attn_opts=attn_options(cfg, parallel),
         expert_parallel=None if parallel is None else parallel.experts,
     )
 
@@ -108,7 +111,7 @@ def layer_module(cfg: ModelConfig, moe: bool, parallel: Parallel | None = None) 
     dtype = jnp.dtype(cfg.dtype)
     if moe:
         return MoEBlock(*dims, cfg.rope_theta, cfg.norm_eps, moe_spec(cfg, parallel), dtype)
-    return Block(*dims, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype, attn_options(cfg))
+    return Block(*dims, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype, attn_options(cfg, parallel))
 
 
 class _Call(NamedTuple):

@@ -22,7 +22,7 @@ from flax import struct
 from jax import lax
 
 from jaxrl.models import int8
-from jaxrl.models.attention import attend, resolve_kernel
+from jaxrl.models.attention import KernelLayout, attend, resolve_kernel
 from jaxrl.models.decode_attention import resolve_decode_kernel
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
@@ -78,6 +78,8 @@ class AttnOptions:
     no-cache and stacked-cache attention (`attention.KERNELS`; "auto" is resolved when the layer is
     traced, from the backend it is traced for). decode_attention, decode_block: the kernel of the
     decode loops' LayerKV / WindowKV read (`decode_attention.DECODE_KERNELS`, resolved likewise).
+    layout: how a Mosaic kernel (splash) splits over the run's mesh (`attention.KernelLayout`; None:
+    one device).
     """
 
     qkv_bias: bool = False
@@ -86,6 +88,7 @@ class AttnOptions:
     attention: str = "auto"
     decode_attention: str = "auto"
     decode_block: int = 128
+    layout: KernelLayout | None = None
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None = None):
@@ -162,7 +165,7 @@ class Attention(nn.Module):
         kernel = resolve_kernel(self.opts.attention, self.dtype, Hd)
         decode = resolve_decode_kernel(self.opts.decode_attention, self.opts.decode_block)
         qkv = (q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd)
-        o_BxTxHxHd, kv = attend(*qkv, kv, key_valid_BxS, index, layer, self.dtype, kernel, decode)
+        o_BxTxHxHd, kv = attend(*qkv, kv, key_valid_BxS, index, layer, self.dtype, kernel, self.opts.layout, decode)
         return int8.matmul("bthk,hkd->btd", o_BxTxHxHd, w_o_HxHdxD, self.dtype), kv
 
 
