@@ -5,9 +5,10 @@ A burst of --requests requests (one prompt of --prompt-len random tokens each, n
 tokens, temperature 1; with --mixed every request draws with its own temperature / top_p / limit) is
 submitted at once to a started `ServingEngine` (jaxrl/serve/engine.py) and read to the end, each handle
 by its own thread; the RL `Engine.sample` (jaxrl/rollout/engine/driver.py) draws the same prompts with
-the same slots and chunk. Both are timed after an untimed warm-up of the same workload (compiles).
-Tokens are counted as generated (EOS included), so the two sides may differ in count; the figure is
-tokens per second.
+the same slots and chunk (with --mixed at top_p 0.9: its nucleus sorts the vocabulary every step, as
+the serving engine's does in every step where some slot truncates). Both are timed after an untimed
+warm-up of the same workload (compiles). Tokens are counted as generated (EOS included), so the two
+sides may differ in count; the figure is tokens per second.
 
 Last line: one JSON object: serve / rl tokens per second, `ratio` (serve / rl), the serving engine's
 time to first token (p50, p90 over the requests, seconds) and its chunk count.
@@ -109,7 +110,8 @@ def main() -> None:
     )
     serve.start()
     ecfg = EngineConfig(enabled=True, slots=args.slots, chunk=args.chunk)
-    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, eos_id=eos, pad_id=0)
+    top_p = 0.9 if args.mixed else 1.0
+    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=top_p, eos_id=eos, pad_id=0)
     rl = Engine(cfg, ecfg, sampling=sp, group_size=1, prompt_len=args.prompt_len, rng=jax.random.PRNGKey(1))
     _serve(serve, requests)  # warm-up: compiles
     _rl(rl, params, requests)
