@@ -25,6 +25,7 @@ ALLOWED = {
     "agents": {"config", "data"},
     "rollout": {"config", "models", "sharding", "multihost"},
     "sources": {"config", "models", "data", "sharding", "multihost", "agents", "rollout"},
+    "serve": {"config", "models", "rollout"},
     "policy": {"config", "models", "data", "sharding", "multihost", "agents", "sources"},
     "train": {
         "config",

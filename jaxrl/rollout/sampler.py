@@ -105,13 +105,21 @@ def truncate_logits(logits_NxV: jax.Array, top_k: int, top_p: float) -> jax.Arra
         kth_Nx1 = lax.top_k(logits_NxV, top_k)[0][:, -1:]
         logits_NxV = jnp.where(logits_NxV < kth_Nx1, -jnp.inf, logits_NxV)
     if top_p < 1.0:
-        sorted_NxV = -jnp.sort(-logits_NxV, axis=-1)
-        probs_NxV = jax.nn.softmax(sorted_NxV, axis=-1)
-        mass_before_NxV = jnp.cumsum(probs_NxV, axis=-1) - probs_NxV
-        keep_NxV = mass_before_NxV < top_p  # the top token always survives since 0 < top_p
-        thresh_Nx1 = jnp.min(jnp.where(keep_NxV, sorted_NxV, jnp.inf), axis=-1, keepdims=True)
-        logits_NxV = jnp.where(logits_NxV < thresh_Nx1, -jnp.inf, logits_NxV)
+        logits_NxV = nucleus_logits(logits_NxV, top_p)
     return logits_NxV
+
+
+def nucleus_logits(logits_NxV: jax.Array, top_p) -> jax.Array:
+    """The top-p step of `truncate_logits`: logits outside each row's nucleus set to -inf. `top_p` is
+    a number or an (N, 1) array (one nucleus mass per row, traced: the serving engine's per-slot
+    top_p); a row with top_p = 1 may still lose tokens whose mass float rounding puts past 1, so a
+    caller that means "off" for some rows selects their untruncated logits itself."""
+    sorted_NxV = -jnp.sort(-logits_NxV, axis=-1)
+    probs_NxV = jax.nn.softmax(sorted_NxV, axis=-1)
+    mass_before_NxV = jnp.cumsum(probs_NxV, axis=-1) - probs_NxV
+    keep_NxV = mass_before_NxV < top_p  # the top token always survives since 0 < top_p
+    thresh_Nx1 = jnp.min(jnp.where(keep_NxV, sorted_NxV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits_NxV < thresh_Nx1, -jnp.inf, logits_NxV)
 
 
 def scaled_logits(logits_NxV: jax.Array, temperature) -> jax.Array:

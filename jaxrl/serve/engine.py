@@ -1,11 +1,55 @@
-"""PLACEHOLDER for Part A's module (branch serveengine): only the request/event types and errors of the
-issue-34 interface, so the HTTP server (app.py) and its fake-service tests run before the engine lands.
-Merging serveengine replaces this file with the real `ServingEngine` (take theirs on conflict)."""
+"""Request-level streaming on the slot engine: requests admitted as they arrive, tokens published
+after every chunk, each request drawing with its own temperature, top_p, token limit, stop ids and
+seed (docs/engine.md, "Serving: per-request sampling").
+
+    engine = ServingEngine(params, cfg, eos_id=EOS, pad_id=PAD, max_prompt_tokens=64, max_new_tokens=128)
+    engine.start()                                       # the decode thread
+    handle = engine.submit(Request(prompt=(5, 9, 2), max_tokens=16, temperature=0.7, n=2))
+    for event in handle.events():                        # Token(choice, token, logprob, version)..., Done(choice, why)
+        ...
+    engine.set_params(new_params, version=1)             # a new policy version from the next chunk on
+    engine.drain(timeout=30.0); engine.stop()
+
+Continuous batching: one decode thread loops admit -> one chunk of at most `chunk` decode steps over
+all slots -> publish. A request's n choices take n free slots at once (first come, first served) and
+share one prefill of its prompt; they decode alongside whatever else is in flight. How each slot
+draws lives in the device state (`state.SlotSampling`, written by `state.place_sampling`), so one
+compiled chunk serves every mix of requests. While requests wait, a chunk ends as soon as enough
+slots are free for the first of them. Every token carries its log-prob under softmax(logits / T)
+(untruncated by top_p, as the trainer's `token_logprobs` recomputes it; temperature 0 is greedy, the
+first argmax, with the T -> 0 limit's log-prob) and the version of the params that drew it.
+
+Noise: choice i of a request draws column c with fold_in(fold_in(base, i), c), base = the raw key
+(seed >> 32, seed & 0xffffffff) of `seed` (jax.random.PRNGKey's form; seeds are taken modulo 2**64),
+or, without a seed, fold_in(engine rng stream, request id). A seeded request therefore draws the same
+tokens whatever its slots, its arrival time and the other requests (same params and version).
+
+The decode thread holds every device call; `submit`, `cancel`, `set_params`, `stats` and the
+handles' event streams are safe from any thread and from asyncio.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxrl.config import ModelConfig
+from jaxrl.models.parallel import Parallel
+from jaxrl.rollout.engine.groups import left_pad
+from jaxrl.rollout.engine.partial import release_slots
+from jaxrl.rollout.engine.slots import SlotPool
+from jaxrl.rollout.engine.state import EngineSpec, SlotSampling, admit, init_state, place_sampling, split_params
+
+log = logging.getLogger(__name__)
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 
@@ -32,28 +76,496 @@ class EngineError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    prompt: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    seed: int | None = None
-    stop_ids: tuple[int, ...] = ()
+    prompt: tuple[int, ...]  # token ids, 1..engine.max_prompt_tokens
+    max_tokens: int  # 1..engine.max_new_tokens
+    temperature: float = 1.0  # >= 0; 0 = greedy (the engine's T -> 0 limit)
+    top_p: float = 1.0  # (0, 1]
+    n: int = 1  # independent samples of the prompt, 1..engine.max_n
+    seed: int | None = None  # fixes the request's draws; None: the engine's key stream
+    stop_ids: tuple[int, ...] = ()  # token ids that end a choice (besides EOS), kept in the output like EOS
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt", _int_tuple("prompt", self.prompt))
+        object.__setattr__(self, "stop_ids", _int_tuple("stop_ids", self.stop_ids))
+        if not self.prompt:
+            raise RequestError("prompt", "empty, expected at least one token id")
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("n", self.n, 1)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise RequestError("seed", f"got {self.seed!r}, expected an int or None")
+        if not (isinstance(self.temperature, int | float) and float(self.temperature) >= 0):
+            raise RequestError("temperature", f"got {self.temperature!r}, expected a number >= 0 (0 = greedy)")
+        if not (isinstance(self.top_p, int | float) and 0 < float(self.top_p) <= 1):
+            raise RequestError("top_p", f"got {self.top_p!r}, expected a number in (0, 1]")
+
+
+def _int_tuple(name: str, value) -> tuple[int, ...]:
+    try:
+        out = tuple(value)
+    except TypeError:
+        raise RequestError(name, f"got {type(value).__name__}, expected a sequence of token ids") from None
+    for x in out:
+        if isinstance(x, bool) or not isinstance(x, int | np.integer):
+            raise RequestError(name, f"got element {x!r}, expected int token ids")
+    return tuple(int(x) for x in out)
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise RequestError(name, f"got {value!r}, expected an int {bound}")
 
 
 class Token(NamedTuple):
     choice: int
     token: int
-    logprob: float
-    version: int
+    logprob: float  # under softmax(logits / temperature), as the trainer recomputes it
+    version: int  # the params version that drew it
 
 
 class Done(NamedTuple):
     choice: int
-    reason: str
+    reason: str  # "stop" (EOS or a stop id) | "length" | "cancelled"
+
+
+Event = Token | Done
 
 
 class Handle:
-    """Part A's request handle (events, aevents, cancel); only its name here."""
+    """One submitted request's event stream: Token events in order per choice, then one Done per
+    choice. Its events are kept, so `events()` / `aevents()` replay from the start when called again."""
 
-    id: int
+    def __init__(self, id: int, request: Request, wake):
+        self.id, self.request = id, request
+        self._wake = wake  # tells the engine a cancel is pending
+        self._cond = threading.Condition()
+        self._events: list[Event] = []
+        self._n_done = 0
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has its Done (or the engine failed the request)."""
+        return self._n_done >= self.request.n or self._error is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Free the request's slots at the next chunk boundary; its unfinished choices end with
+        Done(choice, "cancelled"). A no-op once finished."""
+        with self._cond:
+            if self.finished:
+                return
+            self._cancelled = True
+        self._wake()
+
+    def _publish(self, events: list[Event]) -> None:
+        with self._cond:
+            self._events.extend(events)
+            self._n_done += sum(isinstance(e, Done) for e in events)
+            self._notify()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._notify()
+
+    def _notify(self) -> None:  # under self._cond
+        self._cond.notify_all()
+        waiters, self._waiters = self._waiters, []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    def _take(self, start: int) -> tuple[list[Event], bool]:  # under self._cond
+        return self._events[start:], self.finished
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise EngineError(f"request {self.id}: the engine failed: {self._error}") from self._error
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """The events, blocking until each arrives; ends after the n-th Done. `timeout` (seconds): a
+        TimeoutError when no event arrives within it. EngineError if the decode thread failed."""
+        i = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda i=i: len(self._events) > i or self.finished, timeout):
+                    raise TimeoutError(f"request {self.id}: no event within {timeout} s")
+                batch, finished = self._take(i)
+            i += len(batch)
+            yield from batch
+            if finished:
+                self._raise_error()
+                return
+
+    async def aevents(self) -> AsyncIterator[Event]:
+        """`events()` for asyncio: awaits instead of blocking the loop."""
+        loop = asyncio.get_running_loop()
+        i = 0
+        while True:
+            wake = None
+            with self._cond:
+                batch, finished = self._take(i)
+                if not batch and not finished:
+                    wake = asyncio.Event()
+                    self._waiters.append((loop, wake))
+            if wake is not None:
+                await wake.wait()
+                continue
+            i += len(batch)
+            for event in batch:
+                yield event
+            if finished:
+                self._raise_error()
+                return
+
+
+@dataclasses.dataclass
+class _Choice:
+    """Host bookkeeping of one decoding slot: whose choice it is and how many tokens went out."""
+
+    handle: Handle
+    choice: int
+    sent: int = 0
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """The raw uint32 key of a seed (jax.random.PRNGKey's form), taken modulo 2**64."""
+    seed %= 2**64
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+class ServingEngine:
+    """The slot engine driven by requests (see the module docstring)."""
+
+    def __init__(
+        self,
+        params,
+        model_cfg: ModelConfig,
+        *,
+        eos_id: int,
+        pad_id: int,
+        slots: int = 16,
+        max_prompt_tokens: int,
+        max_new_tokens: int,
+        max_n: int = 8,
+        chunk: int = 8,
+        rng=None,
+        version: int = 0,
+        max_queue: int = 1024,
+        max_stop_ids: int = 8,
+        admit_batch: int = 1,
+        parallel: Parallel | None = None,
+    ):
+        """slots: S decoding slots; max_prompt_tokens / max_new_tokens: the engine's prompt width and
+        completion limit (its cache holds their sum per slot); max_n: the most choices per request
+        (each admission prefills once and copies to max_n rows); chunk: decode steps between two
+        publications; max_stop_ids: stop ids a request may give; admit_batch: prompts per prefill
+        call; rng: a raw key (jax.random.PRNGKey) for unseeded requests; parallel (MoE): the
+        experts' mesh axis, as the engine's."""
+        V = model_cfg.vocab_size
+        for name, value, low in (
+            ("slots", slots, 1),
+            ("max_prompt_tokens", max_prompt_tokens, 1),
+            ("max_new_tokens", max_new_tokens, 1),
+            ("max_n", max_n, 1),
+            ("chunk", chunk, 1),
+            ("max_queue", max_queue, 1),
+            ("max_stop_ids", max_stop_ids, 0),
+            ("admit_batch", admit_batch, 1),
+        ):
+            _check_int(name, value, low)
+        if max_n > slots:
+            raise ValueError(f"max_n: got {max_n}, expected at most slots={slots} (a request's choices decode at once)")
+        for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+            _check_int(name, value, 0, V - 1)
+        rng = jax.random.PRNGKey(0) if rng is None else rng
+        if jax.numpy.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            rng = jax.random.key_data(rng)
+        self.max_prompt_tokens, self.max_new_tokens, self.max_n = max_prompt_tokens, max_new_tokens, max_n
+        self.chunk, self.max_queue, self.admit_batch = chunk, max_queue, admit_batch
+        self.spec = EngineSpec(
+            model_cfg,
+            slots,
+            max_prompt_tokens,
+            max_new_tokens,
+            max_n,
+            eos_id,
+            pad_id,
+            slot_keys=True,
+            parallel=parallel,
+            per_slot=True,
+            max_stop_ids=max_stop_ids,
+        )
+        self._rng = rng
+        self.pool = SlotPool(self.spec, init_state(self.spec, rng))
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._choices: dict[int, _Choice] = {}  # slot -> the choice decoding there
+        self._pending: tuple | None = None  # (params, version) the next step switches to
+        self._params = self._lparams = None
+        self._version = int(version)
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = self._draining = False
+        self._counts: dict[str, int] = dict.fromkeys(
+            ("completed", "cancelled", "failed", "tokens", "chunks", "prefill_calls"), 0
+        )
+        self.set_params(params, version)
+
+    # ---- any thread -------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Handle:
+        """Queue a request (admitted as slots free up) -> its Handle. RequestError naming the field
+        when it exceeds the engine's limits; QueueFull when max_queue requests wait; Draining after
+        `drain` or `stop`."""
+        self._check(request)
+        with self._cond:
+            if self._draining or self._stopping:
+                raise Draining("the engine is draining or stopped: it admits no new requests")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"max_queue={self.max_queue} requests are already waiting for slots")
+            handle = Handle(self._next_id, request, self._wake)
+            self._next_id += 1
+            self._queue.append(handle)
+            self._cond.notify_all()
+        return handle
+
+    def _check(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"submit: got {type(request).__name__}, expected a Request")
+        V = self.spec.cfg.vocab_size
+        if len(request.prompt) > self.max_prompt_tokens:
+            raise RequestError(
+                "prompt", f"{len(request.prompt)} tokens, expected at most max_prompt_tokens={self.max_prompt_tokens}"
+            )
+        _check_int("max_tokens", request.max_tokens, 1, self.max_new_tokens)
+        _check_int("n", request.n, 1, self.max_n)
+        if len(request.stop_ids) > self.spec.max_stop_ids:
+            raise RequestError(
+                "stop_ids", f"{len(request.stop_ids)} ids, expected at most max_stop_ids={self.spec.max_stop_ids}"
+            )
+        for name, ids in (("prompt", request.prompt), ("stop_ids", request.stop_ids)):
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise RequestError(name, f"token id {bad[0]} outside the vocabulary 0..{V - 1}")
+
+    def set_params(self, params, version: int) -> None:
+        """A new policy version: admissions and decode steps from the next chunk boundary on use it;
+        tokens already drawn keep their version. The caches of choices in flight are not recomputed."""
+        _check_int("version", version, -(2**31), 2**31 - 1)
+        with self._cond:
+            self._pending = (params, int(version))
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def stats(self) -> dict:
+        """queued, active (requests decoding), completed, cancelled, failed, tokens, chunks,
+        prefill_calls, free_slots, version."""
+        with self._cond:
+            active = len({c.handle.id for c in self._choices.values()})
+            free = int(np.sum(self.pool.owner_S < 0))
+            return dict(self._counts, queued=len(self._queue), active=active, free_slots=free, version=self._version)
+
+    def start(self) -> None:
+        """Start the decode thread (admit, decode a chunk, publish, repeat; idle-waits when empty)."""
+        with self._cond:
+            if self._stopping:
+                raise Draining("the engine was stopped; build a new ServingEngine")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="jaxrl-serving-engine", daemon=True)
+        self._thread.start()
+
+    def drain(self, timeout: float) -> bool:
+        """Admit no new requests (submit raises Draining) and wait up to `timeout` s for the queued
+        and decoding ones to finish -> whether they all did."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+            while self._queue or self._choices:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    return not (self._queue or self._choices)
+        return True
+
+    def stop(self) -> None:
+        """End the decode thread; every unfinished request ends with Done(choice, "cancelled")."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cond:
+            queued, self._queue = list(self._queue), collections.deque()
+        for handle in queued:
+            handle.cancel()
+        self._cancel(queued, self._choices_of(lambda h: True))
+
+    # ---- the decode thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or self._queue or self._choices or self._pending)
+                if self._stopping:
+                    return
+            try:
+                self._step()
+            except Exception as err:  # the engine survives: the requests in flight fail, the state restarts
+                log.exception("serving engine: a step failed; failing the requests in flight")
+                self._fail_all(err)
+            with self._cond:
+                self._cond.notify_all()  # drain() waits on this
+
+    def step(self) -> None:
+        """One iteration of the decode thread, run by the caller: switch params if asked, free
+        cancelled requests, admit, decode one chunk, publish. For driving the engine without
+        `start` (tests, a caller with its own loop); a RuntimeError while the thread runs."""
+        if self._thread is not None:
+            raise RuntimeError("step: the engine's decode thread is running (start() was called)")
+        self._step()
+
+    def _step(self) -> None:
+        self._take_params()
+        with self._cond:
+            queued = [h for h in self._queue if h.cancelled]
+            self._queue = collections.deque(h for h in self._queue if not h.cancelled)
+        self._cancel(queued, self._choices_of(lambda h: h.cancelled))
+        self._admit_queued()
+        if not self._choices:
+            return
+        with self._cond:
+            # An int either way (None would compile a second chunk program).
+            stop_at = self._queue[0].request.n if self._queue else self.spec.slots
+        self.pool.decode(self._lparams, self.chunk, self._version, 0.0, stop_at)
+        self._publish()
+        with self._cond:
+            self._counts["chunks"] += 1
+
+    def _take_params(self) -> None:
+        with self._cond:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            params, version = pending
+            self._params, self._lparams = params, split_params(params, self.spec.cfg)
+            with self._cond:
+                self._version = version
+
+    def _choices_of(self, which) -> np.ndarray:
+        """free_S: the slots whose request `which(handle)` holds."""
+        free_S = np.zeros(self.spec.slots, bool)
+        for slot, c in self._choices.items():
+            free_S[slot] = which(c.handle)
+        return free_S
+
+    def _cancel(self, queued: list[Handle], free_S: np.ndarray) -> None:
+        """End the queued handles and the choices decoding in free_S with Done(.., "cancelled")."""
+        by_handle: dict[int, tuple[Handle, list[Event]]] = {h.id: (h, []) for h in queued}
+        for h in queued:
+            by_handle[h.id][1].extend(Done(i, CANCELLED) for i in range(h.request.n))
+        if free_S.any():
+            self.pool.state = release_slots(self.spec, self.pool.state, free_S)
+            self.pool.owner_S[free_S] = -1
+        for slot in np.flatnonzero(free_S):
+            c = self._choices.pop(int(slot))
+            by_handle.setdefault(c.handle.id, (c.handle, []))[1].append(Done(c.choice, CANCELLED))
+        for handle, events in by_handle.values():
+            handle._publish(events)
+        with self._cond:
+            self._counts["cancelled"] += len(by_handle)
+
+    def _admit_queued(self) -> None:
+        """Move waiting requests, first come first served, into free slots (n slots each)."""
+        free = self.pool.free()
+        batch: list[Handle] = []
+        with self._cond:
+            room = len(free)
+            while self._queue and self._queue[0].request.n <= room:
+                room -= self._queue[0].request.n
+                batch.append(self._queue.popleft())
+        for start in range(0, len(batch), self.admit_batch):
+            free = self._admit_rows(batch[start : start + self.admit_batch], free)
+
+    def _admit_rows(self, handles: list[Handle], free: np.ndarray) -> np.ndarray:
+        """One prefill of up to admit_batch prompts, their choices placed in `free` -> the slots left."""
+        S, G, A = self.spec.slots, self.spec.group_size, self.admit_batch
+        K = self.spec.max_stop_ids
+        dest_N = np.full(A * G, S, np.int32)  # S: dropped (padding prompts, unused choices)
+        temperature_N, top_p_N = np.ones(A * G, np.float32), np.ones(A * G, np.float32)
+        max_tokens_N, stop_NxK = np.ones(A * G, np.int32), np.full((A * G, K), -1, np.int32)
+        seed_key_Nx2, seeded_N = np.zeros((A * G, 2), np.uint32), np.zeros(A * G, bool)
+        stream_N, choice_N = np.zeros(A * G, np.int32), np.tile(np.arange(G, dtype=np.int32), A)
+        rows = []
+        for a, h in enumerate(handles):
+            r, n = h.request, h.request.n
+            slots_n, free = free[:n], free[n:]
+            rows_n = slice(a * G, a * G + n)
+            dest_N[rows_n], temperature_N[rows_n], top_p_N[rows_n] = slots_n, r.temperature, r.top_p
+            max_tokens_N[rows_n], stop_NxK[rows_n, : len(r.stop_ids)] = r.max_tokens, r.stop_ids
+            seeded_N[rows_n], stream_N[rows_n] = r.seed is not None, h.id % 2**31
+            if r.seed is not None:
+                seed_key_Nx2[rows_n] = seed_key(r.seed)
+            rows.append(left_pad(r.prompt, self.spec.prompt_len, self.spec.pad_id))
+            self.pool.hold(slots_n, h.id)
+            for i, slot in enumerate(slots_n):
+                self._choices[int(slot)] = _Choice(h, i)
+        rows += [rows[0]] * (A - len(rows))
+        prompt_AxP, mask_AxP = np.stack([p for p, _ in rows]), np.stack([m for _, m in rows])
+        state = admit(self._params, self.spec, self.pool.state, prompt_AxP, mask_AxP, dest_N)
+        sampling_N = SlotSampling(temperature_N, top_p_N, max_tokens_N, stop_NxK)
+        self.pool.state = place_sampling(
+            self.spec, state, dest_N, sampling_N, seed_key_Nx2, seeded_N, stream_N, choice_N
+        )
+        with self._cond:
+            self._counts["prefill_calls"] += 1
+        return free
+
+    def _publish(self) -> None:
+        """Send every decoding choice's new tokens; a finished choice gets its Done and frees its slot."""
+        host, retired = self.pool.retire()
+        done = {slot for slot, _ in retired}
+        by_handle: dict[int, tuple[Handle, list[Event]]] = {}
+        n_tokens = 0
+        for slot, c in list(self._choices.items()):
+            col = int(host.col_S[slot])
+            tok, logp, version = host.tokens_SxT[slot], host.logp_SxT[slot], host.version_SxT[slot]
+            events: list[Event] = [
+                Token(c.choice, int(tok[t]), float(logp[t]), int(version[t])) for t in range(c.sent, col)
+            ]
+            n_tokens += col - c.sent
+            c.sent = col
+            if slot in done:
+                last = int(host.tokens_SxT[slot, col - 1])
+                stopped = last == self.spec.eos_id or last in c.handle.request.stop_ids
+                events.append(Done(c.choice, STOP if stopped else LENGTH))
+                del self._choices[slot]
+            if events:
+                by_handle.setdefault(c.handle.id, (c.handle, []))[1].extend(events)
+        completed = 0
+        for handle, events in by_handle.values():
+            handle._publish(events)
+            completed += handle.finished
+        with self._cond:
+            self._counts["tokens"] += n_tokens
+            self._counts["completed"] += completed
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            handles = {h.id: h for h in self._queue}
+            self._queue = collections.deque()
+        handles.update({c.handle.id: c.handle for c in self._choices.values()})
+        self._choices = {}
+        self.pool = SlotPool(self.spec, init_state(self.spec, self._rng))
+        for handle in handles.values():
+            handle._fail(error)
+        with self._cond:
+            self._counts["failed"] += len(handles)

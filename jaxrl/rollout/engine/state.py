@@ -5,6 +5,7 @@ Pure jitted functions over an explicit `EngineState` (static shapes; `EngineSpec
     state = init_state(spec, rng)                                    # every slot free
     state = admit(params, spec, state, prompt_AxP, mask_AxP, dest_N) # A prompts x G samples -> slots dest_N
     state = decode_chunk(params, spec, state, n_steps, version, temperature, stop_at=None)
+    state = place_sampling(spec, state, dest_N, sampling_N, seed_key_Nx2, seeded_N, stream_N, choice_N)  # per_slot
     out   = read_slots(spec, state, slot_R)                          # tokens, masks, log-probs, versions
     out   = read_host_slots(spec, host_slots(state), slot_R)         # the same from one host copy
     shardings = state_shardings(spec, state)                         # where every program leaves the state
@@ -20,7 +21,10 @@ record their log-probs under softmax(logits / temperature), untruncated (as `sam
 chunk's `version`. No two (decode step, slot) pairs share noise, so every sample is an independent
 draw of the plain sampler's distribution whatever the admission pattern; with `spec.slot_keys` a
 slot's tokens depend only on its sample's key, the params and its history. `spec.stop_ids` end a
-slot's decoding like EOS, with eos_S left False. docs/engine.md has the details.
+slot's decoding like EOS, with eos_S left False. With `spec.per_slot` (the serving engine,
+jaxrl/serve/engine.py) each slot carries its own temperature, top_p, token limit and stop ids
+(`SlotSampling`, set by `place_sampling` when a request is admitted), so one compiled chunk decodes
+any mix of requests. docs/engine.md has the details.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from jaxrl.rollout.sampler import (
     SamplingParams,
     choose_tokens,
     first_argmax,
+    nucleus_logits,
     prefill_groups,
     scaled_logits,
     truncate_logits,
@@ -75,6 +80,11 @@ class EngineSpec:
     # MoE: the experts' mesh axis (`sharding.parallel`), the same the update is given; every
     # forward (admission's prefill, decode steps, re-prefill, placement, drafts) dispatches with it.
     parallel: Parallel | None = None
+    # Serving: each slot draws with its own temperature, top_p, token limit and stop ids
+    # (`EngineState.sampling_S`, written by `place_sampling`); `decode_chunk`'s temperature, top_k,
+    # top_p and greedy are then unused. Requires slot_keys (a request's own noise).
+    per_slot: bool = False
+    max_stop_ids: int = 0  # K: per_slot stop ids per slot (padded with -1)
 
     @classmethod
     def of_sampling(
@@ -107,6 +117,16 @@ class EngineSpec:
         return self
 
 
+class SlotSampling(NamedTuple):
+    """How each slot draws (`EngineSpec.per_slot`): arrays over slots, traced, so every mix of
+    requests runs the same compiled chunk."""
+
+    temperature_S: jax.Array | np.ndarray  # float32 >= 0; 0 = greedy (first argmax, T -> 0 log-probs)
+    top_p_S: jax.Array | np.ndarray  # float32 in (0, 1]; 1 = no nucleus truncation
+    max_tokens_S: jax.Array | np.ndarray  # int32 in 1..T: the slot is done after this many tokens
+    stop_SxK: jax.Array | np.ndarray  # int32: token ids that end the slot (like EOS; eos_S stays False); -1 = none
+
+
 class EngineState(NamedTuple):
     cache: LayerCache  # S rows of cache_len slots; pos_B = each slot's next position id
     last_S: jax.Array  # int32: the next decode input (the last prompt token, then the last drawn token)
@@ -120,6 +140,7 @@ class EngineState(NamedTuple):
     rng: jax.Array
     routing_SxCxLxK: jax.Array | None  # MoE: experts per cache slot (C = P + T) and MoE layer; else None
     key_S: jax.Array | None = None  # spec.slot_keys: each slot's own noise key (S x key shape); else None
+    sampling_S: SlotSampling | None = None  # spec.per_slot: how each slot draws; else None
 
 
 # A readout is taken on the device (`read_slots`: jax arrays) or from a host copy (numpy).
@@ -191,7 +212,17 @@ def init_state(spec: EngineSpec, rng) -> EngineState:
     if cfg.n_experts:
         routing = jnp.zeros((S, C, cfg.n_moe_layers, cfg.experts_per_token), jnp.int32)
     key_S = jnp.broadcast_to(rng, (S,) + rng.shape) if spec.slot_keys else None  # placement overwrites them
-    return laid_out(spec, EngineState(cache, *_blank_rows(spec, S, True), rng, routing, key_S))
+    sampling_S = None
+    if spec.per_slot:
+        if not spec.slot_keys:
+            raise ValueError("EngineSpec.per_slot requires slot_keys=True (each request draws its own noise)")
+        sampling_S = SlotSampling(
+            jnp.ones((S,), jnp.float32),
+            jnp.ones((S,), jnp.float32),
+            jnp.full((S,), spec.max_new_tokens, jnp.int32),
+            jnp.full((S, spec.max_stop_ids), -1, jnp.int32),
+        )
+    return laid_out(spec, EngineState(cache, *_blank_rows(spec, S, True), rng, routing, key_S, sampling_S))
 
 
 def admit(params, spec: EngineSpec, state: EngineState, prompt_AxP, prompt_mask_AxP, dest_N) -> EngineState:
@@ -255,7 +286,12 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
     )
     logits_SxV = logits_SxV.astype(jnp.float32)
     rng, key = jax.random.split(s.rng)
-    if spec.slot_keys:
+    limit_S = T
+    if s.sampling_S is not None:  # spec.per_slot: each slot's own temperature, top_p, limit and stops
+        temperature = s.sampling_S.temperature_S[:, None]
+        tok_S = choose_tokens_per_slot(s.key_S, s.col_S, logits_SxV, s.sampling_S).astype(jnp.int32)
+        limit_S = s.sampling_S.max_tokens_S
+    elif spec.slot_keys:
         tok_S = choose_tokens_per_row(s.key_S, s.col_S, logits_SxV, temperature, spec).astype(jnp.int32)
     else:
         tok_S = choose_tokens(key, logits_SxV, temperature, spec.top_k, spec.top_p, spec.greedy).astype(jnp.int32)
@@ -268,12 +304,14 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
     stop_S = eos_S
     for stop_id in spec.stop_ids:  # end of turn: done, not EOS
         stop_S = stop_S | (active_S & (tok_S == stop_id))
+    if s.sampling_S is not None:  # a request's stop ids (-1 pads match no token)
+        stop_S = stop_S | (active_S & jnp.any(tok_S[:, None] == s.sampling_S.stop_SxK, axis=-1))
     col_S = s.col_S + active_S
     return s._replace(
         cache=cache,
         last_S=jnp.where(active_S, tok_S, s.last_S),
         col_S=col_S,
-        done_S=s.done_S | stop_S | (col_S >= T),
+        done_S=s.done_S | stop_S | (col_S >= limit_S),
         eos_S=s.eos_S | eos_S,
         tokens_SxT=_put_column(s.tokens_SxT, s.col_S, tok_S, active_S),
         logp_SxT=_put_column(s.logp_SxT, s.col_S, logp_S, active_S),
@@ -295,6 +333,48 @@ def choose_tokens_per_row(key_S, col_S, logits_SxV, temperature, spec: EngineSpe
         key_S, col_S
     )
     return first_argmax(scaled_SxV + gumbel_SxV)
+
+
+def choose_tokens_per_slot(key_S, col_S, logits_SxV, sampling_S: SlotSampling):
+    """`choose_tokens_per_row` with each slot's own temperature and top_p (`spec.per_slot`): a slot
+    at temperature 0 takes the first argmax (the greedy sampler's token); the others draw by
+    Gumbel-max from fold_in(key_S[s], col_S[s]) over their truncated, scaled logits."""
+    temperature_Sx1 = sampling_S.temperature_S[:, None]
+    top_p_Sx1 = sampling_S.top_p_S[:, None]
+    scaled_SxV = scaled_logits(logits_SxV, temperature_Sx1)
+    scaled_SxV = jnp.where(top_p_Sx1 < 1.0, nucleus_logits(scaled_SxV, top_p_Sx1), scaled_SxV)
+    V = scaled_SxV.shape[-1]
+    gumbel_SxV = jax.vmap(lambda k, c: jax.random.gumbel(jax.random.fold_in(k, c), (V,), scaled_SxV.dtype))(
+        key_S, col_S
+    )
+    drawn_S = first_argmax(scaled_SxV + gumbel_SxV)
+    return jnp.where(sampling_S.temperature_S > 0, drawn_S, first_argmax(logits_SxV))
+
+
+@functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
+def place_sampling(
+    spec: EngineSpec, state: EngineState, dest_N, sampling_N: SlotSampling, seed_key_Nx2, seeded_N, stream_N, choice_N
+) -> EngineState:
+    """`spec.per_slot`: slots dest_N (a dest of S or more is dropped) draw as sampling_N says, row n
+    with the noise key fold_in(base_n, choice_N[n]), base_n = seed_key_Nx2[n] (a raw uint32 key,
+    `jax.random.PRNGKey(seed)`'s form) where seeded_N[n], else fold_in(state.rng, stream_N[n]) (the
+    engine's key stream). So a seeded request's choice i draws the same tokens whatever its slot,
+    its admission time and the other requests. Call it right after `admit` placed the rows."""
+    if not spec.per_slot:
+        raise ValueError("place_sampling: the engine's spec has per_slot=False (no per-slot sampling state)")
+    assert state.sampling_S is not None and state.key_S is not None  # init_state of a per_slot spec
+    if jnp.issubdtype(state.rng.dtype, jax.dtypes.prng_key):
+        raise ValueError("place_sampling: the engine's rng is a typed key; pass raw keys (jax.random.PRNGKey)")
+    stream_keys = jax.vmap(lambda i: jax.random.fold_in(state.rng, i))(jnp.asarray(stream_N, jnp.int32))
+    seeded_Nx1 = jnp.asarray(seeded_N, bool)[:, None]
+    base = jnp.where(seeded_Nx1, jnp.asarray(seed_key_Nx2, jnp.uint32), stream_keys)
+    key_N = jax.vmap(jax.random.fold_in)(base, jnp.asarray(choice_N, jnp.int32))
+
+    def put(old, new):
+        return old.at[dest_N].set(jnp.asarray(new).astype(old.dtype), mode="drop")
+
+    placed = SlotSampling(*(put(o, n) for o, n in zip(state.sampling_S, sampling_N)))
+    return laid_out(spec, state._replace(sampling_S=placed, key_S=put(state.key_S, key_N)))
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
