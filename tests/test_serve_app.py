@@ -95,6 +95,13 @@ def test_models_and_unknown_routes():
         assert [m["id"] for m in body["data"]] == ["tiny"]
     missing = client.get("/v2/models")
     assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.get("/stats").json()["error"]["code"] == "no_stats"
+
+    class Counting(FakeService):
+        def stats(self):
+            return {"active": len(self.handles)}
+
+    assert client_for(Counting()).get("/stats").json() == {"active": 0}
 
 
 def test_completion_fields_reach_the_engine_request():

@@ -4,6 +4,7 @@
     POST /v1/completions               prompt text (or token ids) -> completions
     POST /v1/chat/completions          messages -> the service's chat template -> completions
     .../episodes/{episode}/v1/...      the same, with `episode` handed to `service.submit` (agent runs)
+    GET  /stats                        the service's `stats()` when it has one (the engine's counters)
 
 Requests are checked by schema.py (a 4xx `{"error": {message, type, param, code}}` naming the field),
 tokenized here (BOS first unless the tokenizer's `add_bos` is False, as training encodes prompts) and
@@ -330,6 +331,12 @@ def create_app(service: Service, limits: Limits) -> FastAPI:
         entry = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "jaxrl"}
         return {"object": "list", "data": [entry]}
 
+    async def stats(request: HttpRequest):
+        _authorize(request, limits)
+        if not hasattr(service, "stats"):
+            raise ApiError(404, f"model {service.model_name!r}: its service keeps no stats", None, "no_stats")
+        return service.stats()  # pyright: ignore[reportAttributeAccessIssue]
+
     async def completions(request: HttpRequest):
         return await _serve(service, limits, request, COMPLETIONS, None)
 
@@ -345,6 +352,7 @@ def create_app(service: Service, limits: Limits) -> FastAPI:
     async def episode_chat(request: HttpRequest, episode: str):
         return await _serve(service, limits, request, CHAT, episode)
 
+    app.add_api_route("/stats", stats, methods=["GET"])
     routes = {
         "": (models, completions, chat),
         "/episodes/{episode}": (episode_models, episode_completions, episode_chat),

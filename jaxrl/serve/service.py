@@ -16,6 +16,8 @@ class Service(Protocol):
     tokenizer: Tokenizer
     chat_template: Callable[[list[dict]], str] | None  # messages -> prompt text; None: chat answers 400
 
+    # Optional: `stats() -> dict`, served as GET /stats.
+
     def submit(self, prompt_text: str, prompt_ids: tuple[int, ...], request: Request, episode: str | None) -> Handle:
         """Queue one request -> its handle (RequestError / QueueFull / Draining as `ServingEngine.submit`)."""
         ...
@@ -39,3 +41,7 @@ class EngineService:
     def submit(self, prompt_text: str, prompt_ids: tuple[int, ...], request: Request, episode: str | None) -> Handle:
         del prompt_text, prompt_ids, episode  # the request carries the prompt ids
         return self.engine.submit(request)
+
+    def stats(self) -> dict:
+        """The engine's counters (GET /stats): queued, active, completed, cancelled, tokens, chunks, ..."""
+        return self.engine.stats()
