@@ -1,8 +1,9 @@
-"""`jaxrl train|eval|convert|variants|plan` — the command line. User mistakes exit with one line on stderr, code 2; a
-run that cannot go on (no checkpoint restores, the loss went NaN) with one line, code 1. Ctrl-C: one line,
-code 130 (128 + SIGINT, the shell's code for an interrupted command, so `jaxrl train ... && next` stops
-there); `jaxrl train` first finishes and saves its step (a second Ctrl-C skips that). SIGTERM (a
-scheduler's preemption) saves the same way and exits 0."""
+"""`jaxrl train|eval|serve|convert|variants|plan` — the command line. User mistakes exit with one line on
+stderr, code 2; a run that cannot go on (no checkpoint restores, the loss went NaN) with one line, code 1.
+Ctrl-C: one line, code 130 (128 + SIGINT, the shell's code for an interrupted command, so
+`jaxrl train ... && next` stops there); `jaxrl train` first finishes and saves its step (a second Ctrl-C
+skips that). SIGTERM (a scheduler's preemption) saves the same way and exits 0; `jaxrl serve` drains its
+requests in flight and exits 0."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_convert_parser(sub)
     _add_eval_parser(sub)
+    _add_serve_parser(sub)
     _add_plan_parser(sub)
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
     v.add_argument(
@@ -158,6 +160,31 @@ def _add_eval_parser(sub) -> None:
     e.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
     )
+
+
+def _add_serve_parser(sub) -> None:
+    """`jaxrl serve`'s flags; jaxrl/serve/server.py runs it."""
+    s = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API (docs/serve.md)")
+    s.add_argument("path", metavar="CHECKPOINT_OR_WORKDIR", help="a run directory, a checkpoint, or an HF checkpoint")
+    s.add_argument("--config", default=None, help="the config file (default: the run's config.json)")
+    s.add_argument("--step", type=int, default=None, metavar="N", help="a saved step of the run (default: newest)")
+    s.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine)")
+    s.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: a free one)")
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every request")
+    s.add_argument("--model-name", default=None, help="the model's name in the API (default: PATH as given)")
+    s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: data.max_prompt_len")
+    s.add_argument(
+        "--max-tokens", type=int, default=None, help="the max_tokens limit (default: rollout.max_new_tokens)"
+    )
+    s.add_argument("--max-n", type=int, default=8, help="the most choices per request (default 8)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    s.add_argument("--slots", type=int, default=16, help="sequences decoding at once (default 16)")
+    s.add_argument("--chunk", type=int, default=8, help="decode steps between two publications (default 8)")
+    s.add_argument("--seed", type=int, default=0, help="the engine's key for requests without a seed")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
 
 
 def _add_plan_parser(sub) -> None:
@@ -280,6 +307,22 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
+def _eval(args) -> int:
+    """`jaxrl eval`: score the located policy, print the table, write the report."""
+    from jaxrl.eval import run as evaluation
+
+    request = evaluation.EvalRequest(
+        args.config, args.samples, args.prompts, args.temperature, args.seed, args.out, tuple(args.overrides)
+    )
+    evaluation.check_request(request)
+    located = evaluation.locate(args.workdir, args.checkpoint, args.hf, args.step)
+    cfg = load_config(args.config, args.overrides)
+    report, path = evaluation.run_eval(cfg, request, located)
+    print(evaluation.format_table(report))
+    print(f"jaxrl: wrote {path}", file=sys.stderr)
+    return 0
+
+
 def _convert(args) -> int:
     """`jaxrl convert`: check the direction, convert, and say what was written where."""
     from jaxrl.policy import convert
@@ -373,6 +416,15 @@ def _plan(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from jaxrl.serve.server import serve_command  # FastAPI and uvicorn only for this command
+
+    return serve_command(args)
+
+
+COMMANDS = {"eval": _eval, "serve": _serve, "convert": _convert, "plan": _plan}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -391,23 +443,8 @@ def main(argv: list[str] | None = None) -> int:
 
             _train_or_lose_a_peer(train, cfg, workdir, args.allow_config_change)
             return 0
-        if args.command == "eval":
-            from jaxrl.eval import run as evaluation
-
-            request = evaluation.EvalRequest(
-                args.config, args.samples, args.prompts, args.temperature, args.seed, args.out, tuple(args.overrides)
-            )
-            evaluation.check_request(request)
-            located = evaluation.locate(args.workdir, args.checkpoint, args.hf, args.step)
-            cfg = load_config(args.config, args.overrides)
-            report, path = evaluation.run_eval(cfg, request, located)
-            print(evaluation.format_table(report))
-            print(f"jaxrl: wrote {path}", file=sys.stderr)
-            return 0
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "plan":
-            return _plan(args)
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args)
         if args.command == "variants":
             if args.config is not None:
                 load_config(args.config)  # runs the file: its register_preset calls

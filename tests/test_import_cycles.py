@@ -25,7 +25,9 @@ ALLOWED = {
     "agents": {"config", "data"},
     "rollout": {"config", "models", "sharding", "multihost"},
     "sources": {"config", "models", "data", "sharding", "multihost", "agents", "rollout"},
-    "serve": {"config", "models", "rollout"},
+    # serve: the engine and the HTTP layer sit on rollout (a training run may serve its own engine); only
+    # serve/server.py, the `jaxrl serve` command, reaches up to eval's policy loading
+    "serve": {"config", "models", "data", "sharding", "multihost", "rollout", "policy", "eval"},
     "policy": {"config", "models", "data", "sharding", "multihost", "agents", "sources"},
     "train": {
         "config",
@@ -54,7 +56,7 @@ ALLOWED = {
         "policy",
         "train",
     },
-    "cli": {"config", "losses", "sharding", "multihost", "policy", "train", "eval"},
+    "cli": {"config", "losses", "sharding", "multihost", "policy", "train", "eval", "serve"},
 }
 
 
