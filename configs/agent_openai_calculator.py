@@ -12,6 +12,8 @@ time) are the calculator environment's; GRPO learns from the agent's reward to c
     make train CONFIG=configs/agent_openai_calculator.py
 """
 
+import numpy as np
+
 from jaxrl.agents.calculator import CalculatorEnv
 from jaxrl.config import (
     AgentConfig,
@@ -35,7 +37,7 @@ def calculator_agent(client, record: dict) -> float:
     """One episode through the OpenAI client: the model's turns end at `]` (a tool call) or at EOS (its
     answer); the calculator answers tool calls; reward 1 for the right product."""
     env = CalculatorEnv()  # the tool and the scoring of the built-in environment, run by the agent itself
-    prompt = env.reset(record, None)
+    prompt = env.reset(record, np.random.default_rng(0))  # the calculator draws nothing
     for _ in range(MAX_TURNS):
         choice = client.completions.create(model="policy", prompt=prompt, max_tokens=32, stop=["]"]).choices[0]
         action = choice.text + ("]" if "[" in choice.text else "")  # the stop string is cut from the text

@@ -12,7 +12,8 @@ the context's exact tokens + the new suffix tokenized alone: the suffix is an ob
 0), the model's tokens are never re-tokenized. Of the previous completion only the tokens the new prompt
 repeats are kept: the longest k such that the previous prompt text + decode(sampled[:k]) is a prefix of
 the new prompt text (a client that cut the completion at a stop string, or never read its last chunk,
-continues from what it saw; the tokens it did not see are dropped, counted in `dropped_tokens`).
+continues from what it saw; the tokens it did not see are dropped, counted in `dropped_tokens`). An EOS
+is never kept inside the context: a turn the model ended with EOS continues from its text before it.
 
 A prompt that does not extend the previous prompt text (the agent rewrote its history) starts a new
 SEGMENT: its prompt is tokenized as the server tokenized it. The episode's row is its LAST segment
@@ -35,11 +36,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
-from jaxrl.serve.engine import Done, Request, RequestError, Token
+from jaxrl.data.tokenizer import Tokenizer
+from jaxrl.serve.engine import Done, Handle, Request, RequestError, Token
 
 STOP = "stop"
 
@@ -204,7 +206,7 @@ class EpisodeRecorder:
     def __init__(
         self,
         engine,
-        tokenizer,
+        tokenizer: Tokenizer,
         model_name: str,
         budget: Budget,
         sampling: tuple[float, float] | None,
@@ -230,7 +232,7 @@ class EpisodeRecorder:
             open_episodes = len(self._episodes)
         return {**getattr(self.engine, "stats", dict)(), "open_episodes": open_episodes}
 
-    def submit(self, prompt_text: str, prompt_ids: tuple[int, ...], request: Request, episode: str | None):
+    def submit(self, prompt_text: str, prompt_ids: tuple[int, ...], request: Request, episode: str | None) -> Handle:
         """Route one request of `episode` to the engine as its context's tokens (see the module docstring)."""
         if episode is None:
             raise RequestError("episode", "a training run serves only /episodes/{episode}/v1/... routes")
@@ -241,7 +243,9 @@ class EpisodeRecorder:
             if ep is None:
                 raise RequestError("episode", f"{episode!r} is not an episode of this step (finished, or never opened)")
             if ep.turn is not None and ep.turn.reason is None and ep.turn.seen == 0:
-                raise RequestError("episode", f"{episode!r} has a request in flight; an episode's requests are sequential")
+                raise RequestError(
+                    "episode", f"{episode!r} has a request in flight; an episode's requests are sequential"
+                )
             plan = self._plan(ep, prompt_text, prompt_ids)
             ids, first = plan.ids, (len(prompt_ids) if plan.k is None else ep.first_prompt)
             left = self.budget.tokens - self.budget.used(first, len(ids))
@@ -271,16 +275,19 @@ class EpisodeRecorder:
             ep.requests += 1
             recorded = RecordedHandle(handle, ep.turn, self._lock)
             ep.handles.append(recorded)
-            return recorded
+            return cast(Handle, recorded)  # a Handle to the app: id, request, events, aevents, cancel
 
     def _plan(self, ep: _Episode, prompt_text: str, prompt_ids: tuple[int, ...]) -> _Plan:
         """How this request continues the episode (nothing changes until the engine accepts it)."""
         if ep.turn is None:
             return _Plan(list(prompt_ids), None, [])
-        k = kept_prefix(ep.prompt_text, ep.turn.tokens, prompt_text, self.tokenizer.decode)
+        sampled = ep.turn.tokens
+        if self.tokenizer.eos_id in sampled:  # the model ended its turn: what follows is no text, nor EOS
+            sampled = sampled[: sampled.index(self.tokenizer.eos_id)]
+        k = kept_prefix(ep.prompt_text, sampled, prompt_text, self.tokenizer.decode)
         if k is None:
             return _Plan(list(prompt_ids), None, [])
-        seen_text = ep.prompt_text + self.tokenizer.decode(ep.turn.tokens[:k])
+        seen_text = ep.prompt_text + self.tokenizer.decode(sampled[:k])
         suffix_text = prompt_text[len(seen_text) :]
         suffix = list(self.tokenizer.encode(suffix_text)) if suffix_text else []
         return _Plan(ep.context + ep.turn.tokens[:k] + suffix, k, suffix)
