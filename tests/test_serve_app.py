@@ -325,3 +325,13 @@ def test_held_back_and_utf8():
     choice = ChoiceText(Bytes())  # type: ignore[arg-type]
     pieces = [choice.add(b, 0.0) for b in "é!".encode()]
     assert pieces == ["", "é", "!"]
+
+
+def test_every_eos_id_of_the_tokenizer_stops_a_choice():
+    class TwoEos(CharTokenizer):
+        eos_ids = (EOS, 5)
+
+    service = FakeService()
+    service.tokenizer = TwoEos()
+    client_for(service).post("/v1/completions", json={"prompt": "1", "stop_token_ids": [7]})
+    assert service.submitted[0][2].stop_ids == (7, 5)
