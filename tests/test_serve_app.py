@@ -335,3 +335,23 @@ def test_every_eos_id_of_the_tokenizer_stops_a_choice():
     service.tokenizer = TwoEos()
     client_for(service).post("/v1/completions", json={"prompt": "1", "stop_token_ids": [7]})
     assert service.submitted[0][2].stop_ids == (7, 5)
+
+
+def test_serve_command_errors_name_the_path_or_flag(tmp_path, capsys):
+    from jaxrl.cli import main
+
+    def error(*args) -> str:
+        assert main(["serve", *args]) == 2
+        return capsys.readouterr().err.strip()
+
+    assert error(str(tmp_path / "nope")) == f"jaxrl: error: serve: {tmp_path / 'nope'}: directory not found"
+    assert "neither a run directory" in error(str(tmp_path))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert "a Hugging Face checkpoint, it has no steps" in error(str(tmp_path / "hf"), "--step", "3")
+    step = tmp_path / "elsewhere" / "7"
+    (step / "state").mkdir(parents=True)
+    assert "--config FILE" in error(str(step))
+    run = tmp_path / "run"
+    (run / "checkpoints" / "1" / "state").mkdir(parents=True)
+    assert "--step 2 was not saved" in error(str(run), "--step", "2")

@@ -119,8 +119,8 @@ def build(args: argparse.Namespace):
 
 def run_server(app, host: str, port: int, drain_timeout: float, on_ready) -> None:
     """uvicorn on host:port until SIGTERM / SIGINT; `on_ready(host, port)` once it accepts connections.
-    uvicorn drains the connections in flight, then re-raises the signal it caught: SIGTERM then lands on a
-    handler that ignores it, so the process ends normally (exit 0) after the caller's clean-up."""
+    uvicorn drains the connections in flight, then re-raises the signal it caught: it lands on a handler
+    that ignores it, so the process ends normally (exit 0) after the caller's clean-up."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -134,11 +134,12 @@ def run_server(app, host: str, port: int, drain_timeout: float, on_ready) -> Non
         app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=int(drain_timeout)
     )
     server = Server(config)
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # a Ctrl-C from here on (while the engine drains) interrupts as usual
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not server.started:
         raise ConfigError(f"serve: could not listen on {host}:{port} (in use, or not this machine's address?)")
 
