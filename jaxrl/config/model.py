@@ -24,9 +24,17 @@ class ModelConfig:
     max_seq_len: int = 64
     dtype: str = "float32"
     # The kernel of training, scoring and prefill attention (jaxrl.models.attention.KERNELS): auto (by
-    # backend: cudnn on GPU, xla on TPU, cpu on CPU) | cpu (the einsum kernels) | xla | cudnn
-    # (jax.nn.dot_product_attention with that implementation). Decode keeps its own kernels.
+    # backend: cudnn on GPU, splash on TPU, cpu on CPU) | cpu (the einsum kernels) | xla | cudnn
+    # (jax.nn.dot_product_attention with that implementation) | splash (Pallas TPU splash attention
+    # for training and scoring, xla for prefill; off a TPU it runs Pallas' interpreter, for tests).
+    # Decode keeps its own kernels.
     attention: str = "auto"
+    # The kernel of the decode loops' cache read (jaxrl.models.decode_attention.DECODE_KERNELS): auto
+    # (dense on CPU, blocked on GPU/TPU) | dense (every cache slot, masked; tuned for XLA:CPU) | blocked
+    # (blocks of decode_block slots up to the batch's furthest filled slot, online softmax) | pallas
+    # (a Pallas kernel bounded by each row's own fill; the interpreter on CPU).
+    decode_attention: str = "auto"
+    decode_block: int = 128  # cache slots per step of the blocked and pallas kernels
     # Mixture of experts (jaxrl.models.moe); n_experts=0 is the dense model, bit for bit.
     n_experts: int = 0
     moe_every: int = 1  # every moe_every-th layer is MoE (layers moe_every-1, 2*moe_every-1, ...)
@@ -96,8 +104,17 @@ class ModelConfig:
         self.lora.validate(f"{prefix}.lora")
 
     def _validate_attention(self, prefix: str) -> None:
-        kernels = ("auto", "cpu", "xla", "cudnn")  # = jaxrl.models.attention.KERNELS (config imports no model)
-        _check(self.attention in kernels, f"{prefix}.attention", "'auto', 'cpu', 'xla' or 'cudnn'", self.attention)
+        decode = ("auto", "dense", "blocked", "pallas")  # = jaxrl.models.decode_attention.DECODE_KERNELS
+        _check(
+            self.decode_attention in decode,
+            f"{prefix}.decode_attention",
+            "'auto', 'dense', 'blocked' or 'pallas'",
+            self.decode_attention,
+        )
+        _check(self.decode_block > 0, f"{prefix}.decode_block", "a positive integer", self.decode_block)
+        kernels = ("auto", "cpu", "xla", "cudnn", "splash")  # = models.attention.KERNELS (config imports no model)
+        expected = "'auto', 'cpu', 'xla', 'cudnn' or 'splash'"
+        _check(self.attention in kernels, f"{prefix}.attention", expected, self.attention)
         if self.attention == "cudnn":
             _check(
                 self.dtype == "bfloat16",

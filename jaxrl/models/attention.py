@@ -7,7 +7,8 @@ softmax normalised after the value contraction, so XLA neither transposes a cach
 strided GEMM. The no-cache and stacked kinds (training, scoring, prefill) run one of the kernels
 in `KERNELS` (`model.attention`, resolved by `resolve_kernel`): "cpu" is the plain einsum form
 (`attend_slots`), which is what the backward of training differentiates on CPU; "xla" and "cudnn"
-are `jax.nn.dot_product_attention` with that implementation (`attend_slots_fused`), the same masks.
+are `jax.nn.dot_product_attention` with that implementation (`attend_slots_fused`), the same masks;
+"splash" is JAX's Pallas TPU splash attention (`attend_slots_splash`).
 
 Shape letters as in layers.py: B batch, T query tokens, S key slots, K kv heads, R query heads per
 kv head, Hd head dim, W window slots.
@@ -15,24 +16,48 @@ kv head, Hd head dim, W window slots.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.models.cache_kinds import GroupKV, LayerKV, StackedKV, WindowKV
+from jaxrl.models.decode_attention import (
+    DENSE,
+    DecodeKernel,
+    attend_cache,
+    attend_window_blocked,
+    kv_head_major,
+    query_major,
+)
 from jaxrl.models.prefix_attention import MASKED_SCORE, attend_group, write_own
 
+
+class KernelLayout(NamedTuple):
+    """How a Mosaic kernel (splash) splits over the run's mesh: it cannot be partitioned by XLA, so
+    it runs under `shard_map`, each device on its rows (`batch`: the mesh axes the rows split over,
+    as `models.parallel.Parallel.batch`) and, when the head counts divide, its heads (`heads`: the
+    tensor-parallel axis, `Parallel.sequence`, or None). Hashable: a static module attribute."""
+
+    mesh: Any  # jax.sharding.Mesh
+    batch: str | tuple[str, ...] | None
+    heads: str | None = None
+
+
 # model.attention's choices: "auto" resolves by backend at trace time (`resolve_kernel`).
-KERNELS = ("auto", "cpu", "xla", "cudnn")
+KERNELS = ("auto", "cpu", "xla", "cudnn", "splash")
 
 
 def resolve_kernel(choice: str, dtype, head_dim: int, backend: str | None = None) -> str:
     """The kernel `choice` ("auto" or one of KERNELS) names on `backend` (default: jax.default_backend(),
     read when the caller is traced): "auto" is "cudnn" on a GPU when cuDNN flash attention takes the
-    shapes (a 16-bit `dtype`, head_dim a multiple of 8 and <= 128), else "xla" there; "xla" on TPU
-    (no Pallas splash kernel yet); "cpu" elsewhere. Other choices are returned as they are."""
+    shapes (a 16-bit `dtype`, head_dim a multiple of 8 and <= 128), else "xla" there; on TPU
+    "splash" when head_dim is a multiple of 64 (whole or half 128-lane vregs; any T and S fit, they
+    are padded to the block), else "xla"; "cpu" elsewhere. Other choices are returned as they are."""
     if choice not in KERNELS:
         raise ValueError(f"model.attention: got {choice!r}; expected one of {', '.join(KERNELS)}")
     if choice != "auto":
@@ -41,20 +66,40 @@ def resolve_kernel(choice: str, dtype, head_dim: int, backend: str | None = None
     if backend == "gpu":
         cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
         return "cudnn" if cudnn_ok else "xla"
-    return "xla" if backend == "tpu" else "cpu"
+    if backend == "tpu":
+        return "splash" if head_dim % 64 == 0 else "xla"
+    return "cpu"
 
 
-def attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel="cpu"):
+def attend(
+    q_BxTxHxHd,
+    k_BxTxKxHd,
+    v_BxTxKxHd,
+    kv,
+    key_valid_BxS,
+    index,
+    layer,
+    dtype,
+    kernel="cpu",
+    layout=None,
+    decode=DENSE,
+) -> tuple[jax.Array, Any]:
     """-> (o_BxTxHxHd, kv updated). Queries occupy key slots index..index+T-1 (`index` a scalar, or
     for a LayerKV also index_B: each row's own slots); a key is visible iff its slot is not after
     the query's (causal) and `key_valid_BxS` marks it real. `layer` (traced) picks a StackedKV's
     layer. With a GroupKV, `index` is the slot in each row's own completion buffer and
-    `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]. `kernel` (resolved: "cpu", "xla"
-    or "cudnn") picks the no-cache and StackedKV kernel; the decode kinds keep their own."""
+    `key_valid_BxS` marks each group's valid prefix slots, [B/G, P]. `kernel` (resolved: "cpu", "xla",
+    "cudnn" or "splash") picks the no-cache and StackedKV kernel; `layout` (a KernelLayout or None: one
+    device) is how splash splits over the mesh; `decode` (`decode_attention.DecodeKernel`, resolved)
+    the LayerKV and WindowKV cache read; GroupKV keeps its own."""
     kind = type(kv)
+    if kind in _DECODE_ATTEND:
+        return _DECODE_ATTEND[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, dtype, decode)
     if kind not in _ATTEND:
-        names = ", ".join(k.__name__ for k in _ATTEND)
+        names = ", ".join(k.__name__ for k in (*_ATTEND, *_DECODE_ATTEND))
         raise TypeError(f"attention: a cache entry of type {kind.__name__}; expected one of {names}")
+    if kernel == "splash" and kind in (type(None), StackedKV):
+        return _ATTEND_SPLASH[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, layout)
     return _ATTEND[kind](q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, kernel)
 
 
@@ -62,7 +107,10 @@ def _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kern
     if kernel == "cpu":
         return attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype)
     if kernel not in ("xla", "cudnn"):
-        raise ValueError(f"attention: kernel {kernel!r}; expected 'cpu', 'xla' or 'cudnn' ('auto' resolved first)")
+        raise ValueError(
+            f"attention: kernel {kernel!r}; expected 'cpu', 'xla' or 'cudnn' here ('auto' resolved first, "
+            "'splash' taken by `attend`)"
+        )
     implementation = "cudnn" if kernel == "cudnn" else "xla"
     return attend_slots_fused(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, implementation)
 
@@ -71,38 +119,58 @@ def _no_cache(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, laye
     return _slots(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, index, dtype, kernel), None
 
 
-def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, index, layer, dtype, kernel):
+def _write_stacked(k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, index, layer, dtype):
+    """Write this call's keys/values at slots index.. of `layer`: (k_BxSxKxHd, v_BxSxKxHd of that
+    layer in `dtype`, the StackedKV updated)."""
     start = (layer, 0, index, 0, 0)
     k_all = lax.dynamic_update_slice(kv.k_LxBxSxKxHd, k_BxTxKxHd[None].astype(kv.k_LxBxSxKxHd.dtype), start)
     v_all = lax.dynamic_update_slice(kv.v_LxBxSxKxHd, v_BxTxKxHd[None].astype(kv.v_LxBxSxKxHd.dtype), start)
     k_BxSxKxHd = lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(dtype)
     v_BxSxKxHd = lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(dtype)
+    return k_BxSxKxHd, v_BxSxKxHd, StackedKV(k_all, v_all)
+
+
+def _stacked(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: StackedKV, key_valid_BxS, index, layer, dtype, kernel):
+    k_BxSxKxHd, v_BxSxKxHd, kv = _write_stacked(k_BxTxKxHd, v_BxTxKxHd, kv, index, layer, dtype)
     o_BxTxHxHd = _slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, kernel)
-    return o_BxTxHxHd, StackedKV(k_all, v_all)
+    return o_BxTxHxHd, kv
 
 
-def _layer(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: LayerKV, key_valid_BxS, index, layer, dtype, kernel):
+def _no_cache_splash(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, layout):
+    # The keys are this call's own tokens: key t is query t's token, so the causal offset is 0
+    # whatever `index` is (the no-cache callers pass 0, where every kernel agrees).
+    return attend_slots_splash(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, key_valid_BxS, 0, dtype, layout=layout), None
+
+
+def _stacked_splash(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, dtype, layout):
+    # `index` is traced (run_decoder): the queries ride in an S-slot buffer (`attend_slots_splash`).
+    k_BxSxKxHd, v_BxSxKxHd, kv = _write_stacked(k_BxTxKxHd, v_BxTxKxHd, kv, index, layer, dtype)
+    o_BxTxHxHd = attend_slots_splash(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype, layout=layout)
+    return o_BxTxHxHd, kv
+
+
+def _layer(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: LayerKV, key_valid_BxS, index, dtype, decode: DecodeKernel):
     k_buf = write_layer_kv(kv.k_BxKxSxHd, k_BxTxKxHd.swapaxes(1, 2).astype(kv.k_BxKxSxHd.dtype), index)
     v_buf = write_layer_kv(kv.v_BxKxSxHd, v_BxTxKxHd.swapaxes(1, 2).astype(kv.v_BxKxSxHd.dtype), index)
-    o_BxTxHxHd = attend_kv_head_major(q_BxTxHxHd, k_buf.astype(dtype), v_buf.astype(dtype), key_valid_BxS, index, dtype)
-    return o_BxTxHxHd, LayerKV(k_buf, v_buf)
+    args = (q_BxTxHxHd, k_buf.astype(dtype), v_buf.astype(dtype), key_valid_BxS, index, dtype)
+    # A call that fills the whole cache (the engine's prefill, T = S) has nothing to bound.
+    if decode.name == "dense" or q_BxTxHxHd.shape[1] >= k_buf.shape[2]:
+        return attend_kv_head_major(*args), LayerKV(k_buf, v_buf)
+    return attend_cache(*args, decode), LayerKV(k_buf, v_buf)
 
 
-def _window(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: WindowKV, key_valid_BxS, index, layer, dtype, kernel):
+def _window(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: WindowKV, key_valid_BxS, index, dtype, decode: DecodeKernel):
     win = tuple(
         lax.dynamic_update_slice(buf, new.swapaxes(1, 2).astype(buf.dtype), (0, 0, index, 0))
         for buf, new in zip((kv.win_k, kv.win_v), (k_BxTxKxHd, v_BxTxKxHd))
     )
-    o_BxTxHxHd = attend_window(
-        q_BxTxHxHd,
-        kv.k_BxKxSxHd.astype(dtype),
-        kv.v_BxKxSxHd.astype(dtype),
-        key_valid_BxS,
-        win[0].astype(dtype),
-        win[1].astype(dtype),
-        index,
-        dtype,
-    )
+    cache = (kv.k_BxKxSxHd.astype(dtype), kv.v_BxKxSxHd.astype(dtype), key_valid_BxS)
+    window = (win[0].astype(dtype), win[1].astype(dtype), index, dtype)
+    # The window read has no Pallas form: "pallas" reads the cache as "blocked" does.
+    if decode.name == "dense":
+        o_BxTxHxHd = attend_window(q_BxTxHxHd, *cache, *window)
+    else:
+        o_BxTxHxHd = attend_window_blocked(q_BxTxHxHd, *cache, *window, block=decode.block)
     return o_BxTxHxHd, kv._replace(win_k=win[0], win_v=win[1])
 
 
@@ -112,7 +180,9 @@ def _group(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv: GroupKV, key_valid_BxS, index
     return attend_group(q_BxTxHxHd, kv, key_valid_BxS, index, dtype), kv
 
 
-_ATTEND = {type(None): _no_cache, StackedKV: _stacked, LayerKV: _layer, WindowKV: _window, GroupKV: _group}
+_ATTEND = {type(None): _no_cache, StackedKV: _stacked, GroupKV: _group}
+_DECODE_ATTEND = {LayerKV: _layer, WindowKV: _window}
+_ATTEND_SPLASH = {type(None): _no_cache_splash, StackedKV: _stacked_splash}
 
 
 def attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype):
@@ -177,6 +247,123 @@ def attend_slots_fused(
     return o_BxTxHxHd[:, :T].astype(dtype)
 
 
+SPLASH_BLOCKS = (512, 256, 128)  # splash's tiles along T and S, largest first (multiples of 128, as it needs)
+
+
+def _splash_tiles(n: int) -> tuple[int, int]:
+    """(tile, padded length) of a length-n axis: n rounded up to a multiple of 128 (under 128 rows
+    of padding), tiled by the largest of SPLASH_BLOCKS that divides it."""
+    padded = -(-n // 128) * 128
+    return next(b for b in SPLASH_BLOCKS if padded % b == 0), padded
+
+
+def _splash_kernel(H: int, Tp: int, Sp: int, offset: int, bq: int, bkv: int, interpret: bool):
+    """The splash kernel of H heads over a Tp x Sp causal mask (query t sees key s <= t + offset),
+    built at trace time: its block-sparsity tables come from the static mask (numpy, cached by shape in
+    splash's mask_info); the kernel holds them as arrays of the trace, so it is not cached here."""
+    causal = splash_mask.CausalMask((Tp, Sp), offset=offset)
+    blocks = splash.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=bq,
+        block_kv_dq=bkv,
+    )
+    mask = splash_mask.MultiHeadMask([causal] * H)
+    return splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _splash_specs(layout: KernelLayout | None, B: int, H: int, K: int):
+    """(rows' mesh axes, heads' mesh axis, how many head shards) of splash's shard_map: the
+    layout's, each None (that dimension whole on every device) where it does not divide."""
+    if layout is None:
+        return None, None, 1
+
+    def size(axes) -> int:
+        names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        n = 1
+        for a in names:
+            n *= layout.mesh.shape[a]
+        return n
+
+    rows = layout.batch if B % size(layout.batch) == 0 else None
+    n_heads = size(layout.heads)
+    heads = layout.heads if H % n_heads == 0 and K % n_heads == 0 else None
+    return rows, heads, n_heads if heads is not None else 1
+
+
+def attend_slots_splash(
+    q_BxTxHxHd,
+    k_BxSxKxHd,
+    v_BxSxKxHd,
+    key_valid_BxS,
+    offset: int | jax.Array,
+    dtype,
+    interpret: bool | None = None,
+    layout: KernelLayout | None = None,
+):
+    """`attend_slots` through JAX's Pallas TPU splash attention, for queries at the slots
+    offset..offset+T-1 (the no-cache kind: 0). Splash rather than the Pallas flash kernel: it takes
+    GQA as it is (head h reads kv head h // R, no repeated K/V), skips the tiles above the causal
+    diagonal (flash's causal flag has no offset either), and both take padding as segment ids.
+
+    Splash's causal mask is static. A Python int `offset` is that mask's offset. A traced one (a
+    StackedKV's `index`) cannot be: the T queries are then written at `offset` into an S-slot buffer
+    of zero queries (clamped to 0..S-T like the cache write), that buffer attends at offset 0 and
+    the T rows are read back. This costs the S - T buffer rows' attention, cheap in the update's
+    shared-prefix pass (offset P, T = the completion) and at most the S x S causal forward in prefill.
+
+    Visibility as `attend_slots`: the causal offset is the static mask; `key_valid_BxS` enters as
+    segment ids, every query segment 1 and each key 1 if valid else 0, so a query sees exactly the
+    valid keys at or before its slot. A query that sees none (a left-pad query at slot < the first
+    real key) gets the uniform average over the tiles it computes: finite, but not `attend_slots`'
+    average over all S (nobody reads those rows). T and S are padded up to multiples of 128
+    (`_splash_tiles`), the padded keys segment 0, the padded queries dropped. Queries arrive scaled
+    (scale 1); the logits, softmax and accumulation are float32 inside the kernel, the output in
+    `dtype`. Gradients: splash's own custom VJP (its dq and dkv kernels).
+
+    `interpret` (None: unless the default backend is a TPU) runs Pallas' interpreter: how it is
+    tested on CPU (tests/test_attention_kernels.py), slow, for tests only. `layout`: the kernel runs
+    under shard_map on the mesh (`KernelLayout`); None: one device (XLA refuses to partition a Mosaic
+    kernel over several)."""
+    B, T, H, Hd = q_BxTxHxHd.shape
+    S = k_BxSxKxHd.shape[1]
+    if not isinstance(offset, int):
+        if T > S:
+            raise ValueError(f"attention: {T} queries at a traced offset over {S} key slots; expected T <= S")
+        buf_BxSxHxHd = jnp.zeros((B, S, H, Hd), dtype)
+        q_BxSxHxHd = lax.dynamic_update_slice(buf_BxSxHxHd, q_BxTxHxHd.astype(dtype), (0, offset, 0, 0))
+        o_BxSxHxHd = attend_slots_splash(q_BxSxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, 0, dtype, interpret, layout)
+        return lax.dynamic_slice_in_dim(o_BxSxHxHd, offset, T, axis=1)
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    (bq, Tp), (bkv, Sp) = _splash_tiles(T), _splash_tiles(S)
+    q_BxHxTpxHd = jnp.pad(q_BxTxHxHd.astype(dtype), ((0, 0), (0, Tp - T), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    k_BxKxSpxHd, v_BxKxSpxHd = (
+        jnp.pad(x.astype(dtype), ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+        for x in (k_BxSxKxHd, v_BxSxKxHd)
+    )
+    q_segment_BxTp = jnp.ones((B, Tp), jnp.int32)
+    kv_segment_BxSp = jnp.pad(key_valid_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S)))
+    rows_spec, heads_spec, n_head_shards = _splash_specs(layout, B, H, k_BxSxKxHd.shape[2])
+    kernel = _splash_kernel(H // n_head_shards, Tp, Sp, offset, bq, bkv, interpret)
+
+    def run(q_BxHxTpxHd, k_BxKxSpxHd, v_BxKxSpxHd, q_segment_BxTp, kv_segment_BxSp):
+        segments = splash.SegmentIds(q=q_segment_BxTp, kv=kv_segment_BxSp)
+        o_BxHxTpxHd = jax.vmap(kernel)(q_BxHxTpxHd, k_BxKxSpxHd, v_BxKxSpxHd, segments)
+        assert isinstance(o_BxHxTpxHd, jax.Array)  # save_residuals is off: the output alone
+        return o_BxHxTpxHd
+
+    if layout is not None:
+        heads, rows = P(rows_spec, heads_spec), P(rows_spec)
+        specs = (heads, heads, heads, rows, rows)
+        run = jax.shard_map(run, mesh=layout.mesh, in_specs=specs, out_specs=heads, check_vma=False)
+    o_BxHxTpxHd = run(q_BxHxTpxHd, k_BxKxSpxHd, v_BxKxSpxHd, q_segment_BxTp, kv_segment_BxSp)
+    return o_BxHxTpxHd[:, :, :T].transpose(0, 2, 1, 3).astype(dtype)
+
+
 def write_layer_kv(buf_BxKxSxHd, new_BxKxTxHd, index):
     """Write T new keys (or values) of every row at cache slots index..index+T-1: `index` a scalar
     (every row at the same slots) or index_B (each row at its own, as the slot engine decodes).
@@ -185,18 +372,6 @@ def write_layer_kv(buf_BxKxSxHd, new_BxKxTxHd, index):
         return lax.dynamic_update_slice(buf_BxKxSxHd, new_BxKxTxHd, (0, 0, index, 0))
     write = jax.vmap(lambda buf_KxSxHd, new_KxTxHd, i: lax.dynamic_update_slice(buf_KxSxHd, new_KxTxHd, (0, i, 0)))
     return write(buf_BxKxSxHd, new_BxKxTxHd, index)
-
-
-def _kv_head_major(q_BxTxHxHd, K: int):
-    """Queries grouped by the kv head they read (head h reads kv head h // R): q_BxKxQxHd, Q = T*R, t major."""
-    B, T, H, Hd = q_BxTxHxHd.shape
-    return q_BxTxHxHd.reshape(B, T, K, H // K, Hd).transpose(0, 2, 1, 3, 4).reshape(B, K, T * (H // K), Hd)
-
-
-def _query_major(o_BxKxQxHd, T: int):
-    """The inverse of `_kv_head_major`: o_BxTxHxHd."""
-    B, K, Q, Hd = o_BxKxQxHd.shape
-    return o_BxKxQxHd.reshape(B, K, T, Q // T, Hd).transpose(0, 2, 1, 3, 4).reshape(B, T, K * (Q // T), Hd)
 
 
 def attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, index, dtype):
@@ -209,7 +384,7 @@ def attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, inde
     B, T, H, Hd = q_BxTxHxHd.shape
     K, S = k_BxKxSxHd.shape[1], k_BxKxSxHd.shape[2]
     R = H // K
-    q_BxKxQxHd = _kv_head_major(q_BxTxHxHd, K)
+    q_BxKxQxHd = kv_head_major(q_BxTxHxHd, K)
     batch = ((0, 1), (0, 1))
     s_BxKxSxQ = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
     q_slot_T = jnp.asarray(index)[..., None] + jnp.arange(T)  # (T,) or, per row, (B, T)
@@ -226,7 +401,7 @@ def attend_kv_head_major(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, key_valid_BxS, inde
         e_BxKxSxQ.astype(dtype), v_BxKxSxHd, (((2,), (2,)), batch), preferred_element_type=jnp.float32
     )
     o_BxKxQxHd = (o_BxKxQxHd / sum_BxKxQ[..., None]).astype(dtype)
-    return _query_major(o_BxKxQxHd, T)
+    return query_major(o_BxKxQxHd, T)
 
 
 def attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxHd, wv_BxKxWxHd, index, dtype):
@@ -235,7 +410,7 @@ def attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxH
     B, T, H, Hd = q_BxTxHxHd.shape
     K, W = k_BxKxSxHd.shape[1], wk_BxKxWxHd.shape[2]
     R = H // K
-    q_BxKxQxHd = _kv_head_major(q_BxTxHxHd, K)
+    q_BxKxQxHd = kv_head_major(q_BxTxHxHd, K)
     batch = ((0, 1), (0, 1))
     cache_scores = lax.dot_general(k_BxKxSxHd, q_BxKxQxHd, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
     s_BxKxSxQ = jnp.where(cache_seen_BxS[:, None, :, None], cache_scores, MASKED_SCORE)
@@ -252,4 +427,4 @@ def attend_window(q_BxTxHxHd, k_BxKxSxHd, v_BxKxSxHd, cache_seen_BxS, wk_BxKxWxH
     )
     window_mix = jnp.sum(e_BxKxWxQ[..., None] * wv_BxKxWxHd[:, :, :, None, :].astype(jnp.float32), axis=2)
     o_BxKxQxHd = ((cache_mix + window_mix) / sum_BxKxQ[..., None]).astype(dtype)
-    return _query_major(o_BxKxQxHd, T)
+    return query_major(o_BxKxQxHd, T)

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
+from jaxrl.models import int8
+from jaxrl.models.attention import KernelLayout
 from jaxrl.models.layers import AttnOptions, Block, RMSNorm
 from jaxrl.models.moe import MoEBlock, MoESpec
 from jaxrl.models.parallel import Parallel, residual, rows
@@ -71,8 +73,9 @@ def stack_units(cfg: ModelConfig) -> tuple[tuple[str, tuple[LayerSlot, ...], int
     return tuple(out)
 
 
-def attn_options(cfg: ModelConfig) -> AttnOptions:
-    """The attention variant of `cfg`: every Block is built with it (MoE blocks read it from moe_spec)."""
+def attn_options(cfg: ModelConfig, parallel: Parallel | None = None) -> AttnOptions:
+    """The attention variant of `cfg`: every Block is built with it (MoE blocks read it from moe_spec).
+    `parallel`: the run's split, which a Mosaic attention kernel (splash) runs under shard_map by."""
     llama3 = None
     if cfg.rope_scaling == "llama3":
         llama3 = (
@@ -81,7 +84,8 @@ def attn_options(cfg: ModelConfig) -> AttnOptions:
             cfg.rope_high_freq_factor,
             float(cfg.rope_original_max_len),
         )
-    return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3, cfg.attention)
+    layout = None if parallel is None else KernelLayout(parallel.mesh, parallel.batch, parallel.sequence)
+    return AttnOptions(cfg.qkv_bias, cfg.qk_norm, llama3, cfg.attention, cfg.decode_attention, cfg.decode_block, layout)
 
 
 def moe_spec(cfg: ModelConfig, parallel: Parallel | None = None) -> MoESpec:
@@ -96,7 +100,7 @@ def moe_spec(cfg: ModelConfig, parallel: Parallel | None = None) -> MoESpec:
         cfg.capacity_factor,
         norm_topk=cfg.router_norm_topk,
         shared_gate=cfg.shared_expert_gate,
-        attn_opts=attn_options(cfg),
+        attn_opts=attn_options(cfg, parallel),
         expert_parallel=None if parallel is None else parallel.experts,
     )
 
@@ -107,7 +111,7 @@ def layer_module(cfg: ModelConfig, moe: bool, parallel: Parallel | None = None) 
     dtype = jnp.dtype(cfg.dtype)
     if moe:
         return MoEBlock(*dims, cfg.rope_theta, cfg.norm_eps, moe_spec(cfg, parallel), dtype)
-    return Block(*dims, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype, attn_options(cfg))
+    return Block(*dims, cfg.mlp_dim, cfg.rope_theta, cfg.norm_eps, dtype, attn_options(cfg, parallel))
 
 
 class _Call(NamedTuple):
@@ -201,7 +205,7 @@ def run_decoder(
     with per-layer params every token); `parallel`: the experts' mesh axis (None: one device).
     `remat` (stacked only): the scanned units' rematerialisation (`models.remat`)."""
     index = jnp.asarray(index, jnp.int32)
-    x_BxTxD = jnp.take(params["embedding"], tokens_BxT.astype(jnp.int32), axis=0).astype(jnp.dtype(cfg.dtype))
+    x_BxTxD = int8.embed(params["embedding"], tokens_BxT, jnp.dtype(cfg.dtype))
     per_layer = isinstance(params["blocks"], tuple)
     # Stacked params (scoring, training, prefill): the rows stay where the batch is, whatever splits the
     # weights, so fsdp gathers one layer's weights at a time inside the scan. Per-layer params (the decode
@@ -233,8 +237,7 @@ def _head(params, cfg: ModelConfig, x_BxTxD, num_logits: int | None, return_hidd
     assert isinstance(x_BxTxD, jax.Array)  # flax types apply's result as Any | (out, variables)
     if return_hidden:
         return x_BxTxD
-    head_DxV = head_weights(params, cfg).astype(dtype)
-    return jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV, preferred_element_type=jnp.float32)
+    return int8.matmul("btd,dv->btv", x_BxTxD, head_weights(params, cfg), dtype, preferred_element_type=jnp.float32)
 
 
 def _moe_out(stats: Any) -> MoEOut | None:
@@ -245,9 +248,10 @@ def _moe_out(stats: Any) -> MoEOut | None:
     return MoEOut(*means, stats.experts_NxK, stats.topk_NxK)
 
 
-def head_weights(params, cfg: ModelConfig) -> jax.Array:
-    """The LM head head_DxV (float32, as stored): `lm_head`, or the embedding's transpose when tied."""
-    return params["embedding"].T if cfg.tie_embeddings else params["lm_head"]
+def head_weights(params, cfg: ModelConfig) -> jax.Array | int8.Int8Weight:
+    """The LM head head_DxV as stored (an array, or an `int8.Int8Weight`): `lm_head`, or the embedding's
+    transpose when tied."""
+    return int8.transpose(params["embedding"]) if cfg.tie_embeddings else params["lm_head"]
 
 
 def layer_params(params, cfg: ModelConfig):

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxrl.models.attention import attend, resolve_kernel
+from jaxrl.models import int8
+from jaxrl.models.attention import KernelLayout, attend, resolve_kernel
+from jaxrl.models.decode_attention import resolve_decode_kernel
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
 _TRUNC_STD = 0.87962566103423978
@@ -74,13 +76,19 @@ class AttnOptions:
     key head before RoPE (Qwen3). rope_llama3: (factor, low_freq_factor, high_freq_factor,
     original_max_len) of Llama 3's RoPE frequency rescale, or None. attention: the kernel of the
     no-cache and stacked-cache attention (`attention.KERNELS`; "auto" is resolved when the layer is
-    traced, from the backend it is traced for).
+    traced, from the backend it is traced for). decode_attention, decode_block: the kernel of the
+    decode loops' LayerKV / WindowKV read (`decode_attention.DECODE_KERNELS`, resolved likewise).
+    layout: how a Mosaic kernel (splash) splits over the run's mesh (`attention.KernelLayout`; None:
+    one device).
     """
 
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_llama3: tuple[float, float, float, float] | None = None
     attention: str = "auto"
+    decode_attention: str = "auto"
+    decode_block: int = 128
+    layout: KernelLayout | None = None
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None = None):
@@ -138,11 +146,11 @@ class Attention(nn.Module):
         w_o_HxHdxD = logical_param(self, "o", (H, Hd, D), ("heads", "head_dim", "embed"), (H * Hd) ** -0.5)
 
         def cast(w):
-            return w.astype(self.dtype)
+            return int8.dense(w, self.dtype)
 
-        q_BxTxHxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_q_DxHxHd))
-        k_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_k_DxKxHd))
-        v_BxTxKxHd = jnp.einsum("btd,dhk->bthk", x_BxTxD, cast(w_v_DxKxHd))
+        q_BxTxHxHd = int8.matmul("btd,dhk->bthk", x_BxTxD, w_q_DxHxHd, self.dtype)
+        k_BxTxKxHd = int8.matmul("btd,dhk->bthk", x_BxTxD, w_k_DxKxHd, self.dtype)
+        v_BxTxKxHd = int8.matmul("btd,dhk->bthk", x_BxTxD, w_v_DxKxHd, self.dtype)
         if self.opts.qkv_bias:  # zeros at init
             q_BxTxHxHd = q_BxTxHxHd + cast(logical_param(self, "q_bias", (H, Hd), ("heads", "head_dim"), 0.0))
             k_BxTxKxHd = k_BxTxKxHd + cast(logical_param(self, "k_bias", (K, Hd), ("kv_heads", "head_dim"), 0.0))
@@ -155,8 +163,10 @@ class Attention(nn.Module):
         k_BxTxKxHd = apply_rope(k_BxTxKxHd, positions_BxT, self.rope_theta, llama3)
 
         kernel = resolve_kernel(self.opts.attention, self.dtype, Hd)
-        o_BxTxHxHd, kv = attend(q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd, kv, key_valid_BxS, index, layer, self.dtype, kernel)
-        return jnp.einsum("bthk,hkd->btd", o_BxTxHxHd, cast(w_o_HxHdxD)), kv
+        decode = resolve_decode_kernel(self.opts.decode_attention, self.opts.decode_block)
+        qkv = (q_BxTxHxHd, k_BxTxKxHd, v_BxTxKxHd)
+        o_BxTxHxHd, kv = attend(*qkv, kv, key_valid_BxS, index, layer, self.dtype, kernel, self.opts.layout, decode)
+        return int8.matmul("bthk,hkd->btd", o_BxTxHxHd, w_o_HxHdxD, self.dtype), kv
 
 
 class MLP(nn.Module):
@@ -172,9 +182,9 @@ class MLP(nn.Module):
         w_gate_DxF = logical_param(self, "gate", (D, F), ("embed", "mlp"), D**-0.5)
         w_up_DxF = logical_param(self, "up", (D, F), ("embed", "mlp"), D**-0.5)
         w_down_FxD = logical_param(self, "down", (F, D), ("mlp", "embed"), F**-0.5)
-        gate_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, w_gate_DxF.astype(self.dtype))
-        up_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, w_up_DxF.astype(self.dtype))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w_down_FxD.astype(self.dtype))
+        gate_BxTxF = int8.matmul("btd,df->btf", x_BxTxD, w_gate_DxF, self.dtype)
+        up_BxTxF = int8.matmul("btd,df->btf", x_BxTxD, w_up_DxF, self.dtype)
+        return int8.matmul("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w_down_FxD, self.dtype)
 
 
 def attention_residual(block: nn.Module, x_BxTxD, positions_BxT, key_valid_BxS, index, kv, layer):

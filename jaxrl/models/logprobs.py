@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl.models import int8
 from jaxrl.models.parallel import Parallel, rows
 
 
@@ -31,7 +32,7 @@ def logprob_and_entropy(logits_NxV: jax.Array, tokens_N: jax.Array, temperature)
 
 def chunked_token_logprobs(
     hidden_BxTxD: jax.Array,
-    head_DxV: jax.Array,
+    head_DxV: jax.Array | int8.Int8Weight,
     tokens_BxT: jax.Array,
     temperature,
     chunk_rows: int,
@@ -59,7 +60,7 @@ def chunked_token_logprobs(
 
     h_CxdxRxD = chunked(hidden_BxTxD.reshape(d, n_rows, D))
     tok_CxdxR = chunked(tokens_BxT.reshape(d, n_rows).astype(jnp.int32))
-    head_DxV = head_DxV.astype(hidden_BxTxD.dtype)
+    head_DxV = int8.dense(head_DxV, hidden_BxTxD.dtype)  # an int8 head: dequantised once, not per chunk
 
     @jax.checkpoint  # residuals per chunk: its hidden rows only; the logits are recomputed in the backward
     def chunk(h_dxRxD, tok_dxR):

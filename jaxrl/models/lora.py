@@ -13,24 +13,16 @@ the last (o, down); `store_base` picks an int8 weight's scale columns the same w
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.config.lora import LoraConfig
+from jaxrl.models.int8 import Int8Weight, dequantize, is_int8, quantize
 
 STACK_AXES = ("layers", "expert")  # leading dims of stacked weights: one independent matrix per entry
-
-
-class Int8Weight(NamedTuple):
-    """A weight held as int8 values and a float32 scale per output column (per layer / expert):
-    w ~= values * scale. `scale` keeps singleton dims where the input dims were reduced. (Layout trees
-    hold the same structure with PartitionSpecs or shardings in place of the arrays.)"""
-
-    values: Any
-    scale: Any
 
 
 def _name(path) -> str:
@@ -132,16 +124,13 @@ def store_base(params: Any, logical: Any, cfg: LoraConfig) -> Any:
     if cfg.base_dtype == "bfloat16":
         return jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
 
-    def quantize(path, w, axes):
+    def one(path, w, axes):
         n_stack, n_in = _split_dims(axes)
         if len(axes) - n_stack < 2 or "router" in _name(path):
             return w
-        reduce = tuple(range(n_stack, n_stack + n_in))
-        scale = jnp.max(jnp.abs(w), axis=reduce, keepdims=True) / 127.0
-        scale = jnp.where(scale > 0, scale, 1.0).astype(jnp.float32)
-        return Int8Weight(jnp.round(w / scale).astype(jnp.int8), scale)
+        return quantize(w, tuple(range(n_stack, n_stack + n_in)))
 
-    return _with_axes(quantize, params, logical)
+    return _with_axes(one, params, logical)
 
 
 def base_logical_axes(logical: Any, cfg: LoraConfig, params: Any) -> Any:
@@ -160,16 +149,12 @@ def base_logical_axes(logical: Any, cfg: LoraConfig, params: Any) -> Any:
     return _with_axes(axes_of, params, logical)
 
 
-def _is_int8(x) -> bool:
-    return isinstance(x, Int8Weight)
-
-
 def dense_base(base: Any) -> Any:
     """The base policy's float32 params (what the reference forward uses)."""
     return jax.tree.map(
-        lambda w: w.values.astype(jnp.float32) * w.scale if _is_int8(w) else w.astype(jnp.float32),
+        lambda w: dequantize(w) if is_int8(w) else w.astype(jnp.float32),
         base,
-        is_leaf=_is_int8,
+        is_leaf=is_int8,
     )
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl.models import int8
 from jaxrl.models.layers import MLP, AttnOptions, RMSNorm, attention_residual, logical_param
 from jaxrl.models.moe_dispatch import (
     ExpertParallel,
@@ -138,7 +139,7 @@ class MoE(nn.Module):
         replay_NxK = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, K)
         logits_NxE = x_NxD.astype(jnp.float32) @ w_router_DxE
         gates_NxK, experts_NxK, topk_NxK, scores_NxE = route(logits_NxE, K, s.router, replay_NxK, s.norm_topk)
-        ws = (w_gate.astype(self.dtype), w_up.astype(self.dtype), w_down.astype(self.dtype))
+        ws = (int8.dense(w_gate, self.dtype), int8.dense(w_up, self.dtype), int8.dense(w_down, self.dtype))
         dropped = jnp.zeros((), jnp.float32)
         if s.dispatch == "dropless":
             gmm = s.grouped_matmul
@@ -163,7 +164,7 @@ class MoE(nn.Module):
             shared_BxTxD = MLP(D, s.n_shared_experts * F, self.dtype, name="shared")(x_BxTxD)
             if s.shared_gate:
                 w_sg_Dx1 = logical_param(self, "shared_gate", (D, 1), ("embed", None), D**-0.5)
-                shared_BxTxD = shared_BxTxD * jax.nn.sigmoid(x_BxTxD @ w_sg_Dx1.astype(self.dtype))
+                shared_BxTxD = shared_BxTxD * jax.nn.sigmoid(x_BxTxD @ int8.dense(w_sg_Dx1, self.dtype))
             y_BxTxD = y_BxTxD + shared_BxTxD
         stats = MoEStats(
             load_balance_loss(scores_NxE, experts_NxK, mask_N, s.router),

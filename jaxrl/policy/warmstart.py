@@ -54,6 +54,8 @@ def _without_new_defaults(section, default) -> dict:
         "qkv_bias",
         "qk_norm",
         "attention",
+        "decode_attention",
+        "decode_block",
         "rope_scaling",
         "rope_scaling_factor",
         "rope_low_freq_factor",

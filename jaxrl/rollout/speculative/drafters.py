@@ -2,8 +2,9 @@
 
   early_exit  the first `draft_layers` blocks of the policy, then its own final norm and head; it
               reads the policy's KV cache for those layers (no cache of its own).
-  int8        the whole policy with every matrix weight-only quantised to int8 (symmetric, one scale
-              per output column), rebuilt from the current params at each rollout.
+  int8        the whole policy with every matmul weight quantised to int8 (weight-only, symmetric, one
+              scale per output column), rebuilt from the current params at each rollout and kept
+              int8 until the matmul (`models/int8.py`): a draft step reads 1 byte per weight.
 (The third drafter, trajectory reuse, needs no model: see `sample.py` and `reuse.py`.)
 
 A drafter is (draft params, number of layers run); both go through `decode.window_layers`.
@@ -12,42 +13,48 @@ A drafter is (draft params, number of layers run); both go through `decode.windo
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jaxrl.config import ConfigError, ModelConfig, SpeculativeConfig
+from jaxrl.models import int8
+
+# The int8 drafter's weights by name: the dims each one's input runs over (counted from the end, so a
+# stacked leading `layers` axis and an MoE `expert` axis keep their own scales), reduced by the scale.
+_INPUT_DIMS = {"q": (-3,), "k": (-3,), "v": (-3,), "o": (-3, -2), "gate": (-2,), "up": (-2,), "down": (-2,)}
+_INPUT_DIMS |= {"shared_gate": (-2,), "lm_head": (-2,), "embedding": (-1,)}  # embedding (V, D): one scale per row
+# Kept float: norm scales, q/k/v biases (added, not multiplied), MoE routers (a flipped expert choice
+# costs more than it saves).
+_KEPT_FLOAT = frozenset({"scale", "q_bias", "k_bias", "v_bias", "router"})
 
 
 def quantize_int8(tree):
-    """Every leaf with >= 2 dims (except MoE routers: a flipped expert choice costs more than it
-    saves) -> (int8 values, float32 scale per last-axis column): w ~= q * scale."""
+    """The policy's params (stacked or per-layer) with every weight a matmul reads as an
+    `int8.Int8Weight` (symmetric, one float32 scale per output column: per layer, expert, head and
+    column; the embedding per row), the others kept as they are. An unknown leaf is an error."""
 
     def one(path, w):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        if w.ndim < 2 or "router" in name:
+        name = getattr(path[-1], "key", None)
+        if name in _KEPT_FLOAT:
             return w
-        w = w.astype(jnp.float32)  # rollout params may hold it in the compute dtype: quantise in float32
-        scale = jnp.max(jnp.abs(w), axis=tuple(range(w.ndim - 1)), keepdims=True) / 127.0
-        scale = jnp.where(scale > 0, scale, 1.0)
-        return (jnp.round(w / scale).astype(jnp.int8), scale.astype(jnp.float32))
+        if name not in _INPUT_DIMS:
+            raise ValueError(f"quantize_int8: parameter {jax.tree_util.keystr(path)} has no known use; list it")
+        return int8.quantize(w, tuple(w.ndim + d for d in _INPUT_DIMS[name]))
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def dequantize(qtree):
-    """The float32 view of `quantize_int8`'s output (what the int8 drafter computes with)."""
-
-    def is_q(x):
-        return isinstance(x, tuple) and len(x) == 2 and getattr(x[0], "dtype", None) == jnp.int8
-
-    return jax.tree.map(lambda x: x[0].astype(jnp.float32) * x[1] if is_q(x) else x, qtree, is_leaf=is_q)
+    """The float32 view of `quantize_int8`'s output (what the int8 drafter computed with before it
+    kept its weights in int8; for tests and comparisons)."""
+    return jax.tree.map(lambda x: int8.dequantize(x) if int8.is_int8(x) else x, qtree, is_leaf=int8.is_int8)
 
 
 def draft_view(lparams, drafter: str, draft_layers: int, n_layers: int):
-    """-> (params the drafter runs, how many layers it runs) for a self-drafter."""
+    """-> (params the drafter runs, how many layers it runs) for a self-drafter. int8: the quantised
+    tree itself, so the drafter's programs hold and read int8 weights (`int8.matmul`)."""
     if drafter == "early_exit":
         return lparams, draft_layers
     if drafter == "int8":
-        return dequantize(quantize_int8(lparams)), n_layers
+        return quantize_int8(lparams), n_layers
     raise ValueError(f"rollout.speculative.drafter {drafter!r} is not a self-drafter (expected early_exit or int8)")
 
 
