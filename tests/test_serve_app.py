@@ -355,3 +355,17 @@ def test_serve_command_errors_name_the_path_or_flag(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoints" / "1" / "state").mkdir(parents=True)
     assert "--step 2 was not saved" in error(str(run), "--step", "2")
+
+
+def test_a_port_in_use_is_a_one_line_error():
+    import socket
+
+    from jaxrl.config import ConfigError
+    from jaxrl.serve.server import run_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port}: cannot listen there"):
+            run_server(create_app(FakeService(), LIMITS), "127.0.0.1", port, 1.0, lambda host, port: None)  # pyright: ignore[reportArgumentType]
