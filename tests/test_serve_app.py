@@ -369,3 +369,24 @@ def test_a_port_in_use_is_a_one_line_error():
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=f"--port {port}: cannot listen there"):
             run_server(create_app(FakeService(), LIMITS), "127.0.0.1", port, 1.0, lambda host, port: None)  # pyright: ignore[reportArgumentType]
+
+
+def test_a_client_gone_while_waiting_cancels_the_handle():
+    """The non-streaming path checks its client between events: gone -> the request is cancelled."""
+    from jaxrl.serve.app import _collect
+
+    class Endless(FakeHandle):
+        async def aevents(self):
+            while not self.cancelled:
+                await asyncio.sleep(0.01)
+                yield Token(0, ids("1")[0], -1.0, 0)
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    parsed = parse({"prompt": "1"}, "completions", LIMITS, "tiny", TOK.vocab_size)
+    handle = Endless({0: ([], "length")})
+    collector = Collector(handle, TOK, parsed)
+    assert asyncio.run(_collect(collector, handle, Gone())) is False  # pyright: ignore[reportArgumentType]
+    assert handle.cancelled and collector.choices[0].ids  # it had started
