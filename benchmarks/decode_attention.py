@@ -11,7 +11,8 @@ work at both):
              cache in its carry (as the engine's chunk loop: no cache copy per step); time per step;
   attention  one layer's cache read alone (`attend_kv_head_major` / `attend_blocked`), same shapes.
 
-"pallas" is left out: on CPU it runs in the Pallas interpreter (a test vehicle, not a kernel).
+"pallas" is left out by default: on CPU it runs in the Pallas interpreter (a test vehicle, not a
+kernel); `--kernels dense,blocked,pallas` on a GPU or TPU times it too (benchmarks/device_check.py).
 Medians of `repeats` calls after a compiling warm-up, wall seconds. Prints one line per case, then
 one JSON line. --small: the tiny model, a 64-slot cache, 2 repeats (a smoke run: structure only).
 """
@@ -29,7 +30,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 
-KERNELS = ("dense", "blocked")
+KERNELS = ("dense", "blocked")  # --kernels' default
 ROWS = 8
 STEPS = 8  # decode steps per timed call of the `step` program
 
@@ -83,12 +84,13 @@ def _attention_fn(cfg, S: int, kernel: str):
     import jax.numpy as jnp
 
     from jaxrl.models.attention import attend_kv_head_major
-    from jaxrl.models.decode_attention import attend_blocked
+    from jaxrl.models.decode_attention import attend_cache, resolve_decode_kernel
 
     keys = jax.random.split(jax.random.PRNGKey(2), 3)
     q = jax.random.normal(keys[0], (ROWS, 1, cfg.n_heads, cfg.head_dim))
     k, v = (jax.random.normal(x, (ROWS, cfg.n_kv_heads, S, cfg.head_dim)) for x in keys[1:])
-    f = attend_kv_head_major if kernel == "dense" else functools.partial(attend_blocked, block=cfg.decode_block)
+    decode = resolve_decode_kernel(kernel, cfg.decode_block)
+    f = attend_kv_head_major if kernel == "dense" else functools.partial(attend_cache, decode=decode)
     read = jax.jit(lambda q, k, v, index_B: f(q, k, v, jnp.arange(S)[None, :] <= index_B[:, None], index_B, q.dtype))
     return lambda fill: read(q, k, v, jnp.full((ROWS,), fill, jnp.int32))
 
@@ -97,14 +99,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny model, 64-slot cache: a smoke run")
     parser.add_argument("--repeats", type=int, default=0, help="timed calls per case (default 15, --small 2)")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated: dense, blocked, pallas")
     args = parser.parse_args(argv)
+    kernels = tuple(k.strip() for k in args.kernels.split(","))
+    if "dense" not in kernels or not set(kernels) <= {"dense", "blocked", "pallas"}:
+        parser.error(f"--kernels: got {args.kernels!r}; expected dense and any of blocked, pallas")
     base = common.tiny() if args.small else common.bench_small()
     S = 64 if args.small else 2048
     block = 16 if args.small else 128
     repeats = args.repeats or (2 if args.small else 15)
     fills = {"eighth": S // 8 - 1, "full": S - 1}  # the slot each row decodes at
     ms: dict[str, dict[str, dict[str, float]]] = {"step": {}, "attention": {}}
-    for kernel in KERNELS:
+    for kernel in kernels:
         cfg = dataclasses.replace(base, decode_attention=kernel, decode_block=block)
         programs = {"step": _step_fn(cfg, S), "attention": _attention_fn(cfg, S, kernel)}
         for program, fn in programs.items():
@@ -116,10 +122,13 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{program:9s} {kernel:7s} fill {name:6s} (slot {fill:4d}/{S}): {seconds * 1e3:8.3f} ms")
     ratios = {
         program: {
-            "blocked_over_dense_eighth": round(t["blocked"]["eighth"] / t["dense"]["eighth"], 3),
-            "blocked_over_dense_full": round(t["blocked"]["full"] / t["dense"]["full"], 3),
-            "dense_full_over_eighth": round(t["dense"]["full"] / t["dense"]["eighth"], 3),
-            "blocked_full_over_eighth": round(t["blocked"]["full"] / t["blocked"]["eighth"], 3),
+            **{
+                f"{k}_over_dense_{fill}": round(t[k][fill] / t["dense"][fill], 3)
+                for k in kernels
+                if k != "dense"
+                for fill in fills
+            },
+            **{f"{k}_full_over_eighth": round(t[k]["full"] / t[k]["eighth"], 3) for k in kernels},
         }
         for program, t in ms.items()
     }

@@ -11,10 +11,14 @@ kill or a timeout fails that stage only; peak device memory is then per stage):
   rollout  the static sampler at the same shape with <= 8 rows: tokens/s, MFU, and decode bandwidth =
            weight bytes / decode-step time against the HBM bandwidth, with the weights as the trainer
            keeps them (float32) and cast once to bfloat16
+  decode   benchmarks/decode_attention.py: the slot engine's decode step and one layer's cache read by
+           decode kernel (dense, blocked, and the Pallas kernel where a GPU or TPU compiles it) at a
+           cache 1/8 and wholly filled: whether the fill-bounded kernels read only what is filled
   train    `jaxrl train` of configs/qwen2.5_0.5b_gsm8k_grpo.py for 3 steps on a random Qwen2.5-0.5B-shaped
            HF checkpoint (bfloat16 safetensors + byte-level BPE tokenizer) and generated GSM8K-format files
   plan     `jaxrl plan`'s compiled memory of the same run's update, to set against the train stage's peak
-  pytest   the GPU-relevant tests (file names with sharding, data_parallel, moe_expert_parallel, attention)
+  pytest   the GPU-relevant tests (file names with sharding, data_parallel, moe_expert_parallel, attention,
+           decode_kernels, int8)
 
     PYTHONPATH=. python benchmarks/device_check.py --out benchmarks/results/device_$(date +%F).json
     PYTHONPATH=. python benchmarks/device_check.py --cpu-smoke        # tiny shapes, no pytest stage (~35 s, 2 cores)
@@ -51,11 +55,11 @@ if TYPE_CHECKING:  # jaxrl.config is imported inside the functions: the parent p
     from jaxrl.config import ModelConfig
 
 RECIPE = "configs/qwen2.5_0.5b_gsm8k_grpo.py"
-STAGES = ("env", "update", "rollout", "train", "plan", "pytest")
-SMOKE_STAGES = ("env", "update", "rollout", "train", "plan")
+STAGES = ("env", "update", "rollout", "decode", "train", "plan", "pytest")
+SMOKE_STAGES = ("env", "update", "rollout", "decode", "train", "plan")
 # Seconds each stage may take at most (the run's --budget-s bounds them all together).
-TIMEOUTS = {"env": 60, "update": 150, "rollout": 180, "train": 240, "plan": 90, "pytest": 300}
-PYTEST_NAMES = ("sharding", "data_parallel", "moe_expert_parallel", "attention")
+TIMEOUTS = {"env": 60, "update": 150, "rollout": 180, "decode": 90, "train": 240, "plan": 90, "pytest": 300}
+PYTEST_NAMES = ("sharding", "data_parallel", "moe_expert_parallel", "attention", "decode_kernels", "int8")
 
 # Datasheet figures by device kind (substring of `device.device_kind`, lower case; first match wins):
 # dense bfloat16 matmul FLOP/s (no sparsity) and HBM bytes/s.
@@ -291,6 +295,20 @@ def _rollout_variant(cfg, params, s: Shapes) -> dict:
     }
 
 
+def stage_decode(args) -> dict:
+    """benchmarks/decode_attention.py: the engine's decode step and one layer's cache read by decode
+    kernel (`model.decode_attention`: dense, blocked, and on a GPU or TPU the Pallas kernel compiled for
+    it) at a cache 1/8 and wholly filled."""
+    import jax
+
+    from benchmarks import decode_attention
+
+    on_device = jax.default_backend() in ("gpu", "tpu")
+    argv = ["--small"] if args.cpu_smoke else ["--repeats", "5"]
+    argv += ["--kernels", "dense,blocked,pallas" if on_device else "dense,blocked"]
+    return {**decode_attention.main(argv), **device_figures()}
+
+
 def train_files(scratch: pathlib.Path, smoke: bool) -> list[str]:
     """Write a random Qwen2.5-shaped HF checkpoint with a tokenizer and GSM8K-format train/test files under
     `scratch`; -> the `--set` overrides that point the recipe at them and keep the run to its stage."""
@@ -428,6 +446,7 @@ RUNNERS = {
     "env": stage_env,
     "update": stage_update,
     "rollout": stage_rollout,
+    "decode": stage_decode,
     "train": stage_train,
     "plan": stage_plan,
     "pytest": stage_pytest,
@@ -506,6 +525,7 @@ def summary(records: list[dict], seconds: float) -> dict:
         "rollout_tokens_per_s": get("rollout", "bfloat16_weights", "tokens_per_s"),
         "decode_hbm_fraction_f32": get("rollout", "float32_weights", "decode_hbm_fraction"),
         "decode_hbm_fraction_bf16": bw,
+        "decode_step_ratios": get("decode", "ratios", "step"),
         "train_completed": get("train", "completed"),
         "pytest": {k: get("pytest", k) for k in ("passed", "failed", "errors")} if "pytest" in by else None,
         "targets": {

@@ -302,7 +302,7 @@ def test_device_check_cpu_smoke_every_stage(tmp_path):
     assert [json.loads(line) for line in out.read_text().splitlines()] == lines
     *stages, last = lines
     by = {r["stage"]: r for r in stages}
-    assert list(by) == ["env", "update", "rollout", "train", "plan"], [r.get("error") for r in stages]
+    assert list(by) == ["env", "update", "rollout", "decode", "train", "plan"], [r.get("error") for r in stages]
     assert all(r["ok"] for r in stages), {r["stage"]: r.get("error") for r in stages}
 
     def finite(x):
@@ -322,6 +322,9 @@ def test_device_check_cpu_smoke_every_stage(tmp_path):
         assert v["decode_hbm_fraction"] is None and v["mfu"] is None
     assert (f32["weight_dtype"], bf16["weight_dtype"]) == ("float32", "bfloat16")
     assert f32["weight_bytes"] == 2 * bf16["weight_bytes"]  # every weight cast once to 2 bytes
+    dec = by["decode"]  # the CPU has no Pallas compiler: dense and blocked only, both fills timed
+    assert set(dec["ms"]["step"]) == {"dense", "blocked"} and dec["ms"]["step"]["dense"]["full"] > 0
+    assert last["decode_step_ratios"] == dec["ratios"]["step"]
     tr = by["train"]
     assert tr["completed"] and tr["steps_logged"] == 1 and tr["last_step"]["step"] == 1
     assert "configs/qwen2.5_0.5b_gsm8k_grpo.py" in tr["command"] and finite(tr["last_step"]["loss"])
