@@ -268,6 +268,22 @@ def test_queue_full_drain_stop_and_bad_engine_arguments():
         ServingEngine(_params(), CFG, eos_id=CFG.vocab_size, pad_id=0, max_prompt_tokens=2, max_new_tokens=2)
 
 
+def test_stop_cancels_decoding_choices_and_events_time_out():
+    """`stop` ends a request mid-decode with Done(.., "cancelled") after the tokens already sent; an
+    event stream with nothing to say within its timeout raises TimeoutError."""
+    engine = _engine(chunk=2)
+    waiting = engine.submit(Request(prompt=(3, 9), max_tokens=T, n=2))
+    with pytest.raises(TimeoutError, match=f"request {waiting.id}: no event within 0.01 s"):
+        next(waiting.events(timeout=0.01))
+    engine.step()
+    engine.stop()
+    tokens, reasons = _choices(waiting.events(timeout=0))
+    assert reasons == {0: "cancelled", 1: "cancelled"} and [len(tokens[i]) for i in (0, 1)] == [2, 2]
+    assert engine.stats()["free_slots"] == S and engine.stats()["cancelled"] == 1
+    with pytest.raises(Draining):
+        engine.start()
+
+
 def test_drain_waits_for_in_flight_requests():
     engine = _engine()
     engine.start()

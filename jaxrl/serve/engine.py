@@ -178,7 +178,10 @@ class Handle:
         self._cond.notify_all()
         waiters, self._waiters = self._waiters, []
         for loop, event in waiters:
-            loop.call_soon_threadsafe(event.set)
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that loop is closed (its reader is gone): nothing to wake
+                pass
 
     def _take(self, start: int) -> tuple[list[Event], bool]:  # under self._cond
         return self._events[start:], self.finished

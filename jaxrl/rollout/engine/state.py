@@ -342,7 +342,13 @@ def choose_tokens_per_slot(key_S, col_S, logits_SxV, sampling_S: SlotSampling):
     temperature_Sx1 = sampling_S.temperature_S[:, None]
     top_p_Sx1 = sampling_S.top_p_S[:, None]
     scaled_SxV = scaled_logits(logits_SxV, temperature_Sx1)
-    scaled_SxV = jnp.where(top_p_Sx1 < 1.0, nucleus_logits(scaled_SxV, top_p_Sx1), scaled_SxV)
+    # The nucleus sorts every row's vocabulary: skipped (cond) in the steps where no slot truncates.
+    scaled_SxV = lax.cond(
+        jnp.any(top_p_Sx1 < 1.0),
+        lambda x: jnp.where(top_p_Sx1 < 1.0, nucleus_logits(x, top_p_Sx1), x),
+        lambda x: x,
+        scaled_SxV,
+    )
     V = scaled_SxV.shape[-1]
     gumbel_SxV = jax.vmap(lambda k, c: jax.random.gumbel(jax.random.fold_in(k, c), (V,), scaled_SxV.dtype))(
         key_S, col_S
