@@ -325,3 +325,68 @@ def test_held_back_and_utf8():
     choice = ChoiceText(Bytes())  # type: ignore[arg-type]
     pieces = [choice.add(b, 0.0) for b in "é!".encode()]
     assert pieces == ["", "é", "!"]
+
+
+def test_every_eos_id_of_the_tokenizer_stops_a_choice():
+    class TwoEos(CharTokenizer):
+        eos_ids = (EOS, 5)
+
+    service = FakeService()
+    service.tokenizer = TwoEos()
+    client_for(service).post("/v1/completions", json={"prompt": "1", "stop_token_ids": [7]})
+    assert service.submitted[0][2].stop_ids == (7, 5)
+
+
+def test_serve_command_errors_name_the_path_or_flag(tmp_path, capsys):
+    from jaxrl.cli import main
+
+    def error(*args) -> str:
+        assert main(["serve", *args]) == 2
+        return capsys.readouterr().err.strip()
+
+    assert error(str(tmp_path / "nope")) == f"jaxrl: error: serve: {tmp_path / 'nope'}: directory not found"
+    assert "neither a run directory" in error(str(tmp_path))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert "a Hugging Face checkpoint, it has no steps" in error(str(tmp_path / "hf"), "--step", "3")
+    step = tmp_path / "elsewhere" / "7"
+    (step / "state").mkdir(parents=True)
+    assert "--config FILE" in error(str(step))
+    run = tmp_path / "run"
+    (run / "checkpoints" / "1" / "state").mkdir(parents=True)
+    assert "--step 2 was not saved" in error(str(run), "--step", "2")
+
+
+def test_a_port_in_use_is_a_one_line_error():
+    import socket
+
+    from jaxrl.config import ConfigError
+    from jaxrl.serve.server import run_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port}: cannot listen there"):
+            run_server(create_app(FakeService(), LIMITS), "127.0.0.1", port, 1.0, lambda host, port: None)  # pyright: ignore[reportArgumentType]
+
+
+def test_a_client_gone_while_waiting_cancels_the_handle():
+    """The non-streaming path checks its client between events: gone -> the request is cancelled."""
+    from jaxrl.serve.app import _collect
+
+    class Endless(FakeHandle):
+        async def aevents(self):
+            while not self.cancelled:
+                await asyncio.sleep(0.01)
+                yield Token(0, ids("1")[0], -1.0, 0)
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    parsed = parse({"prompt": "1"}, "completions", LIMITS, "tiny", TOK.vocab_size)
+    handle = Endless({0: ([], "length")})
+    collector = Collector(handle, TOK, parsed)
+    assert asyncio.run(_collect(collector, handle, Gone())) is False  # pyright: ignore[reportArgumentType]
+    assert handle.cancelled and collector.choices[0].ids  # it had started

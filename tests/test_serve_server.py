@@ -148,3 +148,49 @@ def test_jaxrl_serve_with_the_openai_client(tmp_path, cache_env):
         if server.poll() is None:
             server.kill()
     assert "drained" in (server.stderr.read() if server.stderr else "")
+
+
+@pytest.mark.slow
+def test_chat_with_a_checkpoints_template(tmp_path, cache_env):
+    """A Hugging Face checkpoint with a chat template (a tiny Qwen2, ChatML BPE, Qwen2.5's template): the
+    prompt is transformers' own rendering of the messages, tokenized as the run would, and the reply is
+    the text of the tokens the model drew."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from hf_stand_in import CHATML_SPECIALS, QWEN25, save_bpe_tokenizer, save_tiny_qwen2
+
+    from jaxrl.data.hf_tokenizer import load_tokenizer
+
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25}
+    corpus = ["You are Qwen, created by Alibaba Cloud. You are a helpful assistant. 12+34=46 user system"] * 5
+    save_bpe_tokenizer(tmp_path, corpus, 300, CHATML_SPECIALS, config)
+    save_tiny_qwen2(tmp_path, 300, eos_token_id=2, pad_token_id=0)
+    flags = ["--port", "0", "--max-prompt-tokens", "256", "--max-tokens", "6", "--slots", "2", "--max-n", "1"]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jaxrl.cli", "serve", str(tmp_path), "--model-name", "qwen", *flags],
+        env=child_env(cache_env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        found = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", line)
+        assert found, (line, server.stderr.read() if server.stderr else "")
+        client = openai.OpenAI(base_url=found.group(1), api_key="unused", max_retries=0)
+        messages: list = [{"role": "user", "content": "12+34="}]
+        reply = client.chat.completions.create(model="qwen", messages=messages, temperature=0, logprobs=True)
+        extra = reply.model_extra or {}
+        rendered = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        tok = load_tokenizer(tmp_path)  # the run's tokenizer (no BOS for this one)
+        assert extra["prompt_token_ids"] == tok.encode(rendered) and tok.add_bos is False
+        choice = reply.choices[0]
+        ids = (choice.model_extra or {})["token_ids"]
+        assert choice.message.content == tok.decode(ids) and 1 <= len(ids) <= 6
+        assert choice.logprobs is not None and len(choice.logprobs.content or []) == len(ids)
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0

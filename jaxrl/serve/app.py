@@ -102,6 +102,14 @@ def _tokenize(service: Service, parsed: Parsed, limits: Limits) -> tuple[str, tu
     return text, ids
 
 
+def _other_eos_ids(tokenizer, given: tuple[int, ...]) -> tuple[int, ...]:
+    """A Hugging Face tokenizer's end-of-sequence ids besides `eos_id` (e.g. both <|im_end|> and
+    <|endoftext|>): stop ids of every request, since the tokenizer's text ends at any of them (tokens
+    drawn after one would never show)."""
+    eos_ids = getattr(tokenizer, "eos_ids", ()) or ()
+    return tuple(i for i in eos_ids if i != tokenizer.eos_id and i not in given)
+
+
 def _submit(service: Service, parsed: Parsed, text: str, ids: tuple[int, ...], episode: str | None):
     try:
         request = Request(
@@ -111,7 +119,7 @@ def _submit(service: Service, parsed: Parsed, text: str, ids: tuple[int, ...], e
             top_p=parsed.top_p,
             n=parsed.n,
             seed=parsed.seed,
-            stop_ids=parsed.stop_ids,
+            stop_ids=parsed.stop_ids + _other_eos_ids(service.tokenizer, parsed.stop_ids),
         )
         return service.submit(text, ids, request, episode)
     except RequestError as e:

@@ -89,6 +89,8 @@ def build(args: argparse.Namespace):
         )
     except ValueError as e:
         raise ConfigError(f"serve: {e}") from None
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"serve: --port {args.port}: expected 0..65535 (0: a free port)")
     if args.max_n > args.slots:
         raise ConfigError(
             f"serve: --max-n {args.max_n} is more than --slots {args.slots} (a request's choices decode at once)"
@@ -119,8 +121,8 @@ def build(args: argparse.Namespace):
 
 def run_server(app, host: str, port: int, drain_timeout: float, on_ready) -> None:
     """uvicorn on host:port until SIGTERM / SIGINT; `on_ready(host, port)` once it accepts connections.
-    uvicorn drains the connections in flight, then re-raises the signal it caught: SIGTERM then lands on a
-    handler that ignores it, so the process ends normally (exit 0) after the caller's clean-up."""
+    uvicorn drains the connections in flight, then re-raises the signal it caught: it lands on a handler
+    that ignores it, so the process ends normally (exit 0) after the caller's clean-up."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -134,13 +136,20 @@ def run_server(app, host: str, port: int, drain_timeout: float, on_ready) -> Non
         app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=int(drain_timeout)
     )
     server = Server(config)
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    except SystemExit:  # uvicorn's answer to an address it cannot bind (after logging the OS error)
+        if server.started:
+            raise
+    finally:  # a Ctrl-C from here on (while the engine drains) interrupts as usual
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not server.started:
-        raise ConfigError(f"serve: could not listen on {host}:{port} (in use, or not this machine's address?)")
+        raise ConfigError(
+            f"serve: --host {host} --port {port}: cannot listen there (the port is in use, or the address is "
+            "not this machine's)"
+        )
 
 
 def serve_command(args: argparse.Namespace) -> int:
