@@ -187,6 +187,30 @@ def test_the_budget_cuts_max_tokens_then_refuses_and_truncates():
     assert trace.truncated and trace.loss_mask_T.sum() == 10
 
 
+def test_a_first_prompt_longer_than_the_prompt_width_spills_into_the_row_as_an_observation():
+    engine, rec = _recorder(["1"], budget=Budget(4, 10))
+    rec.open("e", (0,))
+    _drain(rec.submit(*_request("xyz12="), "e"))  # BOS + 6 tokens: 3 past the prompt width of 4
+    assert engine.requests[0].max_tokens == 7  # those 3 come out of the 10-token budget
+    trace = rec.close("e")
+    ids = [TOK.bos_id, *TOK.encode("xyz12=")]
+    assert trace.prompt_P.tolist() == ids[:4] and trace.prompt_mask_P.tolist() == [1] * 4
+    assert trace.tokens_T[:5].tolist() == [*ids[4:], 3 + TOK.chars.index("1"), TOK.eos_id]
+    assert trace.loss_mask_T[:5].tolist() == [0, 0, 0, 1, 1]
+
+
+def test_a_second_request_while_the_first_is_unread_is_refused():
+    pending = FakeHandle(0, Request(prompt=(1,), max_tokens=1), [3], "stop")
+    pending.finished = False
+    engine, rec = _recorder(["a"])
+    engine.submit = lambda request: pending
+    rec.open("e", (0,))
+    rec.submit(*_request("x="), "e")  # accepted, never read
+    with pytest.raises(RequestError, match="in flight") as err:
+        rec.submit(*_request("x=a"), "e")
+    assert err.value.param == "episode"
+
+
 @pytest.mark.parametrize(
     "episode, kw, param",
     [(None, {}, "episode"), ("nope", {}, "episode"), ("e", {"n": 2}, "n")],

@@ -242,7 +242,7 @@ class EpisodeRecorder:
             ep = self._episodes.get(episode)
             if ep is None:
                 raise RequestError("episode", f"{episode!r} is not an episode of this step (finished, or never opened)")
-            if ep.turn is not None and ep.turn.reason is None and ep.turn.seen == 0:
+            if ep.turn is not None and ep.turn.seen == 0 and not ep.handles[-1].finished:  # nothing read yet
                 raise RequestError(
                     "episode", f"{episode!r} has a request in flight; an episode's requests are sequential"
                 )
