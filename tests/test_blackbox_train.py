@@ -3,6 +3,8 @@ engine on 127.0.0.1, the agent's episodes train token-exactly (the update's reco
 the engine's to float noise), and a run SIGKILLed mid-run resumes to the same metrics as an
 uninterrupted run (the agents re-run from their seeds)."""
 
+import json
+
 import pytest
 from conftest import REPO, TINY
 from test_resume import killed_and_resumed_runs, straight_run_once
@@ -35,6 +37,24 @@ RUN_ARGS = [
 def blackbox_run(tmp_path_factory, cache_env):
     """The uninterrupted run of RUN_ARGS, trained once in this process. -> its rows by step."""
     return straight_run_once(RUN_ARGS, tmp_path_factory, cache_env)[1]
+
+
+@pytest.mark.slow
+def test_jaxrl_eval_plays_the_runs_greedy_episodes(tmp_path_factory, cache_env, blackbox_run, tmp_path):
+    """`jaxrl eval` of the run's last checkpoint plays the agent's greedy episodes on the same test
+    records as the run's own evaluation: the same accuracy."""
+    from jaxrl import cli
+
+    workdir = straight_run_once(RUN_ARGS, tmp_path_factory, cache_env)[0]
+    out = tmp_path / "eval.json"
+    args = [RUN_ARGS[0], "--workdir", str(workdir), "--prompts", "8", "--out", str(out), *RUN_ARGS[1:-6]]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXRL_DATA_DIR", cache_env["JAXRL_DATA_DIR"])
+        mp.setenv("JAXRL_CACHE_DIR", cache_env["JAXRL_CACHE_DIR"])
+        assert cli.main(["eval", *args]) == 0
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["greedy/accuracy"] == blackbox_run[STEPS]["eval/accuracy"]
+    assert metrics["greedy/turns"] == blackbox_run[STEPS]["eval/turns"]
 
 
 @pytest.mark.slow
