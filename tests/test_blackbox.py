@@ -328,6 +328,21 @@ def test_task_agent_checks_name_the_field():
     assert not Task("plain", records=records, verifier=lambda completion, finished, record: (0.0, 0.0)).black_box
 
 
+@pytest.mark.parametrize(
+    "override, field",
+    [("rollout.top_k=5", "rollout.top_k"), ("rollout.speculative.enabled=true", "rollout.speculative.enabled")],
+)
+def test_what_black_box_runs_cannot_combine_with_names_the_field(override, field):
+    from conftest import REPO
+
+    from jaxrl.config import load_config
+
+    cfg = load_config(REPO / "configs" / "agent_openai_calculator.py", [override])
+    with pytest.raises(ConfigError) as err:
+        blackbox.check_blackbox_config(cfg, cfg.data.task)
+    assert str(err.value).startswith(field)
+
+
 def test_async_http_client_against_the_app():
     """An async agent's client (httpx.AsyncClient over ASGI) records like the sync one."""
     engine, rec, http = _app(["ab", "c"])

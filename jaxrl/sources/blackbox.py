@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.stream import StreamState, next_batch
+from jaxrl.models.transformer import rollout_params
 from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.serve.recorder import Budget, EpisodeRecorder, EpisodeTrace, episode_id
 from jaxrl.sources.base import Produced
@@ -72,7 +73,7 @@ class AgentServer:
         self.cfg, self.model_cfg, self.tokenizer, self.parallel = cfg, model_cfg, tokenizer, parallel
         self.engine = self.recorder = self._server = self._thread = None
         self.port = 0
-        self._cast = jax.jit(_rollout_params, static_argnames="cfg")
+        self._cast = jax.jit(rollout_params, static_argnames="cfg")
 
     def use(self, params, version: int, sampling: tuple[float, float] | None) -> EpisodeRecorder:
         """Serve `params` as policy `version` from now on (starting the engine and the server the first
@@ -145,12 +146,6 @@ class AgentServer:
             self._server = None
         if self.engine is not None:
             self.engine.stop()
-
-
-def _rollout_params(params, cfg):
-    from jaxrl.models.transformer import rollout_params
-
-    return rollout_params(params, cfg)
 
 
 class Outcome(NamedTuple):
