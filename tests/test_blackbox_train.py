@@ -91,3 +91,62 @@ def test_sigkill_mid_run_resumes_to_the_same_metrics(tmp_path, cache_env, blackb
 
     for step in range(1, STEPS + 1):
         assert untimed(resumed[step]) == untimed(blackbox_run[step]), step
+
+
+@pytest.mark.slow
+def test_the_real_servers_rows_carry_the_trainers_logprobs():
+    """An async agent against the real in-process server (ServingEngine + uvicorn on 127.0.0.1): two
+    requests per episode with the agent's own text in between. Every row's model tokens carry the
+    version they were drawn with and the log-prob the trainer's `token_logprobs` recomputes from the
+    row, at the run's temperature (0.7, whatever the agent asked); the agent's text is observation."""
+    import jax
+    import numpy as np
+
+    from jaxrl.agents.env import AGENT_ALPHABET
+    from jaxrl.config import ModelConfig, load_config
+    from jaxrl.data.registry import Task
+    from jaxrl.data.tokenizer import CharTokenizer
+    from jaxrl.models import transformer as tf
+    from jaxrl.sources import blackbox
+
+    cfg = load_config(RUN_ARGS[0], [*SMALL, "rollout.max_new_tokens=24"])
+    tok = CharTokenizer(AGENT_ALPHABET)
+    model_cfg = ModelConfig(
+        vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64
+    )
+    params = tf.init_params(model_cfg, jax.random.PRNGKey(0))
+
+    async def agent(client, record):
+        first = await client.completions.create(model="policy", prompt=record["prompt"], max_tokens=6, temperature=0)
+        prompt = record["prompt"] + first.choices[0].text + ">ok\n"
+        second = await client.completions.create(model="policy", prompt=prompt, max_tokens=6)
+        return float(len(second.choices[0].text))
+
+    records = [{"id": str(i), "prompt": f"{i}*{i}="} for i in range(3)]
+    task = Task("t", agent=agent, records=records)
+    server = blackbox.AgentServer(cfg, model_cfg, tok)
+    try:
+        server.use(params, 5, (0.7, 1.0))
+        played = blackbox.play_episodes(server, task, agent, records, 2, (0, 1), "t")
+    finally:
+        server.close()
+    assert [o.error for o in played.outcomes] == [None] * 6
+    assert [t.requests for t in played.traces] == [2] * 6
+    batch = blackbox.played_batch(played, 2)
+    logp_BxT, _ = tf.token_logprobs(
+        params,
+        model_cfg,
+        batch.prompt_tokens_BxP,
+        batch.prompt_mask_BxP,
+        batch.tokens_BxT,
+        batch.completion_mask_BxT,
+        0.7,
+    )
+    m = batch.completion_mask_BxT > 0
+    assert m.sum() >= 12  # at least one model token per request
+    np.testing.assert_allclose(np.asarray(logp_BxT)[m], batch.rollout_logp_BxT[m], atol=1e-5)
+    version_BxT = np.stack([t.version_T for t in played.traces])
+    assert (version_BxT[m] == 5).all() and (version_BxT[~m] == -1).all()
+    for t in played.traces:  # the agent's ">ok\n" sits between the two turns, as observation
+        text = tok.decode([int(x) for x, keep in zip(t.tokens_T, t.loss_mask_T) if not keep and x != tok.pad_id])
+        assert text == ">ok\n"
