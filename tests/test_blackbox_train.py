@@ -119,7 +119,8 @@ def test_the_real_servers_rows_carry_the_trainers_logprobs():
     async def agent(client, record):
         first = await client.completions.create(model="policy", prompt=record["prompt"], max_tokens=6, temperature=0)
         prompt = record["prompt"] + first.choices[0].text + ">ok\n"
-        second = await client.completions.create(model="policy", prompt=prompt, max_tokens=6)
+        # more than the episode has left: the recorder cuts it to the budget (rollout.max_new_tokens=24)
+        second = await client.completions.create(model="policy", prompt=prompt, max_tokens=1000)
         return float(len(second.choices[0].text))
 
     records = [{"id": str(i), "prompt": f"{i}*{i}="} for i in range(3)]
@@ -132,6 +133,7 @@ def test_the_real_servers_rows_carry_the_trainers_logprobs():
         server.close()
     assert [o.error for o in played.outcomes] == [None] * 6
     assert [t.requests for t in played.traces] == [2] * 6
+    assert all(t.loss_mask_T.sum() <= 24 - 4 for t in played.traces)  # the budget held (">ok\n" is 4)
     batch = blackbox.played_batch(played, 2)
     logp_BxT, _ = tf.token_logprobs(
         params,

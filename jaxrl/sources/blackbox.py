@@ -113,9 +113,10 @@ class AgentServer:
             parallel=self.parallel,
         )
         self.recorder = EpisodeRecorder(self.engine, self.tokenizer, "policy", Budget(P, T), None)
-        # The recorder, not the app, refuses a context past the episode's budget (a 400 naming max_tokens,
-        # the episode truncated): the app's own prompt limit is only a guard against runaway prompts.
-        limits = Limits(max_prompt_tokens=16 * (P + T), max_tokens=T, max_n=1, api_key=API_KEY)
+        # The recorder, not the app, fits requests to the episode's budget (max_tokens cut to what is left;
+        # a context past it refused with a 400 naming max_tokens, the episode truncated): the app's own
+        # limits are only a guard against runaway requests.
+        limits = Limits(max_prompt_tokens=16 * (P + T), max_tokens=16 * (P + T), max_n=1, api_key=API_KEY)
         app = create_app(self.recorder, limits)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
