@@ -46,6 +46,7 @@ from jaxrl.sources.scoring import combined_reward, reward_metrics
 
 API_KEY = "jaxrl-local"  # the in-process server listens on 127.0.0.1 only; a key keeps stray clients out
 REQUEST_TIMEOUT_S = 600.0
+UNLIMITED = 1 << 30  # the app's prompt and max_tokens limits in a run: the recorder applies the budget
 
 
 def check_blackbox_config(cfg: Config, task_name: str) -> None:
@@ -114,9 +115,9 @@ class AgentServer:
         )
         self.recorder = EpisodeRecorder(self.engine, self.tokenizer, "policy", Budget(P, T), None)
         # The recorder, not the app, fits requests to the episode's budget (max_tokens cut to what is left;
-        # a context past it refused with a 400 naming max_tokens, the episode truncated): the app's own
-        # limits are only a guard against runaway requests.
-        limits = Limits(max_prompt_tokens=16 * (P + T), max_tokens=16 * (P + T), max_n=1, api_key=API_KEY)
+        # a context past it refused with a 400 naming max_tokens, the episode truncated), so the app takes
+        # any prompt and max_tokens its body limit (1 MiB) lets through.
+        limits = Limits(max_prompt_tokens=UNLIMITED, max_tokens=UNLIMITED, max_n=1, api_key=API_KEY)
         app = create_app(self.recorder, limits)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
