@@ -46,6 +46,7 @@ from jaxrl.sources.scoring import combined_reward, reward_metrics
 
 API_KEY = "jaxrl-local"  # the in-process server listens on 127.0.0.1 only; a key keeps stray clients out
 REQUEST_TIMEOUT_S = 600.0
+EVAL_VERSION = -1  # the policy version an evaluation serves (its tokens train nothing)
 UNLIMITED = 1 << 30  # the app's prompt and max_tokens limits in a run: the recorder applies the budget
 
 
@@ -85,9 +86,22 @@ class AgentServer:
             self._start(params, version)
         else:
             self.engine.set_params(params, version)
+            self._await_version(version)
         assert self.recorder is not None
         self.recorder.set_sampling(sampling)
         return self.recorder
+
+    def _await_version(self, version: int, timeout: float = 60.0) -> None:
+        """Wait until the decode thread runs `version`: a chunk it was decoding when set_params came
+        (a cancelled request's last one) must not admit this step's first requests with the old params.
+        (The version a run serves changes at every call: step s serves s - 1, an evaluation EVAL_VERSION,
+        and two evaluations never follow each other.)"""
+        assert self.engine is not None
+        deadline = time.monotonic() + timeout
+        while self.engine.stats()["version"] != version:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the serving engine did not switch to policy version {version} within {timeout} s")
+            time.sleep(0.001)
 
     def _start(self, params, version: int) -> None:
         import uvicorn
@@ -358,7 +372,7 @@ def make_blackbox_evaluator(cfg: Config, task, records: list[dict], server: Agen
     agent, count = task.spec.agent_fn, [0]
 
     def evaluate(params) -> dict:
-        server.use(params, 0, (0.0, 1.0))  # greedy: temperature 0 is the engine's argmax
+        server.use(params, EVAL_VERSION, (0.0, 1.0))  # greedy: temperature 0 is the engine's argmax
         count[0] += 1
         played = play_episodes(server, task.spec, agent, records, 1, (cfg.train.seed, 0), f"eval{count[0]}")
         r = played.rewards_NxK[:, 0]
