@@ -253,6 +253,12 @@ def start_server(flags: list[str], profile: str | None) -> tuple[subprocess.Pope
     return server, found.group(1)
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; all its threads)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of process `pid` (Linux /proc)."""
     for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -277,7 +283,7 @@ async def server_stats(url: str, settle_s: float = 30.0) -> dict:
 # ---- the phases -------------------------------------------------------------------------------------
 
 
-async def overhead_phase(args, client, engine, per_client: list[list[Job]]) -> dict:
+async def overhead_phase(args, client, engine, server: subprocess.Popen, per_client: list[list[Job]]) -> dict:
     """Interleaved rounds of the server and the in-process engine on the same jobs."""
     timeout = args.stress_timeout
 
@@ -293,10 +299,11 @@ async def overhead_phase(args, client, engine, per_client: list[list[Job]]) -> d
     same = True
     for _ in range(args.repeats):
         for side, run in (("server", server_round), ("in_process", engine_round)):
-            c0 = time.process_time()
+            c0, s0 = time.process_time(), cpu_s(server.pid)
             wall, traces = await run()
             flat = [t for ts in traces for t in ts]
-            rounds[side].append({**latency(flat, wall), "client_cpu_s": time.process_time() - c0})
+            cpu = {"client_cpu_s": time.process_time() - c0, "server_cpu_s": cpu_s(server.pid) - s0}
+            rounds[side].append({**latency(flat, wall), **cpu})
             r = rounds[side][-1]
             print(
                 f"{side:>10}: {r['tokens_per_s']:7.1f} tok/s, ttft p50 {r['ttft_p50_s']:.3f} s "
@@ -308,6 +315,11 @@ async def overhead_phase(args, client, engine, per_client: list[list[Job]]) -> d
             else:
                 same = same and server_tokens == [t.tokens for t in flat]
     med = {side: statistics.median(r["tokens_per_s"] for r in rs) for side, rs in rounds.items()}
+    # CPU seconds per token: the server process (+ the clients), against this process serving in-process
+    cpu = {
+        "server": statistics.median((r["server_cpu_s"] + r["client_cpu_s"]) / r["tokens"] for r in rounds["server"]),
+        "in_process": statistics.median(r["client_cpu_s"] / r["tokens"] for r in rounds["in_process"]),
+    }
     return {
         "server_tokens_per_s": med["server"],
         "in_process_tokens_per_s": med["in_process"],
@@ -315,6 +327,8 @@ async def overhead_phase(args, client, engine, per_client: list[list[Job]]) -> d
         "overhead_per_round": [
             i["tokens_per_s"] / s["tokens_per_s"] for s, i in zip(rounds["server"], rounds["in_process"])
         ],
+        "cpu_s_per_token": cpu,
+        "cpu_overhead": cpu["server"] / cpu["in_process"],
         "same_tokens": same,
         "rounds": rounds,
     }
@@ -325,7 +339,7 @@ async def stress_phase(args, client, engine, server: subprocess.Popen, url: str)
     _, ref = await run_clients(lambda job, trace: _engine_request(engine, job, trace), [[j] for j in jobs], 600)
     expected = [r[0].tokens for r in ref]
     rss = [rss_mib(server.pid)]
-    rounds = []
+    rounds, cancelled0 = [], (await server_stats(url))["cancelled"]
     for _ in range(args.stress_rounds):
         wall, traces = await run_clients(
             lambda job, trace: _server_request(client, job, trace), [[j] for j in jobs], args.stress_timeout
@@ -337,9 +351,10 @@ async def stress_phase(args, client, engine, server: subprocess.Popen, url: str)
         lost = len(flat) - left - correct
         stats = await server_stats(url)
         rss.append(rss_mib(server.pid))
+        server_cancelled, cancelled0 = stats["cancelled"] - cancelled0, stats["cancelled"]
         print(
-            f"    stress: {len(completed)} completed ({correct} correct), {left} left, {lost} lost, "
-            f"{wall:.1f} s, server RSS {rss[-1]:.0f} MiB",
+            f"    stress: {len(completed)} completed ({correct} correct), {left} left "
+            f"({server_cancelled} cancelled in the server), {lost} lost, {wall:.1f} s, server RSS {rss[-1]:.0f} MiB",
             flush=True,
         )
         rounds.append(
@@ -348,6 +363,7 @@ async def stress_phase(args, client, engine, server: subprocess.Popen, url: str)
                 "completed": len(completed),
                 "correct": correct,
                 "cancelled_by_client": left,
+                "server_cancelled": server_cancelled,  # left while decoding (the others had finished)
                 "lost_requests": lost,
                 "errors": [t.error for t in flat if t.error][:3],
                 "stats": stats,
@@ -369,7 +385,7 @@ async def drive(args, url: str, engine, server: subprocess.Popen) -> dict:
     vocab = engine.spec.cfg.vocab_size
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=args.stress_timeout)
     try:
-        out = await overhead_phase(args, client, engine, overhead_jobs(args, vocab))
+        out = await overhead_phase(args, client, engine, server, overhead_jobs(args, vocab))
         out["stress"] = await stress_phase(args, client, engine, server, url)
     finally:
         await client.close()
@@ -379,6 +395,7 @@ async def drive(args, url: str, engine, server: subprocess.Popen) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model and shapes (seconds)")
+    ap.add_argument("--model", choices=("bench-small", "tiny"), default="bench-small", help="--small: tiny")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -388,22 +405,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds of each side (interleaved)")
     ap.add_argument("--stress-clients", type=int, default=256)
-    ap.add_argument("--stress-tokens", type=int, default=16)
+    ap.add_argument("--stress-tokens", type=int, default=32)
     ap.add_argument("--stress-rounds", type=int, default=2)
     ap.add_argument("--disconnect-fraction", type=float, default=0.25)
     ap.add_argument("--stress-timeout", type=float, default=300.0, help="seconds one request may take")
     ap.add_argument("--workdir", default=None, help="where the checkpoint goes (default: a temporary directory)")
     ap.add_argument("--profile", default=None, metavar="PATH", help="run the server under cProfile, stats to PATH")
     args = ap.parse_args(argv)
-    cfg = bench_small()
     if args.small:
-        cfg = tiny()
+        args.model = "tiny"
         args.clients, args.requests_per_client, args.prompt_len, args.new_tokens = 4, 2, 8, 12
         args.slots, args.chunk, args.repeats = 4, 4, 1
-        args.stress_clients, args.stress_tokens, args.stress_rounds = 24, 8, 1
+        args.stress_clients, args.stress_tokens, args.stress_rounds = 24, 16, 1
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = pathlib.Path(args.workdir or tmp) / "bench_checkpoint"
-        write_checkpoint(checkpoint, cfg)
+        write_checkpoint(checkpoint, tiny() if args.model == "tiny" else bench_small())
         flags = serve_flags(args, checkpoint)
         from jaxrl.cli import build_parser
         from jaxrl.serve.server import build
@@ -419,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
             server.terminate()
             server.wait(timeout=120)
     out.update(
-        config="tiny" if args.small else "bench-small",
+        config=args.model,
         load_average_before=load_before,
         load_average_after=load_average(),
         args=vars(args),
