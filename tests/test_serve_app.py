@@ -296,6 +296,43 @@ def test_stream_closed_early_cancels_the_handle():
     assert handle.cancelled
 
 
+class BatchedHandle(FakeHandle):
+    """A handle with `abatches`, as the engine's: the script's events in batches of `size`."""
+
+    size = 3
+
+    async def abatches(self):
+        events = list(self._events())
+        for start in range(0, len(events), self.size):
+            yield events[start : start + self.size]
+
+
+def test_stream_sends_one_chunk_per_choice_per_batch():
+    """Two choices' events (1 4 | 2 5 | 3 6 | Done Done) in batches of 3: one SSE chunk per choice per
+    batch (in the order the choices first appear), holding all its tokens of the batch, in one send."""
+    script = {0: (ids("123"), "length"), 1: (ids("456"), "length")}
+    handle, service = BatchedHandle(script), FakeService(script)
+    parsed = parse(
+        {"prompt": "1", "stream": True, "n": 2, "logprobs": 1}, "completions", LIMITS, "tiny", TOK.vocab_size
+    )
+    answer = Answer(service, parsed, (1,), Collector(handle, TOK, parsed))
+
+    async def read():
+        return [part async for part in _stream(answer, handle)]
+
+    parts = asyncio.run(read())  # batches [1 4 2] [5 3 6] [Done Done], then [DONE]
+    assert len(parts) == 4 and parts[-1] == b"data: [DONE]\n\n"
+    sends = [[json.loads(e[6:])["choices"][0] for e in p.decode().split("\n\n") if e] for p in parts[:-1]]
+    got = [[(c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in send] for send in sends]
+    assert got == [
+        [(0, "12", ids("12"), None), (1, "4", ids("4"), None)],
+        [(1, "56", ids("56"), None), (0, "3", ids("3"), None)],
+        [(0, "", [], "length"), (1, "", [], "length")],
+    ]
+    assert sends[0][0]["logprobs"]["token_logprobs"] == [-0.5, -1.5]
+    assert sends[1][0]["logprobs"]["token_logprobs"] == [-1.5, -2.5]
+
+
 def test_openai_client_parses_the_responses():
     service = FakeService({0: (ids("42") + [EOS], "stop")}, chat_template=lambda m: m[-1]["content"])
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client_for(service))

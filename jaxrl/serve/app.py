@@ -24,6 +24,7 @@ import hmac
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -248,15 +249,37 @@ def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
+async def _batches(handle) -> AsyncIterator[list]:
+    """The handle's events a wake-up at a time (`Handle.abatches`: a chunk's tokens together); a handle
+    with only `aevents` (a service's own) one event at a time."""
+    if hasattr(handle, "abatches"):
+        async for batch in handle.abatches():
+            yield batch
+    else:
+        async for event in handle.aevents():
+            yield [event]
+
+
 async def _stream(answer: Answer, handle):
+    """The SSE body: per batch of engine events, one chunk per choice holding all its new tokens (and
+    its finish reason once finished), written in one send."""
     collector, sent, started = answer.collector, [0] * answer.parsed.n, [False] * answer.parsed.n
     try:
-        async for event in handle.aevents():
-            fed = collector.feed(event)
-            if fed is not None:
-                index, piece, token = fed
-                yield sse(answer.chunk(index, piece, token, sent, not started[index]))
-                started[index] = True
+        async for batch in _batches(handle):
+            new: dict[int, tuple[str, bool]] = {}  # choice -> (text released, whether tokens came)
+            for event in batch:
+                fed = collector.feed(event)
+                if fed is not None:
+                    index, piece, token = fed
+                    text, any_token = new.get(index, ("", False))
+                    new[index] = (text + piece, any_token or token)
+                if collector.finished:
+                    break
+            chunks = [sse(answer.chunk(i, piece, token, sent, not started[i])) for i, (piece, token) in new.items()]
+            for i in new:
+                started[i] = True
+            if chunks:
+                yield b"".join(chunks)
             if collector.finished:
                 break
         if answer.parsed.include_usage:
