@@ -158,6 +158,31 @@ class Collector:
             self.handle.cancel()  # no-op when the engine finished them itself
         return event.choice, piece, isinstance(event, Token)
 
+    def feed_batch(self, events: list) -> dict[int, tuple[str, bool]]:
+        """Several engine events (one wake-up's) -> per choice they touch, in the order of their first
+        event: (text released, whether tokens came). A choice's tokens are added together (one decode);
+        a choice already finished gets nothing."""
+        runs: dict[int, tuple[list[int], list[float], list[str]]] = {}
+        for event in events:
+            tokens, logprobs, reasons = runs.setdefault(event.choice, ([], [], []))
+            if isinstance(event, Token):
+                tokens.append(event.token)
+                logprobs.append(event.logprob)
+            else:
+                reasons.append(event.reason)
+        out = {}
+        for index, (tokens, logprobs, reasons) in runs.items():
+            choice = self.choices[index]
+            if choice.finished:
+                continue
+            piece = choice.add_many(tokens, logprobs) if tokens else ""
+            if reasons and not choice.finished:
+                piece += choice.finish(reasons[0])
+            out[index] = (piece, bool(tokens))
+        if self.finished:
+            self.handle.cancel()  # no-op when the engine finished them itself
+        return out
+
 
 def _logprobs(kind: str, choice: ChoiceText, start: int, stop: int, offset: int = 0) -> dict:
     texts = [choice.token_text(i) for i in range(start, stop)]
@@ -262,34 +287,29 @@ async def _batches(handle) -> AsyncIterator[list]:
 
 async def _stream(answer: Answer, handle):
     """The SSE body: per batch of engine events, one chunk per choice holding all its new tokens (and
-    its finish reason once finished), written in one send."""
+    its finish reason once finished), written in one send; the last batch's chunks, the usage chunk and
+    `[DONE]` go together."""
     collector, sent, started = answer.collector, [0] * answer.parsed.n, [False] * answer.parsed.n
+    pending: list[bytes] = []
     try:
         async for batch in _batches(handle):
-            new: dict[int, tuple[str, bool]] = {}  # choice -> (text released, whether tokens came)
-            for event in batch:
-                fed = collector.feed(event)
-                if fed is not None:
-                    index, piece, token = fed
-                    text, any_token = new.get(index, ("", False))
-                    new[index] = (text + piece, any_token or token)
-                if collector.finished:
-                    break
-            chunks = [sse(answer.chunk(i, piece, token, sent, not started[i])) for i, (piece, token) in new.items()]
+            new = collector.feed_batch(batch)
+            pending += [sse(answer.chunk(i, piece, token, sent, not started[i])) for i, (piece, token) in new.items()]
             for i in new:
                 started[i] = True
-            if chunks:
-                yield b"".join(chunks)
             if collector.finished:
                 break
+            if pending:
+                yield b"".join(pending)
+                pending = []
         if answer.parsed.include_usage:
-            yield sse(answer.usage_chunk())
+            pending.append(sse(answer.usage_chunk()))
     except EngineError as e:
-        yield sse(ApiError(500, f"the engine failed: {e}", None, "engine_error").body())
+        pending.append(sse(ApiError(500, f"the engine failed: {e}", None, "engine_error").body()))
     finally:  # also when the client went away (the response task is cancelled / its send fails)
         if not collector.finished:
             handle.cancel()
-    yield sse("[DONE]")
+    yield b"".join([*pending, sse("[DONE]")])
 
 
 async def _collect(collector: Collector, handle, request: HttpRequest) -> bool:
