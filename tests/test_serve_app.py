@@ -5,7 +5,7 @@ server is tests/test_serve_server.py."""
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -311,7 +311,7 @@ def test_stream_sends_one_chunk_per_choice_per_batch():
     """Two choices' events (1 4 | 2 5 | 3 6 | Done Done) in batches of 3: one SSE chunk per choice per
     batch (in the order the choices first appear), holding all its tokens of the batch, in one send."""
     script = {0: (ids("123"), "length"), 1: (ids("456"), "length")}
-    handle, service = BatchedHandle(script), FakeService(script)
+    handle, service = BatchedHandle(script), cast(Any, FakeService(script))
     parsed = parse(
         {"prompt": "1", "stream": True, "n": 2, "logprobs": 1}, "completions", LIMITS, "tiny", TOK.vocab_size
     )
@@ -338,7 +338,7 @@ def test_stream_batch_ends_a_choice_at_its_stop_string():
     sent, its text cut), the rest of the batch is dropped and the handle cancelled."""
     handle = BatchedHandle({0: (ids("12345"), "length")})
     parsed = parse({"prompt": "1", "stream": True, "stop": "34"}, "completions", LIMITS, "tiny", TOK.vocab_size)
-    answer = Answer(FakeService(), parsed, (1,), Collector(handle, TOK, parsed))
+    answer = Answer(cast(Any, FakeService()), parsed, (1,), Collector(handle, TOK, parsed))
 
     async def read():
         return [part async for part in _stream(answer, handle)]
