@@ -331,6 +331,9 @@ def test_stream_sends_one_chunk_per_choice_per_batch():
     ]
     assert sends[0][0]["logprobs"]["token_logprobs"] == [-0.5, -1.5]
     assert sends[1][0]["logprobs"]["token_logprobs"] == [-1.5, -2.5]
+    # text offsets run on across a choice's chunks, as in the whole response
+    assert [sends[0][0]["logprobs"]["text_offset"], sends[1][1]["logprobs"]["text_offset"]] == [[0, 1], [2]]
+    assert [sends[0][1]["logprobs"]["text_offset"], sends[1][0]["logprobs"]["text_offset"]] == [[0], [1, 2]]
 
 
 def test_stream_batch_ends_a_choice_at_its_stop_string():

@@ -241,15 +241,17 @@ class Answer:
             "prompt_token_ids": list(self.prompt_ids),
         }
 
-    def chunk(self, index: int, piece: str, token: bool, sent: list[int], first: bool) -> dict:
-        """One SSE chunk for choice `index`: its released text, its new token (if the event was one), its
-        finish reason once finished. `sent[index]`: the choice's tokens already streamed."""
+    def chunk(self, index: int, piece: str, token: bool, sent: list[int], first: bool, at: list[int]) -> dict:
+        """One SSE chunk for choice `index`: its released text, its new tokens (if tokens came), its
+        finish reason once finished. `sent[index]`: the choice's tokens already streamed; `at[index]`:
+        the text offset of the next one (the sum of the streamed tokens' texts, as `whole` counts)."""
         c = self.collector.choices[index]
         start, stop = sent[index], len(c.ids) if token else sent[index]
         sent[index] = stop
-        logprobs = (
-            _logprobs(self.parsed.kind, c, start, stop, len(c.text)) if self.parsed.logprobs and stop > start else None
-        )
+        logprobs = None
+        if self.parsed.logprobs and stop > start:
+            logprobs = _logprobs(self.parsed.kind, c, start, stop, at[index])
+            at[index] += sum(len(t) for t in logprobs.get("tokens", ()))
         entry: dict = {
             "index": index,
             "logprobs": logprobs,
@@ -289,12 +291,13 @@ async def _stream(answer: Answer, handle):
     """The SSE body: per batch of engine events, one chunk per choice holding all its new tokens (and
     its finish reason once finished), written in one send; the last batch's chunks, the usage chunk and
     `[DONE]` go together."""
-    collector, sent, started = answer.collector, [0] * answer.parsed.n, [False] * answer.parsed.n
+    n = answer.parsed.n
+    collector, sent, started, at = answer.collector, [0] * n, [False] * n, [0] * n
     pending: list[bytes] = []
     try:
         async for batch in _batches(handle):
             new = collector.feed_batch(batch)
-            pending += [sse(answer.chunk(i, piece, token, sent, not started[i])) for i, (piece, token) in new.items()]
+            pending += [sse(answer.chunk(i, text, token, sent, not started[i], at)) for i, (text, token) in new.items()]
             for i in new:
                 started[i] = True
             if collector.finished:
@@ -316,8 +319,8 @@ async def _collect(collector: Collector, handle, request: HttpRequest) -> bool:
     """Feed every event; False when the client went away first (the handle is then cancelled)."""
 
     async def run():
-        async for event in handle.aevents():
-            collector.feed(event)
+        async for batch in _batches(handle):
+            collector.feed_batch(batch)
             if collector.finished:
                 return
 
