@@ -30,6 +30,9 @@ Last line: one JSON object (see `main`).
     PYTHONPATH=. python benchmarks/serve.py --small     # tiny model and shapes (the test)
     PYTHONPATH=. python benchmarks/serve.py             # bench-small, 16 clients (README), CPU: minutes
     PYTHONPATH=. python benchmarks/serve.py --profile /tmp/serve.prof   # the server under cProfile
+
+cProfile sees the server's main thread only: the event loop (HTTP, JSON, detokenization), not the
+engine's decode thread. Read it with `pstats.Stats(PATH).sort_stats("tottime").print_stats(30)`.
 """
 
 from __future__ import annotations
@@ -410,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--disconnect-fraction", type=float, default=0.25)
     ap.add_argument("--stress-timeout", type=float, default=300.0, help="seconds one request may take")
     ap.add_argument("--workdir", default=None, help="where the checkpoint goes (default: a temporary directory)")
-    ap.add_argument("--profile", default=None, metavar="PATH", help="run the server under cProfile, stats to PATH")
+    ap.add_argument("--profile", default=None, metavar="PATH", help="profile the server's event loop to PATH")
     args = ap.parse_args(argv)
     if args.small:
         args.model = "tiny"
