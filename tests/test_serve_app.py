@@ -5,7 +5,7 @@ server is tests/test_serve_server.py."""
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -296,6 +296,63 @@ def test_stream_closed_early_cancels_the_handle():
     assert handle.cancelled
 
 
+class BatchedHandle(FakeHandle):
+    """A handle with `abatches`, as the engine's: the script's events in batches of `size`."""
+
+    size = 3
+
+    async def abatches(self):
+        events = list(self._events())
+        for start in range(0, len(events), self.size):
+            yield events[start : start + self.size]
+
+
+def test_stream_sends_one_chunk_per_choice_per_batch():
+    """Two choices' events (1 4 | 2 5 | 3 6 | Done Done) in batches of 3: one SSE chunk per choice per
+    batch (in the order the choices first appear), holding all its tokens of the batch, in one send."""
+    script = {0: (ids("123"), "length"), 1: (ids("456"), "length")}
+    handle, service = BatchedHandle(script), cast(Any, FakeService(script))
+    parsed = parse(
+        {"prompt": "1", "stream": True, "n": 2, "logprobs": 1}, "completions", LIMITS, "tiny", TOK.vocab_size
+    )
+    answer = Answer(service, parsed, (1,), Collector(handle, TOK, parsed))
+
+    async def read():
+        return [part async for part in _stream(answer, handle)]
+
+    parts = asyncio.run(read())  # batches [1 4 2] [5 3 6] [Done Done]; [DONE] goes with the last
+    assert len(parts) == 3 and parts[-1].endswith(b"\n\ndata: [DONE]\n\n")
+    sends = [[json.loads(e[6:])["choices"][0] for e in p.decode().split("\n\n") if e[6:7] == "{"] for p in parts]
+    got = [[(c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in send] for send in sends]
+    assert got == [
+        [(0, "12", ids("12"), None), (1, "4", ids("4"), None)],
+        [(1, "56", ids("56"), None), (0, "3", ids("3"), None)],
+        [(0, "", [], "length"), (1, "", [], "length")],
+    ]
+    assert sends[0][0]["logprobs"]["token_logprobs"] == [-0.5, -1.5]
+    assert sends[1][0]["logprobs"]["token_logprobs"] == [-1.5, -2.5]
+    # text offsets run on across a choice's chunks, as in the whole response
+    assert [sends[0][0]["logprobs"]["text_offset"], sends[1][1]["logprobs"]["text_offset"]] == [[0, 1], [2]]
+    assert [sends[0][1]["logprobs"]["text_offset"], sends[1][0]["logprobs"]["text_offset"]] == [[0], [1, 2]]
+
+
+def test_stream_batch_ends_a_choice_at_its_stop_string():
+    """Batches [1 2 3] [4 5 Done] with stop "34": "3" is held back, the choice ends at token 4 (its id
+    sent, its text cut), the rest of the batch is dropped and the handle cancelled."""
+    handle = BatchedHandle({0: (ids("12345"), "length")})
+    parsed = parse({"prompt": "1", "stream": True, "stop": "34"}, "completions", LIMITS, "tiny", TOK.vocab_size)
+    answer = Answer(cast(Any, FakeService()), parsed, (1,), Collector(handle, TOK, parsed))
+
+    async def read():
+        return [part async for part in _stream(answer, handle)]
+
+    parts = asyncio.run(read())
+    events = [e[6:] for e in b"".join(parts).decode().split("\n\n") if e]
+    assert len(parts) == 2 and events[-1] == "[DONE]"
+    got = [(c["text"], c["token_ids"], c["finish_reason"]) for c in (json.loads(e)["choices"][0] for e in events[:-1])]
+    assert got == [("12", ids("123"), None), ("", ids("4"), "stop")] and handle.cancelled
+
+
 def test_openai_client_parses_the_responses():
     service = FakeService({0: (ids("42") + [EOS], "stop")}, chat_template=lambda m: m[-1]["content"])
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client_for(service))
@@ -325,6 +382,25 @@ def test_held_back_and_utf8():
     choice = ChoiceText(Bytes())  # type: ignore[arg-type]
     pieces = [choice.add(b, 0.0) for b in "é!".encode()]
     assert pieces == ["", "é", "!"]
+
+
+@pytest.mark.parametrize("stops", [(), ("é!",), ("!",)])
+def test_add_many_releases_what_adding_one_by_one_does(stops):
+    """A batch of tokens (one decode without stop strings) ends as the same tokens, text and finish as
+    the tokens added one at a time; with a stop string, at the token that completes it."""
+
+    class Bytes:  # a byte-level tokenizer: one token per UTF-8 byte
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    tokens = list("ab é! c".encode())
+    one, many = ChoiceText(Bytes(), stops), ChoiceText(Bytes(), stops)  # type: ignore[arg-type]
+    pieces = [one.add(t, -1.0) for t in tokens if not one.finished]
+    released = many.add_many(tokens[:3], [-1.0] * 3) + many.add_many(tokens[3:], [-1.0] * (len(tokens) - 3))
+    assert (many.ids, many.text, many.finish_reason) == (one.ids, one.text, one.finish_reason)
+    assert released == "".join(pieces) == one.text
+    if stops:
+        assert one.finish_reason == "stop" and len(one.ids) < len(tokens)
 
 
 def test_every_eos_id_of_the_tokenizer_stops_a_choice():

@@ -214,6 +214,28 @@ def test_aevents_streams_for_asyncio():
     assert sum(isinstance(e, Done) for e in got) == 2 and sum(isinstance(e, Token) for e in got) == 10
 
 
+def test_abatches_hands_over_a_chunk_at_a_time():
+    """`abatches` gives, per wake-up, every event published since the last: driven by `step`, one chunk's
+    tokens of both choices together (chunk=3, max_tokens=5: 3 + 3 tokens, then 2 + 2 and both Dones)."""
+    engine = _engine()
+    handle = engine.submit(Request(prompt=(3, 9, 4), max_tokens=5, temperature=0.0, n=2))
+
+    async def batches():
+        got, stream = [], handle.abatches()
+        while not handle.finished or len(got) < 2:
+            engine.step()
+            got.append(await anext(stream))
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return got
+
+    got = asyncio.run(batches())
+    assert [e for b in got for e in b] == list(handle.events(timeout=0))
+    kinds = [[(type(e).__name__, e.choice) for e in b] for b in got]
+    assert kinds[0] == [("Token", 0)] * 3 + [("Token", 1)] * 3
+    assert kinds[1] == [("Token", 0)] * 2 + [("Done", 0)] + [("Token", 1)] * 2 + [("Done", 1)]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [

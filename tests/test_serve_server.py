@@ -132,6 +132,18 @@ def _sigterm_drains(server: subprocess.Popen, url: str) -> None:
         httpx.get(f"{url}/models", headers=headers)
 
 
+def test_idle_connections_outlive_the_clients_pools():
+    """The server keeps an idle connection open longer than httpx (the openai client's pool) keeps it, so
+    a pooled connection is never reused just as the server closes it (a request lost in transit)."""
+    from openai._constants import DEFAULT_CONNECTION_LIMITS  # the limits the openai client's pool gets
+
+    from jaxrl.serve.server import uvicorn_config
+
+    config = uvicorn_config(object(), "127.0.0.1", 0, 5.0)
+    expiries = [httpx.Limits().keepalive_expiry, DEFAULT_CONNECTION_LIMITS.keepalive_expiry]
+    assert all(e is not None and config.timeout_keep_alive > e for e in expiries), (config.timeout_keep_alive, expiries)
+
+
 @pytest.mark.slow
 def test_jaxrl_serve_with_the_openai_client(tmp_path, cache_env):
     env = child_env(cache_env)

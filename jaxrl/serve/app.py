@@ -24,6 +24,7 @@ import hmac
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -157,6 +158,31 @@ class Collector:
             self.handle.cancel()  # no-op when the engine finished them itself
         return event.choice, piece, isinstance(event, Token)
 
+    def feed_batch(self, events: list) -> dict[int, tuple[str, bool]]:
+        """Several engine events (one wake-up's) -> per choice they touch, in the order of their first
+        event: (text released, whether tokens came). A choice's tokens are added together (one decode);
+        a choice already finished gets nothing."""
+        runs: dict[int, tuple[list[int], list[float], list[str]]] = {}
+        for event in events:
+            tokens, logprobs, reasons = runs.setdefault(event.choice, ([], [], []))
+            if isinstance(event, Token):
+                tokens.append(event.token)
+                logprobs.append(event.logprob)
+            else:
+                reasons.append(event.reason)
+        out = {}
+        for index, (tokens, logprobs, reasons) in runs.items():
+            choice = self.choices[index]
+            if choice.finished:
+                continue
+            piece = choice.add_many(tokens, logprobs) if tokens else ""
+            if reasons and not choice.finished:
+                piece += choice.finish(reasons[0])
+            out[index] = (piece, bool(tokens))
+        if self.finished:
+            self.handle.cancel()  # no-op when the engine finished them itself
+        return out
+
 
 def _logprobs(kind: str, choice: ChoiceText, start: int, stop: int, offset: int = 0) -> dict:
     texts = [choice.token_text(i) for i in range(start, stop)]
@@ -215,15 +241,17 @@ class Answer:
             "prompt_token_ids": list(self.prompt_ids),
         }
 
-    def chunk(self, index: int, piece: str, token: bool, sent: list[int], first: bool) -> dict:
-        """One SSE chunk for choice `index`: its released text, its new token (if the event was one), its
-        finish reason once finished. `sent[index]`: the choice's tokens already streamed."""
+    def chunk(self, index: int, piece: str, token: bool, sent: list[int], first: bool, at: list[int]) -> dict:
+        """One SSE chunk for choice `index`: its released text, its new tokens (if tokens came), its
+        finish reason once finished. `sent[index]`: the choice's tokens already streamed; `at[index]`:
+        the text offset of the next one (the sum of the streamed tokens' texts, as `whole` counts)."""
         c = self.collector.choices[index]
         start, stop = sent[index], len(c.ids) if token else sent[index]
         sent[index] = stop
-        logprobs = (
-            _logprobs(self.parsed.kind, c, start, stop, len(c.text)) if self.parsed.logprobs and stop > start else None
-        )
+        logprobs = None
+        if self.parsed.logprobs and stop > start:
+            logprobs = _logprobs(self.parsed.kind, c, start, stop, at[index])
+            at[index] += sum(len(t) for t in logprobs.get("tokens", ()))
         entry: dict = {
             "index": index,
             "logprobs": logprobs,
@@ -248,33 +276,51 @@ def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
-async def _stream(answer: Answer, handle):
-    collector, sent, started = answer.collector, [0] * answer.parsed.n, [False] * answer.parsed.n
-    try:
+async def _batches(handle) -> AsyncIterator[list]:
+    """The handle's events a wake-up at a time (`Handle.abatches`: a chunk's tokens together); a handle
+    with only `aevents` (a service's own) one event at a time."""
+    if hasattr(handle, "abatches"):
+        async for batch in handle.abatches():
+            yield batch
+    else:
         async for event in handle.aevents():
-            fed = collector.feed(event)
-            if fed is not None:
-                index, piece, token = fed
-                yield sse(answer.chunk(index, piece, token, sent, not started[index]))
-                started[index] = True
+            yield [event]
+
+
+async def _stream(answer: Answer, handle):
+    """The SSE body: per batch of engine events, one chunk per choice holding all its new tokens (and
+    its finish reason once finished), written in one send; the last batch's chunks, the usage chunk and
+    `[DONE]` go together."""
+    n = answer.parsed.n
+    collector, sent, started, at = answer.collector, [0] * n, [False] * n, [0] * n
+    pending: list[bytes] = []
+    try:
+        async for batch in _batches(handle):
+            new = collector.feed_batch(batch)
+            pending += [sse(answer.chunk(i, text, token, sent, not started[i], at)) for i, (text, token) in new.items()]
+            for i in new:
+                started[i] = True
             if collector.finished:
                 break
+            if pending:
+                yield b"".join(pending)
+                pending = []
         if answer.parsed.include_usage:
-            yield sse(answer.usage_chunk())
+            pending.append(sse(answer.usage_chunk()))
     except EngineError as e:
-        yield sse(ApiError(500, f"the engine failed: {e}", None, "engine_error").body())
+        pending.append(sse(ApiError(500, f"the engine failed: {e}", None, "engine_error").body()))
     finally:  # also when the client went away (the response task is cancelled / its send fails)
         if not collector.finished:
             handle.cancel()
-    yield sse("[DONE]")
+    yield b"".join([*pending, sse("[DONE]")])
 
 
 async def _collect(collector: Collector, handle, request: HttpRequest) -> bool:
     """Feed every event; False when the client went away first (the handle is then cancelled)."""
 
     async def run():
-        async for event in handle.aevents():
-            collector.feed(event)
+        async for batch in _batches(handle):
+            collector.feed_batch(batch)
             if collector.finished:
                 return
 

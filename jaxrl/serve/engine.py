@@ -207,6 +207,14 @@ class Handle:
 
     async def aevents(self) -> AsyncIterator[Event]:
         """`events()` for asyncio: awaits instead of blocking the loop."""
+        async for batch in self.abatches():
+            for event in batch:
+                yield event
+
+    async def abatches(self) -> AsyncIterator[list[Event]]:
+        """`aevents()` a wake-up at a time: each list holds every event that arrived since the last one
+        (a chunk's tokens, for all the request's choices), so a reader's per-wake work (an HTTP write)
+        is paid once per chunk, not once per token."""
         loop = asyncio.get_running_loop()
         i = 0
         while True:
@@ -220,8 +228,8 @@ class Handle:
                 await wake.wait()
                 continue
             i += len(batch)
-            for event in batch:
-                yield event
+            if batch:
+                yield batch
             if finished:
                 self._raise_error()
                 return

@@ -119,6 +119,28 @@ def build(args: argparse.Namespace):
     return create_app(service, limits), engine, name
 
 
+# Seconds an idle keep-alive connection stays open: longer than clients keep one idle in their pools
+# (httpx, so the openai client: 5 s; load balancers: 60 s), so that a client never sends a request on a
+# connection the server is closing at that moment (uvicorn's default is 5 s as well: at 256 clients
+# such a request was lost now and then, benchmarks/serve.py).
+KEEP_ALIVE_S = 65
+
+
+def uvicorn_config(app, host: str, port: int, drain_timeout: float):
+    """uvicorn's settings for `jaxrl serve`."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=int(drain_timeout),
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
+
+
 def run_server(app, host: str, port: int, drain_timeout: float, on_ready) -> None:
     """uvicorn on host:port until SIGTERM / SIGINT; `on_ready(host, port)` once it accepts connections.
     uvicorn drains the connections in flight, then re-raises the signal it caught: it lands on a handler
@@ -132,10 +154,7 @@ def run_server(app, host: str, port: int, drain_timeout: float, on_ready) -> Non
                 bound = self.servers[0].sockets[0].getsockname()
                 on_ready(bound[0], bound[1])
 
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=int(drain_timeout)
-    )
-    server = Server(config)
+    server = Server(uvicorn_config(app, host, port, drain_timeout))
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()

@@ -1,8 +1,9 @@
 """A choice's text as its tokens arrive: decoded incrementally, released in pieces safe to stream, and cut
 before the first stop string. Pure host bookkeeping over a `Tokenizer` (jaxrl.data.tokenizer).
 
-The whole completion is re-decoded after every token (a tokenizer's text of a token can depend on its
-neighbours: byte-level merges, leading spaces), and text is released up to what can no longer change
+The whole completion is re-decoded after every token (without stop strings, after every batch of
+tokens `add_many` takes: a chunk's), since a tokenizer's text of a token can depend on its neighbours
+(byte-level merges, leading spaces), and text is released up to what can no longer change
 or turn into a stop string: a trailing U+FFFD (an unfinished UTF-8 sequence) and a trailing partial
 match of a stop string are held back until the next token settles them. A stop string found in the
 text ends the choice: its text is cut before the stop string, while its tokens (`ids`, `logprobs`) keep
@@ -60,6 +61,27 @@ class ChoiceText:
                 self.text = self.text[: min(hits)]
                 return self.finish("stop")
         ready = len(self.text) - held_back(self.text, self.stops)
+        if ready <= self.sent:
+            return ""
+        piece, self.sent = self.text[self.sent : ready], ready
+        return piece
+
+    def add_many(self, tokens: list[int], logprobs: list[float]) -> str:
+        """`add` of several tokens in order -> the text released by them all. Without stop strings the
+        completion is decoded once for them all (a chunk's tokens: one decode, not one per token); with
+        stop strings token by token, so the choice still ends at the token that completes one."""
+        if self.stops:
+            pieces = []
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                if self.finished:
+                    break
+                pieces.append(self.add(token, logprob))
+            return "".join(pieces)
+        assert not self.finished, "a finished choice takes no tokens"
+        self.ids += [int(t) for t in tokens]
+        self.logprobs += [float(lp) for lp in logprobs]
+        self.text = self.tokenizer.decode(self.ids)
+        ready = len(self.text) - held_back(self.text, ())
         if ready <= self.sent:
             return ""
         piece, self.sent = self.text[self.sent : ready], ready
