@@ -155,7 +155,10 @@ class _Plan(NamedTuple):
 
 
 class RecordedHandle:
-    """An engine Handle whose events, as the server reads them, are recorded into the episode's turn."""
+    """An engine Handle whose events, as the server reads them, are recorded into the episode's turn.
+    It has no `abatches` on purpose: the app then reads it an event at a time and stops at a stop
+    string, so the turn holds exactly the tokens the client's answer was made of (a chunk's batch would
+    also hold the tokens drawn past the stop string)."""
 
     def __init__(self, handle, turn: _Turn, lock: threading.Lock):
         self._handle, self._turn, self._lock = handle, turn, lock
