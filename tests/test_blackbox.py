@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from jaxrl.config import ConfigError
 from jaxrl.data.registry import Task, register_task
 from jaxrl.serve.app import create_app
-from jaxrl.serve.engine import Done, Request, RequestError, Token
 from jaxrl.serve.recorder import Budget, EpisodeRecorder, kept_prefix, request_seed
+from jaxrl.serve.requests import Done, Request, RequestError, Token
 from jaxrl.serve.schema import Limits
 from jaxrl.sources import blackbox
 

@@ -41,7 +41,7 @@ from typing import NamedTuple, cast
 import numpy as np
 
 from jaxrl.data.tokenizer import Tokenizer
-from jaxrl.serve.engine import Done, Handle, Request, RequestError, Token
+from jaxrl.serve.requests import Done, Handle, Request, RequestError, Token
 
 STOP = "stop"
 
