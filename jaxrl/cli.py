@@ -182,7 +182,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-n", type=int, default=8, help="the most choices per request (default 8)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
     s.add_argument("--slots", type=int, default=16, help="sequences decoding at once (default 16)")
-    s.add_argument("--chunk", type=int, default=8, help="decode steps between two publications (default 8)")
+    s.add_argument(
+        "--chunk", type=int, default=8, help="decode steps between two publications while every slot is busy (8)"
+    )
     s.add_argument("--seed", type=int, default=0, help="the engine's key for requests without a seed")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
 

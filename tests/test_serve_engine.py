@@ -16,7 +16,7 @@ from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.sampler import SamplingParams, sample
-from jaxrl.serve.engine import ServingEngine
+from jaxrl.serve.engine import OPEN_CHUNK, ServingEngine
 from jaxrl.serve.requests import Done, Draining, EngineError, QueueFull, Request, RequestError, Token
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -208,13 +208,15 @@ def test_aevents_streams_for_asyncio():
 
 def test_abatches_hands_over_a_chunk_at_a_time():
     """`abatches` gives, per wake-up, every event published since the last: driven by `step`, one chunk's
-    tokens of both choices together (chunk=3, max_tokens=5: 3 + 3 tokens, then 2 + 2 and both Dones)."""
+    tokens of both choices together. Two of the 4 slots stay free, so chunks are OPEN_CHUNK = 2 steps
+    (not chunk=3): max_tokens=5 comes as 2 + 2, 2 + 2, then 1 + 1 with both Dones."""
+    assert OPEN_CHUNK == 2
     engine = _engine()
     handle = engine.submit(Request(prompt=(3, 9, 4), max_tokens=5, temperature=0.0, n=2))
 
     async def batches():
         got, stream = [], handle.abatches()
-        while not handle.finished or len(got) < 2:
+        while not handle.finished or len(got) < 3:
             engine.step()
             got.append(await anext(stream))
         with pytest.raises(StopAsyncIteration):
@@ -224,8 +226,19 @@ def test_abatches_hands_over_a_chunk_at_a_time():
     got = asyncio.run(batches())
     assert [e for b in got for e in b] == list(handle.events(timeout=0))
     kinds = [[(type(e).__name__, e.choice) for e in b] for b in got]
-    assert kinds[0] == [("Token", 0)] * 3 + [("Token", 1)] * 3
-    assert kinds[1] == [("Token", 0)] * 2 + [("Done", 0)] + [("Token", 1)] * 2 + [("Done", 1)]
+    assert kinds[0] == kinds[1] == [("Token", 0)] * 2 + [("Token", 1)] * 2
+    assert kinds[2] == [("Token", 0), ("Done", 0), ("Token", 1), ("Done", 1)]
+
+
+def test_a_full_engine_decodes_whole_chunks():
+    """With every slot taken the chunk is `chunk` steps (3): two requests of n=2 fill the 4 slots."""
+    engine = _engine()
+    handles = [engine.submit(Request(prompt=(3, 9, 4), max_tokens=5, temperature=0.0, n=2)) for _ in range(2)]
+    engine.step()
+    for handle in handles:
+        with handle._cond:
+            first, _ = handle._take(0)
+        assert [e.choice for e in first] == [0, 0, 0, 1, 1, 1]
 
 
 @pytest.mark.parametrize(

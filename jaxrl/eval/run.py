@@ -135,8 +135,8 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
     check_request(req)
     if (get_task(cfg.data.task).episodic or get_task(cfg.data.task).black_box) and req.samples > 1:
         raise EvalError(
-            f"--samples {req.samples}: data.task={cfg.data.task!r} plays episodes, scored by greedy "
-            "episodes only; drop --samples"
+            f"--samples {req.samples}: data.task={cfg.data.task!r} plays episodes (an environment or a "
+            "black-box agent), scored by greedy episodes only; drop --samples"
         )
     cfg = run_model(cfg, located, req.overrides)
     task = load_task(cfg.data)

@@ -11,13 +11,14 @@ seed (docs/engine.md, "Serving: per-request sampling").
     engine.drain(timeout=30.0); engine.stop()
 
 Continuous batching: one decode thread loops admit -> one chunk of at most `chunk` decode steps over
-all slots -> publish. A request's n choices take n free slots at once (first come, first served) and
-share one prefill of its prompt; they decode alongside whatever else is in flight. How each slot
-draws lives in the device state (`state.SlotSampling`, written by `state.place_sampling`), so one
-compiled chunk serves every mix of requests. While requests wait, a chunk ends as soon as enough
-slots are free for the first of them. Every token carries its log-prob under softmax(logits / T)
-(untruncated by top_p, as the trainer's `token_logprobs` recomputes it; temperature 0 is greedy, the
-first argmax, with the T -> 0 limit's log-prob) and the version of the params that drew it.
+all slots (OPEN_CHUNK while a slot is free) -> publish. A request's n choices take n free slots at
+once (first come, first served) and share one prefill of its prompt; they decode alongside whatever
+else is in flight. How each slot draws lives in the device state (`state.SlotSampling`, written by
+`state.place_sampling`), so one compiled chunk serves every mix of requests. While requests wait, a
+chunk ends as soon as enough slots are free for the first of them. Every token carries its log-prob
+under softmax(logits / T) (untruncated by top_p, as the trainer's `token_logprobs` recomputes it;
+temperature 0 is greedy, the first argmax, with the T -> 0 limit's log-prob) and the version of the
+params that drew it.
 
 Noise: choice i of a request draws column c with fold_in(fold_in(base, i), c), base = the raw key
 (seed >> 32, seed & 0xffffffff) of `seed` (jax.random.PRNGKey's form; seeds are taken modulo 2**64),
@@ -62,6 +63,11 @@ from jaxrl.serve.requests import (
 
 log = logging.getLogger(__name__)
 
+# Decode steps per chunk while a slot is free: a request arriving mid-chunk waits at most this many
+# steps for admission. Clients that send their next request when the last one ends would otherwise
+# wait out a whole `chunk` (about 10% of their throughput at chunk 8: benchmarks/serve.py).
+OPEN_CHUNK = 2
+
 
 @dataclasses.dataclass
 class _Choice:
@@ -100,12 +106,12 @@ class ServingEngine:
         admit_batch: int = 1,
         parallel: Parallel | None = None,
     ):
-        """slots: S decoding slots; max_prompt_tokens / max_new_tokens: the engine's prompt width and
-        completion limit (its cache holds their sum per slot); max_n: the most choices per request
-        (each admission prefills once and copies to max_n rows); chunk: decode steps between two
-        publications; max_stop_ids: stop ids a request may give; admit_batch: prompts per prefill
-        call; rng: a raw key (jax.random.PRNGKey) for unseeded requests; parallel (MoE): the
-        experts' mesh axis, as the engine's."""
+        """slots: S decoding slots; max_prompt_tokens / max_new_tokens: the engine's prompt width and completion
+        limit (its cache holds their sum per slot); max_n: the most choices per request (each admission prefills
+        once and copies to max_n rows); chunk: decode steps between two publications while every slot is busy
+        (OPEN_CHUNK while one is free); max_stop_ids: stop ids a request may give; admit_batch: prompts per
+        prefill call; rng: a raw key (jax.random.PRNGKey) for unseeded requests; parallel (MoE): the experts'
+        mesh axis, as the engine's."""
         V = model_cfg.vocab_size
         for name, value, low in (
             ("slots", slots, 1),
@@ -126,7 +132,8 @@ class ServingEngine:
         if jax.numpy.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)
         self.max_prompt_tokens, self.max_new_tokens, self.max_n = max_prompt_tokens, max_new_tokens, max_n
-        self.chunk, self.max_queue, self.admit_batch = chunk, max_queue, admit_batch
+        self.chunk, self.open_chunk = chunk, min(OPEN_CHUNK, chunk)
+        self.max_queue, self.admit_batch = max_queue, admit_batch
         self.spec = EngineSpec(
             model_cfg,
             slots,
@@ -285,7 +292,8 @@ class ServingEngine:
         with self._cond:
             # An int either way (None would compile a second chunk program).
             stop_at = self._queue[0].request.n if self._queue else self.spec.slots
-        self.pool.decode(self._lparams, self.chunk, self._version, 0.0, stop_at)
+        n_steps = self.open_chunk if len(self.pool.free()) else self.chunk  # traced: one compile either way
+        self.pool.decode(self._lparams, n_steps, self._version, 0.0, stop_at)
         self._publish()
         with self._cond:
             self._counts["chunks"] += 1
