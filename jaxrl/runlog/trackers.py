@@ -96,7 +96,7 @@ class WandbTracker:
     name = "wandb"
 
     def __init__(self, log_cfg: LogConfig, workdir: pathlib.Path, config: dict):
-        import wandb
+        import wandb  # pyright: ignore[reportMissingImports] (an optional extra)
 
         saved = _read_ids(workdir).get("wandb", {})
         run_id = saved.get("id") or uuid.uuid4().hex[:12]  # W&B ids: letters and digits
@@ -130,8 +130,8 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, log_cfg: LogConfig, workdir: pathlib.Path, config: dict):
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
+        from mlflow.entities import Param  # pyright: ignore[reportMissingImports]
+        from mlflow.tracking import MlflowClient  # pyright: ignore[reportMissingImports]
 
         uri = log_cfg.mlflow_tracking_uri or None
         self.client = MlflowClient(uri)
@@ -149,7 +149,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, params=params[i : i + MLFLOW_BATCH])
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # pyright: ignore[reportMissingImports]
 
         now = int(time.time() * 1000)
         metrics = [Metric(mlflow_key(k), v, now, step) for k, v in values.items()]
