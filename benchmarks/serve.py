@@ -183,7 +183,7 @@ async def _server_request(client, job: Job, trace: Trace) -> None:
 
 
 async def _engine_request(engine, job: Job, trace: Trace) -> None:
-    from jaxrl.serve.engine import Done, Request, Token
+    from jaxrl.serve.requests import Done, Request, Token
 
     trace.sent = time.perf_counter()
     request = Request(job.prompt, job.max_tokens, temperature=job.temperature, seed=job.seed)

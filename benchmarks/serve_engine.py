@@ -31,7 +31,8 @@ from jaxrl.config import EngineConfig, ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.sampler import SamplingParams
-from jaxrl.serve.engine import Request, ServingEngine, Token
+from jaxrl.serve.engine import ServingEngine
+from jaxrl.serve.requests import Request, Token
 
 SMALL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 BENCH_SMALL = ModelConfig(

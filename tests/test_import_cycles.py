@@ -24,7 +24,9 @@ ALLOWED = {
     "multihost": set(),
     "agents": {"config", "data"},
     "rollout": {"config", "models", "sharding", "multihost"},
-    "sources": {"config", "models", "data", "sharding", "multihost", "agents", "rollout"},
+    # sources: black-box agents (sources/blackbox.py) play through the run's own server (serve's engine,
+    # app and recorder; never serve/server.py, the command)
+    "sources": {"config", "models", "data", "sharding", "multihost", "agents", "rollout", "serve"},
     # serve: the engine and the HTTP layer sit on rollout (a training run may serve its own engine); only
     # serve/server.py, the `jaxrl serve` command, reaches up to eval's policy loading
     "serve": {"config", "models", "data", "sharding", "multihost", "rollout", "policy", "eval"},

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from jaxrl.data.tokenizer import CharTokenizer
 from jaxrl.serve.app import Answer, Collector, _stream, create_app
-from jaxrl.serve.engine import Done, Draining, EngineError, QueueFull, RequestError, Token
+from jaxrl.serve.requests import Done, Draining, EngineError, QueueFull, RequestError, Token
 from jaxrl.serve.schema import Limits, parse
 from jaxrl.serve.text import ChoiceText, held_back
 

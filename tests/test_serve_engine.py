@@ -16,16 +16,8 @@ from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
 from jaxrl.rollout.engine import state as es
 from jaxrl.rollout.sampler import SamplingParams, sample
-from jaxrl.serve.engine import (
-    Done,
-    Draining,
-    EngineError,
-    QueueFull,
-    Request,
-    RequestError,
-    ServingEngine,
-    Token,
-)
+from jaxrl.serve.engine import ServingEngine
+from jaxrl.serve.requests import Done, Draining, EngineError, QueueFull, Request, RequestError, Token
 
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 EOS, PAD = 28, 0

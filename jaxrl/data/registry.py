@@ -5,6 +5,7 @@ A user's config file registers its own task before `get_config()` runs, so the n
 
     register_task(Task("echo", records=my_records, verifier=my_verifier))          # a text task
     register_task(Task("agent_mygame", environment=EnvSuite("agent_mygame", ...)))  # an environment
+    register_task(Task("my_agent", agent=my_agent, records=my_records))              # a black-box agent
 
 Records are dicts of str with "id" and "prompt" ("answer": the reference a text task's warm start
 imitates; "info": anything the verifier reads). Every character of a record's prompt and answer (and
@@ -57,6 +58,11 @@ class Task:
         run does not read them all to check.
     check(data_cfg, prefix): the task's own checks of data.* fields (ConfigError naming the field).
     builder / params: built-in tasks only, their TFDS builder ("module:attr") and its kwargs for a config.
+    agent: a black-box agent (docs/agents.md): `agent(client, record) -> reward | None`, a plain or an
+        async function (or its "module:attr") given an `openai.OpenAI` (async: `openai.AsyncOpenAI`)
+        client pointed at the run's own engine; None as the reward: `verifier` scores the last
+        completion. Its records are `records` (a text task's) or `environment`'s, whose teacher then
+        makes the warm start; its episodes replace the environment's in training and evaluation.
     """
 
     name: str
@@ -70,11 +76,24 @@ class Task:
     check: Callable[[DataConfig, str], None] | None = None
     builder: str | None = None
     params: Callable[[DataConfig], dict] | None = None
+    agent: Callable[..., Any] | str | None = None
 
     @property
     def episodic(self) -> bool:
         """Multi-turn episodes against an environment (else single completions scored by the verifier)."""
         return self.environment is not None
+
+    @property
+    def black_box(self) -> bool:
+        """Episodes played by a black-box agent function through the run's OpenAI-compatible server."""
+        return self.agent is not None
+
+    @property
+    def agent_fn(self) -> Callable[..., Any]:
+        """The agent function (imported on first use when registered as "module:attr")."""
+        if self.agent is None:
+            raise ConfigError(f"data.task: {self.name!r} has no agent (Task.agent)")
+        return resolve(self.agent) if isinstance(self.agent, str) else self.agent
 
     @property
     def suite(self):
@@ -133,6 +152,10 @@ def register_task(task: Task) -> Task:
         raise ConfigError(f"register_task: task name {task.name!r} is not a word (letters, digits, '_', '-')")
     if task.name in _BUILT_IN:
         raise ConfigError(f"register_task: {task.name!r} is a built-in task; choose another name")
+    if task.black_box:
+        _check_agent_task(task)
+        _TASKS[task.name] = task
+        return task
     if task.episodic == (task.records is not None or task.verifier is not None):
         raise ConfigError(
             f"register_task: task {task.name!r} needs records and a verifier (a text task) or an environment, "
@@ -148,6 +171,22 @@ def register_task(task: Task) -> Task:
         raise ConfigError(f"register_task: task {task.name!r} has no records")
     _TASKS[task.name] = task
     return task
+
+
+def _check_agent_task(task: Task) -> None:
+    """A black-box agent's task: a callable agent, and records from exactly one of records / environment."""
+    if not (callable(task.agent) or (isinstance(task.agent, str) and ":" in task.agent)):
+        raise ConfigError(
+            f"register_task: task {task.name!r}: Task.agent is {task.agent!r}, expected a function "
+            "agent(client, record) -> reward | None (or its 'module:attr')"
+        )
+    if (task.records is None) == (task.environment is None):
+        raise ConfigError(
+            f"register_task: task {task.name!r} has an agent; it needs its records from exactly one of "
+            "Task.records and Task.environment"
+        )
+    if task.verifier is not None and not callable(task.verifier):
+        raise ConfigError(f"register_task: task {task.name!r}: Task.verifier is not callable")
 
 
 def get_task(name: str, field: str = "data.task") -> Task:

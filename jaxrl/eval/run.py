@@ -133,9 +133,9 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
     from jaxrl.sharding import make_mesh, parallel_for
 
     check_request(req)
-    if get_task(cfg.data.task).episodic and req.samples > 1:
+    if (get_task(cfg.data.task).episodic or get_task(cfg.data.task).black_box) and req.samples > 1:
         raise EvalError(
-            f"--samples {req.samples}: data.task={cfg.data.task!r} is an environment, scored by greedy "
+            f"--samples {req.samples}: data.task={cfg.data.task!r} plays episodes, scored by greedy "
             "episodes only; drop --samples"
         )
     cfg = run_model(cfg, located, req.overrides)
@@ -146,7 +146,16 @@ def run_eval(cfg: Config, req: EvalRequest, located: Located) -> tuple[dict, pat
     if jnp.dtype(policy.model_cfg.dtype) != jnp.float32:  # every forward below is a rollout's: cast once
         policy = policy._replace(params=jax.jit(rollout_params, static_argnames="cfg")(policy.params, policy.model_cfg))
     ep = parallel_for(mesh, preset)  # rows split over the batch axes, MoE experts as training splits them
-    if task.spec.episodic:  # the trainer's held-out episodes (jaxrl.sources.agents)
+    if task.spec.black_box:  # the trainer's greedy episodes of the agent, through an in-process server
+        from jaxrl.sources.blackbox import AgentServer, make_blackbox_evaluator
+
+        kept, server = records, AgentServer(cfg, policy.model_cfg, policy.tokenizer, ep)
+        try:
+            evaluate = make_blackbox_evaluator(cfg, task, records, server)
+            metrics = {f"greedy/{k.split('/', 1)[1]}": v for k, v in evaluate(policy.params).items()}
+        finally:
+            server.close()
+    elif task.spec.episodic:  # the trainer's held-out episodes (jaxrl.sources.agents)
         kept = records
         evaluate = make_agent_evaluator(cfg, policy.model_cfg, policy.tokenizer, task.spec.suite, records, ep)
         metrics = {f"greedy/{k.split('/', 1)[1]}": v for k, v in evaluate(policy.params).items()}

@@ -32,7 +32,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxrl.serve.engine import Done, Draining, EngineError, QueueFull, Request, RequestError, Token
+from jaxrl.serve.requests import Done, Draining, EngineError, QueueFull, Request, RequestError, Token
 from jaxrl.serve.schema import CHAT, COMPLETIONS, ApiError, Limits, Parsed, bad, parse
 from jaxrl.serve.service import Service
 from jaxrl.serve.text import ChoiceText

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from jaxrl.data.tokenizer import Tokenizer
-from jaxrl.serve.engine import Handle, Request
+from jaxrl.serve.requests import Handle, Request
 
 
 class Service(Protocol):

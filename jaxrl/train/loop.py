@@ -48,6 +48,7 @@ from jaxrl.sharding import (
     replicated,
 )
 from jaxrl.sources.agents import AgentSource, check_agent_config, make_agent_evaluator
+from jaxrl.sources.blackbox import AgentServer, BlackBoxSource, check_blackbox_config, make_blackbox_evaluator
 from jaxrl.sources.groups import EngineSource, StaticSource
 from jaxrl.sources.sampler import SamplerSource
 from jaxrl.sources.scoring import RowLayout, assemble_batch
@@ -187,6 +188,8 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord, loss: Loss | N
             emit(run.log, bar, *pending)
     finally:
         run.saver.close()
+        if (close := getattr(run.source, "close", None)) is not None:  # a black-box run's server and engine
+            close()
         run.log.close()
         bar.close()
         for s, handler in previous.items():
@@ -214,7 +217,9 @@ def build_run(
     if loss is None:
         loss = make_loss(cfg.loss)
         check_rollout(cfg.loss.preset, G)
-    if get_task(cfg.data.task).episodic:
+    if get_task(cfg.data.task).black_box:
+        check_blackbox_config(cfg, cfg.data.task)
+    elif get_task(cfg.data.task).episodic:
         check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)
     optimizer = run_optimizer(cfg)
@@ -282,6 +287,12 @@ def _rollout_side(cfg: Config, model_cfg, tokenizer, task, layout, policy_rng: t
     (laid out by `layout`; for shapes and step costs) and the state's RNG."""
     mesh, preset, param_sh, rep = layout
     ep = parallel_for(mesh, preset)  # every rollout and evaluation forward (MoE: the update's expert axis)
+    if task.spec.black_box:  # a black-box agent through the run's own server (jaxrl.sources.blackbox)
+        server = AgentServer(cfg, model_cfg, tokenizer, ep)
+        return (
+            BlackBoxSource(cfg, model_cfg, tokenizer, task, host, server),
+            make_blackbox_evaluator(cfg, task, eval_records(cfg, task.test), server),
+        )
     if task.spec.episodic:  # multi-turn episodes (jaxrl.sources.agents)
         suite = task.spec.suite
         return (
