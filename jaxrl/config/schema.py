@@ -353,6 +353,44 @@ class MeshConfig:
             )
 
 
+LOG_BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")
+WANDB_MODES = ("offline", "online")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Where each step's metrics row goes besides `metrics.jsonl` (always written: resume and the plots read
+    it). backends: any of "jsonl", "tensorboard" (both by default), "wandb", "mlflow" (their own libraries,
+    the optional extras `pip install 'jaxrl[wandb]'` / `'jaxrl[mlflow]'`; jaxrl.runlog.trackers). Only
+    process 0 logs; a tracker's run id is kept in the workdir, so a resumed run continues the same run.
+    project: the W&B project and the MLflow experiment; run_name: "" -> the workdir's name.
+    wandb_mode: "offline" (the default: files under <workdir>/wandb, `wandb sync` uploads them) or
+    "online". mlflow_tracking_uri: "" -> MLflow's own default ($MLFLOW_TRACKING_URI), e.g.
+    "file:/path/mlruns" (a local store) or "http://host:5000"."""
+
+    backends: tuple[str, ...] = ("jsonl", "tensorboard")
+    project: str = "jaxrl"
+    run_name: str = ""
+    wandb_mode: str = "offline"
+    wandb_entity: str = ""
+    mlflow_tracking_uri: str = ""
+
+    def validate(self, prefix: str = "log") -> None:
+        allowed = " and ".join((", ".join(map(repr, LOG_BACKENDS[:-1])), repr(LOG_BACKENDS[-1])))
+        for name in self.backends:
+            _check(name in LOG_BACKENDS, f"{prefix}.backends", f"names from {allowed}", self.backends)
+        _check(len(set(self.backends)) == len(self.backends), f"{prefix}.backends", "each name once", self.backends)
+        _check(
+            "jsonl" in self.backends,
+            f"{prefix}.backends",
+            "a tuple that includes 'jsonl' (metrics.jsonl is what a resume and the plots read)",
+            self.backends,
+        )
+        _check(self.project.strip() != "", f"{prefix}.project", "a non-empty name", self.project)
+        modes = " or ".join(map(repr, WANDB_MODES))
+        _check(self.wandb_mode in WANDB_MODES, f"{prefix}.wandb_mode", modes, self.wandb_mode)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
@@ -365,6 +403,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     agent: AgentConfig = AgentConfig()
+    log: LogConfig = LogConfig()
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):

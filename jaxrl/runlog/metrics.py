@@ -1,15 +1,18 @@
-"""Where metrics go: `metrics.jsonl` (one object per step), TensorBoard events (tb_events.py) and a PNG plot."""
+"""Where metrics go: `metrics.jsonl` (one object per step), TensorBoard events (tb_events.py), the
+trackers `log.backends` names (W&B, MLflow: trackers.py) and a PNG plot."""
 
 from __future__ import annotations
 
 import json
 import math
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxrl.runlog.tb_events import ScalarEventWriter
+from jaxrl.runlog.trackers import Tracker
 
 
 def _plain(v: Any) -> Any:
@@ -23,12 +26,23 @@ def _plain(v: Any) -> Any:
 class MetricsLog:
     """Appends one JSON object per step; on resume it first drops the steps after the checkpoint,
     so the file reads exactly as an uninterrupted run's. With `write=False` (every process but the
-    first of a multi-process run) it only keeps this session's rows in memory: no file, no events."""
+    first of a multi-process run) it only keeps this session's rows in memory: no file, no events.
+    `tensorboard`: write the events too (log.backends); `trackers`: each row also goes to these
+    (jaxrl.runlog.trackers.open_trackers), after it is in the file."""
 
-    def __init__(self, workdir: pathlib.Path, resume_step: int | None, write: bool = True):
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        resume_step: int | None,
+        write: bool = True,
+        *,
+        tensorboard: bool = True,
+        trackers: Sequence[Tracker] = (),
+    ):
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self.rows: list[dict] = []
         self._write = write
+        self._trackers = tuple(trackers) if write else ()
         self._tb: ScalarEventWriter | None = None
         self._tb_dir: pathlib.Path | None = None
         if not write:
@@ -42,8 +56,9 @@ class MetricsLog:
                 if resume_step is not None and row.get("step", 0) <= resume_step:
                     self.rows.append(row)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-        self._tb_dir = pathlib.Path(workdir) / "tensorboard"  # the event file opens with the first row:
-        # a session that logs nothing (a finished run rerun) leaves no empty one behind
+        if tensorboard:
+            self._tb_dir = pathlib.Path(workdir) / "tensorboard"  # the event file opens with the first row:
+            # a session that logs nothing (a finished run rerun) leaves no empty one behind
 
     def write(self, row: dict) -> None:
         row = {k: _plain(v) for k, v in row.items()}
@@ -59,6 +74,8 @@ class MetricsLog:
             numbers.pop("step", None)
             self._tb.add_scalars(row["step"], numbers)
             self._tb.flush()  # a step is rare and its record small: TensorBoard sees every step as it ends
+        for tracker in self._trackers:
+            tracker.write(row)
 
     def flush(self) -> None:
         if self._tb is not None:
@@ -67,6 +84,8 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def _nan_if_none(x: float | None) -> float:

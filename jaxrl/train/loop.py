@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxrl.config import Config, ConfigError, LossConfig
+from jaxrl.config import Config, ConfigError, LossConfig, to_dict
 from jaxrl.data.registry import get_task
 from jaxrl.data.stream import StreamState, from_arrays
 from jaxrl.losses import Loss, check_loss, check_rollout, make_loss
@@ -38,6 +38,7 @@ from jaxrl.policy.warmstart import cache_root
 from jaxrl.runlog.metrics import MetricsLog, plot
 from jaxrl.runlog.report import emit
 from jaxrl.runlog.summary import start_line, stopped_line, summary
+from jaxrl.runlog.trackers import check_backends, open_trackers
 from jaxrl.sharding import (
     batch_sharding,
     check_batch_divides,
@@ -131,6 +132,7 @@ def train(
     if loss is not None:
         loss = check_loss(loss, "train(loss=...)")
         cfg = _given_loss(cfg, loss)
+    check_backends(cfg.log)  # a tracker's missing library is an error before the workdir is touched
     with open_run(cfg, pathlib.Path(workdir), allow_config_change) as record:
         return _train(cfg, pathlib.Path(workdir), record, loss)
 
@@ -243,7 +245,14 @@ def build_run(
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
     resumed_step, state, stream, host = _restore(manager, state, loss, record, lora)
     policy = policy_for(lora, state_sh, param_sh, own, model_cfg)
-    log = MetricsLog(workdir, resume_step=resumed_step, write=is_primary())
+    trackers = open_trackers(cfg.log, workdir, json.loads(json.dumps(to_dict(cfg)))) if is_primary() else []
+    log = MetricsLog(
+        workdir,
+        resume_step=resumed_step,
+        write=is_primary(),
+        tensorboard="tensorboard" in cfg.log.backends,
+        trackers=trackers,
+    )
 
     update_fn = update_builder(cfg, model_cfg, loss, optimizer, parallel_for(mesh, preset), lora)
     rows = RowLayout(rows_sharding, process_rows(rows_sharding, B), B)

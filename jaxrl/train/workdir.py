@@ -4,7 +4,7 @@ A jaxrl run is a directory whose `config.json` has `Config`'s layout, next to `c
 `metrics.jsonl` and the lock file. `open_run` checks, before anything is written, that `--workdir` is
 (or can be made) a writable directory; that it is new, empty, or a jaxrl run (any other non-empty
 directory is refused); that the config agrees with the saved one (a difference is refused naming each
-field: `model.*` always, anything else unless `allow_change`, except FREE_FIELDS; an allowed change goes
+field: `model.*` always, anything else unless `allow_change`, except FREE_FIELDS and `log.*`; an allowed change goes
 to `config_history.jsonl`, and `config.json` is rewritten once the checkpoint restored,
 `RunRecord.commit`); and that no other `jaxrl train` holds it (an exclusive `flock` on `jaxrl.lock`,
 taken by process 0 only). docs/runs.md ("Workdir rules") has the reasons.
@@ -31,6 +31,13 @@ LOCK = "jaxrl.lock"
 FREE_FIELDS = frozenset(
     {"train.progress", "train.log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save"}
 )
+FREE_PREFIX = "log."  # where the metrics go (log.backends, trackers' names): free as FREE_FIELDS
+
+
+def _free(field: str) -> bool:
+    return field in FREE_FIELDS or field.startswith(FREE_PREFIX)
+
+
 FIXED_PREFIX = "model."  # the checkpoints hold this model: its fields never change within a run
 
 
@@ -76,7 +83,7 @@ def check_changes(workdir: pathlib.Path, changes: dict, allow_change: bool) -> N
             f"saved -> new): its checkpoints cannot be resumed as this model. Use a new --workdir, "
             f"or rerun without changing model.* to resume"
         )
-    refused = {k: v for k, v in changes.items() if k not in FREE_FIELDS}
+    refused = {k: v for k, v in changes.items() if not _free(k)}
     if refused and not allow_change:
         steps = (
             "; train.steps also reshapes the learning-rate schedule when optim.decay_steps=0"
@@ -206,7 +213,7 @@ def open_run(cfg: Config, workdir: pathlib.Path, allow_change: bool = False) -> 
     if any_process(failure is not None):
         raise failure or WorkdirError(f"--workdir {str(workdir)!r}: process 0 could not lock it")
     record = RunRecord(workdir, cfg, saved, changes, is_primary())
-    if not resuming or changes.keys() <= FREE_FIELDS:  # a new run, or nothing that needs the restore first
+    if not resuming or all(map(_free, changes)):  # a new run, or nothing that needs the restore first
         record.write_config()
         record.changes = {}
     try:
