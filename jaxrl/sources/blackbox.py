@@ -32,12 +32,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.stream import StreamState, next_batch
-from jaxrl.models.transformer import rollout_params
 from jaxrl.rollout.batch import RolloutBatch
 from jaxrl.serve.recorder import Budget, EpisodeRecorder, EpisodeTrace, episode_id
 from jaxrl.sources.base import Produced
@@ -75,13 +73,12 @@ class AgentServer:
         self.cfg, self.model_cfg, self.tokenizer, self.parallel = cfg, model_cfg, tokenizer, parallel
         self.engine = self.recorder = self._server = self._thread = None
         self.port = 0
-        self._cast = jax.jit(rollout_params, static_argnames="cfg")
 
     def use(self, params, version: int, sampling: tuple[float, float] | None) -> EpisodeRecorder:
         """Serve `params` as policy `version` from now on (starting the engine and the server the first
-        time); sampling: the (temperature, top_p) every request gets, None: the agent's own."""
-        if jnp.dtype(self.model_cfg.dtype) != jnp.float32:  # every forward is a rollout's, as `jaxrl serve`'s
-            params = self._cast(params, cfg=self.model_cfg)
+        time); sampling: the (temperature, top_p) every request gets, None: the agent's own. `params`
+        come as the loop and `jaxrl eval` hand a policy over, already cast to the compute dtype once per
+        version (`transformer.rollout_params`), so they are not cast again here."""
         if self.engine is None:
             self._start(params, version)
         else:
