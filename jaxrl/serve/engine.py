@@ -13,7 +13,7 @@ seed (docs/engine.md, "Serving: per-request sampling").
 Continuous batching: one decode thread loops admit -> one chunk of at most `chunk` decode steps over
 all slots (OPEN_CHUNK while a slot is free) -> publish. A request's n choices take n free slots at
 once (first come, first served) and share one prefill of its prompt; they decode alongside whatever
-else is in flight. How each slot draws lives in the device state (`state.SlotSampling`, written by
+else is in flight. How each slot draws lives in the device state (`draws.SlotSampling`, written by
 `state.place_sampling`), so one compiled chunk serves every mix of requests. While requests wait, a
 chunk ends as soon as enough slots are free for the first of them. Every token carries its log-prob
 under softmax(logits / T) (untruncated by top_p, as the trainer's `token_logprobs` recomputes it;
@@ -42,10 +42,11 @@ import numpy as np
 
 from jaxrl.config import ModelConfig
 from jaxrl.models.parallel import Parallel
+from jaxrl.rollout.engine.draws import SlotSampling
 from jaxrl.rollout.engine.groups import left_pad
 from jaxrl.rollout.engine.partial import release_slots
 from jaxrl.rollout.engine.slots import SlotPool
-from jaxrl.rollout.engine.state import EngineSpec, SlotSampling, admit, init_state, place_sampling, split_params
+from jaxrl.rollout.engine.state import EngineSpec, admit, init_state, place_sampling, split_params
 from jaxrl.serve.requests import (
     CANCELLED,
     LENGTH,

@@ -45,14 +45,12 @@ from jaxrl.models.cache_kinds import LayerKV
 from jaxrl.models.decode import LayerCache, decode_rows, layer_params
 from jaxrl.models.parallel import Parallel
 from jaxrl.models.transformer import rollout_params
+from jaxrl.rollout.engine.draws import SlotSampling, choose_tokens_per_row, choose_tokens_per_slot
 from jaxrl.rollout.sampler import (
     SamplingParams,
     choose_tokens,
-    first_argmax,
-    nucleus_logits,
     prefill_groups,
     scaled_logits,
-    truncate_logits,
 )
 
 
@@ -115,16 +113,6 @@ class EngineSpec:
         """The spec the programs that never draft (`init_state`, `admit`, the plain `decode_chunk`)
         compile under: this one; a speculative spec overrides it (see speculative/engine.py)."""
         return self
-
-
-class SlotSampling(NamedTuple):
-    """How each slot draws (`EngineSpec.per_slot`): arrays over slots, traced, so every mix of
-    requests runs the same compiled chunk."""
-
-    temperature_S: jax.Array | np.ndarray  # float32 >= 0; 0 = greedy (first argmax, T -> 0 log-probs)
-    top_p_S: jax.Array | np.ndarray  # float32 in (0, 1]; 1 = no nucleus truncation
-    max_tokens_S: jax.Array | np.ndarray  # int32 in 1..T: the slot is done after this many tokens
-    stop_SxK: jax.Array | np.ndarray  # int32: token ids that end the slot (like EOS; eos_S stays False); -1 = none
 
 
 class EngineState(NamedTuple):
@@ -320,41 +308,6 @@ def _decode_step(lparams, spec: EngineSpec, s: EngineState, version, temperature
         rng=rng,
         routing_SxCxLxK=routing,
     )
-
-
-def choose_tokens_per_row(key_S, col_S, logits_SxV, temperature, spec: EngineSpec):
-    """`choose_tokens` with row s's Gumbel noise drawn from fold_in(key_S[s], col_S[s]): a row's draw
-    at a column depends on its own key only (spec.slot_keys)."""
-    if spec.greedy:
-        return first_argmax(logits_SxV)
-    scaled_SxV = truncate_logits(scaled_logits(logits_SxV, temperature), spec.top_k, spec.top_p)
-    V = scaled_SxV.shape[-1]
-    gumbel_SxV = jax.vmap(lambda k, c: jax.random.gumbel(jax.random.fold_in(k, c), (V,), scaled_SxV.dtype))(
-        key_S, col_S
-    )
-    return first_argmax(scaled_SxV + gumbel_SxV)
-
-
-def choose_tokens_per_slot(key_S, col_S, logits_SxV, sampling_S: SlotSampling):
-    """`choose_tokens_per_row` with each slot's own temperature and top_p (`spec.per_slot`): a slot
-    at temperature 0 takes the first argmax (the greedy sampler's token); the others draw by
-    Gumbel-max from fold_in(key_S[s], col_S[s]) over their truncated, scaled logits."""
-    temperature_Sx1 = sampling_S.temperature_S[:, None]
-    top_p_Sx1 = sampling_S.top_p_S[:, None]
-    scaled_SxV = scaled_logits(logits_SxV, temperature_Sx1)
-    # The nucleus sorts every row's vocabulary: skipped (cond) in the steps where no slot truncates.
-    scaled_SxV = lax.cond(
-        jnp.any(top_p_Sx1 < 1.0),
-        lambda x: jnp.where(top_p_Sx1 < 1.0, nucleus_logits(x, top_p_Sx1), x),
-        lambda x: x,
-        scaled_SxV,
-    )
-    V = scaled_SxV.shape[-1]
-    gumbel_SxV = jax.vmap(lambda k, c: jax.random.gumbel(jax.random.fold_in(k, c), (V,), scaled_SxV.dtype))(
-        key_S, col_S
-    )
-    drawn_S = first_argmax(scaled_SxV + gumbel_SxV)
-    return jnp.where(sampling_S.temperature_S > 0, drawn_S, first_argmax(logits_SxV))
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="state")
