@@ -13,6 +13,7 @@ import pathlib
 from typing import Any
 
 from jaxrl.config.agent import AgentConfig
+from jaxrl.config.critic import CriticConfig
 from jaxrl.config.checks import _check, _check_finite_floats, _check_learning_rate
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.load import load_file
@@ -404,6 +405,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     agent: AgentConfig = AgentConfig()
     log: LogConfig = LogConfig()
+    critic: CriticConfig = CriticConfig()  # the value model (PPO); off by default
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):

@@ -1,8 +1,9 @@
 """Loss presets: the registry of named compositions (`PRESETS`, `register_preset`), and `make_loss`
 from a config.
 
-The built-in presets live in `presets_grpo.py` (advantage / normaliser / row-selection family) and
-`presets_ratio.py` (ratio level / objective / trust-region family), each docstring naming its paper
+The built-in presets live in `presets_grpo.py` (advantage / normaliser / row-selection family),
+`presets_ratio.py` (ratio level / objective / trust-region family) and `presets_critic.py` (PPO
+with a value model), each docstring naming its paper
 and writing its formula. `PRESETS[name]` is a `Preset`: callable like the factory, plus the paper, the
 composition (`.parts`) and what `rollout.group_size` means for it. Built-ins and user presets register
 the same way:
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from jaxrl.config import ConfigError, parse_loss_options
+from jaxrl.losses import presets_critic as critic_family
 from jaxrl.losses import presets_grpo as grpo_family
 from jaxrl.losses import presets_ratio as ratio_family
 from jaxrl.losses.compose import Loss, check_loss
@@ -166,6 +168,14 @@ register_preset(
 )
 register_preset(
     "tbpo", ratio_family.tbpo, paper="Gu et al. 2026, QaRL (Trust-Band PO, TBPO), arXiv:2604.07853; our reading"
+)
+
+register_preset(
+    "ppo",
+    critic_family.ppo,
+    paper="Schulman et al. 2017, PPO, arXiv:1707.06347, with GAE (arXiv:1506.02438) from a value model",
+    group="G >= 1 (the critic is the baseline)",
+    min_group_size=1,
 )
 
 # LossConfig fields passed to the factory when set (None = the preset's default).

@@ -54,6 +54,7 @@ from jaxrl.sources.sampler import SamplerSource
 from jaxrl.sources.scoring import RowLayout, assemble_batch
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
+from jaxrl.train.critic import check_critic
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.programs import (
@@ -65,6 +66,7 @@ from jaxrl.train.programs import (
     state_maker,
     update_builder,
     update_memory,
+    with_critic,
 )
 from jaxrl.train.state import (
     TrainState,
@@ -222,6 +224,7 @@ def build_run(
     elif get_task(cfg.data.task).episodic:
         check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)
+    check_critic(cfg, loss, model_cfg)
     optimizer = run_optimizer(cfg)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     layout = (mesh, preset, param_sh, rep)
@@ -240,6 +243,8 @@ def build_run(
     if cfg.optim.state_memory != "device":  # the optimizer state to host memory between updates
         state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
         state = state._replace(opt_state=jax.device_put(state.opt_state, state_sh.opt_state))
+    if cfg.critic.enabled:  # the value model: a copy of the base policy's trunk, a zero head
+        state, state_sh = with_critic(cfg, model_cfg, (state, state_sh), base_params, param_sh, rep)
     del base_params
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
@@ -337,7 +342,7 @@ def _restore(manager, state: TrainState, loss, record: RunRecord, lora):
         return None, state, StreamState(0, 0), {}
     start, restored_state, host = restored
     lora_state.check_resume(lora, host, start, manager.directory)
-    state = TrainState(*restored_state, base=state.base)
+    state = TrainState(**restored_state._asdict(), base=state.base)
     if not loss.needs_ref:  # the checkpoint held a reference copy this loss does not need
         state = state._replace(ref_params=None)
     record.commit(start)  # an allowed config change is recorded only once the checkpoint restored

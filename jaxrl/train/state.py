@@ -20,6 +20,8 @@ class TrainState(NamedTuple):
     # None otherwise, so neither the state nor its checkpoints hold a second copy of the weights
     base: Any | None = None  # LoRA (model.lora.rank > 0): the frozen base weights in their storage dtype,
     # `params` then being the adapters (jaxrl.train.lora_state); None for full fine-tuning. Never saved.
+    critic: Any | None = None  # the value model's params and optimizer state (jaxrl.train.critic.CriticState)
+    # when critic.enabled; None otherwise, so a run without one keeps the same state and checkpoints
 
 
 class SavedState(NamedTuple):
@@ -31,10 +33,11 @@ class SavedState(NamedTuple):
     opt_state: Any
     rng: jax.Array
     ref_params: Any | None = None
+    critic: Any | None = None
 
 
 def saved_part(state: TrainState) -> SavedState:
-    return SavedState(state.step, state.params, state.opt_state, state.rng, state.ref_params)
+    return SavedState(state.step, state.params, state.opt_state, state.rng, state.ref_params, state.critic)
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -229,19 +229,37 @@ def mismatch_by_staleness(metrics: dict) -> dict:
     }
 
 
-def _epochs(grads_of: Callable, optimizer, carry: tuple, batch: dict, ppo_epochs: int, minibatches: int, split):
+def _epochs(
+    grads_of: Callable,
+    optimizer,
+    carry: tuple,
+    batch: dict,
+    ppo_epochs: int,
+    minibatches: int,
+    split,
+    critic_step: Callable | None = None,
+):
     """`ppo_epochs` passes over the prepared batch, each taking one optimizer step per mini-batch: a
     contiguous 1/minibatches of the rows (DAPO's and verl's mini-batches; `split` makes them), whose
     advantages and `loss.prepare` saw the whole batch and whose normaliser `loss.weights` sees its own
     mask; `grads_of` splits each into microbatches for gradient accumulation. carry: (params,
-    opt_state). -> (carry, (loss per epoch, mean gradient norm per epoch, stat partials per epoch))."""
+    opt_state), and with `critic_step` (`critic.CriticUpdate.step`) the critic's state as a third
+    element, stepped on the same mini-batch at the same policy params (its policy gradient, under a
+    shared trunk, added to the policy's). -> (carry, (loss per epoch, mean gradient norm per epoch,
+    stat partials per epoch))."""
 
     def optimizer_step(carry, minibatch):
-        params, opt_state = carry
+        params, opt_state = carry[0], carry[1]
         value, grads, partials = grads_of(params, minibatch)
+        rest = ()
+        if critic_step is not None:
+            critic, trunk_grads, critic_partials = critic_step(carry[2], params, minibatch)
+            partials, rest = {**partials, **critic_partials}, (critic,)
+            if trunk_grads is not None:
+                grads = jax.tree.map(jnp.add, grads, trunk_grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, partials)
+        return (optax.apply_updates(params, updates), opt_state, *rest), (value, grad_norm, partials)
 
     def merging_step(carry, minibatch):  # the mini-batches' partials merge as the steps go
         carry, partials = carry
@@ -253,7 +271,7 @@ def _epochs(grads_of: Callable, optimizer, carry: tuple, batch: dict, ppo_epochs
             return optimizer_step(carry, batch)
         minibatches_M = split(batch)
         first = jax.tree.map(lambda x: x[0], minibatches_M)
-        empty = empty_stat_partials(jax.eval_shape(grads_of, carry[0], first)[2])
+        empty = empty_stat_partials(jax.eval_shape(optimizer_step, carry, first)[1][2])
         (carry, partials), (values_M, norms_M) = lax.scan(merging_step, (carry, empty), minibatches_M)
         return carry, (jnp.mean(values_M), jnp.mean(norms_M), partials)
 
@@ -279,6 +297,7 @@ def make_update_step(
     merge: Callable | None = None,
     minibatches: int = 1,
     parallel: Parallel | None = None,
+    critic: Any = None,
 ):
     """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
 
@@ -292,6 +311,9 @@ def make_update_step(
     LoRA (`merge` given: (base, adapters or None) -> params, `jaxrl.train.lora_state.merge_fn`): the
     state's params are the adapters, gradients and optimizer cover them only, every policy forward
     reads merge(state.base, adapters) and the reference forward merge(state.base, None).
+    `critic` (`jaxrl.train.critic.CriticUpdate`, with `state.critic` its state): the critic's old
+    values on the whole batch before `prepare_batch` (old_values_BxT), its targets after it, and one
+    critic optimizer step beside each policy step (`_epochs`); a loss with `needs_critic` requires it.
 
     metrics: docs/metrics.md ("The update", "The loss's per-token stats", "Mixture of experts") lists
     them. Means are over the live tokens of the PREPARED mask, averaged over epochs; min / max over all.
@@ -301,6 +323,8 @@ def make_update_step(
         use_ref = loss.needs_ref
     elif loss.needs_ref and not use_ref:
         raise ValueError(f"use_ref=False, but loss {loss.name!r} needs the reference log-probs (a KL term)")
+    if getattr(loss, "needs_critic", False) and critic is None:
+        raise ValueError(f"loss {loss.name!r} needs a value model (GAE): pass critic=make_critic_update(...)")
 
     def grad_fn_for(policy_logp_fn: LogpFn):
         return make_grad_fn(
@@ -341,13 +365,27 @@ def make_update_step(
             batch["ref_logp_BxT"] = lax.stop_gradient(
                 microbatched_logp(logp_fn, ref_params, batch, microbatches, parallel)[0]
             )
+        if critic is not None:  # the critic's values of the rollout's states, once, before GAE reads them
+            batch["old_values_BxT"] = critic.old_values(state.critic.params, state.params, batch)
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
+        carry, critic_metrics = (state.params, state.opt_state), {}
+        if critic is not None:
+            batch, critic_metrics = critic.targets(batch)
+            carry = (*carry, state.critic)
 
-        (params, opt_state), (values, grad_norms, partials_E) = _epochs(
-            grads_of, optimizer, (state.params, state.opt_state), batch, ppo_epochs, minibatches, split_minibatches
+        carry, (values, grad_norms, partials_E) = _epochs(
+            grads_of,
+            optimizer,
+            carry,
+            batch,
+            ppo_epochs,
+            minibatches,
+            split_minibatches,
+            None if critic is None else critic.step,
         )
-        metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0]}
+        params, opt_state = carry[0], carry[1]
+        metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0], **critic_metrics}
         metrics.update(finalize_stats(mean_stat_partials(partials_E)))
         if "stale_tokens" in metrics:
             metrics.update(mismatch_by_staleness(metrics))
@@ -356,6 +394,8 @@ def make_update_step(
             jnp.sum(live_before_B.astype(jnp.float32)), 1.0
         )
         new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if critic is not None:
+            new_state = new_state._replace(critic=carry[2])
         return new_state, metrics
 
     return update_step
