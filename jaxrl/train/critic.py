@@ -174,7 +174,7 @@ def make_critic_update(
         loss_BxT, clipped_BxT = value_loss_terms(
             values_of(critic_params, policy_params, mb), mb["old_values_BxT"], mb["returns_BxT"], mask_BxT, cc.value_clip
         )
-        stats = {"critic/value_loss_BxT": loss_BxT, "critic/value_clip_frac_BxT": clipped_BxT}
+        stats = {"critic/value_loss": loss_BxT, "critic/value_clip_frac": clipped_BxT}  # per token (B x T)
         return jnp.sum(loss_BxT) / n_live, stat_partials(stats, mask_BxT)
 
     grad_one = jax.value_and_grad(microbatch_loss, argnums=(0, 1) if share else 0, has_aux=True)
