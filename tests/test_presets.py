@@ -94,6 +94,7 @@ def _inputs(G, B):
         "old_entropy_BxT": np.where(dead, garbage, 3.0 * rng.random((B, T))).astype(np.float32),
         "truncated_B": (lengths == T).astype(np.float32),
         "rewards_BxK": rewards,
+        "old_values_BxT": np.where(dead, garbage, rng.random((B, T))).astype(np.float32),  # a critic's (ppo)
     }
     return logp, batch
 

@@ -13,8 +13,8 @@ import pathlib
 from typing import Any
 
 from jaxrl.config.agent import AgentConfig
-from jaxrl.config.critic import CriticConfig
 from jaxrl.config.checks import _check, _check_finite_floats, _check_learning_rate
+from jaxrl.config.critic import CriticConfig
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.load import load_file
 from jaxrl.config.model import ModelConfig

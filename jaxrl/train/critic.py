@@ -171,8 +171,9 @@ def make_critic_update(
 
     def microbatch_loss(critic_params, policy_params, mb, n_live):
         mask_BxT = mb["completion_mask_BxT"]
+        values_BxT = values_of(critic_params, policy_params, mb)
         loss_BxT, clipped_BxT = value_loss_terms(
-            values_of(critic_params, policy_params, mb), mb["old_values_BxT"], mb["returns_BxT"], mask_BxT, cc.value_clip
+            values_BxT, mb["old_values_BxT"], mb["returns_BxT"], mask_BxT, cc.value_clip
         )
         stats = {"critic/value_loss": loss_BxT, "critic/value_clip_frac": clipped_BxT}  # per token (B x T)
         return jnp.sum(loss_BxT) / n_live, stat_partials(stats, mask_BxT)
@@ -185,7 +186,9 @@ def make_critic_update(
         n_live = jnp.maximum(jnp.sum((mb_all["completion_mask_BxT"] > 0).astype(jnp.float32)), 1.0)
         mbs = split_microbatches(mb_all, microbatches, parallel)
         first = jax.tree.map(lambda x: x[0], mbs)
-        like = jax.eval_shape(lambda c, p, mb: microbatch_loss(c, p, mb, n_live)[1], critic_params, policy_params, first)
+        like = jax.eval_shape(
+            lambda c, p, mb: microbatch_loss(c, p, mb, n_live)[1], critic_params, policy_params, first
+        )
         wrt = (critic_params, policy_params) if share else critic_params
 
         def accumulate(carry, mb):

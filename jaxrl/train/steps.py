@@ -243,23 +243,22 @@ def _epochs(
     contiguous 1/minibatches of the rows (DAPO's and verl's mini-batches; `split` makes them), whose
     advantages and `loss.prepare` saw the whole batch and whose normaliser `loss.weights` sees its own
     mask; `grads_of` splits each into microbatches for gradient accumulation. carry: (params,
-    opt_state), and with `critic_step` (`critic.CriticUpdate.step`) the critic's state as a third
-    element, stepped on the same mini-batch at the same policy params (its policy gradient, under a
-    shared trunk, added to the policy's). -> (carry, (loss per epoch, mean gradient norm per epoch,
-    stat partials per epoch))."""
+    opt_state, critic state or None); with `critic_step` (`critic.CriticUpdate.step`) the critic is
+    stepped on the same mini-batch at the same policy params (its policy gradient, under a shared
+    trunk, added to the policy's). -> (carry, (loss per epoch, mean gradient norm per epoch, stat
+    partials per epoch))."""
 
     def optimizer_step(carry, minibatch):
-        params, opt_state = carry[0], carry[1]
+        params, opt_state, critic = carry
         value, grads, partials = grads_of(params, minibatch)
-        rest = ()
         if critic_step is not None:
-            critic, trunk_grads, critic_partials = critic_step(carry[2], params, minibatch)
-            partials, rest = {**partials, **critic_partials}, (critic,)
+            critic, trunk_grads, critic_partials = critic_step(critic, params, minibatch)
+            partials = {**partials, **critic_partials}
             if trunk_grads is not None:
                 grads = jax.tree.map(jnp.add, grads, trunk_grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, *rest), (value, grad_norm, partials)
+        return (optax.apply_updates(params, updates), opt_state, critic), (value, grad_norm, partials)
 
     def merging_step(carry, minibatch):  # the mini-batches' partials merge as the steps go
         carry, partials = carry
@@ -276,6 +275,28 @@ def _epochs(
         return carry, (jnp.mean(values_M), jnp.mean(norms_M), partials)
 
     return lax.scan(epoch, carry, None, length=ppo_epochs)
+
+
+def _check_critic(loss: Loss, critic: Any) -> None:
+    if getattr(loss, "needs_critic", False) and critic is None:
+        raise ValueError(f"loss {loss.name!r} needs a value model (GAE): pass critic=make_critic_update(...)")
+
+
+def _with_old_values(critic: Any, state: TrainState, batch: dict) -> dict:
+    """The critic's values of the rollout's states (old_values_BxT), once, before GAE reads them."""
+    critic_state: Any = state.critic
+    if critic is None:
+        return batch
+    return dict(batch, old_values_BxT=critic.old_values(critic_state.params, state.params, batch))
+
+
+def _with_critic_targets(critic: Any, state: TrainState, batch: dict) -> tuple[dict, tuple, dict]:
+    """(the prepared batch with the critic's targets, the epochs' carry, the critic's once-per-batch
+    metrics): carry = (params, opt_state, state.critic); the critic is stepped only when given."""
+    if critic is None:
+        return batch, (state.params, state.opt_state, state.critic), {}
+    batch, metrics = critic.targets(batch)
+    return batch, (state.params, state.opt_state, state.critic), metrics
 
 
 def _on_merged(logp_fn: LogpFn, merge: Callable, base: Any) -> LogpFn:
@@ -323,8 +344,7 @@ def make_update_step(
         use_ref = loss.needs_ref
     elif loss.needs_ref and not use_ref:
         raise ValueError(f"use_ref=False, but loss {loss.name!r} needs the reference log-probs (a KL term)")
-    if getattr(loss, "needs_critic", False) and critic is None:
-        raise ValueError(f"loss {loss.name!r} needs a value model (GAE): pass critic=make_critic_update(...)")
+    _check_critic(loss, critic)
 
     def grad_fn_for(policy_logp_fn: LogpFn):
         return make_grad_fn(
@@ -365,14 +385,10 @@ def make_update_step(
             batch["ref_logp_BxT"] = lax.stop_gradient(
                 microbatched_logp(logp_fn, ref_params, batch, microbatches, parallel)[0]
             )
-        if critic is not None:  # the critic's values of the rollout's states, once, before GAE reads them
-            batch["old_values_BxT"] = critic.old_values(state.critic.params, state.params, batch)
+        batch = _with_old_values(critic, state, batch)
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
-        carry, critic_metrics = (state.params, state.opt_state), {}
-        if critic is not None:
-            batch, critic_metrics = critic.targets(batch)
-            carry = (*carry, state.critic)
+        batch, carry, critic_metrics = _with_critic_targets(critic, state, batch)
 
         carry, (values, grad_norms, partials_E) = _epochs(
             grads_of,
@@ -393,9 +409,7 @@ def make_update_step(
         metrics["rows_dropped"] = jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32)) / jnp.maximum(
             jnp.sum(live_before_B.astype(jnp.float32)), 1.0
         )
-        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
-        if critic is not None:
-            new_state = new_state._replace(critic=carry[2])
+        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state, critic=carry[-1])
         return new_state, metrics
 
     return update_step
