@@ -18,11 +18,11 @@ from conftest import REPO, TINY
 from jaxrl.config import load_config
 from jaxrl.losses import PRESETS
 
-GROUP = {"mc_grpo": 3, "sao": 1}  # G+1 = 3 (odd) for MC-GRPO; a single rollout for SAO
+GROUP = {"mc_grpo": 3, "sao": 1, "ppo": 1}  # G+1 = 3 (odd) for MC-GRPO; a single rollout for SAO and PPO
 # test_preset_configs_<key>.py trains these; together they are every preset (checked there).
 FILES = {
     "normalisers": ["grpo", "dr_grpo", "bnpo", "dapo", "async_const_norm", "rloo", "reinforce_pp"],
-    "batch_parts": ["mc_grpo", "gdpo", "gd2po", "m2po", "sao", "mu_grpo"],
+    "batch_parts": ["mc_grpo", "gdpo", "gd2po", "m2po", "sao", "mu_grpo", "ppo"],
     "objectives": ["gspo", "gspo_token", "pnpo", "gmpo", "cispo", "sapo", "tbpo"],
 }
 
@@ -84,7 +84,12 @@ def check_config_trains_two_steps(preset: str, workdir: pathlib.Path) -> None:
         assert row["mismatch_abs_logp"] < 0.05
     if preset == "mc_grpo":  # one pivot per group of 3 leaves the loss
         assert rows[1]["rows_dropped"] == pytest.approx(1 / 3)
-    for preset_, key in (("m2po", "m2po_masked"), ("mu_grpo", "vetoed"), ("sapo", "gate")):
+    for preset_, key in (
+        ("m2po", "m2po_masked"),
+        ("mu_grpo", "vetoed"),
+        ("sapo", "gate"),
+        ("ppo", "critic/value_loss"),
+    ):
         if preset == preset_:
             assert key in rows[1]
     assert "eval/accuracy" in rows[-1]

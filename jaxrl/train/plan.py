@@ -58,9 +58,11 @@ from jaxrl.sharding import (
 )
 from jaxrl.sources.sampler import jit_plain_rollout, prompt_sharding
 from jaxrl.train import lora_state
+from jaxrl.train.critic import check_critic
 from jaxrl.train.evaluate import EVAL_CHUNK, make_chunk_sampler, rows_sharding
 from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.programs import (
+    critic_layout,
     full_state_shardings,
     jit_update,
     run_optimizer,
@@ -260,6 +262,10 @@ def _update(run: _Run) -> tuple[Any, dict]:
         state_sh = full_state_shardings(base, optimizer, tc.seed, run.param_sh, run.rep, with_ref=loss.needs_ref)
         state = jax.eval_shape(state_maker(optimizer, tc.seed), *args)
     state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
+    if cfg.critic.enabled:  # the value model's state beside the policy's (jaxrl.train.critic)
+        check_critic(cfg, loss, run.model_cfg)
+        make_critic, critic_sh = critic_layout(cfg, run.model_cfg, base, run.param_sh, run.rep)
+        state, state_sh = state._replace(critic=jax.eval_shape(make_critic, base)), state_sh._replace(critic=critic_sh)
     routing = None
     if run.model_cfg.n_experts and tc.routing_replay and not cfg.rollout.engine.enabled:
         jitted, args = _rollout_jit(run)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -114,16 +115,22 @@ def critic_for(cfg: Config, model_cfg, fit: Fit, parallel):
     )
 
 
-def with_critic(cfg: Config, model_cfg, state_and_sh: tuple, base_params, param_sh, rep) -> tuple:
-    """(state, its shardings) with the critic's state (`critic.init_critic`: a copy of `base_params` as
-    its trunk unless critic.share_trunk, a zero head, its own optimizer state) laid out like the params."""
-    state, state_sh = state_and_sh
+def critic_layout(cfg: Config, model_cfg, params, param_sh, rep) -> tuple[Callable, Any]:
+    """(make(params) -> the initial critic state (`critic.init_critic`: a copy of `params` as its trunk
+    unless critic.share_trunk, a zero head, its own optimizer state), its shardings: the trunk laid out
+    like the params). `params` may be abstract."""
     optimizer = critic_optimizer_of(cfg)
 
     def make(params):
         return init_critic(params, model_cfg, cfg.critic, optimizer)
 
-    critic_sh = critic_shardings(optimizer, jax.eval_shape(make, base_params), param_sh, rep)
+    return make, critic_shardings(optimizer, jax.eval_shape(make, params), param_sh, rep)
+
+
+def with_critic(cfg: Config, model_cfg, state_and_sh: tuple, base_params, param_sh, rep) -> tuple:
+    """(state, its shardings) with the critic's state (`critic_layout`) created from `base_params`."""
+    state, state_sh = state_and_sh
+    make, critic_sh = critic_layout(cfg, model_cfg, base_params, param_sh, rep)
     critic = jax.jit(make, in_shardings=(param_sh,), out_shardings=critic_sh)(base_params)
     return state._replace(critic=critic), state_sh._replace(critic=critic_sh)
 
