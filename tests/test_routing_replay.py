@@ -309,16 +309,18 @@ def _plan_update(config: str, sets: list[str], capsys) -> dict:
 
 @pytest.mark.slow
 def test_plan_compiles_the_update_with_the_engines_and_the_episodes_routing(capsys, in_process_cache):
-    """The planned update takes routing_BxSxLxK from the engine and from episodes: its compiled arguments
-    grow by exactly B x (P + T) x L x K int32 over the same run without replay."""
-    engine = [*SMALL, *MOE, "rollout.engine.enabled=true"]
-    on = _plan_update("grpo_arithmetic.py", engine, capsys)
-    off = _plan_update("grpo_arithmetic.py", [*engine, "train.routing_replay=false"], capsys)
-    assert "routing_BxSxLxK" in on["inputs"] and "routing_BxSxLxK" not in off["inputs"]
-    cfg = load_config(REPO / "configs" / "grpo_arithmetic.py", engine)
-    B, S = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    routing_mib = B * S * 2 * 2 * 4 / 2**20  # L = 2 MoE layers, K = 2, int32
-    grown = on["memory_mib"]["argument"] - off["memory_mib"]["argument"]
-    assert grown == pytest.approx(routing_mib, abs=2e-3)  # the record rounds to 1e-3 MiB
+    """The planned update takes routing_BxSxLxK from the engine as from the static sampler (whose struct
+    the plan takes from the sampler itself): the engine's compiled arguments exceed the static sampler's
+    by exactly its own two fields, group_id_B and stale_BxT; episodes' batches carry it too."""
+    big = [*SMALL, *MOE, "rollout.prompts_per_step=32"]  # big enough for the record's 1e-3 MiB rounding
+    static = _plan_update("grpo_arithmetic.py", big, capsys)
+    engine = _plan_update("grpo_arithmetic.py", [*big, "rollout.engine.enabled=true"], capsys)
+    assert "routing_BxSxLxK" in static["inputs"]
+    assert set(engine["inputs"]) == {*static["inputs"], "group_id_B", "stale_BxT"}
+    assert engine["inputs"]["routing_BxSxLxK"] == static["inputs"]["routing_BxSxLxK"]
+    cfg = load_config(REPO / "configs" / "grpo_arithmetic.py", big)
+    B, T = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens
+    grown = engine["memory_mib"]["argument"] - static["memory_mib"]["argument"]
+    assert grown == pytest.approx((B * 4 + B * T * 4) / 2**20, abs=2e-3)  # the routing alone: 0.025 MiB
     agents = _plan_update("agent_gridworld.py", [*AGENT, *MOE], capsys)
     assert agents["inputs"]["routing_BxSxLxK"] == agents["inputs"]["tokens_BxT"]  # laid out as the rows

@@ -269,8 +269,10 @@ def _update(run: _Run) -> tuple[Any, dict]:
         state = jax.eval_shape(state_maker(optimizer, tc.seed), *args)
     state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
     routing = None
+    # MoE: the batch carries the rollout's routing, replayed or not (moe/routing_mismatch), as the loop's
+    # does; black-box rows carry none
     task = get_task(cfg.data.task)
-    if run.model_cfg.n_experts and tc.routing_replay and not task.black_box:  # black-box rows carry none
+    if run.model_cfg.n_experts and not task.black_box:
         if cfg.rollout.engine.enabled or task.episodic:  # recorded per slot, gathered on the host
             routing = engine_routing(cfg, run.model_cfg)
         else:
