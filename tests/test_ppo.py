@@ -24,6 +24,7 @@ from jaxrl.config import Config, ConfigError, CriticConfig, LossConfig, ModelCon
 from jaxrl.losses import PRESETS, make_loss
 from jaxrl.losses.gae import explained_variance, gae_BxT, value_loss_terms, whiten_BxT
 from jaxrl.models.transformer import init_params
+from jaxrl.models.value import token_values
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import critic as critic_lib
 from jaxrl.train import steps as steps_lib
@@ -113,7 +114,7 @@ def test_value_loss_by_hand():
 def test_explained_variance_by_hand():
     r = jnp.array([[1.0, 0.0, 9.0], [1.0, 0.0, 9.0]])
     mask = jnp.array([[1, 1, 0], [1, 1, 0]], jnp.float32)
-    # Var(R) over (1, 0, 1, 0) = 0.25; V = R -> 1; V = 0.5 -> 1 - 0.25 / 0.25 = 0 - ... = 0; V = 0 -> 1 - 0.5/0.25
+    # live R = (1, 0, 1, 0): Var(R) = 0.25. V = R: 1. V = 0.5: R - V = (0.5, -0.5, ...), Var 0.25 -> 0.
     assert float(explained_variance(r, r, mask)) == pytest.approx(1.0)
     assert float(explained_variance(jnp.full_like(r, 0.5), r, mask)) == pytest.approx(0.0)
     v = jnp.array([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])  # R - V = (1, -1, 1, -1): Var 1 -> 1 - 4 = -3
@@ -218,14 +219,33 @@ def test_critic_gradient_reaches_the_policy_only_when_shared():
 
 
 def test_ppo_update_uses_gae_of_the_old_values():
-    """The ppo preset with a critic: advantages/* describe whitened GAE advantages (mean 0, std 1)
-    of the critic's rollout-time values; the critic's params move; two epochs run."""
-    state, metrics = _update("ppo", CriticConfig(enabled=True), ppo_epochs=2)
+    """The ppo preset with a critic, two epochs: the values GAE reads are the critic's BEFORE the
+    update (V_old, recomputed here with `token_values`), its returns are GAE(gamma 1, lam 0.95) of the
+    summed reward and V_old, its advantages are whitened, and the critic's params move."""
+    step, state = _stepper("ppo", CriticConfig(enabled=True), ppo_epochs=2)
+    batch = _batch()
+    new, metrics = step(state, batch)
+    assert state.critic is not None and new.critic is not None
+    v_old = token_values(
+        state.critic.params["trunk"],
+        state.critic.params["head"],
+        CFG,
+        batch["prompt_tokens_BxP"],
+        batch["prompt_mask_BxP"],
+        batch["tokens_BxT"],
+    )
+    mask = batch["completion_mask_BxT"]
+    adv, ret = gae_BxT(batch["rewards_BxK"].sum(axis=1), v_old, mask, 1.0, 0.95)
+    n = float(mask.sum())
+    assert float(metrics["critic/values_mean"]) == pytest.approx(float((v_old * mask).sum()) / n, rel=1e-4)
+    assert float(metrics["critic/returns_mean"]) == pytest.approx(float(ret.sum()) / n, rel=1e-4)
+    want_ev = float(explained_variance(v_old, ret, mask))
+    assert float(metrics["critic/explained_variance"]) == pytest.approx(want_ev, rel=1e-3, abs=1e-5)
+    white = whiten_BxT(adv, mask)
+    assert float(metrics["advantages/max"]) == pytest.approx(float(white.max()), rel=1e-4)
     assert float(metrics["advantages/mean"]) == pytest.approx(0.0, abs=1e-6)
     assert float(metrics["advantages/std"]) == pytest.approx(1.0, abs=1e-5)
-    # returns = A + V_old; with V_old from the head set in _update they are not the raw rewards
-    assert np.isfinite(float(metrics["critic/explained_variance"]))
-    assert float(metrics["critic/returns_mean"]) != pytest.approx(0.5)
+    assert not _same(new.critic.params, state.critic.params)
     with pytest.raises(ValueError, match="needs a value model"):
         steps_lib.make_update_step(
             steps_lib.make_logp_fn(CFG, 1.0),

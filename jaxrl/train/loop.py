@@ -219,6 +219,7 @@ def build_run(
     if loss is None:
         loss = make_loss(cfg.loss)
         check_rollout(cfg.loss.preset, G)
+    check_critic(cfg, loss)  # a preset that reads values needs critic.enabled; the model is checked below
     if get_task(cfg.data.task).black_box:
         check_blackbox_config(cfg, cfg.data.task)
     elif get_task(cfg.data.task).episodic:
