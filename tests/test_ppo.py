@@ -281,18 +281,21 @@ def test_ppo_preset_is_registered_and_needs_a_critic():
 
 
 def test_checkpoint_critic_mismatch_names_the_field():
-    """A checkpoint without a critic field (written before it existed) restores into the other fields;
-    a critic on one side only is a ConfigError naming critic.enabled."""
-    from jaxrl.train.state import SavedState
+    """A run without a critic saves the five-field tree it always did (older checkpoints restore, older
+    jaxrl reads new ones); one with a critic saves six. A critic on one side only is a ConfigError
+    naming critic.enabled."""
+    from jaxrl.train.state import SavedCriticState, SavedState, TrainState, saved_part
 
-    plain = SavedState(jnp.asarray(1), {}, {}, jnp.asarray(0), None, None)
-    older = ckpt._match_critic(plain, False, False, 3)
-    assert isinstance(older, dict) and set(older) == {"step", "params", "opt_state", "rng", "ref_params"}
-    assert ckpt._match_critic(plain, True, False, 3) is plain
+    plain = TrainState(jnp.asarray(1), {}, {}, jnp.asarray(0))
+    assert type(saved_part(plain)) is SavedState and len(saved_part(plain)) == 5
+    with_critic = saved_part(plain._replace(critic={"head": 1}))
+    assert type(with_critic) is SavedCriticState and with_critic.critic == {"head": 1}
+    ckpt._match_critic(saved_part(plain), False, 3)
+    ckpt._match_critic(with_critic, True, 3)
     with pytest.raises(ConfigError, match=r"critic\.enabled"):
-        ckpt._match_critic(plain, True, True, 3)
+        ckpt._match_critic(saved_part(plain), True, 3)
     with pytest.raises(ConfigError, match=r"critic\.enabled"):
-        ckpt._match_critic(plain._replace(critic={"head": 1}), True, False, 3)
+        ckpt._match_critic(with_critic, False, 3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -225,10 +225,9 @@ def abstract_like(state: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state)
 
 
-def _match_critic(abstract_state: Any, has_field: bool, has_critic: bool, step: int) -> Any:
-    """A checkpoint written before the state had a `critic` field (jaxrl.train.critic) restores into
-    the state's fields without it (a dict; the caller rebuilds the state); a critic on one side only
-    is a ConfigError naming critic.enabled."""
+def _match_critic(abstract_state: Any, has_critic: bool, step: int) -> None:
+    """ConfigError naming critic.enabled when the run has a critic (`SavedCriticState`) and the
+    checkpoint none, or the other way round."""
     wants = getattr(abstract_state, "critic", None) is not None
     if wants != has_critic:
         raise ConfigError(
@@ -236,14 +235,11 @@ def _match_critic(abstract_state: Any, has_field: bool, has_critic: bool, step: 
             f"{'a' if has_critic else 'no'} critic (value model); resume with the critic setting it "
             "was trained with, or use a new --workdir"
         )
-    if has_field or not hasattr(abstract_state, "_asdict"):
-        return abstract_state
-    return {k: v for k, v in abstract_state._asdict().items() if k != "critic"}
 
 
 def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
-    """`abstract_state` with `ref_params` laid out as the newest checkpoint holds them (and without a
-    `critic` field for a checkpoint written before the state had one: a dict then).
+    """`abstract_state` with `ref_params` laid out as the newest checkpoint holds them (a critic on one
+    side only is a ConfigError naming critic.enabled).
 
     A run keeps reference params only when its loss has a KL term; a checkpoint that holds a copy
     restores into a state without a reference by restoring the copy too (its caller then drops it). A
@@ -255,20 +251,14 @@ def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
     try:
         saved = ocp.StandardCheckpointHandler().metadata(manager.directory / str(step) / "state")
         saved_ref = saved.get("ref_params") is not None
-        abstract_state = _match_critic(abstract_state, "critic" in saved, saved.get("critic") is not None, step)
+        _match_critic(abstract_state, saved.get("critic") is not None, step)
     except ConfigError:
         raise
     except Exception:  # a damaged checkpoint is the restore's to report
         return abstract_state
-    if isinstance(abstract_state, dict):  # an older checkpoint's fields
-        if saved_ref and abstract_state["ref_params"] is None:
-            return dict(abstract_state, ref_params=abstract_state["params"])
-        ref = abstract_state["ref_params"]
-    else:
-        if saved_ref and abstract_state.ref_params is None:
-            return abstract_state._replace(ref_params=abstract_state.params)
-        ref = abstract_state.ref_params
-    if ref is not None and not saved_ref:
+    if saved_ref and abstract_state.ref_params is None:
+        return abstract_state._replace(ref_params=abstract_state.params)
+    if abstract_state.ref_params is not None and not saved_ref:
         raise ConfigError(
             f"checkpoint {step} in {manager.directory} holds no reference params, but the loss needs "
             "them (loss.kl_beta or kl_reward_beta > 0): this run was trained without a KL term; "

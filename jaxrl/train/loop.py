@@ -343,8 +343,7 @@ def _restore(manager, state: TrainState, loss, record: RunRecord, lora):
         return None, state, StreamState(0, 0), {}
     start, restored_state, host = restored
     lora_state.check_resume(lora, host, start, manager.directory)
-    fields = restored_state if isinstance(restored_state, dict) else restored_state._asdict()  # dict: pre-critic
-    state = TrainState(**fields, base=state.base)
+    state = TrainState(**restored_state._asdict(), base=state.base)  # SavedState or SavedCriticState
     if not loss.needs_ref:  # the checkpoint held a reference copy this loss does not need
         state = state._replace(ref_params=None)
     record.commit(start)  # an allowed config change is recorded only once the checkpoint restored

@@ -26,18 +26,30 @@ class TrainState(NamedTuple):
 
 class SavedState(NamedTuple):
     """What a checkpoint holds of a `TrainState`: all but the LoRA base, which a resume rebuilds from its
-    source (jaxrl.train.lora_state)."""
+    source (jaxrl.train.lora_state), and the critic, which only `SavedCriticState` has."""
 
     step: jax.Array
     params: Any
     opt_state: Any
     rng: jax.Array
     ref_params: Any | None = None
-    critic: Any | None = None
 
 
-def saved_part(state: TrainState) -> SavedState:
-    return SavedState(state.step, state.params, state.opt_state, state.rng, state.ref_params, state.critic)
+class SavedCriticState(NamedTuple):
+    """A `SavedState` with the critic's params and optimizer state (critic.enabled): a run without a
+    critic saves the five-field tree it always did, so its checkpoints and older ones stay the same."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    ref_params: Any | None
+    critic: Any
+
+
+def saved_part(state: TrainState) -> SavedState | SavedCriticState:
+    fields = (state.step, state.params, state.opt_state, state.rng, state.ref_params)
+    return SavedState(*fields) if state.critic is None else SavedCriticState(*fields, state.critic)
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
