@@ -17,6 +17,7 @@ from jaxrl.config.checks import _check, _check_finite_floats, _check_learning_ra
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.load import load_file
 from jaxrl.config.model import ModelConfig
+from jaxrl.config.reward_model import RewardModelConfig
 from jaxrl.config.rollout import RolloutConfig
 
 
@@ -404,6 +405,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     agent: AgentConfig = AgentConfig()
     log: LogConfig = LogConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):
@@ -416,6 +418,13 @@ class Config:
             self.warmstart.source,
         )
         self._check_rollout_layout()
+        weights = self.loss.reward_weights
+        _check(
+            not self.reward_model.workdir or weights is None or len(weights) == 3,
+            "loss.reward_weights",
+            "None or 3 weights (correctness, format, reward model) with reward_model.workdir set",
+            weights,
+        )
         b = self.rollout.prompts_per_step * self.rollout.group_size
         _check(
             b % self.train.minibatches == 0,
