@@ -65,7 +65,8 @@ def test_score_is_the_head_on_the_last_live_token_whatever_the_padding():
     # By hand: the final normed hidden state at the last slot (the EOS), dotted with the head.
     tokens, mask = wide
     live = jnp.asarray(mask)
-    hidden, _, _ = run_decoder(params["backbone"], TINY_MODEL, tokens, positions_from_mask(live), live, return_hidden=True)
+    positions = positions_from_mask(live)
+    hidden, _, _ = run_decoder(params["backbone"], TINY_MODEL, tokens, positions, live, return_hidden=True)
     by_hand = float(hidden[0, -1] @ params["head"]["w_D"] + params["head"]["b"])
     assert s_wide == pytest.approx(by_hand, abs=1e-5)
     assert tokens[0, -1] == TOK.eos_id and tokens[0, 0] == TOK.pad_id
