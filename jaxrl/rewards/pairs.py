@@ -33,7 +33,7 @@ class Pair(NamedTuple):
     prompt: str
     chosen: str
     rejected: str
-    where: str  # "file:line" or "synthetic/<kind>/<split>/<i>": what an error about this pair names
+    where: str  # "file:line" or "synthetic <kind> pair <i> of <split>": what an error about this pair names
 
 
 def read_pairs(path: str | pathlib.Path, limit: int, field: str = "reward_model.pairs_file") -> list[Pair]:
@@ -110,7 +110,7 @@ def synthetic_pairs(kind: str, digits: int, num_train: int, num_test: int, seed:
     for split in ("train", "test"):
         pairs = []
         for i, record in enumerate(splits[split]):
-            where = f"synthetic/{kind}/{split}/{i}"
+            where = f"synthetic {kind} pair {i} of {split}"
             if kind == "arithmetic":
                 info = json.loads(record["info"])
                 right = int(record["answer"])

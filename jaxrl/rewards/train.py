@@ -27,7 +27,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from jaxrl.config import Config, ConfigError, ModelConfig
+from jaxrl.config import Config, ConfigError, ModelConfig, to_dict
 from jaxrl.policy.resolve import resolve_policy
 from jaxrl.rewards.model import init_reward_model, pair_loss
 from jaxrl.rewards.pairs import read_pairs, synthetic_pairs, tokenize_pairs
@@ -126,8 +126,10 @@ def epoch_batch(n: int, batch: int, seed: int, step: int) -> np.ndarray:
 
 
 def write_record(workdir: pathlib.Path, model_cfg: ModelConfig, tokenizer, cfg: Config) -> None:
-    """W/reward_model.json: the ModelConfig and the tokenizer (a character alphabet or model.hf_path)."""
+    """W/reward_model.json: the ModelConfig, the tokenizer (a character alphabet or model.hf_path) and the
+    whole config that trained it."""
     record = {
+        "config": to_dict(cfg),
         "model": dataclasses.asdict(model_cfg),
         "alphabet": getattr(tokenizer, "alphabet", None),
         "hf_path": cfg.model.hf_path,
@@ -159,11 +161,16 @@ def train_reward_model(cfg: Config, workdir: str | pathlib.Path) -> list[dict]:
         idx = epoch_batch(len(train_pairs), rm.batch_size, rm.seed, i)
         state, metrics = step_fn(state, {k: v[idx] for k, v in train.items()})
         step = i + 1
-        row = {"step": step, **{f"rm/{k}": float(v) for k, v in metrics.items()}}
+        row = {
+            "step": step,
+            "rm/loss": float(metrics["loss"]),
+            "rm/accuracy": float(metrics["accuracy"]),
+            "rm/margin": float(metrics["margin"]),
+        }
         if step % rm.eval_every == 0 or step == rm.steps:
             row["rm/test_accuracy"], row["rm/test_loss"] = held_out_accuracy(state["params"], model_cfg, test)
             bar.set_postfix(test_acc=f"{row['rm/test_accuracy']:.3f}", loss=f"{row['rm/loss']:.3f}")
-        row["time/elapsed_s"] = time.perf_counter() - t0
+        row["rm/seconds"] = time.perf_counter() - t0
         log.write(row)
         rows.append(row)
         if (rm.checkpoint_every and step % rm.checkpoint_every == 0) or step == rm.steps:

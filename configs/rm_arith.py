@@ -5,7 +5,7 @@ from the cached warm-started policy of configs/grpo_arithmetic.py (reward_model.
 InstructGPT's reward model starts from the SFT model: Ouyang et al. 2022, arXiv:2203.02155), so it
 already reads sums; the Bradley-Terry loss trains it and a linear score head.
 
-    jaxrl reward-model train configs/rm_arithmetic.py --workdir runs/rm_arithmetic
+    jaxrl reward-model train configs/rm_arith.py --workdir runs/rm_arith
 """
 
 import dataclasses
