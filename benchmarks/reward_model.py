@@ -65,7 +65,7 @@ def _tenth(row: dict) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="reward-model figures read back from finished workdirs")
     ap.add_argument("--rm", action="append", default=[], metavar="NAME=DIR", help="a reward model's workdir")
     ap.add_argument("--arithmetic", action="append", default=[], metavar="NAME", help="--rm names to split by mistake")
     ap.add_argument("--rl", action="append", default=[], metavar="NAME=DIR", help="a `jaxrl train` run's workdir")
