@@ -252,8 +252,10 @@ def test_judge_batched_on_the_engine_equals_each_item_alone_and_counts_unparsed(
     metrics = judge_metrics(out)
     assert metrics["judge/unparsed_frac"] == pytest.approx(sum(v is None for v in expected) / len(prompts))
     # As a task's verifier: column 0 the judge's reward, column 1 whether it parsed.
-    rewards_BxK, _ = JudgeVerifier(batched).score_batch(completions, [True] * 8, [{"prompt": p} for p in prompts])
+    records = [{"prompt": p} for p in prompts]
+    rewards_BxK, n_failed = JudgeVerifier(batched).score_batch(completions, [True] * 8, records)
     np.testing.assert_array_equal(rewards_BxK, np.stack([out.reward_B, out.parsed_B], 1).astype(np.float32))
+    assert n_failed == sum(v is None for v in expected)  # a run's reward/failed
 
 
 def dataclasses_replace(obj, **changes):
@@ -321,3 +323,51 @@ def test_rl_against_the_reward_model_improves_the_held_out_preference(tmp_path, 
     assert len(evals) == 3 and evals[-1] >= evals[0] + 0.5, evals
     trained = [r for r in rows if "reward/reward_model" in r]
     assert len(trained) == 16 and all(r["reward/mean"] == pytest.approx(r["reward/reward_model"]) for r in trained)
+
+
+JUDGE_TASK = """
+import jax
+
+from jaxrl.config import Config, DataConfig, LossConfig, ModelConfig, RolloutConfig
+from jaxrl.data.registry import Task, register_task
+from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.models.transformer import init_params
+from jaxrl.rewards.judge import Judge, JudgeScorer, JudgeVerifier
+
+TOK = CharTokenizer()
+JUDGE_MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+                          max_seq_len=40, vocab_size=TOK.vocab_size)
+# A random judge: its greedy verdict is junk, a leading digit read as the reward (else unparsed).
+JUDGE = JudgeScorer.build(Judge(template="{prompt}{completion}=", verdict=r"^([0-9])", prompt_len=16,
+                                max_new_tokens=4), JUDGE_MODEL, init_params(JUDGE_MODEL, jax.random.key(3)), TOK,
+                          rng=jax.random.key(0), slots=8, chunk=4)
+
+
+def records(split, n, seed):
+    first = 0 if split == "train" else 5000
+    a = [(first + i) % 100 for i in range(n)]
+    return [{"id": f"{split}/{i}", "prompt": f"{a[i]}+{i % 10}=", "answer": str(a[i] + i % 10)} for i in range(n)]
+
+
+register_task(Task("judged_sums", records=records, verifier=JudgeVerifier(JUDGE)))
+
+
+def get_config():
+    return Config(data=DataConfig(task="judged_sums", max_prompt_len=8), rollout=RolloutConfig(max_new_tokens=4),
+                  loss=LossConfig(preset="grpo", kl_beta=0.0, reward_weights=(1.0, 0.0)))
+"""
+
+
+@pytest.mark.slow
+def test_a_judge_as_the_tasks_verifier_trains_and_counts_its_unparsed_verdicts(tmp_path, in_process_cache):
+    config = tmp_path / "judged.py"
+    config.write_text(JUDGE_TASK)
+    tiny = [s for s in RL_TINY if not s.startswith(("train.steps", "train.eval_every", "warmstart.steps"))]
+    overrides = [*tiny, "train.steps=2", "train.eval_every=2", "warmstart.steps=10"]
+    argv = ["train", str(config), "--workdir", str(tmp_path / "rl")] + sum((["--set", s] for s in overrides), [])
+    assert cli.main(argv) == 0
+    trained = [r for r in _rows(tmp_path / "rl") if "reward/failed" in r]
+    assert len(trained) == 2
+    for r in trained:  # 32 rows a step: the unparsed ones are reward/failed, the parsed share reward/format
+        assert r["reward/failed"] == pytest.approx(32 * (1 - r["reward/format"]))
+    assert any(r["reward/failed"] > 0 for r in trained) and any(r["reward/format"] > 0 for r in trained)

@@ -13,7 +13,7 @@ batched on the training engine instead of an HTTP side-car).
 then `scores[verdict]` when `scores` is given, else float(verdict). Text with no match, a verdict not in
 `scores`, or one float() cannot read (or not finite) is unparsed: it scores 0 and is counted.
 `JudgeVerifier` is the judge as a task's verifier (BatchVerifier): column 0 the judge's reward, column 1
-whether its verdict parsed (so reward/format of a run is 1 - judge/unparsed_frac).
+whether its verdict parsed; a run logs the unparsed ones as reward/failed (reward/format = 1 - their share).
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class JudgeScorer:
 
 @dataclasses.dataclass(frozen=True)
 class JudgeVerifier:
-    """The judge as a task's verifier: columns (the judge's reward, whether its verdict parsed)."""
+    """The judge as a task's verifier: columns (the judge's reward, whether its verdict parsed); its
+    unparsed verdicts are the batch's failures (a run's reward/failed: scored 0 and counted)."""
 
     scorer: JudgeScorer
 
@@ -148,7 +149,7 @@ class JudgeVerifier:
         self, completions: list[str], finished: list[bool], records: Sequence[Mapping[str, str]]
     ) -> tuple[np.ndarray, int]:
         out = self.scorer([r["prompt"] for r in records], completions)
-        return np.stack([out.reward_B, out.parsed_B.astype(np.float32)], axis=1), 0
+        return np.stack([out.reward_B, out.parsed_B.astype(np.float32)], axis=1), int((~out.parsed_B).sum())
 
 
 def judge_key(seed: int) -> jax.Array:
