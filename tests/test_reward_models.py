@@ -205,6 +205,11 @@ def _forward_shapes(scorer, prompts, completions, monkeypatch) -> list:
     return shapes
 
 
+def test_a_diverging_reward_model_stops_with_one_line(tmp_path, capsys):
+    assert _train(tmp_path, "reward_model.steps=3", "reward_model.learning_rate=1e30") == 1
+    assert "jaxrl: error: reward model: the loss is nan at step" in capsys.readouterr().err
+
+
 def test_missing_reward_model_workdir_is_an_error_naming_the_field(tmp_path):
     cfg = apply_overrides(Config(), [f"reward_model.workdir={tmp_path}"])
     with pytest.raises(ConfigError, match="reward_model.workdir: .* has no reward_model.json"):

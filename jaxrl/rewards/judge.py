@@ -24,7 +24,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, EngineConfig, ModelConfig
@@ -150,8 +149,3 @@ class JudgeVerifier:
     ) -> tuple[np.ndarray, int]:
         out = self.scorer([r["prompt"] for r in records], completions)
         return np.stack([out.reward_B, out.parsed_B.astype(np.float32)], axis=1), int((~out.parsed_B).sum())
-
-
-def judge_key(seed: int) -> jax.Array:
-    """The judge engine's RNG key (only sampled judges draw from it)."""
-    return jax.random.key(seed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import time
@@ -28,8 +29,9 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from jaxrl.config import Config, ConfigError, ModelConfig, to_dict
+from jaxrl.config.errors import RunError
 from jaxrl.policy.resolve import resolve_policy
-from jaxrl.rewards.model import init_reward_model, pair_loss
+from jaxrl.rewards.model import init_reward_model, pair_loss, sequence_scores
 from jaxrl.rewards.pairs import read_pairs, synthetic_pairs, tokenize_pairs
 from jaxrl.runlog.metrics import MetricsLog
 
@@ -108,8 +110,6 @@ def _chosen_minus_rejected(scores_2B):
 
 
 def _margins(params, model_cfg: ModelConfig, pairs: dict):
-    from jaxrl.rewards.model import sequence_scores
-
     tokens = np.concatenate([pairs["chosen_BxS"], pairs["rejected_BxS"]])
     masks = np.concatenate([pairs["chosen_mask_BxS"], pairs["rejected_mask_BxS"]])
     return _chosen_minus_rejected(sequence_scores(params, model_cfg, tokens, masks))
@@ -167,6 +167,11 @@ def train_reward_model(cfg: Config, workdir: str | pathlib.Path) -> list[dict]:
             "rm/accuracy": float(metrics["accuracy"]),
             "rm/margin": float(metrics["margin"]),
         }
+        if not math.isfinite(row["rm/loss"]):
+            raise RunError(
+                f"reward model: the loss is {row['rm/loss']} at step {step} (the last checkpoint is kept); "
+                "lower reward_model.learning_rate"
+            )
         if step % rm.eval_every == 0 or step == rm.steps:
             row["rm/test_accuracy"], row["rm/test_loss"] = held_out_accuracy(state["params"], model_cfg, test)
             bar.set_postfix(test_acc=f"{row['rm/test_accuracy']:.3f}", loss=f"{row['rm/loss']:.3f}")
