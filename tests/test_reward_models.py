@@ -376,3 +376,59 @@ def test_a_judge_as_the_tasks_verifier_trains_and_counts_its_unparsed_verdicts(t
     for r in trained:  # 32 rows a step: the unparsed ones are reward/failed, the parsed share reward/format
         assert r["reward/failed"] == pytest.approx(32 * (1 - r["reward/format"]))
     assert any(r["reward/failed"] > 0 for r in trained) and any(r["reward/format"] > 0 for r in trained)
+
+
+def _judge_checkpoint(directory):
+    """A random 1-layer judge saved as `jaxrl convert --from-hf` writes one: params, model_config.json,
+    and the character tokenizer as Hugging Face tokenizer files."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+
+    from jaxrl.data.hf_tokenizer import save_char_tokenizer
+    from jaxrl.policy.resolve import MODEL_CONFIG
+
+    cfg = dataclasses.replace(TINY_MODEL, max_seq_len=40)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((directory / "params").absolute(), init_params(cfg, jax.random.key(3)))
+    checkpointer.wait_until_finished()
+    (directory / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg)))
+    save_char_tokenizer(TOK, directory, cfg.max_seq_len)
+    return directory
+
+
+@pytest.mark.slow
+def test_a_judge_configured_by_reward_model_fields_scores_a_run(tmp_path, in_process_cache):
+    judge_dir = _judge_checkpoint(tmp_path / "judge")
+    judge = [
+        f"reward_model.judge_path={judge_dir}",
+        *("reward_model.judge_template={prompt}{completion}=", "reward_model.judge_verdict=^([0-9])"),
+        *("reward_model.judge_prompt_len=16", "reward_model.judge_max_new_tokens=4", "reward_model.judge_slots=8"),
+    ]
+    tiny = [s for s in RL_TINY if not s.startswith(("train.steps", "train.eval_every", "warmstart.steps"))]
+    overrides = [*tiny, "train.steps=2", "train.eval_every=2", "warmstart.steps=10", *judge]
+    argv = ["train", str(REPO / "configs" / "grpo_arithmetic.py"), "--workdir", str(tmp_path / "rl")]
+    assert cli.main(argv + sum((["--set", s] for s in overrides), [])) == 0
+    trained = [r for r in _rows(tmp_path / "rl") if "reward/failed" in r]
+    assert len(trained) == 2
+    for r in trained:  # the judge's verdicts, not the sums' correctness: unparsed ones are reward/failed
+        assert r["reward/failed"] == pytest.approx(32 * (1 - r["reward/format"]))
+    assert any(r["reward/failed"] > 0 for r in trained) and any(r["reward/format"] > 0 for r in trained)
+    assert any(r["reward/correctness"] > 1 for r in trained)  # a digit read as the reward: not a 0/1 verifier
+
+
+def test_judge_fields_errors_name_the_field():
+    for setting, message in [
+        ("reward_model.judge_template={prompt}", r"reward_model.judge_template: .* containing \{completion\}"),
+        ("reward_model.judge_verdict=(", r"reward_model.judge_verdict: got '\(', expected a regular expression"),
+        ("reward_model.judge_scores=YES", r"reward_model.judge_scores: got 'YES', expected '' or 'VERDICT=number"),
+        ("reward_model.judge_slots=0", "reward_model.judge_slots: got 0, expected a positive integer"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(Config(), [setting]).validate()
+    from jaxrl.config.reward_model import judge_scores
+    from jaxrl.rewards.judge import load_judge
+
+    assert judge_scores("YES=1,NO=0") == {"YES": 1.0, "NO": 0.0} and judge_scores("") is None
+    with pytest.raises(ConfigError, match="reward_model.judge_path: directory '/nowhere' not found"):
+        load_judge(apply_overrides(Config(), ["reward_model.judge_path=/nowhere"]).reward_model, 0)

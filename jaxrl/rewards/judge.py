@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
-from jaxrl.config import ConfigError, EngineConfig, ModelConfig
+from jaxrl.config import ConfigError, EngineConfig, ModelConfig, RewardModelConfig
+from jaxrl.config.reward_model import judge_scores
+from jaxrl.data.hf_tokenizer import load_tokenizer
+from jaxrl.policy.pretrained import load_model
 from jaxrl.rollout.engine.driver import Engine
 from jaxrl.rollout.sampler import SamplingParams
 
@@ -149,3 +154,24 @@ class JudgeVerifier:
     ) -> tuple[np.ndarray, int]:
         out = self.scorer([r["prompt"] for r in records], completions)
         return np.stack([out.reward_B, out.parsed_B.astype(np.float32)], axis=1), int((~out.parsed_B).sum())
+
+
+def load_judge(rm: RewardModelConfig, seed: int) -> JudgeVerifier:
+    """The judge of reward_model.judge_* as a verifier: the model in judge_path (a Hugging Face
+    checkpoint or a `jaxrl convert` output, with its tokenizer) on an engine of judge_slots slots."""
+    path = pathlib.Path(rm.judge_path).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"reward_model.judge_path: directory {str(path)!r} not found")
+    tokenizer = load_tokenizer(path)
+    model = ModelConfig(hf_path=str(path), max_seq_len=rm.judge_prompt_len + rm.judge_max_new_tokens)
+    model_cfg, params = load_model(model)
+    judge = Judge(
+        template=rm.judge_template,
+        verdict=rm.judge_verdict,
+        scores=judge_scores(rm.judge_scores),
+        max_new_tokens=rm.judge_max_new_tokens,
+        prompt_len=rm.judge_prompt_len,
+        greedy=rm.judge_greedy,
+    )
+    scorer = JudgeScorer.build(judge, model_cfg, params, tokenizer, rng=jax.random.key(seed), slots=rm.judge_slots)
+    return JudgeVerifier(scorer)

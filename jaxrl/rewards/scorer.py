@@ -26,6 +26,7 @@ from jaxrl.config import ConfigError, ModelConfig, RewardModelConfig
 from jaxrl.data.hf_tokenizer import load_tokenizer
 from jaxrl.data.rewards import Verifier, score
 from jaxrl.data.tokenizer import CharTokenizer
+from jaxrl.rewards.judge import load_judge
 from jaxrl.rewards.model import encode_sequences, sequence_scores
 from jaxrl.rewards.train import load_reward_model
 
@@ -89,6 +90,14 @@ def load_scorer(rm: RewardModelConfig, field: str = "reward_model.workdir") -> R
         raise ConfigError(f"{field}: {rm.workdir}/reward_model.json names no tokenizer (alphabet or hf_path)")
     params = jax.device_put(params, jax.local_devices()[0])
     return RewardModelScorer(params, model_cfg, tokenizer, rm.score_batch)
+
+
+def model_rewards(verifier: Verifier | None, rm: RewardModelConfig, seed: int) -> Verifier | None:
+    """The run's verifier with reward_model.*: the judge in judge_path instead of the task's verifier
+    (if set), then the reward model in workdir scoring after it (if set)."""
+    if rm.judge_path:
+        verifier = load_judge(rm, seed)
+    return with_reward_model(verifier, rm)
 
 
 def with_reward_model(verifier: Verifier | None, rm: RewardModelConfig) -> Verifier | None:
