@@ -212,6 +212,8 @@ def abstract_batch(cfg: Config, model_cfg, routing=None) -> dict:
     }
     if cfg.rollout.engine.enabled or get_task(cfg.data.task).episodic:
         batch.update({"group_id_B": ((B,), i32), "stale_BxT": ((B, T), f32)})
+    if cfg.distill.teacher:  # the teacher's scores, made before the update (jaxrl.train.teacher)
+        batch["teacher_logp_BxT"] = ((B, T), f32)
     out = {k: jax.ShapeDtypeStruct(*v) for k, v in batch.items()}
     if routing is not None:
         out["routing_BxSxLxK"] = routing
