@@ -146,7 +146,7 @@ def test_the_teacher_forward_on_the_students_samples_is_the_teachers_token_logpr
         train=dataclasses.replace(Config().train, microbatches=microbatches),
     )
     got = jax.jit(teacher_lib.teacher_logp_fn(cfg, TEACHER))(teacher, batch)
-    want, _ = token_logprobs(teacher, TEACHER, *(batch[k] for k in teacher_lib._FORWARD_KEYS), cfg.rollout.temperature)
+    want, _ = token_logprobs(teacher, TEACHER, *(batch[k] for k in teacher_lib.FORWARD_KEYS), cfg.rollout.temperature)
     live = batch["completion_mask_BxT"] > 0
     np.testing.assert_allclose(np.asarray(got), np.where(live, want, 0.0), rtol=1e-5, atol=1e-5)
     # The student scoring its own samples: the sampler's log-probs again (to float summation order),
@@ -154,6 +154,12 @@ def test_the_teacher_forward_on_the_students_samples_is_the_teachers_token_logpr
     own = jax.jit(teacher_lib.teacher_logp_fn(cfg, STUDENT))(student, batch)
     np.testing.assert_allclose(np.asarray(own), rollout_logp, atol=2e-5)
     assert np.abs(np.asarray(got) - rollout_logp)[live].mean() > 0.1  # another model: another score
+
+
+def _write_hf(directory, params, cfg, tokenizer):
+    from jaxrl.policy.convert import _save_hf
+
+    _save_hf(directory, jax.tree.map(np.asarray, params), cfg, tokenizer, "float32", 0)
 
 
 def _tokenizers_differ(student, teacher, match):
@@ -168,22 +174,28 @@ def test_a_teacher_with_another_tokenizer_is_an_error_naming_distill_teacher():
     _tokenizers_differ(CharTokenizer(ALPHABET), CharTokenizer(ALPHABET[:-1] + "x"), "distill.teacher: token id 18")
 
 
-def _write_hf(directory, params, cfg, tokenizer):
-    from jaxrl.policy.convert import _save_hf
-
-    _save_hf(directory, jax.tree.map(np.asarray, params), cfg, tokenizer, "float32", 0)
-
-
-def test_a_hugging_face_teacher_of_another_architecture_scores_like_its_params(tmp_path):
+@pytest.fixture(scope="module")
+def hf_teacher(tmp_path_factory):
+    """A Hugging Face checkpoint of TEACHER's architecture with the student's character tokenizer."""
     pytest.importorskip("tokenizers")
-    tok = CharTokenizer(ALPHABET)
-    teacher = init_params(TEACHER, jax.random.key(1))
-    _write_hf(tmp_path / "teacher", teacher, TEACHER, tok)
-    cfg = Config(
+    directory = tmp_path_factory.mktemp("hf") / "teacher"
+    _write_hf(directory, init_params(TEACHER, jax.random.key(1)), TEACHER, CharTokenizer(ALPHABET))
+    return directory
+
+
+def _hf_config(directory, **loss):
+    return Config(
         model=STUDENT,
         rollout=dataclasses.replace(Config().rollout, group_size=G, prompts_per_step=2, max_new_tokens=T),
-        distill=DistillConfig(teacher=str(tmp_path / "teacher")),
+        loss=LossConfig(**loss),
+        distill=DistillConfig(teacher=str(directory)),
     )
+
+
+def test_a_hugging_face_teacher_of_another_architecture_scores_like_its_params(hf_teacher, tmp_path):
+    tok = CharTokenizer(ALPHABET)
+    teacher = init_params(TEACHER, jax.random.key(1))
+    cfg = _hf_config(hf_teacher)
     mesh, preset = make_mesh(cfg.mesh)
     loaded = teacher_lib.load_teacher(cfg, tok, mesh, preset)
     assert (loaded.model_cfg.n_layers, loaded.model_cfg.d_model) == (2, 48)
@@ -257,3 +269,26 @@ def test_the_shipped_config_trains_two_steps_from_a_teacher_run_never_saved_with
     assert meta["params"]["embedding"].shape[-1] == 32  # TINY's d_model, not the teacher's 48
     saved = json.loads((tmp_path / "student" / "config.json").read_text())
     assert saved["distill"]["teacher"] == str(tmp_path / "teacher")
+
+
+def test_the_teacher_forward_is_its_own_program_outside_the_update(hf_teacher):
+    """`jaxrl plan` compiles the teacher's forward as a program of its own: its FLOPs are the teacher
+    forward's, and the distill update's FLOPs stay the student's (no teacher forward inside the update,
+    however many PPO epochs)."""
+    from jaxrl.train.plan import plan
+
+    def flops(cfg, program):
+        (record,) = plan(cfg, (program,))
+        return record["flops_per_device"]
+
+    distill = _hf_config(hf_teacher, preset="distill")
+    grpo = dataclasses.replace(distill, loss=LossConfig(preset="grpo"), distill=DistillConfig())
+    teacher, update = flops(distill, "teacher"), flops(distill, "update")
+    assert update == pytest.approx(flops(grpo, "update"), rel=0.02)  # the loss's few elementwise ops differ
+    # The teacher (2 layers of width 48) costs more than one student forward (1 layer of width 32): about
+    # a third of the student's update (forward + backward + optimizer) or more.
+    assert teacher > 0.3 * update
+    two_epochs = dataclasses.replace(distill, train=dataclasses.replace(distill.train, ppo_epochs=2))
+    assert flops(two_epochs, "teacher") == teacher
+    with pytest.raises(ConfigError, match="--programs teacher: the config has no distill.teacher"):
+        plan(grpo, ("teacher",))

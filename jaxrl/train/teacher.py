@@ -40,7 +40,7 @@ from jaxrl.train.steps import make_logp_fn, microbatched_logp
 
 FIELD = "distill.teacher"
 IDS_COMPARED = 4096  # a larger vocabulary compares the text of its first and last IDS_COMPARED // 2 ids
-_FORWARD_KEYS = ("prompt_tokens_BxP", "prompt_mask_BxP", "tokens_BxT", "completion_mask_BxT")
+FORWARD_KEYS = ("prompt_tokens_BxP", "prompt_mask_BxP", "tokens_BxT", "completion_mask_BxT")
 
 
 class Teacher(NamedTuple):
@@ -130,6 +130,32 @@ def _restore_params(step_dir: pathlib.Path, model_cfg: ModelConfig, shardings) -
     return restored["params"]
 
 
+def _resolved(cfg: Config, path: pathlib.Path):
+    """(tokenizer, model config) of the teacher at `path` (no weights read); the run's Config for a run."""
+    if _kind(path) == "run":
+        run_cfg = lora_run.run_config(path)
+        return (*resolve_policy(run_cfg), run_cfg)
+    hf_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(path)))
+    return (*resolve_policy(hf_cfg), None)
+
+
+def _fitted(cfg: Config, model_cfg: ModelConfig) -> ModelConfig:
+    """The teacher's config with max_seq_len raised to the student's when shorter (it scores the
+    student's prompt + completion)."""
+    if model_cfg.max_seq_len < cfg.model.max_seq_len:
+        return dataclasses.replace(model_cfg, max_seq_len=cfg.model.max_seq_len)
+    return model_cfg
+
+
+def teacher_model_config(cfg: Config) -> ModelConfig:
+    """The architecture of the teacher `distill.teacher` names, from its config files alone (for
+    `jaxrl plan`): a run's config.json, or a checkpoint's config.json / model_config.json."""
+    path = pathlib.Path(cfg.distill.teacher).expanduser()
+    if not path.is_dir():
+        raise ConfigError(_missing(cfg, path))
+    return _fitted(cfg, _resolved(cfg, path)[1])
+
+
 def _run_teacher(path: pathlib.Path, mesh, preset) -> tuple[ModelConfig, Any, Any, str]:
     run_cfg = lora_run.run_config(path)
     tokenizer, model_cfg = resolve_policy(run_cfg)
@@ -156,15 +182,11 @@ def load_teacher(cfg: Config, student_tokenizer, mesh, preset) -> Teacher:
     if _kind(path) == "run":
         model_cfg, params, tokenizer, origin = _run_teacher(path, mesh, preset)
     else:
-        tokenizer, model_cfg = resolve_policy(
-            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(path)))
-        )
+        tokenizer, model_cfg, _ = _resolved(cfg, path)
         params = load_params(path, model_cfg, shardings_for(model_cfg, mesh, preset))
         origin = str(path)
     check_same_tokenizer(student_tokenizer, tokenizer)
-    if model_cfg.max_seq_len < cfg.model.max_seq_len:
-        model_cfg = dataclasses.replace(model_cfg, max_seq_len=cfg.model.max_seq_len)
-    return Teacher(model_cfg, params, tokenizer, origin)
+    return Teacher(_fitted(cfg, model_cfg), params, tokenizer, origin)
 
 
 def teacher_logp_fn(cfg: Config, model_cfg: ModelConfig, parallel=None) -> Callable:
@@ -183,7 +205,7 @@ def teacher_logp_fn(cfg: Config, model_cfg: ModelConfig, parallel=None) -> Calla
     chunks = max(cfg.train.microbatches, 1)
 
     def teacher_logp(params, batch: dict) -> jax.Array:
-        batch = {k: batch[k] for k in _FORWARD_KEYS}
+        batch = {k: batch[k] for k in FORWARD_KEYS}
         logp_BxT = microbatched_logp(logp_fn, params, batch, chunks, parallel)[0]
         return jax.lax.stop_gradient(jax.numpy.where(batch["completion_mask_BxT"] > 0, logp_BxT, 0.0))
 
@@ -198,6 +220,6 @@ def teacher_scorer(cfg: Config, teacher: Teacher, mesh, preset, parallel=None) -
     )
 
     def score(batch: dict) -> dict:
-        return {**batch, TEACHER_KEY: jitted(teacher.params, {k: batch[k] for k in _FORWARD_KEYS})}
+        return {**batch, TEACHER_KEY: jitted(teacher.params, {k: batch[k] for k in FORWARD_KEYS})}
 
     return score
