@@ -130,13 +130,13 @@ def _restore_params(step_dir: pathlib.Path, model_cfg: ModelConfig, shardings) -
     return restored["params"]
 
 
-def _resolved(cfg: Config, path: pathlib.Path):
-    """(tokenizer, model config) of the teacher at `path` (no weights read); the run's Config for a run."""
+def _resolved(cfg: Config, path: pathlib.Path) -> tuple[Any, ModelConfig]:
+    """(tokenizer, model config) of the teacher at `path`, from its config files (no weights read)."""
     if _kind(path) == "run":
-        run_cfg = lora_run.run_config(path)
-        return (*resolve_policy(run_cfg), run_cfg)
-    hf_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(path)))
-    return (*resolve_policy(hf_cfg), None)
+        resolved = resolve_policy(lora_run.run_config(path))
+    else:
+        resolved = resolve_policy(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(path))))
+    return resolved.tokenizer, resolved.model_cfg
 
 
 def _fitted(cfg: Config, model_cfg: ModelConfig) -> ModelConfig:
@@ -182,7 +182,7 @@ def load_teacher(cfg: Config, student_tokenizer, mesh, preset) -> Teacher:
     if _kind(path) == "run":
         model_cfg, params, tokenizer, origin = _run_teacher(path, mesh, preset)
     else:
-        tokenizer, model_cfg, _ = _resolved(cfg, path)
+        tokenizer, model_cfg = _resolved(cfg, path)
         params = load_params(path, model_cfg, shardings_for(model_cfg, mesh, preset))
         origin = str(path)
     check_same_tokenizer(student_tokenizer, tokenizer)
