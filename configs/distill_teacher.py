@@ -2,11 +2,13 @@
 
     jaxrl train configs/distill_teacher.py --workdir runs/distill_teacher_arithmetic
 
-Twice the depth and width of the default 2-layer student (about 8x its non-embedding parameters),
-warm-started on demonstrations from a teacher that makes no mistakes (`warmstart.teacher_error=0`,
-where the student's warm start forgets 60% of the carries), then 20 GRPO steps. The warm start has its
-own fixed seed (`warmstart.seed=0`), so the command above makes the same teacher on every machine.
-The distillation config reads the workdir's newest checkpoint.
+Twice the depth and width of the default 2-layer student (3.1M matmul parameters to its 0.39M, both
+besides the embedding), warm-started on demonstrations from a teacher that makes no mistakes
+(`warmstart.teacher_error=0`, where the student's warm start forgets 60% of the carries), then 20 GRPO
+steps, which give the run its checkpoint (held-out greedy accuracy: 0.996 after the warm start, 0.994
+after the 20 steps). The warm start has its own fixed seed (`warmstart.seed=0`), so the command above
+makes the same teacher whatever `train.seed` is. The distillation config reads the workdir's newest
+checkpoint.
 """
 
 import dataclasses
