@@ -234,6 +234,9 @@ def test_check_teacher_names_the_field_and_the_command_that_makes_the_teacher(tm
         teacher_lib.check_teacher(cfg, make_loss(LossConfig(preset="grpo")))
     (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
     cfg = load_config(DEFAULT_CONFIG, OVERRIDES + [f"distill.teacher={tmp_path / 'empty_run'}"])
+    with pytest.raises(ConfigError, match="distill.teacher: .* is neither a jaxrl run directory"):
+        teacher_lib.check_teacher(cfg, distill)
+    (tmp_path / "empty_run" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="distill.teacher .*no finished checkpoint"):
         teacher_lib.check_teacher(cfg, distill)
     with pytest.raises(ConfigError, match="distill.teacher_command"):

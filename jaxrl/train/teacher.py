@@ -52,8 +52,8 @@ class Teacher(NamedTuple):
 
 def _kind(path: pathlib.Path) -> str:
     """ "run" (a jaxrl run directory) or "hf" (a Hugging Face / converted checkpoint directory)."""
-    if (path / "checkpoints").is_dir() or (path / "config.json").is_file() and not (path / "tokenizer.json").is_file():
-        return "run"
+    if (path / "config.json").is_file() and not (path / "tokenizer.json").is_file():
+        return "run"  # a run directory: its config.json is jaxrl's (checked when it is read)
     if (path / "config.json").is_file() or (path / MODEL_CONFIG).is_file():
         return "hf"
     raise ConfigError(
