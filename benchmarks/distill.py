@@ -6,7 +6,8 @@
 Arms: `grpo` (configs/grpo_arithmetic.py, the default run), `distill` (configs/distill_arithmetic.py:
 the same student, warm start, rollout budget and learning rate; the correctness reward replaced by the
 teacher's per-token reverse KL) and `distill_reward` (the same with `reward_weight=1`: the KL advantage
-plus GRPO's advantage of the correctness reward). Each run is `jaxrl train <config>` in its own subprocess with
+plus GRPO's advantage of the correctness reward); `grpo_lr3e-4` and `distill_lr3e-4` are the first two
+at three times the learning rate. Each run is `jaxrl train <config>` in its own subprocess with
 `train.seed` = the seed (the seed sets the student's warm start and the sampling; the teacher and the
 test set are the same for every run), `train.steps` = --steps, held-out greedy accuracy every
 --eval-every steps. A finished run under --root is read back instead of retrained.
@@ -41,6 +42,9 @@ ARMS = {
     "grpo": ("configs/grpo_arithmetic.py", ()),
     "distill": ("configs/distill_arithmetic.py", ()),
     "distill_reward": ("configs/distill_arithmetic.py", ("loss.options=reward_weight=1.0",)),
+    # Both at 3x the learning rate: is the step size what holds either back at this budget?
+    "grpo_lr3e-4": ("configs/grpo_arithmetic.py", ("optim.learning_rate=3e-4",)),
+    "distill_lr3e-4": ("configs/distill_arithmetic.py", ("optim.learning_rate=3e-4",)),
 }
 
 
@@ -154,7 +158,8 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     args = parser.parse_args()
     arms = [a for a in args.arms.split(",") if a]
-    records = [run_record(arm, seed, train(arm, seed, args)) for arm in arms for seed in range(args.seeds)]
+    # Seed-major: the arms of a seed train back to back, so their step times see the same machine load.
+    records = [run_record(arm, seed, train(arm, seed, args)) for seed in range(args.seeds) for arm in arms]
     flops = {arm: program_flops(arm) for arm in arms}
     text = table(records, flops, args.steps)
     print(text)
