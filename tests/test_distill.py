@@ -275,9 +275,8 @@ def test_the_shipped_config_trains_two_steps_from_a_teacher_run_never_saved_with
 
 
 def test_the_teacher_forward_is_its_own_program_outside_the_update(hf_teacher):
-    """`jaxrl plan` compiles the teacher's forward as a program of its own: its FLOPs are the teacher
-    forward's, and the distill update's FLOPs stay the student's (no teacher forward inside the update,
-    however many PPO epochs)."""
+    """`jaxrl plan` compiles the teacher's forward as a program of its own, and the distill update's
+    FLOPs stay the student's: no teacher forward inside the update (or its epochs loop)."""
     from jaxrl.train.plan import plan
 
     def flops(cfg, program):
@@ -291,7 +290,5 @@ def test_the_teacher_forward_is_its_own_program_outside_the_update(hf_teacher):
     # The teacher (2 layers of width 48) costs more than one student forward (1 layer of width 32): about
     # a third of the student's update (forward + backward + optimizer) or more.
     assert teacher > 0.3 * update
-    two_epochs = dataclasses.replace(distill, train=dataclasses.replace(distill.train, ppo_epochs=2))
-    assert flops(two_epochs, "teacher") == teacher
     with pytest.raises(ConfigError, match="--programs teacher: the config has no distill.teacher"):
         plan(grpo, ("teacher",))
