@@ -14,11 +14,10 @@ test set are the same for every run), `train.steps` = --steps, held-out greedy a
 
 Compute per step: `step_s`, the median wall seconds between consecutive training rows (steps after
 the first, eval steps and the steps after them left out; CPU timings on a shared machine, so compare
-arms run under the same load), and FLOPs from XLA's cost analysis of the programs `jaxrl plan`
-compiles: the update and, for distill, the teacher's forward (one per step). The rollout program is the
-same for both arms (same student, same sampler) and its decode loop is one while loop, which XLA's cost
-analysis counts once, so the rollout is given as model FLOPs instead (benchmarks/common.py convention:
-B rows of P prompt + T completion slots, all decoded).
+arms run under the same load), and model FLOPs (`step_flops`: benchmarks/common.py's convention) of the
+rollout, the update and, for distillation, the teacher's one forward per step. Not XLA's cost analysis
+(`jaxrl plan`): the layers run as one `lax.scan` and the decode as one while loop, whose bodies it
+counts once.
 
 Writes <out>.json (every run, the means) and prints the markdown table, then one JSON line last.
 """
@@ -106,19 +105,34 @@ def run_record(arm: str, seed: int, rows: list[dict]) -> dict:
     return record
 
 
-def program_flops(arm: str) -> dict:
-    """Per-step FLOPs on one device: XLA's of the update (and the teacher), model FLOPs of the rollout."""
+def _forward_flops(cfg, rows: int, group_size: int, prompt_len: int, new_tokens: int, shared: bool) -> float:
+    """Model FLOPs of one forward over `rows` prompt + completion rows (benchmarks/common.py convention);
+    `shared`: each group's prompt forwarded once (train.share_prefix on the static sampler's batches)."""
+    prompts = rows // group_size if shared else rows
+    return prompts * sequence_flops(cfg, 0, prompt_len) + rows * sequence_flops(cfg, prompt_len, new_tokens)
+
+
+def step_flops(arm: str) -> dict:
+    """Model FLOPs of one step (2 per multiply-add, matmuls and attention, every slot of the B x (P + T)
+    batch counted, padding included): the rollout (one forward of every slot), the update (forward +
+    backward = 3 forwards, per PPO epoch), the teacher's forward (distillation only)."""
     from jaxrl.config import load_config
     from jaxrl.policy.resolve import resolve_policy
-    from jaxrl.train.plan import plan
+    from jaxrl.train.programs import prompt_groups
+    from jaxrl.train.teacher import teacher_model_config
 
     config, extra = ARMS[arm]
     cfg = load_config(REPO / config, list(extra))
-    programs = ("update", "teacher") if cfg.distill.teacher else ("update",)
-    out = {r["program"]: r["flops_per_device"] for r in plan(cfg, programs)}
-    rc, model_cfg = cfg.rollout, resolve_policy(cfg).model_cfg
-    rows = rc.prompts_per_step * rc.group_size
-    out["rollout_model_flops"] = rows * sequence_flops(model_cfg, 0, cfg.data.max_prompt_len + rc.max_new_tokens)
+    rc, student = cfg.rollout, resolve_policy(cfg).model_cfg
+    B, P, T, G = rc.prompts_per_step * rc.group_size, cfg.data.max_prompt_len, rc.max_new_tokens, rc.group_size
+    shared = prompt_groups(cfg) > 1
+    out = {
+        "rollout": B * sequence_flops(student, 0, P + T),
+        "update": 3 * cfg.train.ppo_epochs * _forward_flops(student, B, G, P, T, shared),
+        "teacher": 0.0,
+    }
+    if cfg.distill.teacher:
+        out["teacher"] = _forward_flops(teacher_model_config(cfg), B, G, P, T, shared)
     return out
 
 
@@ -130,8 +144,8 @@ def _mean_sd(values: list[float]) -> str:
 def table(records: list[dict], flops: dict, steps: int) -> str:
     lines = [
         f"| arm | acc. step 0 | acc. step {steps} (per seed) | acc. step {steps} mean ± sd | s / step | "
-        "update GFLOP | teacher GFLOP | rollout GFLOP (model) |",
-        "|---|---|---|---|---|---|---|---|",
+        "rollout GFLOP | update GFLOP | teacher GFLOP | GFLOP / step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in ARMS:
         runs = [r for r in records if r["arm"] == arm]
@@ -142,8 +156,8 @@ def table(records: list[dict], flops: dict, steps: int) -> str:
         f = flops[arm]
         lines.append(
             f"| {arm} | {statistics.mean(first):.3f} | {', '.join(f'{a:.3f}' for a in final)} | {_mean_sd(final)} | "
-            f"{statistics.median(r['step_s'] for r in runs):.3f} | {f['update'] / 1e9:.3f} | "
-            f"{f.get('teacher', 0.0) / 1e9:.3f} | {f['rollout_model_flops'] / 1e9:.3f} |"
+            f"{statistics.median(r['step_s'] for r in runs):.3f} | {f['rollout'] / 1e9:.3f} | "
+            f"{f['update'] / 1e9:.3f} | {f['teacher'] / 1e9:.3f} | {sum(f.values()) / 1e9:.3f} |"
         )
     return "\n".join(lines)
 
@@ -160,7 +174,7 @@ def main() -> None:
     arms = [a for a in args.arms.split(",") if a]
     # Seed-major: the arms of a seed train back to back, so their step times see the same machine load.
     records = [run_record(arm, seed, train(arm, seed, args)) for seed in range(args.seeds) for arm in arms]
-    flops = {arm: program_flops(arm) for arm in arms}
+    flops = {arm: step_flops(arm) for arm in arms}
     text = table(records, flops, args.steps)
     print(text)
     summary = {
