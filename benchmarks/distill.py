@@ -172,6 +172,8 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     args = parser.parse_args()
     arms = [a for a in args.arms.split(",") if a]
+    args.root = args.root.resolve()
+    args.root.mkdir(parents=True, exist_ok=True)
     # Seed-major: the arms of a seed train back to back, so their step times see the same machine load.
     records = [run_record(arm, seed, train(arm, seed, args)) for seed in range(args.seeds) for arm in arms]
     flops = {arm: step_flops(arm) for arm in arms}
