@@ -162,6 +162,35 @@ def _write_hf(directory, params, cfg, tokenizer):
     _save_hf(directory, jax.tree.map(np.asarray, params), cfg, tokenizer, "float32", 0)
 
 
+def test_the_update_step_follows_the_teachers_advantage_not_the_reward():
+    """The jitted update (steps.make_update_step), on the student's own samples with rewards that differ
+    within each group: with the teacher equal to the sampler the distill gradient is exactly 0 (GRPO's
+    is not); with another teacher it is the gradient of -A_t logp, A_t the reverse KL advantage."""
+    from jaxrl.config import OptimConfig
+    from jaxrl.train.state import init_state, make_optimizer
+    from jaxrl.train.steps import make_logp_fn, make_update_step
+
+    params = init_params(STUDENT, jax.random.key(0))
+    batch, rollout_logp = _sampled(params, STUDENT)
+    rewards = np.zeros((B, 2), np.float32)
+    rewards[::2, 0] = 1.0  # rows 0, 2, 4 right: no group is constant
+    batch = dict(batch, rollout_logp_BxT=rollout_logp, rewards_BxK=rewards, truncated_B=np.zeros(B, np.float32))
+    logp_fn = make_logp_fn(STUDENT, 1.0)
+    optimizer = make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=0), total_steps=4)
+
+    def grad_norm(preset: str, teacher_logp_BxT) -> float:
+        step = make_update_step(
+            logp_fn, PRESETS[preset](), optimizer, ppo_epochs=1, microbatches=1, max_new_tokens=T, group_size=G
+        )
+        state = init_state(params, optimizer, jax.random.key(0))
+        _, metrics = jax.jit(step)(state, dict(batch, teacher_logp_BxT=teacher_logp_BxT))
+        return float(metrics["grad_norm"])
+
+    assert grad_norm("distill", rollout_logp) == 0.0
+    assert grad_norm("grpo", rollout_logp) > 0.0
+    assert grad_norm("distill", rollout_logp - 1.0) > 0.0  # a teacher that gives every sampled token less probability
+
+
 def _tokenizers_differ(student, teacher, match):
     with pytest.raises(ConfigError, match=match):
         teacher_lib.check_same_tokenizer(student, teacher)
