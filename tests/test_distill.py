@@ -257,7 +257,9 @@ def test_check_teacher_names_the_field_and_the_command_that_makes_the_teacher(tm
         DEFAULT_CONFIG,
         OVERRIDES + [f"distill.teacher={tmp_path / 'nope'}", "distill.teacher_command=jaxrl train t.py --workdir nope"],
     )
-    with pytest.raises(ConfigError, match="does not exist; make it with: jaxrl train t.py --workdir nope"):
+    with pytest.raises(
+        ConfigError, match=r"does not exist; make it with \(distill.teacher_command\): jaxrl train t.py --workdir nope"
+    ):
         teacher_lib.check_teacher(cfg, distill)
     with pytest.raises(ConfigError, match="distill.teacher: set to .*reads no teacher"):
         teacher_lib.check_teacher(cfg, make_loss(LossConfig(preset="grpo")))

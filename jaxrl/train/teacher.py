@@ -63,7 +63,11 @@ def _kind(path: pathlib.Path) -> str:
 
 
 def _missing(cfg: Config, path: pathlib.Path) -> str:
-    make = f"; make it with: {cfg.distill.teacher_command}" if cfg.distill.teacher_command else ""
+    make = (
+        f"; make it with (distill.teacher_command): {cfg.distill.teacher_command}"
+        if cfg.distill.teacher_command
+        else ""
+    )
     return f"{FIELD}: {str(path)!r} does not exist{make}"
 
 
