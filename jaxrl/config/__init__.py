@@ -7,6 +7,7 @@ from jaxrl.config.errors import CheckpointError, ConfigError, NonFiniteError, Ru
 from jaxrl.config.load import apply_overrides, check_types, load_file, override, to_dict
 from jaxrl.config.lora import LoraConfig
 from jaxrl.config.model import ModelConfig
+from jaxrl.config.reward_model import RewardModelConfig
 from jaxrl.config.rollout import EngineConfig, RolloutConfig, RolloutMeshConfig, SpeculativeConfig
 from jaxrl.config.schema import (
     REMAT,
@@ -40,6 +41,7 @@ __all__ = [
     "ModelConfig",
     "NonFiniteError",
     "OptimConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "RolloutMeshConfig",
     "RunError",

@@ -35,6 +35,7 @@ from jaxrl.models.transformer import param_logical_axes
 from jaxrl.multihost import any_process, is_primary, process_rows
 from jaxrl.policy.base import build_base
 from jaxrl.policy.warmstart import cache_root
+from jaxrl.rewards.scorer import model_rewards
 from jaxrl.runlog.metrics import MetricsLog, plot
 from jaxrl.runlog.report import emit
 from jaxrl.runlog.summary import start_line, stopped_line, summary
@@ -225,6 +226,8 @@ def build_run(
     elif get_task(cfg.data.task).episodic:
         check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)
+    if cfg.reward_model.workdir or cfg.reward_model.judge_path:  # rewards from a model (jaxrl.rewards)
+        task = dataclasses.replace(task, verifier=model_rewards(task.verifier, cfg.reward_model, tc.seed))
     optimizer = run_optimizer(cfg)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     layout = (mesh, preset, param_sh, rep)
