@@ -236,7 +236,8 @@ def _add_plan_parser(sub) -> None:
         "--programs",
         default=None,
         metavar="A,B",
-        help="which of update, rollout, engine_chunk, eval (default: the run's update, rollout or engine chunk, eval)",
+        help="which of update, rollout, engine_chunk, eval, teacher (default: the run's update, rollout or engine "
+        "chunk, eval, and its distill.teacher's forward)",
     )
     pl.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"

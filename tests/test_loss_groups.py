@@ -46,6 +46,7 @@ def _rows(n, rng):
         "old_logp_BxT": old,
         "rollout_logp_BxT": old + 0.5 * rng.standard_normal((n, T), np.float32),
         "old_entropy_BxT": 3.0 * rng.random((n, T)).astype(np.float32),
+        "teacher_logp_BxT": -2.0 * rng.random((n, T), np.float32),  # what the distill preset reads
     }
 
 

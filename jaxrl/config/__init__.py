@@ -2,6 +2,7 @@
 validation, and the project's errors. `from jaxrl.config import Config, ConfigError` is the usual import."""
 
 from jaxrl.config.agent import AgentConfig
+from jaxrl.config.distill import DistillConfig
 from jaxrl.config.errors import CheckpointError, ConfigError, NonFiniteError, RunError
 from jaxrl.config.load import apply_overrides, check_types, load_file, override, to_dict
 from jaxrl.config.lora import LoraConfig
@@ -31,6 +32,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistillConfig",
     "EngineConfig",
     "LogConfig",
     "LoraConfig",

@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxrl.config.agent import AgentConfig
 from jaxrl.config.checks import _check, _check_finite_floats, _check_learning_rate
+from jaxrl.config.distill import DistillConfig
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.load import load_file
 from jaxrl.config.model import ModelConfig
@@ -405,6 +406,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     agent: AgentConfig = AgentConfig()
     log: LogConfig = LogConfig()
+    distill: DistillConfig = DistillConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
 
     def validate(self) -> Config:

@@ -55,6 +55,7 @@ from jaxrl.sources.sampler import SamplerSource
 from jaxrl.sources.scoring import RowLayout, assemble_batch
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
+from jaxrl.train import teacher as distill_teacher
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.programs import (
@@ -117,6 +118,7 @@ class Run(NamedTuple):
     base_path: pathlib.Path  # where the base policy came from
     policy: Callable  # state -> the params the rollout and the evaluation use (under LoRA: merged)
     lora: lora_state.LoraRun | None  # None for full fine-tuning
+    teacher: Callable | None = None  # batch -> batch + teacher_logp_BxT (jaxrl.train.teacher); None: no teacher
 
 
 def train(
@@ -176,7 +178,7 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord, loss: Loss | N
             t0 = time.perf_counter()
             state, produced = produce_scored_groups(run, state, policy, stream, step)
             stream, row = produced.stream, {"step": step, **produced.metrics}
-            batch = assemble_batch(produced.host_batch, produced.routing_BxSxLxK, run.mesh, run.preset, run.rows.n)
+            batch = update_batch(run, produced)
             state, metrics = run.update(state, batch)
             policy = run.policy(state)
             if pending is not None:
@@ -218,6 +220,7 @@ def build_run(
     if loss is None:
         loss = make_loss(cfg.loss)
         check_rollout(cfg.loss.preset, G)
+    distill_teacher.check_teacher(cfg, loss)
     if get_task(cfg.data.task).black_box:
         check_blackbox_config(cfg, cfg.data.task)
     elif get_task(cfg.data.task).episodic:
@@ -244,6 +247,10 @@ def build_run(
         state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
         state = state._replace(opt_state=jax.device_put(state.opt_state, state_sh.opt_state))
     del base_params
+    teacher = None
+    if cfg.distill.teacher:  # frozen, outside the TrainState: no checkpoint holds it
+        teacher_model = distill_teacher.load_teacher(cfg, tokenizer, mesh, preset)
+        teacher = distill_teacher.teacher_scorer(cfg, teacher_model, mesh, preset, parallel_for(mesh, preset))
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
     resumed_step, state, stream, host = _restore(manager, state, loss, record, lora)
@@ -279,6 +286,7 @@ def build_run(
         base_path,
         policy,
         lora,
+        teacher,
     )
     return run, state, stream, resumed_step or 0
 
@@ -382,6 +390,13 @@ def produce_scored_groups(run: Run, state: TrainState, policy, stream: StreamSta
     rng, k_sample = jax.random.split(state.rng)
     state = state._replace(rng=rng)
     return state, run.source.produce(policy, stream, k_sample, step)
+
+
+def update_batch(run: Run, produced) -> dict:
+    """The update's batch on the devices (`assemble_batch`), with the teacher's scores of its sampled
+    tokens (`teacher_logp_BxT`) when the run distils from a teacher (jaxrl.train.teacher)."""
+    batch = assemble_batch(produced.host_batch, produced.routing_BxSxLxK, run.mesh, run.preset, run.rows.n)
+    return batch if run.teacher is None else run.teacher(batch)
 
 
 def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int, pending: tuple, stop: _StopFlag, bar):
