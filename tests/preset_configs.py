@@ -24,6 +24,7 @@ FILES = {
     "normalisers": ["grpo", "dr_grpo", "bnpo", "dapo", "async_const_norm", "rloo", "reinforce_pp"],
     "batch_parts": ["mc_grpo", "gdpo", "gd2po", "m2po", "sao", "mu_grpo", "ppo"],
     "objectives": ["gspo", "gspo_token", "pnpo", "gmpo", "cispo", "sapo", "tbpo"],
+    "distill": ["distill"],  # test_distill.py: it needs a teacher run, which that test trains first
 }
 
 
@@ -58,14 +59,14 @@ def overrides(preset: str) -> list[str]:
     ]
 
 
-def check_config_trains_two_steps(preset: str, workdir: pathlib.Path) -> None:
+def check_config_trains_two_steps(preset: str, workdir: pathlib.Path, extra: tuple = ()) -> None:
     from jaxrl.train.loop import train
 
     path = config_path(preset)
     shipped = load_config(path)  # the file as shipped validates, and is the preset it is named after
     assert shipped.loss.preset == preset
     PRESETS[preset].check_group_size(shipped.rollout.group_size, preset)
-    rows = train(load_config(path, overrides(preset)), workdir)
+    rows = train(load_config(path, [*overrides(preset), *extra]), workdir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         for key in (

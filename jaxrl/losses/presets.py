@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from jaxrl.config import ConfigError, parse_loss_options
+from jaxrl.losses import distill as distill_family
 from jaxrl.losses import presets_critic as critic_family
 from jaxrl.losses import presets_grpo as grpo_family
 from jaxrl.losses import presets_ratio as ratio_family
@@ -165,6 +166,14 @@ register_preset(
     "async_const_norm",
     grpo_family.async_const_norm,
     paper="Bai et al. 2026, AsyncWebRL (constant 1/k normaliser), arXiv:2606.05597",
+)
+register_preset(
+    "distill",
+    distill_family.distill,
+    paper="On-policy distillation: GKD, Agarwal et al. 2023, arXiv:2306.13649; MiniLLM, Gu et al. 2023, "
+    "arXiv:2306.08543; Qwen3 report, arXiv:2505.09388 (needs distill.teacher)",
+    group="G >= 1 (G >= 2 when reward_weight > 0)",
+    min_group_size=1,
 )
 register_preset(
     "tbpo", ratio_family.tbpo, paper="Gu et al. 2026, QaRL (Trust-Band PO, TBPO), arXiv:2604.07853; our reading"

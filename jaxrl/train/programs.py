@@ -22,7 +22,7 @@ from jaxrl.models.transformer import rollout_params
 from jaxrl.policy.resolve import shardings_for
 from jaxrl.sharding import replicated, resharder, rollout_mesh
 from jaxrl.train import lora_state
-from jaxrl.train.critic import critic_optimizer, critic_shardings, init_critic, make_critic_update
+from jaxrl.train.critic import check_critic, critic_optimizer, critic_shardings, init_critic, make_critic_update
 from jaxrl.train.memory_budget import Fit, is_stand_in, memory_rungs, resolve_budget_gib
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
@@ -128,7 +128,11 @@ def critic_layout(cfg: Config, model_cfg, params, param_sh, rep) -> tuple[Callab
 
 
 def with_critic(cfg: Config, model_cfg, state_and_sh: tuple, base_params, param_sh, rep) -> tuple:
-    """(state, its shardings) with the critic's state (`critic_layout`) created from `base_params`."""
+    """(state, its shardings) with the critic's state (`critic_layout`) created from `base_params` when
+    critic.enabled (a ConfigError naming the field for a model it does not support), else as given."""
+    if not cfg.critic.enabled:
+        return state_and_sh
+    check_critic(cfg, None, model_cfg)
     state, state_sh = state_and_sh
     make, critic_sh = critic_layout(cfg, model_cfg, base_params, param_sh, rep)
     critic = jax.jit(make, in_shardings=(param_sh,), out_shardings=critic_sh)(base_params)
