@@ -29,6 +29,7 @@ def _group(returns, shaping, prompt_len=3):
         prompt_P=np.array([0, 5, 6][:prompt_len], np.int32),
         prompt_mask_P=np.array([0, 1, 1][:prompt_len], np.int32),
         tokens_GxT=tokens,
+        routing_GxCxLxK=None,
         loss_mask_GxT=loss_mask,
         logp_GxT=logp,
         truncated_G=np.array([False] * (G - 1) + [True]),
@@ -109,6 +110,7 @@ def test_every_preset_leaves_observation_tokens_out(name):
     logp = (-2.0 * rng.random((B, T))).astype(np.float32)
     old = logp + 0.3 * rng.standard_normal((B, T)).astype(np.float32)
     rewards = rng.integers(0, 2, (B, 2)).astype(np.float32)
+    values_BxT = rng.random((B, T)).astype(np.float32)
 
     def batch_with(garbage):
         g = np.where(holes, garbage, 0).astype(np.float32)
@@ -121,6 +123,8 @@ def test_every_preset_leaves_observation_tokens_out(name):
             "old_entropy_BxT": np.ones((B, T), np.float32) + np.abs(g),
             "truncated_B": np.zeros(B, np.float32),
             "rewards_BxK": rewards,
+            "teacher_logp_BxT": old - 0.2 - 0.5 * g,  # the distill preset's teacher
+            "old_values_BxT": values_BxT + g,  # a critic's (ppo)
         }
 
     batch = batch_with(37.0)

@@ -82,6 +82,21 @@ def test_gae_matches_a_plain_loop():
     np.testing.assert_allclose(ret, np.where(mask > 0, want + values, 0.0), rtol=1e-5, atol=1e-5)
 
 
+def test_gae_steps_over_observation_tokens():
+    """A multi-turn row (model tokens, an observation with mask 0, model tokens): the observation is
+    part of the transition, so GAE equals the plain loop over the model tokens alone, whatever values
+    the observation positions hold; they get 0."""
+    gamma, lam = 0.9, 0.8
+    mask = np.array([[1, 1, 0, 0, 1, 1, 1, 0]], np.float32)
+    values = np.array([[0.5, -0.2, 7.0, -9.0, 0.3, 0.1, 0.4, 5.0]], np.float32)
+    adv, ret = gae_BxT(jnp.asarray([2.0]), jnp.asarray(values), jnp.asarray(mask), gamma, lam)
+    live = mask[0] > 0
+    want = np.zeros(8, np.float32)
+    want[live] = _gae_loop(2.0, values[0][live].tolist(), int(live.sum()), gamma, lam)
+    np.testing.assert_allclose(np.asarray(adv)[0], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ret)[0], np.where(live, want + values[0], 0.0), rtol=1e-6, atol=1e-6)
+
+
 def test_whitening_over_live_tokens():
     x = jnp.array([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
     mask = jnp.array([[1, 1, 0], [1, 0, 0]], jnp.float32)

@@ -88,8 +88,9 @@ def _tiny(loss, G, batch, logp=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_gradient_at_ratio_one_by_hand(name):
-    # MC-GRPO needs an odd group: its own test below; distill's per-token advantage: test_distill.py
-    assert set(TABLE) == set(PRESETS) - {"mc_grpo", "distill"}
+    # MC-GRPO needs an odd group: its own test below; the per-token advantages of distill and ppo (GAE):
+    # test_distill.py, test_ppo.py
+    assert set(TABLE) == set(PRESETS) - {"mc_grpo", "distill", "ppo"}
     batch = {
         "completion_mask_BxT": TINY_MASK,
         "rewards_BxK": np.array([[1.0], [0.0]], np.float32),
@@ -484,8 +485,8 @@ def test_update_step_records_old_logp_for_m2po_and_reports_the_mismatch():
 def test_adv_eps_and_std_ddof_exactly_on_the_presets_that_divide_by_a_std():
     # Every preset that divides by a group or batch std takes adv_eps AND std_ddof (loss.adv_eps,
     # loss.options "std_ddof=0"); the others (centring only: Dr.GRPO's mean, RLOO's leave-one-out,
-    # SAO's batch mean; MC-GRPO divides by a MAD, with its own mad_eps) refuse both with a ConfigError.
-    no_std = {"dr_grpo", "rloo", "sao", "mc_grpo"}
+    # SAO's batch mean; MC-GRPO divides by a MAD, with its own mad_eps; PPO's GAE) refuse both with a ConfigError.
+    no_std = {"dr_grpo", "rloo", "sao", "mc_grpo", "ppo"}  # ppo: GAE, whitened over the batch (`whiten`)
     rewards = np.array([[1.0], [0], [0], [0], [1], [1], [0], [1], [0.5], [0.25], [0], [1]], np.float32)  # G = 3
     for name in sorted(PRESETS):
         params = preset_parameters(name)

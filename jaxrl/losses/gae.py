@@ -7,8 +7,8 @@ row's last live token and V_t = old_values_BxT (the critic's value of the state 
 recorded once on the whole batch before the epochs):
 
     r_t     = R_i if t is the last live token, else 0
-    delta_t = r_t + gamma * m_{t+1} V_{t+1} - V_t                 (after the last live token: V = 0)
-    A_t     = delta_t + gamma * lam * m_{t+1} A_{t+1}
+    delta_t = r_t + gamma * V_{t'} - V_t                          (t' the next live token; none: V = 0)
+    A_t     = delta_t + gamma * lam * A_{t'}                       (none: A = 0)
     R_t     = A_t + V_t                                           (returns_BxT: the value target)
 
 Both are 0 on masked tokens. `gae_part` writes advantages_BxT (what `compose._advantages_BxT` prefers
@@ -42,26 +42,31 @@ def gae_BxT(
 ) -> tuple[jax.Array, jax.Array]:
     """(advantages_BxT, returns_BxT) by the recursion in the module docstring, a reverse scan over T.
     Live tokens are where mask_BxT > 0; the reward lands on each row's last live token (a row with
-    none gets nothing)."""
+    none gets nothing). "Next" is the next LIVE token: a multi-turn row's observation tokens (mask 0)
+    are part of the transition from one model token to the next, not steps of their own, so the rows
+    read the same as with the observations moved to the end."""
     live_BxT = mask_BxT > 0
     B, T = live_BxT.shape
     values_BxT = jnp.where(live_BxT, values_BxT.astype(jnp.float32), 0.0)
     t_T = jnp.arange(T)
     last_B = jnp.max(jnp.where(live_BxT, t_T[None, :], -1), axis=1)
     rewards_BxT = jnp.where(t_T[None, :] == last_B[:, None], reward_B.astype(jnp.float32)[:, None], 0.0)
-    live_f_BxT = live_BxT.astype(jnp.float32)
-    # The next token's value and liveness (0 past the end).
-    next_values_BxT = jnp.concatenate([values_BxT[:, 1:], jnp.zeros((B, 1), jnp.float32)], axis=1)
-    next_live_BxT = jnp.concatenate([live_f_BxT[:, 1:], jnp.zeros((B, 1), jnp.float32)], axis=1)
-    deltas_BxT = rewards_BxT + gamma * next_live_BxT * next_values_BxT - values_BxT
 
-    def back(adv_next_B, xs):
-        delta_B, next_live_B, live_B = xs
-        adv_B = jnp.where(live_B > 0, delta_B + gamma * lam * next_live_B * adv_next_B, 0.0)
-        return adv_B, adv_B
+    def back(carry, xs):
+        adv_next_B, value_next_B, has_next_B = carry  # the next live token's (0 past the last)
+        reward_B, value_B, live_B = xs
+        delta_B = reward_B + gamma * has_next_B * value_next_B - value_B
+        adv_B = jnp.where(live_B, delta_B + gamma * lam * has_next_B * adv_next_B, 0.0)
+        carry = (
+            jnp.where(live_B, adv_B, adv_next_B),
+            jnp.where(live_B, value_B, value_next_B),
+            jnp.where(live_B, 1.0, has_next_B),
+        )
+        return carry, adv_B
 
-    xs = (deltas_BxT.T, next_live_BxT.T, live_f_BxT.T)
-    _, adv_TxB = jax.lax.scan(back, jnp.zeros((B,), jnp.float32), xs, reverse=True)
+    zeros_B = jnp.zeros((B,), jnp.float32)
+    xs = (rewards_BxT.T, values_BxT.T, live_BxT.T)
+    _, adv_TxB = jax.lax.scan(back, (zeros_B, zeros_B, zeros_B), xs, reverse=True)
     adv_BxT = adv_TxB.T
     returns_BxT = jnp.where(live_BxT, adv_BxT + values_BxT, 0.0)
     return jax.lax.stop_gradient(adv_BxT), jax.lax.stop_gradient(returns_BxT)
