@@ -32,6 +32,7 @@ from jaxrl.losses.aggregation import (
 from jaxrl.losses.evaluate import prepare_batch, weighted_loss
 from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.moe import routing_mismatch
+from jaxrl.models.packing import PackSpec, packed_token_logprobs, plan_packs
 from jaxrl.models.parallel import Parallel
 from jaxrl.models.shared_prefix import token_logprobs_shared
 from jaxrl.models.transformer import token_logprobs
@@ -40,6 +41,7 @@ from jaxrl.train.state import TrainState
 # (params, batch) -> (logp_BxT, entropy_BxT) or, for MoE, (logp_BxT, entropy_BxT, extras dict).
 LogpFn = Callable[[Any, dict], tuple]
 MOE_SCALARS = ("moe/aux_loss", "moe/z_loss", "moe/dropped_frac")  # per-microbatch scalars, averaged
+PACKING_SCALARS = ("packing/fallback", "packing/fill")  # likewise, from a packed forward
 
 
 def make_logp_fn(
@@ -51,6 +53,7 @@ def make_logp_fn(
     logits_chunk: int = 0,
     remat: str = "none",
     parallel: Parallel | None = None,
+    packing: PackSpec | None = None,
 ) -> LogpFn:
     """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature.
     `logits_chunk` and `remat`: the forward's memory options (`transformer.token_logprobs`).
@@ -63,13 +66,62 @@ def make_logp_fn(
 
     MoE: a third output, {"penalty": aux_coef * aux + z_coef * z, MOE_SCALARS..., and with a recorded
     routing "moe/routing_mismatch_BxT"}; with `routing_replay` the batch's routing is replayed.
-    `parallel`: the experts' mesh axis (`sharding.parallel`), the one the rollout is given."""
+    `parallel`: the experts' mesh axis (`sharding.parallel`), the one the rollout is given.
+
+    `packing` (dense models; None: off): the live tokens packed into N sequences of L slots
+    (`models.packing`, sizes from `PackSpec.sizes`), wherever `PackSpec.use` says (a trace-time
+    choice), with a third output {"packing/fallback": 1.0 when the rows did not fit the N packs and
+    this forward ran padded (`lax.cond`), else 0.0; "packing/fill": the share of pack slots used}."""
+    if packing is not None and model_cfg.n_experts:
+        raise ValueError("train.packing: dense models only (MoE routing with capacity depends on the packs); use 'off'")
+
+    def padded(params, batch):
+        return token_logprobs(
+            params,
+            model_cfg,
+            batch["prompt_tokens_BxP"],
+            batch["prompt_mask_BxP"],
+            batch["tokens_BxT"],
+            batch["completion_mask_BxT"],
+            temperature,
+            logits_chunk=logits_chunk,
+            remat=remat,
+            parallel=parallel,
+        )
+
+    def packed(params, batch, spec: PackSpec):
+        (B, P), T = batch["prompt_tokens_BxP"].shape, batch["tokens_BxT"].shape[1]
+        n_packs, pack_len = spec.sizes(B, P + T, 1 if parallel is None else parallel.n_rows_devices)
+        plan = plan_packs(batch["prompt_mask_BxP"], batch["completion_mask_BxT"], n_packs=n_packs, pack_len=pack_len)
+
+        def run_packed(params, batch):
+            return packed_token_logprobs(
+                params,
+                model_cfg,
+                batch["prompt_tokens_BxP"],
+                batch["tokens_BxT"],
+                plan,
+                temperature,
+                n_packs=n_packs,
+                pack_len=pack_len,
+                logits_chunk=logits_chunk,
+                remat=remat,
+                parallel=parallel,
+            )
+
+        logp_BxT, entropy_BxT = lax.cond(plan.fits, run_packed, padded, params, batch)
+        fill = jnp.mean((plan.segment_NL > 0).astype(jnp.float32))
+        return logp_BxT, entropy_BxT, {"packing/fallback": 1.0 - plan.fits.astype(jnp.float32), "packing/fill": fill}
 
     if not model_cfg.n_experts:
 
         def logp_fn(params, batch):
             G = prompt_groups
-            if G > 1 and batch["prompt_tokens_BxP"].shape[0] % G == 0:  # shapes are static: a trace-time choice
+            shared = G > 1 and batch["prompt_tokens_BxP"].shape[0] % G == 0  # shapes are static: a trace-time choice
+            P, T = batch["prompt_tokens_BxP"].shape[1], batch["tokens_BxT"].shape[1]
+            if packing is not None and packing.use(shared, P, T):
+                return packed(params, batch, packing)
+            if shared:
                 return token_logprobs_shared(
                     params,
                     model_cfg,
@@ -82,18 +134,7 @@ def make_logp_fn(
                     remat=remat,
                     parallel=parallel,
                 )
-            return token_logprobs(
-                params,
-                model_cfg,
-                batch["prompt_tokens_BxP"],
-                batch["prompt_mask_BxP"],
-                batch["tokens_BxT"],
-                batch["completion_mask_BxT"],
-                temperature,
-                logits_chunk=logits_chunk,
-                remat=remat,
-                parallel=parallel,
-            )
+            return padded(params, batch)
 
         return logp_fn
 
@@ -165,7 +206,8 @@ def make_grad_fn(
     stat of the loss, plus "entropy" and (with ref_logp_BxT) "kl"; with `detailed_stats` and a batch
     with rollout_logp_BxT, "mismatch_abs_logp" = |rollout_logp - old_logp| (and, with stale_BxT, its
     share on stale tokens "mismatch_abs_logp_stale" and "stale_tokens"); for MoE the router scalars
-    (counted once per microbatch) and, with a recorded routing, "moe/routing_mismatch".
+    (counted once per microbatch) and, with a recorded routing, "moe/routing_mismatch"; for a packed
+    forward the `PACKING_SCALARS` (likewise once per microbatch).
     """
 
     def microbatch_loss(params, mb):
@@ -186,11 +228,11 @@ def make_grad_fn(
             if "stale_BxT" in mb:  # partial rollouts: the same over tokens drawn by an older version
                 own["mismatch_abs_logp_stale"] = jnp.where(mb["stale_BxT"] > 0, gap_BxT, 0.0)
                 own["stale_tokens"] = (mb["stale_BxT"] > 0).astype(jnp.float32)
-        if extras:  # MoE router losses: the mean over microbatches joins the loss
+        if "penalty" in extras:  # MoE router losses: the mean over microbatches joins the loss
             value = value + extras["penalty"] / microbatches
-            own.update({k: extras[k] for k in MOE_SCALARS})
-            if "moe/routing_mismatch_BxT" in extras:
-                own["moe/routing_mismatch"] = extras["moe/routing_mismatch_BxT"]
+        own.update({k: extras[k] for k in (*MOE_SCALARS, *PACKING_SCALARS) if k in extras})
+        if "moe/routing_mismatch_BxT" in extras:
+            own["moe/routing_mismatch"] = extras["moe/routing_mismatch_BxT"]
         token_stats = {k: v for k, v in stats.items() if v.shape == mask_BxT.shape}
         return value, stat_partials({**own, **token_stats}, mask_BxT)
 
