@@ -32,10 +32,11 @@ from jaxrl.losses.aggregation import (
 from jaxrl.losses.evaluate import prepare_batch, weighted_loss
 from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.moe import routing_mismatch
-from jaxrl.models.packing import PackSpec, packed_token_logprobs, plan_packs
+from jaxrl.models.packing import PackSpec
 from jaxrl.models.parallel import Parallel
 from jaxrl.models.shared_prefix import token_logprobs_shared
 from jaxrl.models.transformer import token_logprobs
+from jaxrl.train.packed_steps import PackedLogp, packed_logp, value_and_grad_of
 from jaxrl.train.state import TrainState
 
 # (params, batch) -> (logp_BxT, entropy_BxT) or, for MoE, (logp_BxT, entropy_BxT, extras dict).
@@ -68,12 +69,14 @@ def make_logp_fn(
     routing "moe/routing_mismatch_BxT"}; with `routing_replay` the batch's routing is replayed.
     `parallel`: the experts' mesh axis (`sharding.parallel`), the one the rollout is given.
 
-    `packing` (dense models; None: off): the live tokens packed into N sequences of L slots
-    (`models.packing`, sizes from `PackSpec.sizes`), wherever `PackSpec.use` says (a trace-time
-    choice), with a third output {"packing/fallback": 1.0 when the rows did not fit the N packs and
-    this forward ran padded (`lax.cond`), else 0.0; "packing/fill": the share of pack slots used}."""
+    `packing` (dense models; None: off): a `packed_steps.PackedLogp`, the live tokens packed into N
+    sequences of L slots (`models.packing`) wherever `PackSpec.use` says, padded where they do not
+    fit, with a third output of `PACKING_SCALARS`."""
     if packing is not None and model_cfg.n_experts:
         raise ValueError("train.packing: dense models only (MoE routing with capacity depends on the packs); use 'off'")
+
+    def shared(batch) -> bool:  # shapes are static: a trace-time choice
+        return prompt_groups > 1 and batch["prompt_tokens_BxP"].shape[0] % prompt_groups == 0
 
     def padded(params, batch):
         return token_logprobs(
@@ -89,39 +92,10 @@ def make_logp_fn(
             parallel=parallel,
         )
 
-    def packed(params, batch, spec: PackSpec):
-        (B, P), T = batch["prompt_tokens_BxP"].shape, batch["tokens_BxT"].shape[1]
-        n_packs, pack_len = spec.sizes(B, P + T, 1 if parallel is None else parallel.n_rows_devices)
-        plan = plan_packs(batch["prompt_mask_BxP"], batch["completion_mask_BxT"], n_packs=n_packs, pack_len=pack_len)
-
-        def run_packed(params, batch):
-            return packed_token_logprobs(
-                params,
-                model_cfg,
-                batch["prompt_tokens_BxP"],
-                batch["tokens_BxT"],
-                plan,
-                temperature,
-                n_packs=n_packs,
-                pack_len=pack_len,
-                logits_chunk=logits_chunk,
-                remat=remat,
-                parallel=parallel,
-            )
-
-        logp_BxT, entropy_BxT = lax.cond(plan.fits, run_packed, padded, params, batch)
-        fill = jnp.mean((plan.segment_NL > 0).astype(jnp.float32))
-        return logp_BxT, entropy_BxT, {"packing/fallback": 1.0 - plan.fits.astype(jnp.float32), "packing/fill": fill}
-
     if not model_cfg.n_experts:
 
         def logp_fn(params, batch):
-            G = prompt_groups
-            shared = G > 1 and batch["prompt_tokens_BxP"].shape[0] % G == 0  # shapes are static: a trace-time choice
-            P, T = batch["prompt_tokens_BxP"].shape[1], batch["tokens_BxT"].shape[1]
-            if packing is not None and packing.use(shared, P, T):
-                return packed(params, batch, packing)
-            if shared:
+            if shared(batch):
                 return token_logprobs_shared(
                     params,
                     model_cfg,
@@ -129,14 +103,17 @@ def make_logp_fn(
                     batch["prompt_mask_BxP"],
                     batch["tokens_BxT"],
                     temperature,
-                    group_size=G,
+                    group_size=prompt_groups,
                     logits_chunk=logits_chunk,
                     remat=remat,
                     parallel=parallel,
                 )
             return padded(params, batch)
 
-        return logp_fn
+        if packing is None:
+            return logp_fn
+        options = {"logits_chunk": logits_chunk, "remat": remat, "parallel": parallel}
+        return packed_logp(model_cfg, temperature, packing, logp_fn, padded, shared=shared, **options)
 
     def moe_logp_fn(params, batch):
         routing = batch.get("routing_BxSxLxK")
@@ -210,7 +187,10 @@ def make_grad_fn(
     forward the `PACKING_SCALARS` (likewise once per microbatch).
     """
 
-    def microbatch_loss(params, mb):
+    def loss_of(logp_fn: LogpFn):
+        return lambda params, mb: microbatch_loss(params, mb, logp_fn)
+
+    def microbatch_loss(params, mb, logp_fn=logp_fn):
         out = logp_fn(params, mb)
         logp_BxT, entropy_BxT = out[0], out[1]
         extras = out[2] if len(out) > 2 else {}
@@ -236,7 +216,7 @@ def make_grad_fn(
         token_stats = {k: v for k, v in stats.items() if v.shape == mask_BxT.shape}
         return value, stat_partials({**own, **token_stats}, mask_BxT)
 
-    grad_one = jax.value_and_grad(microbatch_loss, has_aux=True)
+    grad_one = value_and_grad_of(logp_fn, loss_of)  # a PackedLogp: the fallback's cond outside the gradient
 
     def grad_fn(params, batch):
         def accumulate(carry, mb):
@@ -305,6 +285,8 @@ def _epochs(grads_of: Callable, optimizer, carry: tuple, batch: dict, ppo_epochs
 def _on_merged(logp_fn: LogpFn, merge: Callable, base: Any) -> LogpFn:
     """(adapters, batch) -> logp_fn(merge(base, adapters), batch): LoRA's policy, differentiable in the
     adapters only."""
+    if isinstance(logp_fn, PackedLogp):
+        return logp_fn.map(lambda arm: _on_merged(arm, merge, base))
     return lambda adapters, batch: logp_fn(merge(base, adapters), batch)
 
 
