@@ -2,14 +2,16 @@
 
 The update step (`make_update_step`, `grpo`, one PPO epoch, AdamW, the state donated) is compiled
 twice over the same model: padded (the one-pass forward over B x (P + T)) and packed
-(`train.packing=on`: the live tokens in N packs of L = P + T slots, N from `--budget`,
-jaxrl/models/packing.py). Two workloads, each a set of `--batches` different batches timed in
-interleaved rounds (a load change on the shared machine hits both alike):
+(`train.packing=on`: the live tokens in N packs of L = P + T slots, the smallest N of `--sizes`
+counts up to `--budget` of the padded slots that fits, jaxrl/models/packing.py). Two workloads,
+each a set of `--batches` different batches timed in interleaved rounds (a load change on the
+shared machine hits both alike):
 
 * longtail: the long-tail task's batches (configs/grpo_longtail.py: 8 prompts x 8 rows, prompt <= 19
-  tokens with BOS, completion <= 82 with EOS), lengths drawn as that task's data draws its problems
-  (jaxrl.data.long_addition.generate_splits) with each row's worked solution as the completion (the
-  fallible teacher's carry-dropping variant for 60% of rows, as the warm start writes);
+  tokens with BOS, completion <= 82 with EOS): prompts drawn from that task's training split
+  (jaxrl.data.long_addition.generate_splits, as the config builds it), each row's completion its
+  worked solution (the fallible teacher's carry-dropping variant for 60% of rows, as the warm start
+  writes);
 * uniform: every row full, prompt 19 and completion 82 (nothing to pack: the packs do not fit and the
   packed step runs padded behind its `lax.cond`; this measures what packing costs when it cannot help).
 
@@ -41,13 +43,15 @@ P, T, G, PROMPTS = 19, 82, 8, 8  # configs/grpo_longtail.py
 
 
 def longtail_lengths(n_groups: int, seed: int) -> tuple[list[int], list[int]]:
-    """(prompt lengths with BOS, completion lengths with EOS) of n_groups x G rows of the long-tail task."""
+    """(prompt lengths with BOS, completion lengths with EOS) of n_groups x G rows of the long-tail task:
+    n_groups prompts drawn from its training split (configs/grpo_longtail.py: 8000 distinct problems,
+    data seed 0), each row's completion its worked solution (the carry-dropping variant for 60%)."""
     from jaxrl.data.long_addition import generate_splits, solution
 
-    records = generate_splits(8, "+", n_groups, 1, seed)["train"]
+    records = generate_splits(8, "+", 8000, 500, 0)["train"]
     rnd = random.Random(seed)
     plens, clens = [], []
-    for r in records:
+    for r in rnd.sample(records, n_groups):
         info = json.loads(r["info"])
         for _ in range(G):
             carries = rnd.random() >= 0.6  # the warm start's teacher forgets carries 60% of the time
@@ -122,7 +126,8 @@ def workload(name: str, cfg, batches: list[dict], args) -> dict:
 
     batches = [jax.device_put(b) for b in batches]
     _say(f"{name}: compiling the padded and the packed update")
-    padded, packed = Step(cfg, None, batches[0], args), Step(cfg, PackSpec("on", 0, args.budget), batches[0], args)
+    spec = PackSpec("on", 0, args.budget, args.sizes)
+    padded, packed = Step(cfg, None, batches[0], args), Step(cfg, spec, batches[0], args)
     fallback, fill = [], []
     for b in batches:  # warm-up
         padded(b, False)
@@ -159,7 +164,8 @@ def workload(name: str, cfg, batches: list[dict], args) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", choices=("longtail", "bench-small"), default="longtail")
-    ap.add_argument("--budget", type=float, default=0.6, help="train.pack_budget")
+    ap.add_argument("--budget", type=float, default=0.68, help="train.pack_budget")
+    ap.add_argument("--sizes", type=int, default=4, help="train.pack_sizes")
     ap.add_argument("--batches", type=int, default=4, help="different batches per workload")
     ap.add_argument("--repeats", type=int, default=3, help="timing rounds over the batches")
     ap.add_argument("--small", action="store_true", help="tiny model, one batch, one round (smoke test)")
@@ -189,7 +195,8 @@ def main(argv=None) -> dict:
         "benchmark": "packed_update",
         "longtail": workload("longtail", cfg, longtail, args),
         "uniform": workload("uniform", cfg, uniform, args),
-        "shape": {"batch": n, "prompt_len": P, "completion_len": T, "group_size": G, "budget": args.budget},
+        "shape": {"batch": n, "prompt_len": P, "completion_len": T, "group_size": G},
+        "packing": {"budget": args.budget, "sizes": args.sizes},
         "config": "tiny" if args.small else args.model,
         "model": common.config_dict(cfg),
         "load_average": common.load_average(),

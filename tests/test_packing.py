@@ -205,6 +205,20 @@ def test_rows_that_do_not_fit_run_padded_with_the_same_numbers():
     np.testing.assert_allclose(tight["loss"], padded["loss"], rtol=1e-6)
 
 
+def test_several_pack_counts_run_the_smallest_that_fits():
+    batch = _update_batch()  # 36 live tokens of 80 padded slots
+    _, padded = _update("grpo", None, 1, 1)(_state(), batch)
+    _, one = _update("grpo", PackSpec("on", 0, 0.9), 1, 1)(_state(), batch)  # 8 packs of 10
+    _, three = _update("grpo", PackSpec("on", 0, 0.9, sizes=3), 1, 1)(_state(), batch)  # 3, 5 or 8 packs
+    assert float(one["packing/fill"]) == pytest.approx(36 / 80) and float(three["packing/fill"]) == pytest.approx(
+        36 / 50
+    )
+    for got in (one, three):
+        assert float(got["packing/fallback"]) == 0.0
+        np.testing.assert_allclose(got["loss"], padded["loss"], rtol=1e-5)
+        np.testing.assert_allclose(got["grad_norm"], padded["grad_norm"], rtol=1e-5)
+
+
 def test_auto_keeps_the_shared_prefix_forward_where_the_prompt_is_wide():
     assert PackSpec("auto").use(shared=True, prompt_len=8, completion_len=4) is False
     assert PackSpec("auto").use(shared=True, prompt_len=4, completion_len=8) is True
@@ -225,8 +239,9 @@ def test_compiled_packed_forward_does_about_the_budgeted_work():
     cfg = dataclasses.replace(CFG, d_model=64, head_dim=32, mlp_dim=256)
     params = init_params(cfg, jax.random.key(0))
     batch, _ = _ragged(16, 4, 28, seed=2)
-    n_packs, pack_len = PackSpec("on", 0, 0.5).sizes(16, 32)
+    (n_packs,), pack_len = PackSpec("on", 0, 0.5).counts(16, 32)
     assert (n_packs, pack_len) == (8, 32)
+    assert PackSpec("on", 0, 0.5, sizes=4).counts(16, 32) == ((2, 4, 6, 8), 32)
 
     def packed(p, b):
         plan = plan_packs(b["prompt_mask_BxP"], b["completion_mask_BxT"], n_packs=n_packs, pack_len=pack_len)
@@ -294,3 +309,15 @@ def test_train_with_packing_on(tmp_path, cache_env):
     assert [r["step"] for r in trained] == [1, 2]
     for r in trained:
         assert np.isfinite(r["loss"]) and 0.0 < r["packing/fill"] <= 1.0 and r["packing/fallback"] in (0.0, 1.0)
+
+
+@pytest.mark.slow
+def test_packed_update_benchmark_small(capsys):
+    """benchmarks/packed_update.py --small: both workloads ran both ways; nothing to pack in uniform."""
+    from harness import run_benchmark_here
+
+    result = run_benchmark_here("packed_update.py", "--small", capsys=capsys)
+    assert set(result["packed_speedup"]) == {"longtail", "uniform"}
+    assert result["uniform"]["fallback"] == 1.0 and result["longtail"]["fallback"] < 1.0
+    assert 0.2 < result["longtail"]["live_share_of_padded_slots"] < 0.8
+    assert result["longtail"]["packed_tokens_per_s"] > 0 and result["longtail"]["padded_tokens_per_s"] > 0

@@ -272,10 +272,12 @@ class TrainConfig:
     # (0: one padded row's width) instead of the padded B x (P + T) rows (jaxrl.models.packing): "on"
     # always, "auto" where the shared-prefix forward does not run or the prompt is narrower than the
     # completion, "off" never. pack_budget: the packs' slots as a share of the padded slots; a
-    # microbatch whose rows do not fit runs padded (metric packing/fallback).
+    # microbatch whose rows do not fit runs padded (metric packing/fallback). pack_sizes: how many
+    # pack counts are compiled (budget x k / pack_sizes, k = 1..pack_sizes); the smallest that fits runs.
     packing: str = "off"
     pack_len: int = 0
     pack_budget: float = 0.5
+    pack_sizes: int = 1
 
     def validate(self, prefix: str = "train") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)
@@ -308,6 +310,7 @@ class TrainConfig:
         _check(self.packing in PACKING, f"{prefix}.packing", " or ".join(map(repr, PACKING)), self.packing)
         _check(self.pack_len >= 0, f"{prefix}.pack_len", "0 (one padded row) or a positive integer", self.pack_len)
         _check(0 < self.pack_budget <= 1, f"{prefix}.pack_budget", "a share in (0, 1]", self.pack_budget)
+        _check(self.pack_sizes > 0, f"{prefix}.pack_sizes", "a positive integer", self.pack_sizes)
 
 
 @dataclasses.dataclass(frozen=True)

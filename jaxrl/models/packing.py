@@ -53,24 +53,29 @@ class PackPlan(NamedTuple):
 
 
 class PackSpec(NamedTuple):
-    """How the update packs (train.packing, train.pack_len, train.pack_budget); hashable, static.
+    """How the update packs (train.packing, pack_len, pack_budget, pack_sizes); hashable, static.
     mode "on": every dense update forward packs; "auto": packs unless the shared-prefix forward
     applies (`shared_prefix`, contiguous groups with one prompt) and the prompt is at least as wide
     as the completion, where sharing the prompt saves as much as packing does. pack_len: L, 0 for one
-    padded row's width P + T. budget: the packs' slots as a share of the padded B x (P + T)."""
+    padded row's width P + T. budget: the largest packing's slots as a share of the padded B x (P + T);
+    sizes: how many packings are compiled, at budget x k / sizes for k = 1..sizes (the smallest that
+    fits runs)."""
 
     mode: str = "auto"
     pack_len: int = 0
     budget: float = 0.5
+    sizes: int = 1
 
     def use(self, shared: bool, prompt_len: int, completion_len: int) -> bool:
         """Whether a forward of this shape packs (`shared`: the shared-prefix forward would run)."""
         return self.mode == "on" or not shared or prompt_len < completion_len
 
-    def sizes(self, rows: int, width: int, multiple: int = 1) -> tuple[int, int]:
-        """(N, L) of a forward over `rows` padded rows `width` = P + T wide (`pack_count`)."""
+    def counts(self, rows: int, width: int, multiple: int = 1) -> tuple[tuple[int, ...], int]:
+        """((N of each packing, ascending, distinct), L) of a forward over `rows` padded rows `width`
+        = P + T wide (`pack_count`)."""
         L = self.pack_len or width
-        return pack_count(rows, width, L, self.budget, multiple), L
+        ns = {pack_count(rows, width, L, self.budget * k / self.sizes, multiple) for k in range(1, self.sizes + 1)}
+        return tuple(sorted(ns)), L
 
 
 def pack_count(rows: int, width: int, pack_len: int, budget: float, multiple: int = 1) -> int:

@@ -75,7 +75,7 @@ def update_builder(cfg: Config, model_cfg, loss: Loss, optimizer, parallel, lora
             logits_chunk=fit.logits_chunk,
             remat=fit.remat,
             parallel=parallel,
-            packing=None if tc.packing == "off" else PackSpec(tc.packing, tc.pack_len, tc.pack_budget),
+            packing=None if tc.packing == "off" else PackSpec(tc.packing, tc.pack_len, tc.pack_budget, tc.pack_sizes),
         )
         return make_update_step(
             logp_fn,
