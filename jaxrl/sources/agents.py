@@ -125,8 +125,16 @@ def keep_most_varied(rewards: list[np.ndarray], n: int, reward_weights) -> list[
 def episode_batch(groups, rewards: list[np.ndarray], first_id: int = 0) -> RolloutBatch:
     """Episode groups -> the update's batch (rows of group i contiguous, group_id_B = first_id + i: a
     process's ids differ from every other's; the loss sees the model's tokens; no token is stale: no
-    episode outlives its step)."""
-    batch = RolloutBatch.from_groups(groups, [g.loss_mask_GxT for g in groups], [g.truncated_G for g in groups])
+    episode outlives its step). MoE: `routing_BxSxLxK`, the experts of every token of the row, the
+    observations' (prefilled when the episode was placed) as the model's (decoded): cache slot c of an
+    episode holds what the update's slot c does (prompt token c < P, then row token c - P)."""
+    routing = None
+    if groups and groups[0].routing_GxCxLxK is not None:
+        width = groups[0].prompt_P.shape[0] + groups[0].tokens_GxT.shape[1]  # S = P + T
+        routing = [g.routing_GxCxLxK[:, :width] for g in groups]
+    batch = RolloutBatch.from_groups(
+        groups, [g.loss_mask_GxT for g in groups], [g.truncated_G for g in groups], routing_GxSxLxK=routing
+    )
     assert batch.group_id_B is not None  # from_groups numbers the groups
     stale_BxT = np.zeros(batch.tokens_BxT.shape, np.float32)
     return batch._replace(

@@ -15,7 +15,9 @@ when it returns None, the task's verifier on the last completion (correctness, f
 raises ends its episode with reward 0, counted in agent/agent_errors. The source has no state to
 checkpoint: a step's episodes finish inside it and a resumed step replays them.
 
-One process only for now (a ConfigError with several).
+One process only for now (a ConfigError with several). MoE: the rows carry no routing (the recorder
+keeps tokens, not the experts the serving engine chose), so `train.routing_replay=true` is a ConfigError
+naming it; with it false the update routes with its own router (`moe/routing_mismatch` is not logged).
 """
 
 from __future__ import annotations
@@ -48,9 +50,16 @@ EVAL_VERSION = -1  # the policy version an evaluation serves (its tokens train n
 UNLIMITED = 1 << 30  # the app's prompt and max_tokens limits in a run: the recorder applies the budget
 
 
-def check_blackbox_config(cfg: Config, task_name: str) -> None:
-    """What black-box agents cannot be combined with (one-line errors naming the field)."""
+def check_blackbox_config(cfg: Config, task_name: str, model_cfg=None) -> None:
+    """What black-box agents cannot be combined with (one-line errors naming the field). model_cfg: the
+    resolved model (an HF checkpoint's architecture), else cfg.model."""
     rc = cfg.rollout
+    if (model_cfg or cfg.model).n_experts and cfg.train.routing_replay:
+        raise ConfigError(
+            f"train.routing_replay: black-box agents (data.task={task_name!r}) do not record the MoE routing "
+            "(the serving engine's requests re-prefill each turn's context); set train.routing_replay=false "
+            "to let the update route with its own router"
+        )
     if ProcessShare.current().count > 1:
         raise ConfigError(f"data.task: {task_name!r} runs a black-box agent, which needs one process (for now)")
     if rc.speculative.enabled:
@@ -323,7 +332,7 @@ class BlackBoxSource:
 
     def __init__(self, cfg: Config, model_cfg, tokenizer, task, host: dict, server: AgentServer):
         del host  # nothing to restore: no episode outlives its step, the stream position is the run's
-        check_blackbox_config(cfg, task.spec.name)
+        check_blackbox_config(cfg, task.spec.name, model_cfg)
         self.cfg, self.task, self.server = cfg, task, server
         self.agent = task.spec.agent_fn
 

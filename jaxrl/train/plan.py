@@ -218,6 +218,14 @@ def abstract_batch(cfg: Config, model_cfg, routing=None) -> dict:
     return out
 
 
+def engine_routing(cfg: Config, model_cfg) -> jax.ShapeDtypeStruct:
+    """The routing the slot engine and the episode engine hand the update (MoE): int32 experts of
+    every slot S = P + T (left-padded prompt, then completion), MoE layer and k, one row per sample."""
+    rc = cfg.rollout
+    B, S = rc.prompts_per_step * rc.group_size, cfg.data.max_prompt_len + rc.max_new_tokens
+    return jax.ShapeDtypeStruct((B, S, model_cfg.n_moe_layers, model_cfg.experts_per_token), jnp.int32)
+
+
 def _rollout_params(run: _Run):
     """The params the rollout reads: cast to the compute dtype once per policy version, as the loop
     casts them (`transformer.rollout_params`; float32 models: the params themselves)."""
@@ -261,9 +269,15 @@ def _update(run: _Run) -> tuple[Any, dict]:
         state = jax.eval_shape(state_maker(optimizer, tc.seed), *args)
     state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
     routing = None
-    if run.model_cfg.n_experts and tc.routing_replay and not cfg.rollout.engine.enabled:
-        jitted, args = _rollout_jit(run)
-        routing = jax.eval_shape(jitted, *args).routing_BxSxLxK
+    # MoE: the batch carries the rollout's routing, replayed or not (moe/routing_mismatch), as the loop's
+    # does; black-box rows carry none
+    task = get_task(cfg.data.task)
+    if run.model_cfg.n_experts and not task.black_box:
+        if cfg.rollout.engine.enabled or task.episodic:  # recorded per slot, gathered on the host
+            routing = engine_routing(cfg, run.model_cfg)
+        else:
+            jitted, args = _rollout_jit(run)
+            routing = jax.eval_shape(jitted, *args).routing_BxSxLxK
     batch = abstract_batch(cfg, run.model_cfg, routing)
     batch_sh = {k: named_sharding(run.mesh, run.preset, k) for k in batch}
     shardings = (state_sh, batch_sh)

@@ -7,8 +7,10 @@
 recomputes, in one causal forward over all S slots under `params`, the keys/values of everything each
 slot marked in redo_S has fed so far (its prompt and its completion but the last token): the cache a
 fresh engine would build by prefilling prompt + completion-so-far. Fill levels, positions, the next
-input and the drawn tokens with their recorded log-probs and versions are unchanged; MoE slots reuse
-their recorded routing. Static shapes: one compile per EngineSpec, whichever slots are redone.
+input and the drawn tokens with their recorded log-probs and versions are unchanged. MoE: the redone
+slots' routing is the re-prefill's (the experts the new keys/values were computed with, which the rest
+of the sample attends to), so the update replays what the cache holds. Static shapes: one compile per
+EngineSpec, whichever slots are redone.
 """
 
 from __future__ import annotations
