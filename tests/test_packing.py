@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -321,3 +322,76 @@ def test_packed_update_benchmark_small(capsys):
     assert result["uniform"]["fallback"] == 1.0 and result["longtail"]["fallback"] < 1.0
     assert 0.2 < result["longtail"]["live_share_of_padded_slots"] < 0.8
     assert result["longtail"]["packed_tokens_per_s"] > 0 and result["longtail"]["padded_tokens_per_s"] > 0
+
+
+def _worker() -> None:
+    """8 fake devices, `data` and `fsdp` meshes: the packed update (grpo, 2 microbatches) gives one
+    device's loss and gradient norm; the packed arm's forward and backward (compiled alone: a
+    switch's cost analysis counts its largest arm, the padded one) runs 1/8 of one device's FLOPs per
+    device (the packs split over the batch devices; N is a multiple of them)."""
+    from jaxrl.config import MeshConfig
+    from jaxrl.models.transformer import param_logical_axes
+    from jaxrl.sharding import make_mesh, named_shardings, parallel_for, param_shardings, replicated
+    from jaxrl.train.packed_steps import PackedLogp
+    from jaxrl.train.state import state_shardings
+
+    assert jax.device_count() == 8, jax.devices()
+    cfg = dataclasses.replace(CFG, d_model=64, head_dim=32, mlp_dim=256, max_seq_len=64)
+    rows = 64  # x 32 slots; 0.75 of them: 48 packs (24 per microbatch), a multiple of 8
+    batch, _ = _ragged(rows, 4, 28, seed=5)
+    rewards = jnp.asarray(np.arange(rows) % 3, jnp.float32)[:, None]
+    batch = dict(batch, rewards_BxK=rewards, truncated_B=jnp.zeros((rows,)))
+    optimizer = optax.sgd(1.0)
+    params = init_params(cfg, jax.random.key(0))
+    out = {}
+    for name in ("single", "data", "fsdp"):
+        mesh, preset = make_mesh(MeshConfig(preset=name), jax.devices()[: 1 if name == "single" else 8])
+        parallel = parallel_for(mesh, preset)
+        param_sh = param_shardings(mesh, preset, param_logical_axes(cfg), params)
+        rep = replicated(mesh)
+        state = init_state(params, optimizer, jax.random.key(1))
+        state_sh = state_shardings(optimizer, state, param_sh, rep)
+        logp_fn = steps_lib.make_logp_fn(cfg, 1.0, parallel=parallel, packing=PackSpec("on", 0, 0.75))
+        assert isinstance(logp_fn, PackedLogp)
+        step = steps_lib.make_update_step(
+            logp_fn,
+            losses.PRESETS["grpo"](),
+            optimizer,
+            ppo_epochs=1,
+            microbatches=2,
+            max_new_tokens=28,
+            group_size=2,
+            parallel=parallel,
+        )
+        batch_sh = named_shardings(mesh, preset, batch)
+        jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep))
+        _, metrics = jitted(jax.device_put(state, state_sh), jax.device_put(batch, batch_sh))
+        out[name] = {k: float(metrics[k]) for k in ("loss", "grad_norm", "packing/fallback")}
+
+        def packed_grad(p, b, logp_fn=logp_fn):
+            return jax.grad(lambda p: jnp.sum(logp_fn.arms(b)[0](p, b)[0] * b["completion_mask_BxT"]))(p)
+
+        program = jax.jit(packed_grad, in_shardings=(param_sh, batch_sh)).lower(params, batch).compile()
+        cost = program.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        assert cost is not None
+        out[name]["flops"] = cost["flops"]
+    print("RESULT " + json.dumps(out))
+
+
+@pytest.mark.slow
+def test_packed_update_splits_over_devices(cache_env):
+    from harness import worker_result
+
+    got = worker_result(__file__, cache_env, timeout=600)[0]
+    one = got["single"]
+    assert one["packing/fallback"] == 0.0
+    for name in ("data", "fsdp"):
+        assert got[name]["packing/fallback"] == 0.0
+        assert got[name]["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7), name
+        assert got[name]["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), name
+        assert got[name]["flops"] < 1.15 * one["flops"] / 8, (name, got[name]["flops"] / one["flops"])
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
+    _worker()
