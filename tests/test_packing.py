@@ -302,14 +302,15 @@ def test_packing_config_fields():
 @pytest.mark.slow
 def test_train_with_packing_on(tmp_path, cache_env):
     workdir = tmp_path / "run"
-    sets = [*TINY, "train.steps=2", "train.packing=on", "train.pack_budget=0.7"]
+    # The tiny untrained policy writes to max_new_tokens (~90% live slots): a budget of 1 always fits.
+    sets = [*TINY, "train.steps=2", "train.packing=on", "train.pack_budget=1", "train.pack_sizes=2"]
     cmd = jaxrl_cmd("train", str(DEFAULT_CONFIG), "--workdir", str(workdir), *[a for s in sets for a in ("--set", s)])
     subprocess.run(cmd, env=cache_env, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "loss" in r]
     assert [r["step"] for r in trained] == [1, 2]
     for r in trained:
-        assert np.isfinite(r["loss"]) and 0.0 < r["packing/fill"] <= 1.0 and r["packing/fallback"] in (0.0, 1.0)
+        assert np.isfinite(r["loss"]) and 0.0 < r["packing/fill"] <= 1.0 and r["packing/fallback"] == 0.0
 
 
 @pytest.mark.slow
