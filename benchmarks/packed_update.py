@@ -20,6 +20,7 @@ median over rounds and batches of padded time / packed time. Also the share of p
 fell back (`packing/fallback`) and the packs' fill. The last line printed is one JSON object.
 
     PYTHONPATH=. python benchmarks/packed_update.py                 # the long-tail config's model
+    PYTHONPATH=. python benchmarks/packed_update.py --shared        # + the shared-prefix forward
     PYTHONPATH=. python benchmarks/packed_update.py --model bench-small
     PYTHONPATH=. python benchmarks/packed_update.py --small         # seconds-long smoke run (tests)
 """
@@ -83,7 +84,7 @@ def make_batch(vocab: int, plens: list[int], clens: list[int], P: int, T: int, s
 class Step:
     """One compiled update (packed or padded) with its own donated state."""
 
-    def __init__(self, cfg, packing, batch, args):
+    def __init__(self, cfg, packing, batch, args, prompt_groups: int = 0):
         import jax
 
         from jaxrl.config import LossConfig, OptimConfig
@@ -94,7 +95,8 @@ class Step:
 
         optimizer = make_optimizer(OptimConfig(), total_steps=1000)
         self.state = init_state(init_params(cfg, jax.random.key(args.seed)), optimizer, jax.random.key(1))
-        logp_fn = make_logp_fn(cfg, 1.0, packing=packing)  # one-pass forward when not packing
+        # one-pass forward when not packing, or each group's prompt once (`prompt_groups`)
+        logp_fn = make_logp_fn(cfg, 1.0, prompt_groups=prompt_groups, packing=packing)
         step = make_update_step(
             logp_fn,
             make_loss(LossConfig(preset="grpo")),
@@ -128,14 +130,19 @@ def workload(name: str, cfg, batches: list[dict], args) -> dict:
     _say(f"{name}: compiling the padded and the packed update")
     spec = PackSpec("on", 0, args.budget, args.sizes)
     padded, packed = Step(cfg, None, batches[0], args), Step(cfg, spec, batches[0], args)
+    shared = Step(cfg, None, batches[0], args, prompt_groups=G) if args.shared else None
     fallback, fill = [], []
     for b in batches:  # warm-up
         padded(b, False)
         packed(b, False)
+        if shared is not None:
+            shared(b, False)
     for r in range(args.repeats):
         _say(f"{name}: round {r + 1} of {args.repeats}")
         for b in batches:
             padded(b, True)
+            if shared is not None:
+                shared(b, True)
             m = packed(b, True)
             fallback.append(float(m["packing/fallback"]))
             fill.append(float(m["packing/fill"]))
@@ -146,7 +153,16 @@ def workload(name: str, cfg, batches: list[dict], args) -> dict:
         float(b["prompt_mask_BxP"].sum() + b["completion_mask_BxT"].sum()) / (b["prompt_mask_BxP"].shape[0] * width)
         for b in batches
     )
+    extra = {}
+    if shared is not None:  # the shared-prefix forward (train.share_prefix), padded completions
+        extra = {
+            "shared_speedup": statistics.median(a / b for a, b in zip(padded.times, shared.times)),
+            "packed_vs_shared": statistics.median(a / b for a, b in zip(shared.times, packed.times)),
+            "shared_seconds": statistics.median(shared.times),
+            "shared_times": shared.times,
+        }
     return {
+        **extra,
         "packed_speedup": statistics.median(a / b for a, b in zip(padded.times, packed.times)),
         "padded_tokens_per_s": live / padded_s,
         "packed_tokens_per_s": live / packed_s,
@@ -168,6 +184,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sizes", type=int, default=4, help="train.pack_sizes")
     ap.add_argument("--batches", type=int, default=4, help="different batches per workload")
     ap.add_argument("--repeats", type=int, default=3, help="timing rounds over the batches")
+    ap.add_argument(
+        "--shared", action="store_true", help="also time the shared-prefix forward (train.share_prefix), interleaved"
+    )
     ap.add_argument("--small", action="store_true", help="tiny model, one batch, one round (smoke test)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -208,6 +227,9 @@ def main(argv=None) -> dict:
             f"{r['packed_tokens_per_s']:.0f} live tokens/s  (live {r['live_share_of_padded_slots']:.0%} of the "
             f"padded slots, fill {r['fill']:.0%}, fallback {r['fallback']:.0%})"
         )
+        if "shared_speedup" in r:
+            shared, vs = r["shared_speedup"], r["packed_vs_shared"]
+            print(f"{'':9s} shared prefix: {shared:.2f}x padded; packed {vs:.2f}x shared")
     result["packed_speedup"] = {k: result[k]["packed_speedup"] for k in ("longtail", "uniform")}
     common.emit(result)
     return result
