@@ -112,8 +112,17 @@ def make_logp_fn(
 
         if packing is None:
             return logp_fn
-        options = {"logits_chunk": logits_chunk, "remat": remat, "parallel": parallel}
-        return packed_logp(model_cfg, temperature, packing, logp_fn, padded, shared=shared, **options)
+        return packed_logp(
+            model_cfg,
+            temperature,
+            packing,
+            logp_fn,
+            padded,
+            shared=shared,
+            logits_chunk=logits_chunk,
+            remat=remat,
+            parallel=parallel,
+        )
 
     def moe_logp_fn(params, batch):
         routing = batch.get("routing_BxSxLxK")
