@@ -14,13 +14,16 @@ exactly as the padded forward's `positions_from_mask`, and attention sees only i
 completion token's log-prob and entropy are gathered back to the B x T layout every loss reads (zeros
 where the token is not live); the gather's transpose carries the gradients back.
 
-The plan is computed inside the jitted step from the masks the step sees (so microbatches,
-mini-batches, the old-policy and reference forwards all pack their own rows), with N and L static:
-one compile serves every step. When the rows do not fit (`fits` False: a row longer than L, or
-first-fit-decreasing runs out of packs) the caller runs the padded forward instead (`make_logp_fn`:
-`lax.cond`, counted by the `packing/fallback` metric), so results never depend on the fit. Values
-match the padded forward to float32 reordering; gradients likewise. Dense models only: MoE routing
-with expert capacity depends on which tokens share a forward.
+The plan is computed inside the jitted step, not on the host, from the masks each forward sees:
+microbatches, mini-batches, the old-policy and reference forwards then all pack their own rows, a
+mask `loss.prepare` changed is the one packed, and the batch carries nothing new (so no loop, source
+or sharding code changes, and `train.microbatches=0` may choose the count after the batch exists).
+Its cost is a `lax.scan` over the B rows with an N-wide state and a few B x (P + T) scatters. N and
+L are static: one compile serves every step. When the rows do not fit (`fits` False: a row longer
+than L, or first-fit-decreasing runs out of packs) the caller runs the padded forward instead
+(`train.packed_steps`, counted by the `packing/fallback` metric), so results never depend on the
+fit. Values match the padded forward to float32 reordering; gradients likewise. Dense models only:
+MoE routing with expert capacity depends on which tokens share a forward.
 """
 
 from __future__ import annotations
