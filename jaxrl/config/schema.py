@@ -272,7 +272,7 @@ class TrainConfig:
     # (0: one padded row's width) instead of the padded B x (P + T) rows (jaxrl.models.packing): "on"
     # always, "auto" where the shared-prefix forward does not run or the prompt is narrower than the
     # completion, "off" never. pack_budget: the packs' slots as a share of the padded slots; a
-    # microbatch whose rows do not fit runs padded (metric packing/fallback). pack_sizes: how many
+    # microbatch whose rows do not fit runs unpacked (metric packing/fallback). pack_sizes: how many
     # pack counts are compiled (budget x k / pack_sizes, k = 1..pack_sizes); the smallest that fits runs.
     packing: str = "off"
     pack_len: int = 0

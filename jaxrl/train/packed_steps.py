@@ -1,11 +1,12 @@
 """The update's packed forward (`train.packing`, jaxrl.models.packing) as the steps use it.
 
-    logp_fn = packed_logp(model_cfg, temperature, spec, unpacked, padded, shared=..., ...)
+    logp_fn = packed_logp(model_cfg, temperature, spec, unpacked, shared=..., ...)
     grad_one = value_and_grad_of(logp_fn, loss_of)
 
 `PackedLogp` is a logp function (params, batch) -> (logp_BxT, entropy_BxT, scalars) that packs the
 batch's live tokens where `PackSpec.use` says (a trace-time choice, from the shapes): into the
-smallest of the `PackSpec.counts` packings whose plan fits, padded when none does. Called, it is one
+smallest of the `PackSpec.counts` packings whose plan fits, unpacked (the shared-prefix or one-pass
+forward it replaces, padded) when none does. Called, it is one
 `lax.switch` over those forwards (the old-policy and reference forwards, which take no gradient). A
 gradient must not differentiate through the switch: JAX keeps the residuals of every arm (each arm
 fills the others' with zeros), so the update would hold and write a padded forward's activations on
@@ -36,7 +37,7 @@ LogpFn = Callable[[Any, dict], tuple]
 class PackedLogp:
     """applies(batch): whether this batch's shapes pack (static); choose(batch) -> (arm index,
     scalars); arms(batch): the forwards for this batch's shapes, the packed ones smallest packing
-    first, then the padded one; unpacked: the forward where packing does not apply (the shared-prefix
+    first, then the unpacked one (the fallback); unpacked: the forward where packing does not apply (the shared-prefix
     or one-pass forward, as without packing)."""
 
     applies: Callable[[dict], bool]
@@ -62,17 +63,16 @@ def packed_logp(
     temperature: float,
     spec: PackSpec,
     unpacked: LogpFn,
-    padded: LogpFn,
     *,
     shared: Callable[[dict], bool],
     logits_chunk: int = 0,
     remat: str = "none",
     parallel: Parallel | None = None,
 ) -> PackedLogp:
-    """The `PackedLogp` of a dense model: `unpacked` and `padded` are make_logp_fn's forwards without
-    packing (the one it would run, and the one-pass one); `shared(batch)`: whether `unpacked` shares
-    each group's prompt (`PackSpec.use` keeps that forward where the prompt is the wider part). One
-    packed arm per pack count of `PackSpec.counts`; the first whose plan fits runs."""
+    """The `PackedLogp` of a dense model: `unpacked` is the forward make_logp_fn runs without packing
+    (the shared-prefix or the one-pass one), also the fallback when no packing fits; `shared(batch)`:
+    whether it shares each group's prompt (`PackSpec.use` keeps it where the prompt is the wider
+    part). One packed arm per pack count of `PackSpec.counts`; the first whose plan fits runs."""
 
     def counts(batch) -> tuple[tuple[int, ...], int]:
         (B, P), T = batch["prompt_tokens_BxP"].shape, batch["tokens_BxT"].shape[1]
@@ -112,8 +112,8 @@ def packed_logp(
 
         return packed
 
-    def fallback(params, batch):
-        logp_BxT, entropy_BxT = padded(params, batch)[:2]
+    def fallback(params, batch):  # what runs without packing: the shared-prefix forward where it applies
+        logp_BxT, entropy_BxT = unpacked(params, batch)[:2]
         return logp_BxT, entropy_BxT, {"packing/fallback": jnp.ones((), jnp.float32), **choose(batch)[1]}
 
     def arms_for(batch) -> tuple[LogpFn, ...]:

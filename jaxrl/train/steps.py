@@ -117,7 +117,6 @@ def make_logp_fn(
             temperature,
             packing,
             logp_fn,
-            padded,
             shared=shared,
             logits_chunk=logits_chunk,
             remat=remat,
