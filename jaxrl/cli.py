@@ -1,4 +1,4 @@
-"""`jaxrl train|eval|serve|convert|variants|plan` — the command line. User mistakes exit with one line on
+"""`jaxrl train|eval|serve|convert|variants|plan|reward-model` — the command line. User mistakes exit with one line on
 stderr, code 2; a run that cannot go on (no checkpoint restores, the loss went NaN) with one line, code 1.
 Ctrl-C: one line, code 130 (128 + SIGINT, the shell's code for an interrupted command, so
 `jaxrl train ... && next` stops there); `jaxrl train` first finishes and saves its step (a second Ctrl-C
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_serve_parser(sub)
     _add_plan_parser(sub)
+    _add_reward_model_parser(sub)
     v = sub.add_parser("variants", help="list the loss presets: paper, parts, config file")
     v.add_argument(
         "config", nargs="?", default=None, help="a config file, loaded first: the presets it registers are listed too"
@@ -96,6 +97,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory searched for <preset>_arithmetic.py (default: the repository's configs/)",
     )
     return p
+
+
+def _add_reward_model_parser(sub) -> None:
+    """`jaxrl reward-model train CONFIG --workdir W`: a reward model from preference pairs (jaxrl.rewards)."""
+    r = sub.add_parser("reward-model", help="train a scalar reward model from preference pairs (Bradley-Terry)")
+    rsub = r.add_subparsers(dest="action", required=True)
+    t = rsub.add_parser("train", help="train (or resume) a reward model; its workdir is then reward_model.workdir")
+    t.add_argument("config", help="a config file: its model.*, data.* and reward_model.* sections")
+    t.add_argument("--workdir", required=True, help="where the checkpoints, metrics.jsonl and reward_model.json go")
+    t.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
+    )
+
+
+def _reward_model(args) -> int:
+    """`jaxrl reward-model train`: train, then say where the model is and its held-out accuracy."""
+    cfg = load_config(args.config, args.overrides)
+    from jaxrl.rewards.train import train_reward_model
+
+    rows = train_reward_model(cfg, pathlib.Path(args.workdir))
+    accuracy = next((r["rm/test_accuracy"] for r in reversed(rows) if "rm/test_accuracy" in r), None)
+    said = f"; held-out pair accuracy {accuracy:.4f}" if accuracy is not None else " (already trained)"
+    print(
+        f"jaxrl: reward model in {args.workdir}{said}; use it with --set reward_model.workdir={args.workdir}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _add_convert_parser(sub) -> None:
@@ -208,7 +236,8 @@ def _add_plan_parser(sub) -> None:
         "--programs",
         default=None,
         metavar="A,B",
-        help="which of update, rollout, engine_chunk, eval (default: the run's update, rollout or engine chunk, eval)",
+        help="which of update, rollout, engine_chunk, eval, teacher (default: the run's update, rollout or engine "
+        "chunk, eval, and its distill.teacher's forward)",
     )
     pl.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
@@ -424,7 +453,7 @@ def _serve(args) -> int:
     return serve_command(args)
 
 
-COMMANDS = {"eval": _eval, "serve": _serve, "convert": _convert, "plan": _plan}
+COMMANDS = {"eval": _eval, "serve": _serve, "convert": _convert, "plan": _plan, "reward-model": _reward_model}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,12 +18,13 @@ from conftest import REPO, TINY
 from jaxrl.config import load_config
 from jaxrl.losses import PRESETS
 
-GROUP = {"mc_grpo": 3, "sao": 1}  # G+1 = 3 (odd) for MC-GRPO; a single rollout for SAO
+GROUP = {"mc_grpo": 3, "sao": 1, "ppo": 1}  # G+1 = 3 (odd) for MC-GRPO; a single rollout for SAO and PPO
 # test_preset_configs_<key>.py trains these; together they are every preset (checked there).
 FILES = {
     "normalisers": ["grpo", "dr_grpo", "bnpo", "dapo", "async_const_norm", "rloo", "reinforce_pp"],
-    "batch_parts": ["mc_grpo", "gdpo", "gd2po", "m2po", "sao", "mu_grpo"],
+    "batch_parts": ["mc_grpo", "gdpo", "gd2po", "m2po", "sao", "mu_grpo", "ppo"],
     "objectives": ["gspo", "gspo_token", "pnpo", "gmpo", "cispo", "sapo", "tbpo"],
+    "distill": ["distill"],  # test_distill.py: it needs a teacher run, which that test trains first
 }
 
 
@@ -58,14 +59,14 @@ def overrides(preset: str) -> list[str]:
     ]
 
 
-def check_config_trains_two_steps(preset: str, workdir: pathlib.Path) -> None:
+def check_config_trains_two_steps(preset: str, workdir: pathlib.Path, extra: tuple = ()) -> None:
     from jaxrl.train.loop import train
 
     path = config_path(preset)
     shipped = load_config(path)  # the file as shipped validates, and is the preset it is named after
     assert shipped.loss.preset == preset
     PRESETS[preset].check_group_size(shipped.rollout.group_size, preset)
-    rows = train(load_config(path, overrides(preset)), workdir)
+    rows = train(load_config(path, [*overrides(preset), *extra]), workdir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         for key in (
@@ -84,7 +85,12 @@ def check_config_trains_two_steps(preset: str, workdir: pathlib.Path) -> None:
         assert row["mismatch_abs_logp"] < 0.05
     if preset == "mc_grpo":  # one pivot per group of 3 leaves the loss
         assert rows[1]["rows_dropped"] == pytest.approx(1 / 3)
-    for preset_, key in (("m2po", "m2po_masked"), ("mu_grpo", "vetoed"), ("sapo", "gate")):
+    for preset_, key in (
+        ("m2po", "m2po_masked"),
+        ("mu_grpo", "vetoed"),
+        ("sapo", "gate"),
+        ("ppo", "critic/value_loss"),
+    ):
         if preset == preset_:
             assert key in rows[1]
     assert "eval/accuracy" in rows[-1]

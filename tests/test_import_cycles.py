@@ -31,6 +31,8 @@ ALLOWED = {
     # serve/server.py, the `jaxrl serve` command, reaches up to eval's policy loading
     "serve": {"config", "models", "data", "sharding", "multihost", "rollout", "policy", "eval"},
     "policy": {"config", "models", "data", "sharding", "multihost", "agents", "sources"},
+    # rewards: reward models start from the run's base policy (policy) and judges decode on the slot engine
+    "rewards": {"config", "runlog", "models", "data", "sharding", "multihost", "rollout", "policy"},
     "train": {
         "config",
         "runlog",
@@ -43,6 +45,7 @@ ALLOWED = {
         "rollout",
         "sources",
         "policy",
+        "rewards",
     },
     "eval": {
         "config",
@@ -56,9 +59,10 @@ ALLOWED = {
         "rollout",
         "sources",
         "policy",
+        "rewards",
         "train",
     },
-    "cli": {"config", "losses", "sharding", "multihost", "policy", "train", "eval", "serve"},
+    "cli": {"config", "losses", "sharding", "multihost", "policy", "rewards", "train", "eval", "serve"},
 }
 
 

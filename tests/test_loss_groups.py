@@ -46,6 +46,9 @@ def _rows(n, rng):
         "old_logp_BxT": old,
         "rollout_logp_BxT": old + 0.5 * rng.standard_normal((n, T), np.float32),
         "old_entropy_BxT": 3.0 * rng.random((n, T)).astype(np.float32),
+        # a critic's values for ppo's GAE (not drawn from rng: the other keys' draws stay as they were)
+        "old_values_BxT": np.cos(np.arange(n * T, dtype=np.float32)).reshape(n, T),
+        "teacher_logp_BxT": -2.0 * rng.random((n, T), np.float32),  # what the distill preset reads
     }
 
 

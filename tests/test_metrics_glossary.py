@@ -84,8 +84,9 @@ def loss_stat_keys() -> set[str]:
         "advantages_B": np.array([1.0, -1.0, 1.0, -1.0], np.float32),
         "group_id_B": np.array([0, 0, 1, 1], np.int32),
         "truncated_B": np.zeros((4,), np.float32),
-        **{k: -mask for k in ("old_logp_BxT", "rollout_logp_BxT", "ref_logp_BxT")},
+        **{k: -mask for k in ("old_logp_BxT", "rollout_logp_BxT", "ref_logp_BxT", "teacher_logp_BxT")},
         **{k: mask for k in ("entropy_BxT", "old_entropy_BxT", "m2po_keep_BxT", "entropy_keep_BxT")},
+        "advantages_BxT": mask,  # the distill preset's prepare writes per-token advantages
     }
     configs = [LossConfig(preset=name) for name in PRESETS] + [
         LossConfig(kl_beta=0.1, options="tis_cap=2, top_entropy_frac=0.5, entropy_coef=0.01"),

@@ -361,6 +361,15 @@ def test_sampler_routing_replay_and_mismatch():
     np.testing.assert_allclose(logp, out.logp_BxT, atol=1e-5)
     assert float(jnp.sum(ex["moe/routing_mismatch_BxT"])) == 0.0
     assert float(ex["moe/aux_loss"]) > 0.5 and float(ex["moe/z_loss"]) > 0 and float(ex["moe/dropped_frac"]) == 0
+    # A row's last live token was never fed, so nothing recorded its experts (the sampler leaves 0):
+    # replay lets the router choose there, so at unchanged params the router penalty is the plain one's.
+    _, _, ex_plain = jax.jit(make_logp_fn(MCFG, 1.0))(params, batch)
+    np.testing.assert_allclose(ex["moe/aux_loss"], ex_plain["moe/aux_loss"], rtol=1e-6)
+    cmask = np.asarray(out.completion_mask_BxT) > 0
+    last_B = P + cmask.shape[1] - 1 - np.argmax(cmask[:, ::-1], axis=1)
+    unfed = np.asarray(routing)[np.arange(2 * G), last_B]
+    own_last = own[np.arange(2 * G), last_B]
+    assert np.any(np.sort(unfed, -1) != np.sort(own_last, -1))  # the recorded value there is not the router's
     # The update's gradient program: with zero token weights its loss is exactly the router penalty.
     grad_fn = jax.jit(
         make_grad_fn(make_logp_fn(MCFG, 1.0, routing_replay=True), _ZeroLoss(), microbatches=1, old_logp_recorded=True)

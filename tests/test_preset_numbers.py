@@ -88,7 +88,8 @@ def _tiny(loss, G, batch, logp=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_gradient_at_ratio_one_by_hand(name):
-    assert set(TABLE) == set(PRESETS) - {"mc_grpo"}  # MC-GRPO needs an odd group: its own test below
+    # MC-GRPO needs an odd group: its own test below; distill's per-token advantage: test_distill.py
+    assert set(TABLE) == set(PRESETS) - {"mc_grpo", "distill"}
     batch = {
         "completion_mask_BxT": TINY_MASK,
         "rewards_BxK": np.array([[1.0], [0.0]], np.float32),

@@ -90,10 +90,12 @@ def _inputs(G, B):
         "old_logp_BxT": np.where(dead, garbage, old),
         "ref_logp_BxT": np.where(dead, -garbage, ref),
         "rollout_logp_BxT": np.where(dead, garbage, rollout),
+        "teacher_logp_BxT": np.where(dead, -garbage, ref - 0.2),  # the distill preset's teacher
         "entropy_BxT": np.ones((B, T), np.float32),
         "old_entropy_BxT": np.where(dead, garbage, 3.0 * rng.random((B, T))).astype(np.float32),
         "truncated_B": (lengths == T).astype(np.float32),
         "rewards_BxK": rewards,
+        "old_values_BxT": np.where(dead, garbage, rng.random((B, T))).astype(np.float32),  # a critic's (ppo)
     }
     return logp, batch
 

@@ -2,10 +2,13 @@
 validation, and the project's errors. `from jaxrl.config import Config, ConfigError` is the usual import."""
 
 from jaxrl.config.agent import AgentConfig
+from jaxrl.config.critic import CriticConfig
+from jaxrl.config.distill import DistillConfig
 from jaxrl.config.errors import CheckpointError, ConfigError, NonFiniteError, RunError
 from jaxrl.config.load import apply_overrides, check_types, load_file, override, to_dict
 from jaxrl.config.lora import LoraConfig
 from jaxrl.config.model import ModelConfig
+from jaxrl.config.reward_model import RewardModelConfig
 from jaxrl.config.rollout import EngineConfig, RolloutConfig, RolloutMeshConfig, SpeculativeConfig
 from jaxrl.config.schema import (
     REMAT,
@@ -29,7 +32,9 @@ __all__ = [
     "CheckpointError",
     "Config",
     "ConfigError",
+    "CriticConfig",
     "DataConfig",
+    "DistillConfig",
     "EngineConfig",
     "LogConfig",
     "LoraConfig",
@@ -38,6 +43,7 @@ __all__ = [
     "ModelConfig",
     "NonFiniteError",
     "OptimConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "RolloutMeshConfig",
     "RunError",

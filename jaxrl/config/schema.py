@@ -14,9 +14,12 @@ from typing import Any
 
 from jaxrl.config.agent import AgentConfig
 from jaxrl.config.checks import _check, _check_finite_floats, _check_learning_rate
+from jaxrl.config.critic import CriticConfig
+from jaxrl.config.distill import DistillConfig
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.load import load_file
 from jaxrl.config.model import ModelConfig
+from jaxrl.config.reward_model import RewardModelConfig
 from jaxrl.config.rollout import RolloutConfig
 
 
@@ -419,6 +422,9 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     agent: AgentConfig = AgentConfig()
     log: LogConfig = LogConfig()
+    critic: CriticConfig = CriticConfig()  # the value model (PPO); off by default
+    distill: DistillConfig = DistillConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):
@@ -436,6 +442,13 @@ class Config:
             "train.packing",
             "'off' for an MoE model (model.n_experts > 0: routing with capacity depends on the packs)",
             self.train.packing,
+        )
+        weights = self.loss.reward_weights
+        _check(
+            not self.reward_model.workdir or weights is None or len(weights) == 3,
+            "loss.reward_weights",
+            "None or 3 weights (correctness, format, reward model) with reward_model.workdir set",
+            weights,
         )
         b = self.rollout.prompts_per_step * self.rollout.group_size
         _check(

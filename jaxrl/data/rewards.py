@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -32,6 +32,18 @@ MAX_LITERAL_DIGITS = 12
 
 class Verifier(Protocol):
     def __call__(self, completion: str, finished: bool, record: Mapping[str, str]) -> Sequence[float]: ...
+
+
+@runtime_checkable
+class BatchVerifier(Protocol):
+    """A verifier that scores a step's rows together (a reward model's one forward, jaxrl.rewards):
+    `score_batch` returns what `score` would, (rewards_BxK, failures), with its own columns."""
+
+    def __call__(self, completion: str, finished: bool, record: Mapping[str, str]) -> Sequence[float]: ...
+
+    def score_batch(
+        self, completions: list[str], finished: list[bool], records: Sequence[Mapping[str, str]]
+    ) -> tuple[np.ndarray, int]: ...
 
 
 def score(

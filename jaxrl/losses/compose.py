@@ -6,7 +6,8 @@
     weights(completion_mask_BxT, max_new_tokens) -> weights_BxT   on the whole (prepared) batch
     token_loss(logp_BxT, batch) -> (loss_BxT, stats)              per microbatch
 
-plus `needs_old_logp`, `needs_ref` (only then does a run keep reference weights), `reward_shaping`
+plus `needs_old_logp`, `needs_ref` (only then does a run keep reference weights), `needs_critic`
+(the run trains a value model and records its old_values_BxT before prepare), `reward_shaping`
 (bonus_B functions added to the combined reward) and `parts` (the composition, for `jaxrl variants`).
 `loss_BxT` and every `<name>_BxT` stat are exactly 0 on masked tokens. Hyperparameters are static
 values closed over at build time. `evaluate_loss` runs the same functions as the update, so it is the
@@ -42,6 +43,7 @@ class Loss(NamedTuple):
     parts: tuple = ()  # readable composition, e.g. ("reward_sum -> group_mean_std(1e-06)", ...)
     needs_ref: bool = False  # reads ref_logp_BxT: the run keeps reference params and runs their forward
     reward_shaping: tuple = ()  # (batch, max_new_tokens) -> bonus_B, added to the combined reward
+    needs_critic: bool = False  # reads old_values_BxT: the run trains a value model (critic.enabled)
 
 
 # How the update calls each function of the contract: the positional arguments it passes.
@@ -51,7 +53,7 @@ _CALLS = {
     "token_loss": ("logp_BxT", "batch"),
     "prepare": ("batch", "group_size", "max_new_tokens"),
 }
-_FLAGS = ("needs_old_logp", "needs_ref")
+_FLAGS = ("needs_old_logp", "needs_ref", "needs_critic")
 
 
 def _check_call(fn, field: str, args: tuple, where: str) -> None:
@@ -193,7 +195,7 @@ def compose(
         advantages  combined reward + shaping bonuses, normalised
         prepare     row filters (`prepare.drop_rows`) -> prepare parts (batch parts, token masks)
         token loss  ratio -> objective -> corrections (MIS, TIS) -> + regularisers (KL, entropy) -> masks
-    `needs_old_logp` / `needs_ref` are those of any part.
+    `needs_old_logp` / `needs_ref` / `needs_critic` are those of any part.
     """
     if unknown:
         key = next(iter(unknown))
@@ -223,4 +225,5 @@ def compose(
         parts=(*labels, label(weights), *tail),
         needs_ref=any(p.needs_ref for p in staged),
         reward_shaping=shapers,
+        needs_critic=any(p.needs_critic for p in staged),
     )

@@ -82,6 +82,7 @@ class LossPart(NamedTuple):
     regularizers  Regularizer: per-token terms added to the loss (KL penalty, entropy bonus)
     masks         TokenWrapper around the whole token loss, regularisers included (keep masks)
     needs_old_logp / needs_ref: what the part reads (old log-probs and entropies / ref_logp_BxT)
+    needs_critic: the part reads the critic's old_values_BxT (GAE): the run needs a value model
     """
 
     rows: tuple = ()
@@ -92,6 +93,7 @@ class LossPart(NamedTuple):
     masks: tuple = ()
     needs_old_logp: bool = False
     needs_ref: bool = False
+    needs_critic: bool = False
 
 
 class _Labelled(functools.partial):

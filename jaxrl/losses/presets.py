@@ -1,8 +1,9 @@
 """Loss presets: the registry of named compositions (`PRESETS`, `register_preset`), and `make_loss`
 from a config.
 
-The built-in presets live in `presets_grpo.py` (advantage / normaliser / row-selection family) and
-`presets_ratio.py` (ratio level / objective / trust-region family), each docstring naming its paper
+The built-in presets live in `presets_grpo.py` (advantage / normaliser / row-selection family),
+`presets_ratio.py` (ratio level / objective / trust-region family) and `presets_critic.py` (PPO
+with a value model), each docstring naming its paper
 and writing its formula. `PRESETS[name]` is a `Preset`: callable like the factory, plus the paper, the
 composition (`.parts`) and what `rollout.group_size` means for it. Built-ins and user presets register
 the same way:
@@ -24,6 +25,8 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from jaxrl.config import ConfigError, parse_loss_options
+from jaxrl.losses import distill as distill_family
+from jaxrl.losses import presets_critic as critic_family
 from jaxrl.losses import presets_grpo as grpo_family
 from jaxrl.losses import presets_ratio as ratio_family
 from jaxrl.losses.compose import Loss, check_loss
@@ -165,7 +168,23 @@ register_preset(
     paper="Bai et al. 2026, AsyncWebRL (constant 1/k normaliser), arXiv:2606.05597",
 )
 register_preset(
+    "distill",
+    distill_family.distill,
+    paper="On-policy distillation: GKD, Agarwal et al. 2023, arXiv:2306.13649; MiniLLM, Gu et al. 2023, "
+    "arXiv:2306.08543; Qwen3 report, arXiv:2505.09388 (needs distill.teacher)",
+    group="G >= 1 (G >= 2 when reward_weight > 0)",
+    min_group_size=1,
+)
+register_preset(
     "tbpo", ratio_family.tbpo, paper="Gu et al. 2026, QaRL (Trust-Band PO, TBPO), arXiv:2604.07853; our reading"
+)
+
+register_preset(
+    "ppo",
+    critic_family.ppo,
+    paper="Schulman et al. 2017, PPO, arXiv:1707.06347, with GAE (arXiv:1506.02438) from a value model",
+    group="G >= 1 (the critic is the baseline)",
+    min_group_size=1,
 )
 
 # LossConfig fields passed to the factory when set (None = the preset's default).

@@ -70,7 +70,9 @@ def route(logits_NxE: jax.Array, k: int, router: str, replay_NxK: jax.Array | No
     logits_NxE = logits_NxE.astype(jnp.float32)
     scores_NxE = jax.nn.softmax(logits_NxE, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits_NxE)
     topk_NxK = lax.top_k(scores_NxE, k)[1].astype(jnp.int32)
-    experts_NxK = topk_NxK if replay_NxK is None else replay_NxK.astype(jnp.int32)
+    experts_NxK = topk_NxK  # replayed: the recorded experts; -1 where nothing was recorded (own top-k)
+    if replay_NxK is not None:
+        experts_NxK = jnp.where(replay_NxK >= 0, replay_NxK.astype(jnp.int32), topk_NxK)
     chosen_NxK = jnp.take_along_axis(scores_NxE, experts_NxK, axis=-1)
     if not norm_topk:
         return chosen_NxK, experts_NxK, topk_NxK, scores_NxE

@@ -212,7 +212,14 @@ def token_logprobs(
     replay_LxBxSxK, live_BxS = None, None  # MoE only
     if cfg.n_experts:
         live_BxS = jnp.concatenate([prompt_mask_BxP.astype(bool), completion_mask_BxT > 0], axis=1)
-        replay_LxBxSxK = None if replay_BxSxLxK is None else jnp.transpose(replay_BxSxLxK, (2, 0, 1, 3))
+        if replay_BxSxLxK is not None:
+            # A row's last live token was never fed to the rollout's model (no token follows it), so
+            # nothing recorded its experts: -1 there lets the update's router choose, as without replay.
+            live_BxT = (completion_mask_BxT > 0).astype(jnp.int32)
+            later_BxT = jnp.flip(jnp.cumsum(jnp.flip(live_BxT, 1), 1), 1) - live_BxT > 0  # a live token after t
+            fed_BxS = jnp.concatenate([jnp.ones(prompt_mask_BxP.shape, bool), later_BxT], axis=1)
+            replay_BxSxLxK = jnp.where(fed_BxS[:, :, None, None], replay_BxSxLxK, -1)
+            replay_LxBxSxK = jnp.transpose(replay_BxSxLxK, (2, 0, 1, 3))
     # The logits predicting completion token t sit at slot P-1+t: the last T+1 slots minus the final one.
     out_BxTxX, _, moe = run_decoder(
         params,

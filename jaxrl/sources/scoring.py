@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxrl.data.rewards import score
+from jaxrl.data.rewards import BatchVerifier, score
 from jaxrl.data.tokenizer import decode_completions
 from jaxrl.multihost import all_processes_sum, gather_rows, put_rows
 from jaxrl.rollout.batch import RolloutBatch
@@ -74,8 +74,11 @@ def score_groups(
 
 
 def score_completions(tokens_BxT, finished_B, records, *, tokenizer, verifier) -> tuple[np.ndarray, int]:
-    """(rewards_BxK, verifier failures): each completion row decoded and verified against its record."""
+    """(rewards_BxK, verifier failures): each completion row decoded and verified against its record
+    (a BatchVerifier, e.g. a reward model, scores all the rows in one call)."""
     texts, _ = decode_completions(tokenizer, tokens_BxT)
+    if isinstance(verifier, BatchVerifier):
+        return verifier.score_batch(texts, list(finished_B), records)
     return score(verifier, texts, list(finished_B), records)
 
 
@@ -88,6 +91,7 @@ def reward_metrics(rewards_BxK, mask_BxT, finished_B, n_failed: int, n_skipped: 
         "reward/correctness": float(rewards_BxK[:, 0].mean()),
         "reward/format": float(rewards_BxK[:, 1].mean()) if rewards_BxK.shape[1] > 1 else None,
         "reward/failed": int(n_failed),
+        **({"reward/reward_model": float(rewards_BxK[:, 2].mean())} if rewards_BxK.shape[1] > 2 else {}),
         "data/skipped_prompts": int(n_skipped),
         "response_len/mean": float(mask_BxT.sum(1).mean()),
         "response/truncated": float((~finished_B).mean()),

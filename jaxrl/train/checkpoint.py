@@ -225,8 +225,21 @@ def abstract_like(state: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state)
 
 
+def _match_critic(abstract_state: Any, has_critic: bool, step: int) -> None:
+    """ConfigError naming critic.enabled when the run has a critic (`SavedCriticState`) and the
+    checkpoint none, or the other way round."""
+    wants = getattr(abstract_state, "critic", None) is not None
+    if wants != has_critic:
+        raise ConfigError(
+            f"critic.enabled: the run's is {wants}, but checkpoint {step} holds "
+            f"{'a' if has_critic else 'no'} critic (value model); resume with the critic setting it "
+            "was trained with, or use a new --workdir"
+        )
+
+
 def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
-    """`abstract_state` with `ref_params` laid out as the newest checkpoint holds them.
+    """`abstract_state` with `ref_params` laid out as the newest checkpoint holds them (a critic on one
+    side only is a ConfigError naming critic.enabled).
 
     A run keeps reference params only when its loss has a KL term; a checkpoint that holds a copy
     restores into a state without a reference by restoring the copy too (its caller then drops it). A
@@ -238,6 +251,9 @@ def match_reference(manager: ocp.CheckpointManager, abstract_state: Any) -> Any:
     try:
         saved = ocp.StandardCheckpointHandler().metadata(manager.directory / str(step) / "state")
         saved_ref = saved.get("ref_params") is not None
+        _match_critic(abstract_state, saved.get("critic") is not None, step)
+    except ConfigError:
+        raise
     except Exception:  # a damaged checkpoint is the restore's to report
         return abstract_state
     if saved_ref and abstract_state.ref_params is None:

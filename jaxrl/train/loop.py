@@ -35,6 +35,7 @@ from jaxrl.models.transformer import param_logical_axes
 from jaxrl.multihost import any_process, is_primary, process_rows
 from jaxrl.policy.base import build_base
 from jaxrl.policy.warmstart import cache_root
+from jaxrl.rewards.scorer import model_rewards
 from jaxrl.runlog.metrics import MetricsLog, plot
 from jaxrl.runlog.report import emit
 from jaxrl.runlog.summary import start_line, stopped_line, summary
@@ -54,6 +55,8 @@ from jaxrl.sources.sampler import SamplerSource
 from jaxrl.sources.scoring import RowLayout, assemble_batch
 from jaxrl.train import checkpoint as ckpt
 from jaxrl.train import lora_state
+from jaxrl.train import teacher as distill_teacher
+from jaxrl.train.critic import check_critic
 from jaxrl.train.evaluate import eval_records, make_evaluator
 from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.programs import (
@@ -65,6 +68,7 @@ from jaxrl.train.programs import (
     state_maker,
     update_builder,
     update_memory,
+    with_critic,
 )
 from jaxrl.train.state import (
     TrainState,
@@ -116,6 +120,7 @@ class Run(NamedTuple):
     base_path: pathlib.Path  # where the base policy came from
     policy: Callable  # state -> the params the rollout and the evaluation use (under LoRA: merged)
     lora: lora_state.LoraRun | None  # None for full fine-tuning
+    teacher: Callable | None = None  # batch -> batch + teacher_logp_BxT (jaxrl.train.teacher); None: no teacher
 
 
 def train(
@@ -175,7 +180,7 @@ def _train(cfg: Config, workdir: pathlib.Path, record: RunRecord, loss: Loss | N
             t0 = time.perf_counter()
             state, produced = produce_scored_groups(run, state, policy, stream, step)
             stream, row = produced.stream, {"step": step, **produced.metrics}
-            batch = assemble_batch(produced.host_batch, produced.routing_BxSxLxK, run.mesh, run.preset, run.rows.n)
+            batch = update_batch(run, produced)
             state, metrics = run.update(state, batch)
             policy = run.policy(state)
             if pending is not None:
@@ -217,11 +222,15 @@ def build_run(
     if loss is None:
         loss = make_loss(cfg.loss)
         check_rollout(cfg.loss.preset, G)
+    check_critic(cfg, loss)  # a preset that reads values needs critic.enabled (the model: `with_critic`)
+    distill_teacher.check_teacher(cfg, loss)
     if get_task(cfg.data.task).black_box:
         check_blackbox_config(cfg, cfg.data.task)
     elif get_task(cfg.data.task).episodic:
         check_agent_config(cfg)
     tokenizer, model_cfg, task, base_params, base_path, param_sh = build_base(cfg, tc.progress, mesh, preset)
+    if cfg.reward_model.workdir or cfg.reward_model.judge_path:  # rewards from a model (jaxrl.rewards)
+        task = dataclasses.replace(task, verifier=model_rewards(task.verifier, cfg.reward_model, tc.seed))
     optimizer = run_optimizer(cfg)
     rep, rows_sharding = replicated(mesh), batch_sharding(mesh, preset)
     layout = (mesh, preset, param_sh, rep)
@@ -240,7 +249,13 @@ def build_run(
     if cfg.optim.state_memory != "device":  # the optimizer state to host memory between updates
         state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
         state = state._replace(opt_state=jax.device_put(state.opt_state, state_sh.opt_state))
+    # critic.enabled: the value model, a copy of the base policy's trunk with a zero head (else unchanged)
+    state, state_sh = with_critic(cfg, model_cfg, (state, state_sh), base_params, param_sh, rep)
     del base_params
+    teacher = None
+    if cfg.distill.teacher:  # frozen, outside the TrainState: no checkpoint holds it
+        teacher_model = distill_teacher.load_teacher(cfg, tokenizer, mesh, preset)
+        teacher = distill_teacher.teacher_scorer(cfg, teacher_model, mesh, preset, parallel_for(mesh, preset))
 
     manager = ckpt.make_manager(workdir, cfg.checkpoint)
     resumed_step, state, stream, host = _restore(manager, state, loss, record, lora)
@@ -276,6 +291,7 @@ def build_run(
         base_path,
         policy,
         lora,
+        teacher,
     )
     return run, state, stream, resumed_step or 0
 
@@ -337,7 +353,7 @@ def _restore(manager, state: TrainState, loss, record: RunRecord, lora):
         return None, state, StreamState(0, 0), {}
     start, restored_state, host = restored
     lora_state.check_resume(lora, host, start, manager.directory)
-    state = TrainState(*restored_state, base=state.base)
+    state = TrainState(**restored_state._asdict(), base=state.base)  # SavedState or SavedCriticState
     if not loss.needs_ref:  # the checkpoint held a reference copy this loss does not need
         state = state._replace(ref_params=None)
     record.commit(start)  # an allowed config change is recorded only once the checkpoint restored
@@ -379,6 +395,13 @@ def produce_scored_groups(run: Run, state: TrainState, policy, stream: StreamSta
     rng, k_sample = jax.random.split(state.rng)
     state = state._replace(rng=rng)
     return state, run.source.produce(policy, stream, k_sample, step)
+
+
+def update_batch(run: Run, produced) -> dict:
+    """The update's batch on the devices (`assemble_batch`), with the teacher's scores of its sampled
+    tokens (`teacher_logp_BxT`) when the run distils from a teacher (jaxrl.train.teacher)."""
+    batch = assemble_batch(produced.host_batch, produced.routing_BxSxLxK, run.mesh, run.preset, run.rows.n)
+    return batch if run.teacher is None else run.teacher(batch)
 
 
 def log_and_checkpoint(run: Run, updated: tuple, stream: StreamState, step: int, pending: tuple, stop: _StopFlag, bar):

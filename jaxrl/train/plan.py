@@ -14,6 +14,8 @@ the config (`model.hf_path`: its config.json only). The programs are the ones `j
     engine_chunk  one `decode_chunk` of the slot engine on its split params, the slots' rows split
                   over the batch axes when they divide
     eval          the evaluator's greedy chunk sampler (`train.evaluate.make_chunk_sampler`)
+    teacher       with `distill.teacher`: the teacher's forward on the update's batch, once per step
+                  (`train.teacher.teacher_scorer`; the architecture from the teacher's config files)
 
 With `rollout.mesh` set, the rollout programs (rollout, engine_chunk, eval) compile under the
 rollout's own layout (their record's `mesh` is it) and carry `rollout_copy_mib_per_device`: the
@@ -58,9 +60,12 @@ from jaxrl.sharding import (
 )
 from jaxrl.sources.sampler import jit_plain_rollout, prompt_sharding
 from jaxrl.train import lora_state
+from jaxrl.train import teacher as teacher_lib
+from jaxrl.train.critic import check_critic
 from jaxrl.train.evaluate import EVAL_CHUNK, make_chunk_sampler, rows_sharding
 from jaxrl.train.memory_budget import auto_jit
 from jaxrl.train.programs import (
+    critic_layout,
     full_state_shardings,
     jit_update,
     run_optimizer,
@@ -70,7 +75,7 @@ from jaxrl.train.programs import (
 )
 from jaxrl.train.state import opt_state_in
 
-PROGRAMS = ("update", "rollout", "engine_chunk", "eval")
+PROGRAMS = ("update", "rollout", "engine_chunk", "eval", "teacher")
 COLLECTIVES: tuple[str, ...] = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
 _COLLECTIVE_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 MIB = 2**20
@@ -105,7 +110,8 @@ def default_programs(cfg: Config) -> tuple[str, ...]:
     """The programs a run with `cfg` compiles: its update, its rollout (the static sampler, or the slot
     engine's chunk for the engine and for episodes), its evaluation."""
     engine = cfg.rollout.engine.enabled or get_task(cfg.data.task).episodic
-    return ("update", "engine_chunk" if engine else "rollout", "eval")
+    teacher = ("teacher",) if cfg.distill.teacher else ()
+    return ("update", "engine_chunk" if engine else "rollout", "eval", *teacher)
 
 
 def parse_programs(text: str) -> tuple[str, ...]:
@@ -126,10 +132,11 @@ def plan(cfg: Config, programs: tuple[str, ...] | None = None) -> list[dict]:
         "rollout": _rollout,
         "engine_chunk": _engine_chunk,
         "eval": _eval,
+        "teacher": _teacher,
     }
     records = []
     for name in programs or default_programs(cfg):
-        on = run if name == "update" or run.rollout is None else run.rollout
+        on = run if name in ("update", "teacher") or run.rollout is None else run.rollout
         compiled, extra = builders[name](on)
         if on is not run:  # the policy resharded into rollout.mesh once per version, besides training's params
             extra = {**extra, "rollout_copy_mib_per_device": on.copy_mib}
@@ -212,6 +219,8 @@ def abstract_batch(cfg: Config, model_cfg, routing=None) -> dict:
     }
     if cfg.rollout.engine.enabled or get_task(cfg.data.task).episodic:
         batch.update({"group_id_B": ((B,), i32), "stale_BxT": ((B, T), f32)})
+    if cfg.distill.teacher:  # the teacher's scores, made before the update (jaxrl.train.teacher)
+        batch["teacher_logp_BxT"] = ((B, T), f32)
     out = {k: jax.ShapeDtypeStruct(*v) for k, v in batch.items()}
     if routing is not None:
         out["routing_BxSxLxK"] = routing
@@ -268,6 +277,10 @@ def _update(run: _Run) -> tuple[Any, dict]:
         state_sh = full_state_shardings(base, optimizer, tc.seed, run.param_sh, run.rep, with_ref=loss.needs_ref)
         state = jax.eval_shape(state_maker(optimizer, tc.seed), *args)
     state_sh = opt_state_in(state_sh, cfg.optim.state_memory)
+    if cfg.critic.enabled:  # the value model's state beside the policy's (jaxrl.train.critic)
+        check_critic(cfg, loss, run.model_cfg)
+        make_critic, critic_sh = critic_layout(cfg, run.model_cfg, base, run.param_sh, run.rep)
+        state, state_sh = state._replace(critic=jax.eval_shape(make_critic, base)), state_sh._replace(critic=critic_sh)
     routing = None
     # MoE: the batch carries the rollout's routing, replayed or not (moe/routing_mismatch), as the loop's
     # does; black-box rows carry none
@@ -334,6 +347,20 @@ def _eval(run: _Run) -> tuple[Any, dict]:
     params = _rollout_params(run)
     compiled = sampler.lower(params, prompt_BxP=prompts, prompt_mask_BxP=mask, rng=_key(run.rep)).compile()
     return compiled, {"inputs": {"prompt_tokens_BxP": str(rows.spec), "prompts_per_call": chunk}}
+
+
+def _teacher(run: _Run) -> tuple[Any, dict]:
+    cfg = run.cfg
+    if not cfg.distill.teacher:
+        raise ConfigError("--programs teacher: the config has no distill.teacher")
+    teacher_cfg = teacher_lib.teacher_model_config(cfg)
+    params = abstract_params(teacher_cfg, shardings_for(teacher_cfg, run.mesh, run.preset))
+    fields = {k: v for k, v in abstract_batch(cfg, run.model_cfg).items() if k in teacher_lib.FORWARD_KEYS}
+    batch = {k: _sds(v.shape, v.dtype, named_sharding(run.mesh, run.preset, k)) for k, v in fields.items()}
+    out = named_sharding(run.mesh, run.preset, teacher_lib.TEACHER_KEY)
+    jitted = jax.jit(teacher_lib.teacher_logp_fn(cfg, teacher_cfg, run.parallel), out_shardings=out)
+    extra = {"teacher": {"n_layers": teacher_cfg.n_layers, "d_model": teacher_cfg.d_model}}
+    return jitted.lower(params, batch).compile(), extra
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:

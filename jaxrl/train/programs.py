@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jaxrl.models.transformer import rollout_params
 from jaxrl.policy.resolve import shardings_for
 from jaxrl.sharding import replicated, resharder, rollout_mesh
 from jaxrl.train import lora_state
+from jaxrl.train.critic import check_critic, critic_optimizer, critic_shardings, init_critic, make_critic_update
 from jaxrl.train.memory_budget import Fit, is_stand_in, memory_rungs, resolve_budget_gib
 from jaxrl.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl.train.steps import make_logp_fn, make_update_step
@@ -89,9 +91,54 @@ def update_builder(cfg: Config, model_cfg, loss: Loss, optimizer, parallel, lora
             use_ref=loss.needs_ref,
             merge=lora_state.merge_fn(lora),
             parallel=parallel,
+            critic=critic_for(cfg, model_cfg, fit, parallel),
         )
 
     return update_for
+
+
+def critic_optimizer_of(cfg: Config):
+    """The critic's optimizer, its schedule counting the same optimizer updates as the policy's."""
+    tc = cfg.train
+    return critic_optimizer(cfg.critic, tc.steps * tc.ppo_epochs * tc.minibatches)
+
+
+def critic_for(cfg: Config, model_cfg, fit: Fit, parallel):
+    """The update's critic stages (`critic.make_critic_update`) when critic.enabled, else None."""
+    if not cfg.critic.enabled:
+        return None
+    return make_critic_update(
+        model_cfg,
+        cfg.critic,
+        critic_optimizer_of(cfg),
+        microbatches=fit.microbatches,
+        remat=fit.remat,
+        parallel=parallel,
+    )
+
+
+def critic_layout(cfg: Config, model_cfg, params, param_sh, rep) -> tuple[Callable, Any]:
+    """(make(params) -> the initial critic state (`critic.init_critic`: a copy of `params` as its trunk
+    unless critic.share_trunk, a zero head, its own optimizer state), its shardings: the trunk laid out
+    like the params). `params` may be abstract."""
+    optimizer = critic_optimizer_of(cfg)
+
+    def make(params):
+        return init_critic(params, model_cfg, cfg.critic, optimizer)
+
+    return make, critic_shardings(optimizer, jax.eval_shape(make, params), param_sh, rep)
+
+
+def with_critic(cfg: Config, model_cfg, state_and_sh: tuple, base_params, param_sh, rep) -> tuple:
+    """(state, its shardings) with the critic's state (`critic_layout`) created from `base_params` when
+    critic.enabled (a ConfigError naming the field for a model it does not support), else as given."""
+    if not cfg.critic.enabled:
+        return state_and_sh
+    check_critic(cfg, None, model_cfg)
+    state, state_sh = state_and_sh
+    make, critic_sh = critic_layout(cfg, model_cfg, base_params, param_sh, rep)
+    critic = jax.jit(make, in_shardings=(param_sh,), out_shardings=critic_sh)(base_params)
+    return state._replace(critic=critic), state_sh._replace(critic=critic_sh)
 
 
 def jit_update(update_for: Callable, fit: Fit, shardings: tuple, rep) -> Callable:

@@ -20,11 +20,13 @@ class TrainState(NamedTuple):
     # None otherwise, so neither the state nor its checkpoints hold a second copy of the weights
     base: Any | None = None  # LoRA (model.lora.rank > 0): the frozen base weights in their storage dtype,
     # `params` then being the adapters (jaxrl.train.lora_state); None for full fine-tuning. Never saved.
+    critic: Any | None = None  # the value model's params and optimizer state (jaxrl.train.critic.CriticState)
+    # when critic.enabled; None otherwise, so a run without one keeps the same state and checkpoints
 
 
 class SavedState(NamedTuple):
     """What a checkpoint holds of a `TrainState`: all but the LoRA base, which a resume rebuilds from its
-    source (jaxrl.train.lora_state)."""
+    source (jaxrl.train.lora_state), and the critic, which only `SavedCriticState` has."""
 
     step: jax.Array
     params: Any
@@ -33,8 +35,21 @@ class SavedState(NamedTuple):
     ref_params: Any | None = None
 
 
-def saved_part(state: TrainState) -> SavedState:
-    return SavedState(state.step, state.params, state.opt_state, state.rng, state.ref_params)
+class SavedCriticState(NamedTuple):
+    """A `SavedState` with the critic's params and optimizer state (critic.enabled): a run without a
+    critic saves the five-field tree it always did, so its checkpoints and older ones stay the same."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    ref_params: Any | None
+    critic: Any
+
+
+def saved_part(state: TrainState) -> SavedState | SavedCriticState:
+    fields = (state.step, state.params, state.opt_state, state.rng, state.ref_params)
+    return SavedState(*fields) if state.critic is None else SavedCriticState(*fields, state.critic)
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

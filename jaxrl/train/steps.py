@@ -70,7 +70,7 @@ def make_logp_fn(
     `parallel`: the experts' mesh axis (`sharding.parallel`), the one the rollout is given.
 
     `packing` (dense models; None: off): a `packed_steps.PackedLogp`, the live tokens packed into N
-    sequences of L slots (`models.packing`) wherever `PackSpec.use` says, padded where they do not
+    sequences of L slots (`models.packing`) wherever `PackSpec.use` says, unpacked where they do not
     fit, with a third output of `PACKING_SCALARS`."""
     if packing is not None and model_cfg.n_experts:
         raise ValueError("train.packing: dense models only (MoE routing with capacity depends on the packs); use 'off'")
@@ -224,7 +224,7 @@ def make_grad_fn(
         token_stats = {k: v for k, v in stats.items() if v.shape == mask_BxT.shape}
         return value, stat_partials({**own, **token_stats}, mask_BxT)
 
-    grad_one = value_and_grad_of(logp_fn, loss_of)  # a PackedLogp: the fallback's cond outside the gradient
+    grad_one = value_and_grad_of(logp_fn, loss_of)  # a PackedLogp: its switch outside each arm's gradient
 
     def grad_fn(params, batch):
         def accumulate(carry, mb):
@@ -259,19 +259,36 @@ def mismatch_by_staleness(metrics: dict) -> dict:
     }
 
 
-def _epochs(grads_of: Callable, optimizer, carry: tuple, batch: dict, ppo_epochs: int, minibatches: int, split):
+def _epochs(
+    grads_of: Callable,
+    optimizer,
+    carry: tuple,
+    batch: dict,
+    ppo_epochs: int,
+    minibatches: int,
+    split,
+    critic_step: Callable | None = None,
+):
     """`ppo_epochs` passes over the prepared batch, each taking one optimizer step per mini-batch: a
     contiguous 1/minibatches of the rows (DAPO's and verl's mini-batches; `split` makes them), whose
     advantages and `loss.prepare` saw the whole batch and whose normaliser `loss.weights` sees its own
     mask; `grads_of` splits each into microbatches for gradient accumulation. carry: (params,
-    opt_state). -> (carry, (loss per epoch, mean gradient norm per epoch, stat partials per epoch))."""
+    opt_state, critic state or None); with `critic_step` (`critic.CriticUpdate.step`) the critic is
+    stepped on the same mini-batch at the same policy params (its policy gradient, under a shared
+    trunk, added to the policy's). -> (carry, (loss per epoch, mean gradient norm per epoch, stat
+    partials per epoch))."""
 
     def optimizer_step(carry, minibatch):
-        params, opt_state = carry
+        params, opt_state, critic = carry
         value, grads, partials = grads_of(params, minibatch)
+        if critic_step is not None:
+            critic, trunk_grads, critic_partials = critic_step(critic, params, minibatch)
+            partials = {**partials, **critic_partials}
+            if trunk_grads is not None:
+                grads = jax.tree.map(jnp.add, grads, trunk_grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), (value, grad_norm, partials)
+        return (optax.apply_updates(params, updates), opt_state, critic), (value, grad_norm, partials)
 
     def merging_step(carry, minibatch):  # the mini-batches' partials merge as the steps go
         carry, partials = carry
@@ -283,11 +300,33 @@ def _epochs(grads_of: Callable, optimizer, carry: tuple, batch: dict, ppo_epochs
             return optimizer_step(carry, batch)
         minibatches_M = split(batch)
         first = jax.tree.map(lambda x: x[0], minibatches_M)
-        empty = empty_stat_partials(jax.eval_shape(grads_of, carry[0], first)[2])
+        empty = empty_stat_partials(jax.eval_shape(optimizer_step, carry, first)[1][2])
         (carry, partials), (values_M, norms_M) = lax.scan(merging_step, (carry, empty), minibatches_M)
         return carry, (jnp.mean(values_M), jnp.mean(norms_M), partials)
 
     return lax.scan(epoch, carry, None, length=ppo_epochs)
+
+
+def _check_critic(loss: Loss, critic: Any) -> None:
+    if getattr(loss, "needs_critic", False) and critic is None:
+        raise ValueError(f"loss {loss.name!r} needs a value model (GAE): pass critic=make_critic_update(...)")
+
+
+def _with_old_values(critic: Any, state: TrainState, batch: dict) -> dict:
+    """The critic's values of the rollout's states (old_values_BxT), once, before GAE reads them."""
+    critic_state: Any = state.critic
+    if critic is None:
+        return batch
+    return dict(batch, old_values_BxT=critic.old_values(critic_state.params, state.params, batch))
+
+
+def _with_critic_targets(critic: Any, state: TrainState, batch: dict) -> tuple[dict, tuple, dict]:
+    """(the prepared batch with the critic's targets, the epochs' carry, the critic's once-per-batch
+    metrics): carry = (params, opt_state, state.critic); the critic is stepped only when given."""
+    if critic is None:
+        return batch, (state.params, state.opt_state, state.critic), {}
+    batch, metrics = critic.targets(batch)
+    return batch, (state.params, state.opt_state, state.critic), metrics
 
 
 def _on_merged(logp_fn: LogpFn, merge: Callable, base: Any) -> LogpFn:
@@ -311,6 +350,7 @@ def make_update_step(
     merge: Callable | None = None,
     minibatches: int = 1,
     parallel: Parallel | None = None,
+    critic: Any = None,
 ):
     """Returns the pure update_step(state, batch) -> (state, metrics); jit it with donation.
 
@@ -324,6 +364,9 @@ def make_update_step(
     LoRA (`merge` given: (base, adapters or None) -> params, `jaxrl.train.lora_state.merge_fn`): the
     state's params are the adapters, gradients and optimizer cover them only, every policy forward
     reads merge(state.base, adapters) and the reference forward merge(state.base, None).
+    `critic` (`jaxrl.train.critic.CriticUpdate`, with `state.critic` its state): the critic's old
+    values on the whole batch before `prepare_batch` (old_values_BxT), its targets after it, and one
+    critic optimizer step beside each policy step (`_epochs`); a loss with `needs_critic` requires it.
 
     metrics: docs/metrics.md ("The update", "The loss's per-token stats", "Mixture of experts") lists
     them. Means are over the live tokens of the PREPARED mask, averaged over epochs; min / max over all.
@@ -333,6 +376,7 @@ def make_update_step(
         use_ref = loss.needs_ref
     elif loss.needs_ref and not use_ref:
         raise ValueError(f"use_ref=False, but loss {loss.name!r} needs the reference log-probs (a KL term)")
+    _check_critic(loss, critic)
 
     def grad_fn_for(policy_logp_fn: LogpFn):
         return make_grad_fn(
@@ -373,13 +417,23 @@ def make_update_step(
             batch["ref_logp_BxT"] = lax.stop_gradient(
                 microbatched_logp(logp_fn, ref_params, batch, microbatches, parallel)[0]
             )
+        batch = _with_old_values(critic, state, batch)
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
+        batch, carry, critic_metrics = _with_critic_targets(critic, state, batch)
 
-        (params, opt_state), (values, grad_norms, partials_E) = _epochs(
-            grads_of, optimizer, (state.params, state.opt_state), batch, ppo_epochs, minibatches, split_minibatches
+        carry, (values, grad_norms, partials_E) = _epochs(
+            grads_of,
+            optimizer,
+            carry,
+            batch,
+            ppo_epochs,
+            minibatches,
+            split_minibatches,
+            None if critic is None else critic.step,
         )
-        metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0]}
+        params, opt_state = carry[0], carry[1]
+        metrics = {"loss": jnp.mean(values), "grad_norm": grad_norms[0], **critic_metrics}
         metrics.update(finalize_stats(mean_stat_partials(partials_E)))
         if "stale_tokens" in metrics:
             metrics.update(mismatch_by_staleness(metrics))
@@ -387,7 +441,7 @@ def make_update_step(
         metrics["rows_dropped"] = jnp.sum((live_before_B & ~live_after_B).astype(jnp.float32)) / jnp.maximum(
             jnp.sum(live_before_B.astype(jnp.float32)), 1.0
         )
-        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state, critic=carry[-1])
         return new_state, metrics
 
     return update_step
