@@ -239,6 +239,7 @@ class WarmStartConfig:
 
 
 REMAT = ("none", "full", "dots")  # = jaxrl.models.remat.REMAT_POLICIES (a test checks)
+PACKING = ("off", "auto", "on")  # = jaxrl.models.packing.PACKING (a test checks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +271,16 @@ class TrainConfig:
     # static sampler's rollouts, with microbatches of whole groups. Elsewhere (the slot engine, agent
     # episodes, MoE) the update runs the one-pass forward whatever this says (programs.prompt_groups).
     share_prefix: bool = True
+    # Dense models: the update's forwards on the live tokens packed into sequences of pack_len slots
+    # (0: one padded row's width) instead of the padded B x (P + T) rows (jaxrl.models.packing): "on"
+    # always, "auto" where the shared-prefix forward does not run or the prompt is narrower than the
+    # completion, "off" never. pack_budget: the packs' slots as a share of the padded slots; a
+    # microbatch whose rows do not fit runs unpacked (metric packing/fallback). pack_sizes: how many
+    # pack counts are compiled (budget x k / pack_sizes, k = 1..pack_sizes); the smallest that fits runs.
+    packing: str = "off"
+    pack_len: int = 0
+    pack_budget: float = 0.5
+    pack_sizes: int = 1
 
     def validate(self, prefix: str = "train") -> None:
         _check(self.steps >= 0, f"{prefix}.steps", "a non-negative integer", self.steps)
@@ -299,6 +310,10 @@ class TrainConfig:
         )
         _check(self.eval_prompts > 0, f"{prefix}.eval_prompts", "a positive integer", self.eval_prompts)
         _check(self.log_every > 0, f"{prefix}.log_every", "a positive integer", self.log_every)
+        _check(self.packing in PACKING, f"{prefix}.packing", " or ".join(map(repr, PACKING)), self.packing)
+        _check(self.pack_len >= 0, f"{prefix}.pack_len", "0 (one padded row) or a positive integer", self.pack_len)
+        _check(0 < self.pack_budget <= 1, f"{prefix}.pack_budget", "a share in (0, 1]", self.pack_budget)
+        _check(self.pack_sizes > 0, f"{prefix}.pack_sizes", "a positive integer", self.pack_sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +437,12 @@ class Config:
             self.warmstart.source,
         )
         self._check_rollout_layout()
+        _check(
+            self.train.packing == "off" or not self.model.n_experts,
+            "train.packing",
+            "'off' for an MoE model (model.n_experts > 0: routing with capacity depends on the packs)",
+            self.train.packing,
+        )
         weights = self.loss.reward_weights
         _check(
             not self.reward_model.workdir or weights is None or len(weights) == 3,

@@ -37,6 +37,16 @@ from jaxrl.models.decode_attention import (
 from jaxrl.models.prefix_attention import MASKED_SCORE, attend_group, write_own
 
 
+class SegmentIds(NamedTuple):
+    """`key_valid_BxS` of a packed forward (`models.packing`): several sequences share a row, each its
+    own segment id (> 0; 0 = an empty slot). A key is valid where its id is > 0, and a query sees only
+    keys of its own segment (a query's id is the id of the slot it occupies), causally as always. Only
+    the no-cache and stacked kinds take it (training's one-pass forward), by every kernel: the einsum and
+    `jax.nn.dot_product_attention` ones through `allowed_slots`, splash as its own segment ids."""
+
+    ids_BxS: jax.Array  # int32
+
+
 class KernelLayout(NamedTuple):
     """How a Mosaic kernel (splash) splits over the run's mesh: it cannot be partitioned by XLA, so
     it runs under `shard_map`, each device on its rows (`batch`: the mesh axes the rows split over,
@@ -201,9 +211,15 @@ def attend_slots(q_BxTxHxHd, k_BxSxKxHd, v_BxSxKxHd, key_valid_BxS, index, dtype
 
 
 def allowed_slots(key_valid_BxS, index, T: int, S: int):
-    """allowed_BxTxS: query t (at slot index+t) sees key slot s iff s <= index+t and the key is valid."""
+    """allowed_BxTxS: query t (at slot index+t) sees key slot s iff s <= index+t and the key is valid;
+    with `SegmentIds`, also iff the key's segment is the query's."""
     q_slot_T = index + jnp.arange(T)
     causal_TxS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
+    if isinstance(key_valid_BxS, SegmentIds):
+        ids_BxS = key_valid_BxS.ids_BxS
+        q_ids_BxT = lax.dynamic_slice_in_dim(ids_BxS, index, T, axis=1)
+        same_BxTxS = (q_ids_BxT[:, :, None] == ids_BxS[:, None, :]) & (ids_BxS > 0)[:, None, :]
+        return causal_TxS[None] & same_BxTxS
     return causal_TxS[None] & key_valid_BxS.astype(bool)[:, None, :]
 
 
@@ -345,8 +361,13 @@ def attend_slots_splash(
         jnp.pad(x.astype(dtype), ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
         for x in (k_BxSxKxHd, v_BxSxKxHd)
     )
-    q_segment_BxTp = jnp.ones((B, Tp), jnp.int32)
-    kv_segment_BxSp = jnp.pad(key_valid_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S)))
+    if isinstance(key_valid_BxS, SegmentIds):  # packed rows: the queries are the keys' own slots (offset 0)
+        ids_BxS = key_valid_BxS.ids_BxS.astype(jnp.int32)
+        q_segment_BxTp = jnp.pad(lax.slice_in_dim(ids_BxS, offset, offset + T, axis=1), ((0, 0), (0, Tp - T)))
+        kv_segment_BxSp = jnp.pad(ids_BxS, ((0, 0), (0, Sp - S)))
+    else:
+        q_segment_BxTp = jnp.ones((B, Tp), jnp.int32)
+        kv_segment_BxSp = jnp.pad(key_valid_BxS.astype(jnp.int32), ((0, 0), (0, Sp - S)))
     rows_spec, heads_spec, n_head_shards = _splash_specs(layout, B, H, k_BxSxKxHd.shape[2])
     kernel = _splash_kernel(H // n_head_shards, Tp, Sp, offset, bq, bkv, interpret)
 

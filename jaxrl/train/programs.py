@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxrl.config import Config
 from jaxrl.data.registry import get_task
 from jaxrl.losses import Loss
+from jaxrl.models.packing import PackSpec
 from jaxrl.models.transformer import rollout_params
 from jaxrl.policy.resolve import shardings_for
 from jaxrl.sharding import replicated, resharder, rollout_mesh
@@ -76,6 +77,7 @@ def update_builder(cfg: Config, model_cfg, loss: Loss, optimizer, parallel, lora
             logits_chunk=fit.logits_chunk,
             remat=fit.remat,
             parallel=parallel,
+            packing=None if tc.packing == "off" else PackSpec(tc.packing, tc.pack_len, tc.pack_budget, tc.pack_sizes),
         )
         return make_update_step(
             logp_fn,

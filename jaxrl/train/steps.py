@@ -32,14 +32,17 @@ from jaxrl.losses.aggregation import (
 from jaxrl.losses.evaluate import prepare_batch, weighted_loss
 from jaxrl.losses.regularizers import kl_k3
 from jaxrl.models.moe import routing_mismatch
+from jaxrl.models.packing import PackSpec
 from jaxrl.models.parallel import Parallel
 from jaxrl.models.shared_prefix import token_logprobs_shared
 from jaxrl.models.transformer import token_logprobs
+from jaxrl.train.packed_steps import PackedLogp, packed_logp, value_and_grad_of
 from jaxrl.train.state import TrainState
 
 # (params, batch) -> (logp_BxT, entropy_BxT) or, for MoE, (logp_BxT, entropy_BxT, extras dict).
 LogpFn = Callable[[Any, dict], tuple]
 MOE_SCALARS = ("moe/aux_loss", "moe/z_loss", "moe/dropped_frac")  # per-microbatch scalars, averaged
+PACKING_SCALARS = ("packing/fallback", "packing/fill")  # likewise, from a packed forward
 
 
 def make_logp_fn(
@@ -51,6 +54,7 @@ def make_logp_fn(
     logits_chunk: int = 0,
     remat: str = "none",
     parallel: Parallel | None = None,
+    packing: PackSpec | None = None,
 ) -> LogpFn:
     """(params, batch) -> (logp_BxT, entropy_BxT) of the batch's completions at the sampling temperature.
     `logits_chunk` and `remat`: the forward's memory options (`transformer.token_logprobs`).
@@ -63,13 +67,35 @@ def make_logp_fn(
 
     MoE: a third output, {"penalty": aux_coef * aux + z_coef * z, MOE_SCALARS..., and with a recorded
     routing "moe/routing_mismatch_BxT"}; with `routing_replay` the batch's routing is replayed.
-    `parallel`: the experts' mesh axis (`sharding.parallel`), the one the rollout is given."""
+    `parallel`: the experts' mesh axis (`sharding.parallel`), the one the rollout is given.
+
+    `packing` (dense models; None: off): a `packed_steps.PackedLogp`, the live tokens packed into N
+    sequences of L slots (`models.packing`) wherever `PackSpec.use` says, unpacked where they do not
+    fit, with a third output of `PACKING_SCALARS`."""
+    if packing is not None and model_cfg.n_experts:
+        raise ValueError("train.packing: dense models only (MoE routing with capacity depends on the packs); use 'off'")
+
+    def shared(batch) -> bool:  # shapes are static: a trace-time choice
+        return prompt_groups > 1 and batch["prompt_tokens_BxP"].shape[0] % prompt_groups == 0
+
+    def padded(params, batch):
+        return token_logprobs(
+            params,
+            model_cfg,
+            batch["prompt_tokens_BxP"],
+            batch["prompt_mask_BxP"],
+            batch["tokens_BxT"],
+            batch["completion_mask_BxT"],
+            temperature,
+            logits_chunk=logits_chunk,
+            remat=remat,
+            parallel=parallel,
+        )
 
     if not model_cfg.n_experts:
 
         def logp_fn(params, batch):
-            G = prompt_groups
-            if G > 1 and batch["prompt_tokens_BxP"].shape[0] % G == 0:  # shapes are static: a trace-time choice
+            if shared(batch):
                 return token_logprobs_shared(
                     params,
                     model_cfg,
@@ -77,25 +103,25 @@ def make_logp_fn(
                     batch["prompt_mask_BxP"],
                     batch["tokens_BxT"],
                     temperature,
-                    group_size=G,
+                    group_size=prompt_groups,
                     logits_chunk=logits_chunk,
                     remat=remat,
                     parallel=parallel,
                 )
-            return token_logprobs(
-                params,
-                model_cfg,
-                batch["prompt_tokens_BxP"],
-                batch["prompt_mask_BxP"],
-                batch["tokens_BxT"],
-                batch["completion_mask_BxT"],
-                temperature,
-                logits_chunk=logits_chunk,
-                remat=remat,
-                parallel=parallel,
-            )
+            return padded(params, batch)
 
-        return logp_fn
+        if packing is None:
+            return logp_fn
+        return packed_logp(
+            model_cfg,
+            temperature,
+            packing,
+            logp_fn,
+            shared=shared,
+            logits_chunk=logits_chunk,
+            remat=remat,
+            parallel=parallel,
+        )
 
     def moe_logp_fn(params, batch):
         routing = batch.get("routing_BxSxLxK")
@@ -165,10 +191,14 @@ def make_grad_fn(
     stat of the loss, plus "entropy" and (with ref_logp_BxT) "kl"; with `detailed_stats` and a batch
     with rollout_logp_BxT, "mismatch_abs_logp" = |rollout_logp - old_logp| (and, with stale_BxT, its
     share on stale tokens "mismatch_abs_logp_stale" and "stale_tokens"); for MoE the router scalars
-    (counted once per microbatch) and, with a recorded routing, "moe/routing_mismatch".
+    (counted once per microbatch) and, with a recorded routing, "moe/routing_mismatch"; for a packed
+    forward the `PACKING_SCALARS` (likewise once per microbatch).
     """
 
-    def microbatch_loss(params, mb):
+    def loss_of(logp_fn: LogpFn):
+        return lambda params, mb: microbatch_loss(params, mb, logp_fn)
+
+    def microbatch_loss(params, mb, logp_fn=logp_fn):
         out = logp_fn(params, mb)
         logp_BxT, entropy_BxT = out[0], out[1]
         extras = out[2] if len(out) > 2 else {}
@@ -186,15 +216,15 @@ def make_grad_fn(
             if "stale_BxT" in mb:  # partial rollouts: the same over tokens drawn by an older version
                 own["mismatch_abs_logp_stale"] = jnp.where(mb["stale_BxT"] > 0, gap_BxT, 0.0)
                 own["stale_tokens"] = (mb["stale_BxT"] > 0).astype(jnp.float32)
-        if extras:  # MoE router losses: the mean over microbatches joins the loss
+        if "penalty" in extras:  # MoE router losses: the mean over microbatches joins the loss
             value = value + extras["penalty"] / microbatches
-            own.update({k: extras[k] for k in MOE_SCALARS})
-            if "moe/routing_mismatch_BxT" in extras:
-                own["moe/routing_mismatch"] = extras["moe/routing_mismatch_BxT"]
+        own.update({k: extras[k] for k in (*MOE_SCALARS, *PACKING_SCALARS) if k in extras})
+        if "moe/routing_mismatch_BxT" in extras:
+            own["moe/routing_mismatch"] = extras["moe/routing_mismatch_BxT"]
         token_stats = {k: v for k, v in stats.items() if v.shape == mask_BxT.shape}
         return value, stat_partials({**own, **token_stats}, mask_BxT)
 
-    grad_one = jax.value_and_grad(microbatch_loss, has_aux=True)
+    grad_one = value_and_grad_of(logp_fn, loss_of)  # a PackedLogp: its switch outside each arm's gradient
 
     def grad_fn(params, batch):
         def accumulate(carry, mb):
@@ -302,6 +332,8 @@ def _with_critic_targets(critic: Any, state: TrainState, batch: dict) -> tuple[d
 def _on_merged(logp_fn: LogpFn, merge: Callable, base: Any) -> LogpFn:
     """(adapters, batch) -> logp_fn(merge(base, adapters), batch): LoRA's policy, differentiable in the
     adapters only."""
+    if isinstance(logp_fn, PackedLogp):
+        return logp_fn.map(lambda arm: _on_merged(arm, merge, base))
     return lambda adapters, batch: logp_fn(merge(base, adapters), batch)
 
 
