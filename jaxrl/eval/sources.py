@@ -158,27 +158,17 @@ def run_model(cfg: Config, located: Located, overrides: Sequence[str] = ()) -> C
 
 
 def restore_params(step_dir: pathlib.Path, model_cfg, mesh, preset):
-    """The params of a saved TrainState (orbax partial restore: the optimizer state stays on disk)."""
-    import orbax.checkpoint as ocp
-
-    from jaxrl.config.errors import first_line
-    from jaxrl.models.transformer import abstract_params
+    """The params of a saved TrainState, laid out by the mesh preset (the optimizer state stays on disk)."""
+    from jaxrl.policy.pretrained import restore_saved_params
     from jaxrl.policy.resolve import shardings_for
 
-    target = {"params": abstract_params(model_cfg, shardings_for(model_cfg, mesh, preset))}
-    try:
-        restored = ocp.PyTreeCheckpointer().restore(
-            (step_dir / "state").absolute(),
-            args=ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-            ),
-        )
-    except Exception as e:  # orbax / tensorstore: a damaged checkpoint, or another model's
-        raise EvalError(
-            f"{step_dir}: its params do not restore as the config's model ({first_line(e)}); "
+    def error(why: str) -> EvalError:
+        return EvalError(
+            f"{step_dir}: its params do not restore as the config's model ({why}); "
             "is this the run's config (model.* and --set)?"
-        ) from None
-    return restored["params"]
+        )
+
+    return restore_saved_params(step_dir, model_cfg, shardings_for(model_cfg, mesh, preset), error)
 
 
 def load_policy(cfg: Config, located: Located, mesh, preset, task, progress: bool) -> Policy:

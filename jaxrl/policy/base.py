@@ -9,17 +9,14 @@ import pathlib
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jaxrl.agents.formats import check_prompt_fits
 from jaxrl.config import Config, ConfigError
-from jaxrl.config.errors import first_line
 from jaxrl.data.registry import get_task
 from jaxrl.data.tasks import load_task
-from jaxrl.models.transformer import abstract_params
 from jaxrl.multihost import is_primary, put_global
 from jaxrl.policy.lora_run import newest_step_dir
-from jaxrl.policy.pretrained import load_params
+from jaxrl.policy.pretrained import load_params, restore_saved_params
 from jaxrl.policy.resolve import resolve_policy, shardings_for
 from jaxrl.policy.warmstart import load_or_train_base
 
@@ -67,19 +64,15 @@ def start_params(cfg: Config, model_cfg, tokenizer, train_source, progress: bool
             "model.hf_path or the warm-start cache); export the run (jaxrl convert --to-hf) and set model.hf_path"
         )
     step_dir = newest_step_dir(pathlib.Path(cfg.warmstart.checkpoint).expanduser(), field="warmstart.checkpoint")
-    target = {"params": abstract_params(model_cfg, shardings)}
-    try:
-        restored = ocp.PyTreeCheckpointer().restore(
-            (step_dir / "state").absolute(),
-            args=ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-            ),
-        )
-    except Exception as e:  # orbax / tensorstore: damaged, another model's, or a LoRA run's adapters
-        raise ConfigError(
-            f"warmstart.checkpoint: {step_dir}: its params do not restore as this run's model ({first_line(e)})"
-        ) from None
-    return restored["params"], step_dir
+    params = restore_saved_params(
+        step_dir,
+        model_cfg,
+        shardings,
+        lambda why: ConfigError(
+            f"warmstart.checkpoint: {step_dir}: its params do not restore as this run's model ({why})"
+        ),
+    )
+    return params, step_dir
 
 
 def _placed(x, sharding):

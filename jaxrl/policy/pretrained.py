@@ -13,10 +13,13 @@ argument compile once per architecture."""
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import orbax.checkpoint as ocp
 
 from jaxrl.config import ModelConfig
+from jaxrl.config.errors import first_line
 from jaxrl.models import hf
 from jaxrl.models.transformer import abstract_params
 from jaxrl.policy.resolve import MODEL_CONFIG, checkpoint_config
@@ -43,3 +46,22 @@ def load_model(model: ModelConfig, shardings_fn=None):
     cfg = checkpoint_config(model)
     shardings = None if shardings_fn is None else shardings_fn(cfg)
     return cfg, load_params(pathlib.Path(model.hf_path).expanduser(), cfg, shardings)
+
+
+def restore_saved_params(
+    step_dir: pathlib.Path, model_cfg: ModelConfig, shardings, error: Callable[[str], Exception]
+) -> Any:
+    """The params of a run's saved TrainState in `step_dir`, laid out by `shardings` (an Orbax partial
+    restore: the optimizer state stays on disk). A checkpoint that does not restore as `model_cfg`
+    (damaged, another model's, a LoRA run's adapters) raises `error(why)`, the caller's one line."""
+    target = {"params": abstract_params(model_cfg, shardings)}
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            (step_dir / "state").absolute(),
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+            ),
+        )
+    except Exception as e:  # orbax / tensorstore
+        raise error(first_line(e)) from None
+    return restored["params"]

@@ -31,9 +31,8 @@ import jax
 from jaxrl.config import Config, ConfigError, ModelConfig
 from jaxrl.losses import Loss
 from jaxrl.losses.distill import TEACHER_KEY, reads_teacher
-from jaxrl.models.transformer import abstract_params
 from jaxrl.policy import lora_run
-from jaxrl.policy.pretrained import load_params
+from jaxrl.policy.pretrained import load_params, restore_saved_params
 from jaxrl.policy.resolve import MODEL_CONFIG, resolve_policy, shardings_for
 from jaxrl.sharding import named_sharding
 from jaxrl.train.steps import make_logp_fn, microbatched_logp
@@ -115,25 +114,6 @@ def check_same_tokenizer(student, teacher, where: str = FIELD) -> None:
             )
 
 
-def _restore_params(step_dir: pathlib.Path, model_cfg: ModelConfig, shardings) -> Any:
-    """The params of a saved TrainState (orbax partial restore: the optimizer state stays on disk)."""
-    import orbax.checkpoint as ocp
-
-    from jaxrl.config.errors import first_line
-
-    target = {"params": abstract_params(model_cfg, shardings)}
-    try:
-        restored = ocp.PyTreeCheckpointer().restore(
-            (step_dir / "state").absolute(),
-            args=ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-            ),
-        )
-    except Exception as e:  # orbax / tensorstore: a damaged checkpoint, or another model's
-        raise ConfigError(f"{FIELD}: {step_dir} does not restore as its run's model ({first_line(e)})") from None
-    return restored["params"]
-
-
 def _resolved(cfg: Config, path: pathlib.Path) -> tuple[Any, ModelConfig]:
     """(tokenizer, model config) of the teacher at `path`, from its config files (no weights read)."""
     if _kind(path) == "run":
@@ -170,7 +150,12 @@ def _run_teacher(path: pathlib.Path, mesh, preset) -> tuple[ModelConfig, Any, An
         return policy.model_cfg, params, tokenizer, str(step_dir)
     return (
         model_cfg,
-        _restore_params(step_dir, model_cfg, shardings_for(model_cfg, mesh, preset)),
+        restore_saved_params(
+            step_dir,
+            model_cfg,
+            shardings_for(model_cfg, mesh, preset),
+            lambda why: ConfigError(f"{FIELD}: {step_dir} does not restore as its run's model ({why})"),
+        ),
         tokenizer,
         str(step_dir),
     )
