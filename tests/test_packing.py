@@ -20,7 +20,7 @@ from conftest import DEFAULT_CONFIG, TINY, jaxrl_cmd
 
 from jaxrl import losses
 from jaxrl.config import ConfigError, ModelConfig, load_config
-from jaxrl.config.schema import PACKING as CONFIG_PACKING
+from jaxrl.config.train import PACKING as CONFIG_PACKING
 from jaxrl.models.attention import (
     SegmentIds,
     allowed_slots,

@@ -11,7 +11,6 @@ from jaxrl.config.model import ModelConfig
 from jaxrl.config.reward_model import RewardModelConfig
 from jaxrl.config.rollout import EngineConfig, RolloutConfig, RolloutMeshConfig, SpeculativeConfig
 from jaxrl.config.schema import (
-    REMAT,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -19,11 +18,11 @@ from jaxrl.config.schema import (
     LossConfig,
     MeshConfig,
     OptimConfig,
-    TrainConfig,
     WarmStartConfig,
     load_config,
     parse_loss_options,
 )
+from jaxrl.config.train import REMAT, TrainConfig
 
 __all__ = [
     "REMAT",
