@@ -178,10 +178,12 @@ def workload(name: str, cfg, batches: list[dict], args) -> dict:
 
 
 def main(argv=None) -> dict:
+    from jaxrl.config import TrainConfig
+
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", choices=("longtail", "bench-small"), default="longtail")
-    ap.add_argument("--budget", type=float, default=0.68, help="train.pack_budget")
-    ap.add_argument("--sizes", type=int, default=4, help="train.pack_sizes")
+    ap.add_argument("--budget", type=float, default=TrainConfig.pack_budget, help="train.pack_budget (its default)")
+    ap.add_argument("--sizes", type=int, default=TrainConfig.pack_sizes, help="train.pack_sizes (its default)")
     ap.add_argument("--batches", type=int, default=4, help="different batches per workload")
     ap.add_argument("--repeats", type=int, default=3, help="timing rounds over the batches")
     ap.add_argument(
