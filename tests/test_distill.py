@@ -4,6 +4,7 @@ samples (another architecture, a jaxrl run or a Hugging Face checkpoint), tokeni
 
 import dataclasses
 import json
+import shutil
 from typing import cast
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import DEFAULT_CONFIG, REPO, TINY
-from preset_configs import check_config_trains_two_steps
+from preset_configs import check_config_trains_two_steps, config_path, overrides
 
 from jaxrl.config import Config, ConfigError, DistillConfig, LossConfig, ModelConfig, load_config
 from jaxrl.data.tokenizer import CharTokenizer
@@ -286,7 +287,8 @@ def test_the_shipped_config_trains_two_steps_from_a_teacher_run_never_saved_with
         OVERRIDES + ["train.steps=1", "model.n_layers=2", "model.d_model=48", "model.head_dim=24"],
     )
     loop.train(teacher_cfg, tmp_path / "teacher")
-    check_config_trains_two_steps("distill", tmp_path / "student", (f"distill.teacher={tmp_path / 'teacher'}",))
+    extra = (f"distill.teacher={tmp_path / 'teacher'}", "checkpoint.every=1")
+    check_config_trains_two_steps("distill", tmp_path / "student", extra)
     rows = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 2
@@ -303,6 +305,16 @@ def test_the_shipped_config_trains_two_steps_from_a_teacher_run_never_saved_with
     assert meta["params"]["embedding"].shape[-1] == 32  # TINY's d_model, not the teacher's 48
     saved = json.loads((tmp_path / "student" / "config.json").read_text())
     assert saved["distill"]["teacher"] == str(tmp_path / "teacher")
+    # Resumed from step 1 (the teacher reloaded from its run, not from the student's checkpoint), step 2
+    # is the uninterrupted run's bit for bit.
+    shutil.copytree(tmp_path / "student", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "2")
+    resumed = loop.train(load_config(config_path("distill"), [*overrides("distill"), *extra]), tmp_path / "resumed")
+    timing = ("step_seconds", "wall_time", "rollout/seconds", "rollout/tokens_per_s")
+    assert [r["step"] for r in resumed] == [0, 1, 2]  # the rows before the resume point are kept
+    assert {k: v for k, v in resumed[2].items() if k not in timing} == {
+        k: v for k, v in steps[1].items() if k not in timing
+    }
 
 
 def test_the_teacher_forward_is_its_own_program_outside_the_update(hf_teacher):
