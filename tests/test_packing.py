@@ -318,7 +318,8 @@ def test_packed_update_benchmark_small(capsys):
     """benchmarks/packed_update.py --small: both workloads ran both ways; nothing to pack in uniform."""
     from harness import run_benchmark_here
 
-    result = run_benchmark_here("packed_update.py", "--small", capsys=capsys)
+    # one pack count at 0.9 of the slots: one packed arm to compile, and the long-tail rows fit it
+    result = run_benchmark_here("packed_update.py", "--small", "--sizes", "1", "--budget", "0.9", capsys=capsys)
     assert set(result["packed_speedup"]) == {"longtail", "uniform"}
     assert result["uniform"]["fallback"] == 1.0 and result["longtail"]["fallback"] < 1.0
     assert 0.2 < result["longtail"]["live_share_of_padded_slots"] < 0.8
