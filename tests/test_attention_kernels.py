@@ -18,17 +18,10 @@ from harness import child_env, run_python
 
 from jaxrl.config import ConfigError, ModelConfig
 from jaxrl.models import transformer as tf
-from jaxrl.models.attention import (
-    _splash_tiles,
-    allowed_slots,
-    attend,
-    attend_slots,
-    attend_slots_fused,
-    attend_slots_splash,
-    resolve_kernel,
-)
+from jaxrl.models.attention import allowed_slots, attend, attend_slots, attend_slots_fused, resolve_kernel
 from jaxrl.models.cache_kinds import StackedKV
 from jaxrl.models.shared_prefix import token_logprobs_shared
+from jaxrl.models.splash import _splash_tiles, attend_slots_splash
 
 B, T, S, K, R, HD = 3, 5, 9, 2, 3, 8  # GQA: K kv heads, R query heads each
 CFG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -305,7 +298,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl.config import ModelConfig
 from jaxrl.models import transformer as tf
-from jaxrl.models.attention import KernelLayout, attend_slots_splash
+from jaxrl.models.splash import KernelLayout, attend_slots_splash
 from jaxrl.models.parallel import Parallel
 
 assert jax.device_count() == 8

@@ -21,14 +21,10 @@ from conftest import DEFAULT_CONFIG, TINY, jaxrl_cmd
 from jaxrl import losses
 from jaxrl.config import ConfigError, ModelConfig, load_config
 from jaxrl.config.train import PACKING as CONFIG_PACKING
-from jaxrl.models.attention import (
-    SegmentIds,
-    allowed_slots,
-    attend_slots,
-    attend_slots_fused,
-    attend_slots_splash,
-)
+from jaxrl.models.attention import allowed_slots, attend_slots, attend_slots_fused
+from jaxrl.models.cache_kinds import SegmentIds
 from jaxrl.models.packing import PACKING, PackSpec, packed_token_logprobs, plan_packs
+from jaxrl.models.splash import attend_slots_splash
 from jaxrl.models.transformer import init_params, token_logprobs
 from jaxrl.train import steps as steps_lib
 from jaxrl.train.state import init_state

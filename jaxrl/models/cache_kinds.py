@@ -14,6 +14,8 @@
 
 Model-level caches (what the decode functions carry between steps) hold one of these per layer:
 `kv_cache.Cache` (stacked), `decode.LayerCache` (LayerKV), `group_decode.GroupCache` (GroupKV).
+
+Which keys a query may see comes as `key_valid_BxS` (bool) or, for a packed forward, `SegmentIds`.
 """
 
 from __future__ import annotations
@@ -56,3 +58,13 @@ class GroupKV(NamedTuple):
 
 
 LayerCacheKind = StackedKV | LayerKV | WindowKV | GroupKV | None
+
+
+class SegmentIds(NamedTuple):
+    """`key_valid_BxS` of a packed forward (`models.packing`): several sequences share a row, each its
+    own segment id (> 0; 0 = an empty slot). A key is valid where its id is > 0, and a query sees only
+    keys of its own segment (a query's id is the id of the slot it occupies), causally as always. Only
+    the no-cache and stacked kinds take it (training's one-pass forward), by every kernel: the einsum and
+    `jax.nn.dot_product_attention` ones through `allowed_slots`, splash as its own segment ids."""
+
+    ids_BxS: jax.Array  # int32

@@ -23,11 +23,11 @@ from jax import lax
 
 from jaxrl.config import ModelConfig
 from jaxrl.models import int8
-from jaxrl.models.attention import KernelLayout
 from jaxrl.models.layers import AttnOptions, Block, RMSNorm
 from jaxrl.models.moe import MoEBlock, MoESpec
 from jaxrl.models.parallel import Parallel, residual, rows
 from jaxrl.models.remat import remat_fn
+from jaxrl.models.splash import KernelLayout
 
 
 class MoEOut(NamedTuple):

@@ -22,8 +22,9 @@ from flax import struct
 from jax import lax
 
 from jaxrl.models import int8
-from jaxrl.models.attention import KernelLayout, attend, resolve_kernel
+from jaxrl.models.attention import attend, resolve_kernel
 from jaxrl.models.decode_attention import resolve_decode_kernel
+from jaxrl.models.splash import KernelLayout
 
 # Std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw unit-std.
 _TRUNC_STD = 0.87962566103423978
@@ -78,7 +79,7 @@ class AttnOptions:
     no-cache and stacked-cache attention (`attention.KERNELS`; "auto" is resolved when the layer is
     traced, from the backend it is traced for). decode_attention, decode_block: the kernel of the
     decode loops' LayerKV / WindowKV read (`decode_attention.DECODE_KERNELS`, resolved likewise).
-    layout: how a Mosaic kernel (splash) splits over the run's mesh (`attention.KernelLayout`; None:
+    layout: how a Mosaic kernel (splash) splits over the run's mesh (`splash.KernelLayout`; None:
     one device).
     """
 

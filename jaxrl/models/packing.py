@@ -10,7 +10,7 @@ stay: they are context). Tokens after the last live one, and every token of a ro
 completion token, influence nothing the loss reads and are left out. Each row becomes one segment of
 one pack (first-fit-decreasing, `assign_packs`), its positions 0.. restarting at its first real token
 exactly as the padded forward's `positions_from_mask`, and attention sees only its own segment
-(`attention.SegmentIds`). The forward runs on the N x L packs, the head on every slot, and each
+(`cache_kinds.SegmentIds`). The forward runs on the N x L packs, the head on every slot, and each
 completion token's log-prob and entropy are gathered back to the B x T layout every loss reads (zeros
 where the token is not live); the gather's transpose carries the gradients back.
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl.config import ModelConfig
-from jaxrl.models.attention import SegmentIds
+from jaxrl.models.cache_kinds import SegmentIds
 from jaxrl.models.decoder import head_weights, run_decoder
 from jaxrl.models.logprobs import chunked_token_logprobs, logprob_and_entropy
 from jaxrl.models.parallel import Parallel
