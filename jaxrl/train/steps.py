@@ -78,7 +78,7 @@ def make_logp_fn(
     def shared(batch) -> bool:  # shapes are static: a trace-time choice
         return prompt_groups > 1 and batch["prompt_tokens_BxP"].shape[0] % prompt_groups == 0
 
-    def padded(params, batch):
+    def padded(params, batch, replay=None, return_moe=False):  # the one-pass forward
         return token_logprobs(
             params,
             model_cfg,
@@ -87,9 +87,11 @@ def make_logp_fn(
             batch["tokens_BxT"],
             batch["completion_mask_BxT"],
             temperature,
+            replay,
             logits_chunk=logits_chunk,
             remat=remat,
             parallel=parallel,
+            return_moe=return_moe,
         )
 
     if not model_cfg.n_experts:
@@ -125,20 +127,7 @@ def make_logp_fn(
 
     def moe_logp_fn(params, batch):
         routing = batch.get("routing_BxSxLxK")
-        logp_BxT, entropy_BxT, moe = token_logprobs(
-            params,
-            model_cfg,
-            batch["prompt_tokens_BxP"],
-            batch["prompt_mask_BxP"],
-            batch["tokens_BxT"],
-            batch["completion_mask_BxT"],
-            temperature,
-            routing if routing_replay else None,
-            logits_chunk,
-            remat,
-            parallel,
-            return_moe=True,
-        )
+        logp_BxT, entropy_BxT, moe = padded(params, batch, routing if routing_replay else None, return_moe=True)
         extras = {
             "penalty": model_cfg.moe_aux_coef * moe.aux_loss + model_cfg.moe_z_coef * moe.z_loss,
             "moe/aux_loss": moe.aux_loss,
@@ -308,7 +297,7 @@ def _epochs(
 
 
 def _check_critic(loss: Loss, critic: Any) -> None:
-    if getattr(loss, "needs_critic", False) and critic is None:
+    if loss.needs_critic and critic is None:
         raise ValueError(f"loss {loss.name!r} needs a value model (GAE): pass critic=make_critic_update(...)")
 
 
@@ -320,13 +309,10 @@ def _with_old_values(critic: Any, state: TrainState, batch: dict) -> dict:
     return dict(batch, old_values_BxT=critic.old_values(critic_state.params, state.params, batch))
 
 
-def _with_critic_targets(critic: Any, state: TrainState, batch: dict) -> tuple[dict, tuple, dict]:
-    """(the prepared batch with the critic's targets, the epochs' carry, the critic's once-per-batch
-    metrics): carry = (params, opt_state, state.critic); the critic is stepped only when given."""
-    if critic is None:
-        return batch, (state.params, state.opt_state, state.critic), {}
-    batch, metrics = critic.targets(batch)
-    return batch, (state.params, state.opt_state, state.critic), metrics
+def _with_critic_targets(critic: Any, batch: dict) -> tuple[dict, dict]:
+    """(the prepared batch with the critic's targets, the critic's once-per-batch metrics); no critic:
+    the batch as it is, no metrics."""
+    return (batch, {}) if critic is None else critic.targets(batch)
 
 
 def _on_merged(logp_fn: LogpFn, merge: Callable, base: Any) -> LogpFn:
@@ -420,7 +406,8 @@ def make_update_step(
         batch = _with_old_values(critic, state, batch)
         batch = prepare_batch(loss, batch, group_size=group_size, max_new_tokens=max_new_tokens)
         mask_BxT = batch["completion_mask_BxT"]
-        batch, carry, critic_metrics = _with_critic_targets(critic, state, batch)
+        batch, critic_metrics = _with_critic_targets(critic, batch)
+        carry = (state.params, state.opt_state, state.critic)  # the critic's state is stepped only when given
 
         carry, (values, grad_norms, partials_E) = _epochs(
             grads_of,
